@@ -1,0 +1,217 @@
+"""Typed data: engine configuration, fingerprints, block manifests and results. Pure, no I/O.
+
+A block's identity lives inside its id (the LMCache lesson): the id is a hash of the engine
+fingerprint's identity digest and the token ids, so the same text learned twice under the same engine
+is one block, and the same text under another engine is another block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import datetime, timezone
+from typing import Any, ClassVar, Literal, Optional
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "FORMAT_VERSION", "KVType", "EngineConfig", "Fingerprint", "Exactness", "Block",
+    "VerificationRecord", "Receipt", "Recall", "SampleResult", "VerifyReport", "StoreStats",
+    "block_id_for",
+]
+
+#: Version of the block file layout and of the state payload convention (per-sequence state of seq 0).
+FORMAT_VERSION = 1
+
+KVType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineConfig(_Strict):
+    """Engine settings. Unknown keys are rejected so a typo can never silently change the bytes.
+
+    The defaults are the configuration measured byte-exact on both dense and sliding-window models:
+    flash attention on (the CPU kernel accumulates valid cells in cell order and skips masked ones)
+    and a full-size SWA cache (so restored cells keep their order). See docs/exactness.md.
+    """
+
+    n_ctx: int = Field(8192, ge=64)
+    n_batch: int = Field(512, ge=1)
+    n_ubatch: int = Field(512, ge=1)
+    n_threads: Optional[int] = Field(None, ge=1, description="None: all cores")
+    type_k: KVType = "f16"
+    type_v: KVType = "f16"
+    flash_attn: bool = True
+    swa_full: bool = True
+    probe: bool = Field(True, description="run the graft-vs-fresh exactness probe at load time")
+
+
+class Fingerprint(_Strict):
+    """Everything that decides the bytes of a KV state. Two engines may share blocks only if the
+    identity fields are equal; ``n_threads`` and ``model_name`` are recorded for information only
+    (thread count was measured not to change the bytes on this CPU backend: docs/exactness.md)."""
+
+    model_sha256: str
+    model_name: str
+    llama_cpp_version: str
+    llama_build: str
+    n_ctx: int
+    n_batch: int
+    n_ubatch: int
+    type_k: str
+    type_v: str
+    flash_attn: bool
+    swa_full: bool
+    backend: str
+    cpu_features: str
+    n_threads: int
+    format_version: int = FORMAT_VERSION
+
+    INFO_FIELDS: ClassVar[frozenset[str]] = frozenset({"model_name", "n_threads"})
+
+    def identity(self) -> dict[str, Any]:
+        return {k: v for k, v in self.model_dump().items() if k not in self.INFO_FIELDS}
+
+    def digest(self) -> str:
+        blob = json.dumps(self.identity(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    def diff(self, other: "Fingerprint") -> dict[str, tuple[Any, Any]]:
+        """Identity fields whose values differ, as ``{field: (self, other)}``."""
+        a, b = self.identity(), other.identity()
+        return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+class Exactness(_Strict):
+    """Whether grafts in this engine may be called exact, and why."""
+
+    exact: bool
+    reason: str
+    probe_tokens: int = 0
+
+
+def block_id_for(fingerprint: Fingerprint, tokens: list[int] | np.ndarray, parent: str | None = None) -> str:
+    """Content address of a block: SHA-256 over fingerprint identity, parent id and token ids."""
+    h = hashlib.sha256()
+    h.update(fingerprint.digest().encode())
+    h.update(b"\0" + (parent or "").encode() + b"\0")
+    h.update(np.asarray(tokens, dtype="<i4").tobytes())
+    return h.hexdigest()
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class VerificationRecord(_Strict):
+    """The outcome of the last verification of a block, stored in its manifest."""
+
+    checked_at: datetime = Field(default_factory=_now)
+    samples: int
+    sha_equal: int
+    max_kl: float
+    argmax_agree: int
+    ok: bool
+
+
+class Block(_Strict):
+    """A learned text and the identity of the KV state that holds it (the manifest of a block file).
+
+    Provenance: the token ids and the text are stored, so anyone can re-derive the state from the
+    text and compare bytes. Positions are always ``[pos_start, pos_start + n_tokens)``: a block is
+    only ever grafted where it was computed.
+    """
+
+    id: str
+    name: str
+    kind: str = "manual"
+    text: str
+    tokens: list[int]
+    n_tokens: int
+    pos_start: int = 0
+    parent: Optional[str] = None
+    fingerprint: Fingerprint
+    created_at: datetime = Field(default_factory=_now)
+    state_size: int
+    state_digest: str
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    verification: Optional[VerificationRecord] = None
+
+    @property
+    def short_id(self) -> str:
+        return self.id[:12]
+
+    @property
+    def pos_end(self) -> int:
+        return self.pos_start + self.n_tokens
+
+
+class Receipt(_Strict):
+    """What a graft did, so a caller can audit and reproduce it."""
+
+    block_id: Optional[str]
+    tokens_restored: int
+    tokens_prefilled: int
+    restore_ms: float
+    prefill_ms: float
+    decode_ms: float
+    decode_tokens: int
+    first_logits_sha256: str
+    exact: bool
+
+
+class Recall(_Strict):
+    """The answer to a query over a grafted block, with its receipt."""
+
+    text: str
+    tokens: list[int]
+    block: Optional[Block]
+    receipt: Receipt
+    score: Optional[float] = None
+    runner_up: Optional[str] = None
+    runner_up_score: Optional[float] = None
+
+
+class SampleResult(_Strict):
+    query: str
+    n_query_tokens: int
+    graft_sha256: str
+    fresh_sha256: str
+    sha_equal: bool
+    kl: float
+    argmax_equal: bool
+
+
+class VerifyReport(_Strict):
+    """Graft vs fresh prefill, per sample; ``ok`` only when every sample is byte-identical."""
+
+    block_id: str
+    n_tokens: int
+    samples: int
+    sha_equal: int
+    max_kl: float
+    mean_kl: float
+    argmax_agree: int
+    floor_sha_equal: int
+    floor_samples: int
+    cross_process: Optional[bool] = None
+    exact_engine: bool
+    rows: list[SampleResult]
+
+    @property
+    def ok(self) -> bool:
+        return (self.sha_equal == self.samples and self.argmax_agree == self.samples
+                and self.max_kl == 0.0 and self.cross_process is not False)
+
+
+class StoreStats(_Strict):
+    home: str
+    blocks: int
+    tokens: int
+    bytes_on_disk: int
+    bytes_per_token: float
+    kinds: dict[str, int]

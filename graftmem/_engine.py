@@ -1,0 +1,373 @@
+"""The only module that imports ``llama_cpp``: load, tokenize, prefill, capture, restore, logits,
+generate, fingerprint, exactness probe. Every llama.cpp failure becomes an :class:`EngineError`.
+
+Why the low-level API and not ``llama_cpp.Llama``: ``Llama`` keeps an ``n_ctx x n_vocab`` scores
+array, re-evaluates prompts through its own cache logic and saves state with ``save_state`` (which
+drags that array along). Grafting needs exactly four primitives, used directly:
+
+* ``llama_decode`` over a batch at explicit positions (prefill and generation),
+* ``llama_state_seq_get_data`` / ``llama_state_seq_set_data`` for sequence 0 (capture / restore),
+* ``llama_memory_clear`` so every graft starts from an empty cache whose head is cell 0,
+* ``llama_get_logits_ith`` for the float32 logits we hash.
+
+The per-sequence state API is used rather than the whole-context one: a whole-context restore resets
+the cache head to 0 and the next tokens can land on cells that masked positions still occupy (see
+docs/exactness.md for the measurements on Gemma 3).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Sequence
+
+import numpy as np
+
+import llama_cpp
+from llama_cpp import llama_cpp as C
+
+from ._blocks import FORMAT_VERSION, EngineConfig, Exactness, Fingerprint
+from ._errors import ClosedError, ConfigError, EngineError
+from ._models import resolve_model
+
+__all__ = ["Engine", "logits_sha256"]
+
+log = logging.getLogger("graftmem")
+_llama_log = logging.getLogger("graftmem.llama")
+
+_KV_TYPES = {
+    "f32": C.GGML_TYPE_F32, "f16": C.GGML_TYPE_F16, "bf16": getattr(C, "GGML_TYPE_BF16", 30),
+    "q8_0": C.GGML_TYPE_Q8_0, "q4_0": C.GGML_TYPE_Q4_0, "q4_1": C.GGML_TYPE_Q4_1,
+    "q5_0": C.GGML_TYPE_Q5_0, "q5_1": C.GGML_TYPE_Q5_1,
+}
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+
+
+@C.llama_log_callback
+def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    # llama.cpp logs every tensor on load; route it to logging at DEBUG instead of stderr.
+    if _llama_log.isEnabledFor(logging.DEBUG):
+        _llama_log.debug(text.decode("utf-8", "replace").rstrip())
+
+
+def _init_backend() -> None:
+    global _backend_ready
+    with _backend_lock:
+        if not _backend_ready:
+            C.llama_log_set(_log_callback, ctypes.c_void_p(0))
+            C.llama_backend_init()
+            _backend_ready = True
+
+
+def logits_sha256(logits: np.ndarray) -> str:
+    """SHA-256 of float32 logits in little-endian byte order: the exactness currency."""
+    return hashlib.sha256(np.ascontiguousarray(logits, dtype="<f4").tobytes()).hexdigest()
+
+
+def _file_sha256(path: Path) -> str:
+    """SHA-256 of a GGUF, memoized beside graftmem's model cache by (path, size, mtime)."""
+    import platformdirs
+
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:32]
+    memo = Path(os.environ.get("GRAFTMEM_MODEL_CACHE") or
+                Path(platformdirs.user_cache_dir("graftmem")) / "models") / "sha256" / key
+    try:
+        cached = memo.read_text().strip()
+        if len(cached) == 64:
+            return cached
+    except OSError:
+        pass
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    digest = h.hexdigest()
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(memo.name + f".{os.getpid()}.tmp")
+        tmp.write_text(digest)
+        os.replace(tmp, memo)
+    except OSError:  # a read-only cache only costs a re-hash next time
+        pass
+    return digest
+
+
+def _cpu_features() -> str:
+    info = C.llama_print_system_info().decode("utf-8", "replace")
+    # keep the feature flags, drop volatile parts; the string is stable for one build on one CPU
+    return " ".join(info.split())
+
+
+class Engine:
+    """One llama.cpp model and context under a pinned configuration (see :class:`EngineConfig`).
+
+    All context operations are serialized by a lock, so one engine may be shared by threads.
+    """
+
+    def __init__(self, model: str | os.PathLike[str] | None = None,
+                 config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.model_name, self.model_path = resolve_model(model)
+        if self.config.n_ubatch > self.config.n_batch:
+            raise ConfigError(f"n_ubatch={self.config.n_ubatch} must not exceed n_batch={self.config.n_batch}")
+        _init_backend()
+        self._lock = threading.RLock()
+        self.lock = self._lock  #: hold it to run several steps (restore, prefill, logits) atomically
+        self._closed = False
+        mparams = C.llama_model_default_params()
+        mparams.n_gpu_layers = 0  # the CPU backend is the one measured exact; see docs/exactness.md
+        self._model = C.llama_model_load_from_file(str(self.model_path).encode(), mparams)
+        if not self._model:
+            raise EngineError(f"llama.cpp could not load {self.model_path}")
+        threads = self.config.n_threads or os.cpu_count() or 1
+        self.n_threads = threads
+        cp = C.llama_context_default_params()
+        cp.n_ctx = self.config.n_ctx
+        cp.n_batch = self.config.n_batch
+        cp.n_ubatch = self.config.n_ubatch
+        cp.n_seq_max = 1
+        cp.n_threads = threads
+        cp.n_threads_batch = threads
+        cp.type_k = _KV_TYPES[self.config.type_k]
+        cp.type_v = _KV_TYPES[self.config.type_v]
+        cp.flash_attn_type = (C.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.config.flash_attn
+                              else C.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        cp.swa_full = self.config.swa_full
+        cp.no_perf = True
+        self._ctx = C.llama_init_from_model(self._model, cp)
+        if not self._ctx:
+            C.llama_model_free(self._model)
+            raise EngineError(f"llama.cpp could not create a context for {self.model_path} "
+                              f"with {self.config.model_dump()} (a quantized V cache needs flash_attn=True)")
+        self._vocab = C.llama_model_get_vocab(self._model)
+        self.n_vocab = C.llama_vocab_n_tokens(self._vocab)
+        self.n_ctx = C.llama_n_ctx(self._ctx)
+        self.n_swa = C.llama_model_n_swa(self._model)
+        self._batch = C.llama_batch_init(self.config.n_batch, 0, 1)
+        self._buf = bytearray()
+        self._n_past = 0
+        self.fingerprint = Fingerprint(
+            model_sha256=_file_sha256(self.model_path), model_name=self.model_name,
+            llama_cpp_version=llama_cpp.__version__,
+            llama_build=(C.llama_version().decode() if hasattr(C, "llama_version") else "unknown"),
+            n_ctx=self.n_ctx, n_batch=self.config.n_batch, n_ubatch=self.config.n_ubatch,
+            type_k=self.config.type_k, type_v=self.config.type_v, flash_attn=self.config.flash_attn,
+            swa_full=self.config.swa_full, backend="cpu", cpu_features=_cpu_features(),
+            n_threads=threads, format_version=FORMAT_VERSION,
+        )
+        self.exactness = self._static_exactness()
+        if self.exactness.exact and self.config.probe:
+            self.exactness = self.probe()
+
+    # ----------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            C.llama_batch_free(self._batch)
+            C.llama_free(self._ctx)
+            C.llama_model_free(self._model)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check(self) -> None:
+        if self._closed:
+            raise ClosedError("this engine is closed")
+
+    # ----------------------------------------------------------------- tokens
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special`` adds BOS where the model wants one."""
+        self._check()
+        raw = text.encode("utf-8")
+        n_max = len(raw) + 8
+        arr = (C.llama_token * n_max)()
+        n = C.llama_tokenize(self._vocab, raw, len(raw), arr, n_max, add_special, parse_special)
+        if n < 0:
+            n_max = -n
+            arr = (C.llama_token * n_max)()
+            n = C.llama_tokenize(self._vocab, raw, len(raw), arr, n_max, add_special, parse_special)
+        if n < 0:
+            raise EngineError(f"tokenization failed for a {len(raw)}-byte text")
+        return list(arr[:n])
+
+    def detokenize(self, tokens: Iterable[int]) -> str:
+        out = bytearray()
+        buf = ctypes.create_string_buffer(256)
+        for t in tokens:
+            n = C.llama_token_to_piece(self._vocab, int(t), buf, 256, 0, False)
+            if n > 0:
+                out += buf.raw[:n]
+        return out.decode("utf-8", "replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(C.llama_vocab_is_eog(self._vocab, token))
+
+    # ----------------------------------------------------------------- compute
+    @property
+    def n_past(self) -> int:
+        """Number of positions currently held by sequence 0."""
+        return self._n_past
+
+    def reset(self) -> None:
+        """Empty the KV cache (data too) so the next graft or prefill starts at cell 0."""
+        with self._lock:
+            self._check()
+            C.llama_memory_clear(C.llama_get_memory(self._ctx), True)
+            self._n_past = 0
+
+    def trim(self, n_keep: int) -> None:
+        """Drop the cells at positions >= n_keep (what a query added), keeping the prefix intact."""
+        with self._lock:
+            self._check()
+            if not C.llama_memory_seq_rm(C.llama_get_memory(self._ctx), 0, n_keep, -1):
+                raise EngineError(f"could not trim sequence 0 to {n_keep} positions")
+            self._n_past = min(self._n_past, n_keep)
+
+    def prefill(self, tokens: Sequence[int],
+                progress: Optional[Callable[[int], None]] = None) -> None:
+        """Evaluate ``tokens`` at positions ``n_past ..``, in n_batch chunks; logits of the last one kept."""
+        with self._lock:
+            self._check()
+            n = len(tokens)
+            if n == 0:
+                raise ConfigError("cannot prefill an empty token list")
+            if self._n_past + n > self.n_ctx:
+                raise EngineError(f"context full: {self._n_past} + {n} tokens exceed n_ctx={self.n_ctx}")
+            b = self._batch
+            step = self.config.n_batch
+            for start in range(0, n, step):
+                chunk = tokens[start:start + step]
+                last = start + len(chunk) == n
+                for j, tok in enumerate(chunk):
+                    b.token[j] = tok
+                    b.pos[j] = self._n_past + j
+                    b.n_seq_id[j] = 1
+                    b.seq_id[j][0] = 0
+                    b.logits[j] = last and j == len(chunk) - 1
+                b.n_tokens = len(chunk)
+                rc = C.llama_decode(self._ctx, b)
+                if rc != 0:
+                    raise EngineError(f"llama_decode failed with code {rc} at position {self._n_past}")
+                self._n_past += len(chunk)
+                if progress is not None:
+                    progress(len(chunk))
+
+    def logits(self) -> np.ndarray:
+        """A float32 copy of the logits of the last evaluated token."""
+        with self._lock:
+            self._check()
+            ptr = C.llama_get_logits_ith(self._ctx, -1)
+            if not ptr:
+                raise EngineError("no logits available: evaluate at least one token first")
+            return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).astype(np.float32, copy=True)
+
+    def generate(self, max_tokens: int, *, first_logits: Optional[np.ndarray] = None) -> list[int]:
+        """Greedy decoding from the current logits, stopping at end-of-generation or max_tokens."""
+        out: list[int] = []
+        with self._lock:
+            logits = self.logits() if first_logits is None else first_logits
+            for _ in range(max_tokens):
+                tok = int(np.argmax(logits))
+                if self.is_eog(tok):
+                    break
+                out.append(tok)
+                if len(out) == max_tokens or self._n_past >= self.n_ctx:
+                    break
+                self.prefill([tok])
+                logits = self.logits()
+        return out
+
+    # ----------------------------------------------------------------- state
+    def buffer(self, size: int) -> memoryview:
+        """A writable view of ``size`` bytes of the engine's reusable state buffer.
+
+        Capture writes into it and the store reads block files straight into it, so a restore is
+        one read and one llama call, with no intermediate copies; the buffer only grows.
+        """
+        if len(self._buf) < size:
+            self._buf = bytearray(size)
+        return memoryview(self._buf)[:size]
+
+    def capture(self) -> memoryview:
+        """The per-sequence state of sequence 0, in the engine buffer (valid until the next capture)."""
+        with self._lock:
+            self._check()
+            size = C.llama_state_seq_get_size(self._ctx, 0)
+            view = self.buffer(size)
+            arr = (ctypes.c_uint8 * size).from_buffer(view)
+            written = C.llama_state_seq_get_data(self._ctx, arr, size, 0)
+            del arr
+            if written != size:
+                raise EngineError(f"state capture wrote {written} of {size} bytes")
+            return view
+
+    def restore(self, state: memoryview, n_tokens: int) -> float:
+        """Clear the cache and graft ``state`` as sequence 0; return the llama call's milliseconds."""
+        with self._lock:
+            self._check()
+            C.llama_memory_clear(C.llama_get_memory(self._ctx), True)
+            self._n_past = 0
+            size = len(state)
+            arr = (ctypes.c_uint8 * size).from_buffer(state)
+            t0 = time.perf_counter()
+            ok = C.llama_state_seq_set_data(self._ctx, arr, size, 0)
+            ms = (time.perf_counter() - t0) * 1e3
+            del arr
+            if ok == 0:
+                raise EngineError("llama.cpp refused the state bytes (size or layout mismatch)")
+            pos_max = C.llama_memory_seq_pos_max(C.llama_get_memory(self._ctx), 0)
+            if pos_max + 1 != n_tokens:
+                C.llama_memory_clear(C.llama_get_memory(self._ctx), True)
+                raise EngineError(f"restored state ends at position {pos_max}, block says {n_tokens} tokens")
+            self._n_past = n_tokens
+            return ms
+
+    # ----------------------------------------------------------------- exactness
+    def _static_exactness(self) -> Exactness:
+        if self.n_swa > 0 and not (self.config.swa_full and self.config.flash_attn):
+            return Exactness(exact=False, reason=(
+                f"sliding-window model (n_swa={self.n_swa}) needs swa_full=True and flash_attn=True "
+                "for byte-exact grafts; this configuration was measured inexact beyond the window"))
+        return Exactness(exact=True, reason="configuration measured exact; probe not run")
+
+    def probe(self) -> Exactness:
+        """Graft vs fresh prefill on a synthetic text, at load time.
+
+        The probe block is longer than the sliding window for SWA models (that is where inexact
+        configurations fail) and short for dense ones, so loading stays cheap.
+        """
+        n = min(self.n_swa + 40 if self.n_swa > 0 else 72, self.n_ctx - 8)
+        words = ("graft state cell order window exact bytes logits prefill restore token "
+                 "position cache layer head value key").split()
+        text = " ".join(words[(i * 7) % len(words)] for i in range(n))
+        tokens = self.tokenize(text)[:n]
+        query = self.tokenize(" and then", add_special=False)
+        with self._lock:
+            self.reset()
+            self.prefill(tokens)
+            state = bytes(self.capture())
+            self.prefill(query)
+            fresh = logits_sha256(self.logits())
+            self.restore(memoryview(bytearray(state)), len(tokens))
+            self.prefill(query)
+            graft = logits_sha256(self.logits())
+            self.reset()
+        if fresh != graft:
+            return Exactness(exact=False, probe_tokens=len(tokens), reason=(
+                f"load-time probe: graft logits {graft[:16]} != fresh prefill {fresh[:16]} "
+                f"after {len(tokens)} tokens; grafts in this configuration are not exact"))
+        return Exactness(exact=True, probe_tokens=len(tokens),
+                         reason=f"load-time probe: graft == fresh prefill, byte for byte, at {len(tokens)} tokens")

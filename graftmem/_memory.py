@@ -1,0 +1,190 @@
+"""Memory: the thin coordinator an application holds. It owns one engine and one store and turns
+the verbs (learn, ask, get, delete, verify, stats) into engine and store calls. No llama.cpp here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from typing import Any, Mapping, Optional
+
+from ._blocks import Block, EngineConfig, Exactness, Fingerprint, Recall, Receipt, StoreStats, VerificationRecord, VerifyReport, block_id_for
+from ._engine import Engine, logits_sha256
+from ._errors import ClosedError, ConfigError
+from ._format import state_digest
+from ._store import Store, incompatibility
+
+__all__ = ["Memory"]
+
+log = logging.getLogger("graftmem")
+
+
+def _progress(total: int, desc: str, enabled: bool):  # tqdm only for long work
+    if not enabled or total < 1024:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tok", leave=False)
+
+
+class Memory:
+    """An agent memory made of verified KV-cache blocks.
+
+    >>> with Memory() as mem:                                   # doctest: +SKIP
+    ...     block = mem.learn("Refunds: always ask for the order number first.", name="refunds")
+    ...     mem.ask(block.id, "\\nQ: what do I ask first?\\nA:").text
+
+    ``model`` is a short name (``"smollm2"``, ``"gemma3-270m"``) or a GGUF path; ``home`` the store
+    directory (default ``$GRAFTMEM_HOME`` or the user data dir); ``config`` an :class:`EngineConfig`
+    or a dict of its fields (unknown keys are an error).
+    """
+
+    def __init__(self, model: str | os.PathLike[str] | None = None, *,
+                 home: str | os.PathLike[str] | None = None,
+                 config: EngineConfig | Mapping[str, Any] | None = None) -> None:
+        if config is not None and not isinstance(config, EngineConfig):
+            try:
+                config = EngineConfig(**dict(config))
+            except ValueError as exc:
+                raise ConfigError(f"invalid engine config: {exc}") from exc
+        self.store = Store(home)
+        try:
+            self.engine = Engine(model, config)
+        except BaseException:
+            self.store.close()
+            raise
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.engine.close()
+            self.store.close()
+
+    def __enter__(self) -> "Memory":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check(self) -> None:
+        if self._closed:
+            raise ClosedError("this Memory is closed; open a new one")
+
+    @property
+    def fingerprint(self) -> Fingerprint:
+        return self.engine.fingerprint
+
+    @property
+    def exactness(self) -> Exactness:
+        return self.engine.exactness
+
+    # ------------------------------------------------------------------ learn
+    def learn(self, text: str, *, name: Optional[str] = None, kind: str = "manual",
+              metadata: Optional[Mapping[str, Any]] = None, progress: bool = False) -> Block:
+        """Prefill ``text`` once and store its KV state as a block (deduplicated by content)."""
+        self._check()
+        if not text:
+            raise ConfigError("cannot learn an empty text")
+        eng = self.engine
+        tokens = eng.tokenize(text)
+        if len(tokens) >= eng.n_ctx:
+            raise ConfigError(f"text is {len(tokens)} tokens, the engine's n_ctx is {eng.n_ctx}: "
+                              "raise n_ctx or split the text")
+        bid = block_id_for(eng.fingerprint, tokens)
+        if self.store.contains(bid):
+            return self.store.get(bid)
+        bar = _progress(len(tokens), f"learn {name or bid[:12]}", progress)
+        with eng.lock:
+            eng.reset()
+            try:
+                eng.prefill(tokens, progress=bar.update if bar else None)
+            finally:
+                if bar:
+                    bar.close()
+            state = eng.capture()
+            block = Block(
+                id=bid, name=name or _default_name(text), kind=kind, text=text, tokens=tokens,
+                n_tokens=len(tokens), fingerprint=eng.fingerprint, state_size=len(state),
+                state_digest=state_digest(state), metadata=dict(metadata or {}))
+            stored = self.store.put(block, state)
+            eng.reset()
+        log.info("learned block %s (%d tokens, %d state bytes)", block.short_id, len(tokens), len(state))
+        return stored
+
+    add = learn
+
+    # ------------------------------------------------------------------ ask
+    def ask(self, block_id: str, query: str, *, max_tokens: int = 64) -> Recall:
+        """Graft the block at its own positions, prefill ``query``, and answer greedily."""
+        self._check()
+        eng = self.engine
+        block = self.store.get(block_id)
+        err = incompatibility(block, eng.fingerprint)
+        if err is not None:
+            raise err
+        qtok = eng.tokenize(query, add_special=False)
+        if not qtok:
+            raise ConfigError("the query is empty")
+        with eng.lock:
+            t0 = time.perf_counter()
+            _, view = self.store.read_state(block.id, eng.buffer, fingerprint=eng.fingerprint)
+            eng.restore(view, block.n_tokens)
+            t1 = time.perf_counter()
+            eng.prefill(qtok)
+            first = eng.logits()
+            t2 = time.perf_counter()
+            out = eng.generate(max_tokens, first_logits=first)
+            t3 = time.perf_counter()
+            eng.reset()
+        receipt = Receipt(
+            block_id=block.id, tokens_restored=block.n_tokens, tokens_prefilled=len(qtok),
+            restore_ms=(t1 - t0) * 1e3, prefill_ms=(t2 - t1) * 1e3, decode_ms=(t3 - t2) * 1e3,
+            decode_tokens=len(out), first_logits_sha256=logits_sha256(first), exact=eng.exactness.exact)
+        return Recall(text=eng.detokenize(out), tokens=out, block=block, receipt=receipt)
+
+    # ------------------------------------------------------------------ store verbs
+    def get(self, block_id: str) -> Block:
+        self._check()
+        return self.store.get(block_id)
+
+    def get_all(self, *, kind: Optional[str] = None) -> list[Block]:
+        self._check()
+        return self.store.list(kind=kind)
+
+    def delete(self, block_id: str) -> None:
+        self._check()
+        self.store.delete(block_id)
+
+    def stats(self) -> StoreStats:
+        self._check()
+        s = self.store.summary()
+        toks = int(s["tokens"])  # type: ignore[arg-type]
+        size = int(s["bytes"])  # type: ignore[arg-type]
+        return StoreStats(home=str(self.store.home), blocks=int(s["blocks"]), tokens=toks,  # type: ignore[arg-type]
+                          bytes_on_disk=size, bytes_per_token=size / toks if toks else 0.0,
+                          kinds=dict(s["kinds"]))  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ verification
+    def verify(self, block_id: str, *, samples: int = 50, cross_process: bool = True,
+               record: bool = True) -> VerifyReport:
+        """Prove graft == fresh prefill for ``samples`` queries (see :mod:`graftmem._verify`)."""
+        self._check()
+        from ._verify import verify_block
+
+        report = verify_block(self, block_id, samples=samples, cross_process=cross_process)
+        if record:
+            block = self.store.get(report.block_id)
+            rec = VerificationRecord(samples=report.samples, sha_equal=report.sha_equal,
+                                     max_kl=report.max_kl, argmax_agree=report.argmax_agree,
+                                     ok=report.ok)
+            self.store.set_manifest(block.model_copy(update={"verification": rec}))
+        return report
+
+
+def _default_name(text: str) -> str:
+    first = " ".join(text.strip().split())[:48]
+    return first or hashlib.sha256(text.encode()).hexdigest()[:12]

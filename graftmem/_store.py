@@ -1,0 +1,336 @@
+"""The block store: the only code that touches paths.
+
+Layout under the home directory::
+
+    blocks/<id[:2]>/<id>.gmb     block files (see _format), content-addressed, immutable
+    index.sqlite                 the index (SQLite, WAL): one row per block with its manifest
+    lock                         an flock(2) file that serializes mutations across processes
+
+Durability rules (the opposite of each LMCache failure): block files are written to a temp file,
+fsync'ed, renamed into place and the directory fsync'ed; the index is a transactional SQLite database;
+the files are the truth and the index is reconciled with them whenever the store opens, so a process
+killed between the rename and the index insert, or between a delete's unlink and the row removal,
+leaves nothing inconsistent after the next open. Every state read checks the BLAKE3 digest before the
+bytes can reach llama.cpp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+from ._blocks import Block, Fingerprint
+from ._errors import (BlockCorrupted, BlockNotFound, ConfigError, IncompatibleBlock, StoreError,
+                      StoreFull, StoreLocked)
+from ._format import HEADER, TRAILER_LEN, parse_header, parse_manifest, state_digest, write_block
+
+__all__ = ["Store", "default_home"]
+
+log = logging.getLogger("graftmem")
+SUFFIX = ".gmb"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS blocks (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    n_tokens INTEGER NOT NULL,
+    state_size INTEGER NOT NULL,
+    file_size INTEGER NOT NULL,
+    created_at TEXT NOT NULL,
+    fp_digest TEXT NOT NULL,
+    manifest TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS blocks_kind ON blocks(kind);
+"""
+
+
+def default_home() -> Path:
+    """``$GRAFTMEM_HOME`` or the platform's user data directory for graftmem."""
+    env = os.environ.get("GRAFTMEM_HOME")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("graftmem"))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def incompatibility(block: Block, fingerprint: Fingerprint) -> IncompatibleBlock | None:
+    """An :class:`IncompatibleBlock` naming every differing identity field, or None."""
+    diff = block.fingerprint.diff(fingerprint)
+    if not diff:
+        return None
+    parts = ", ".join(f"{k}={a!r} (this engine has {b!r})" for k, (a, b) in diff.items())
+    return IncompatibleBlock(f"block {block.short_id} was made with {parts}; it cannot be grafted "
+                             f"into this engine: learn it again here", fields=diff)
+
+
+class Store:
+    """A directory of block files plus a SQLite index, safe for several threads and processes."""
+
+    def __init__(self, home: str | os.PathLike[str] | None = None, *, lock_timeout: float = 30.0) -> None:
+        self.home = Path(home).expanduser() if home is not None else default_home()
+        self.lock_timeout = lock_timeout
+        try:
+            (self.home / "blocks").mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create the store at {self.home}: {exc}") from exc
+        self._tlock = threading.RLock()
+        self._db = sqlite3.connect(self.home / "index.sqlite", timeout=lock_timeout,
+                                   check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(_SCHEMA)
+        self.reconcile()
+
+    def close(self) -> None:
+        with self._tlock:
+            self._db.close()
+
+    # ------------------------------------------------------------------ locking
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Exclusive inter-process lock for mutations (flock on ``home/lock``)."""
+        with self._tlock:
+            fd = os.open(self.home / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                deadline = time.monotonic() + self.lock_timeout
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() > deadline:
+                            raise StoreLocked(f"the store at {self.home} stayed locked by another "
+                                              f"process for {self.lock_timeout:.0f} s; retry later") from None
+                        time.sleep(0.02)
+                yield
+            finally:
+                os.close(fd)  # closing the descriptor releases the flock
+
+    # ------------------------------------------------------------------ paths
+    def path_of(self, block_id: str) -> Path:
+        return self.home / "blocks" / block_id[:2] / f"{block_id}{SUFFIX}"
+
+    def _files(self) -> dict[str, Path]:
+        out: dict[str, Path] = {}
+        for sub in (self.home / "blocks").iterdir():
+            if sub.is_dir():
+                for p in sub.iterdir():
+                    if p.suffix == SUFFIX and not p.name.startswith("."):
+                        out[p.stem] = p
+        return out
+
+    # ------------------------------------------------------------------ index
+    def _insert(self, block: Block, file_size: int) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO blocks VALUES (?,?,?,?,?,?,?,?,?)",
+            (block.id, block.name, block.kind, block.n_tokens, block.state_size, file_size,
+             block.created_at.isoformat(), block.fingerprint.digest(), block.model_dump_json()))
+
+    def reconcile(self) -> dict[str, int]:
+        """Make the index agree with the files: add unindexed files, drop rows without a file,
+        remove temp files left by dead writers. Runs on every open; cheap (one directory walk)."""
+        added = dropped = cleaned = 0
+        with self.lock():
+            for sub in (self.home / "blocks").iterdir():
+                if not sub.is_dir():
+                    continue
+                for p in sub.glob(".*.tmp"):
+                    try:
+                        pid = int(p.name.split(".")[2])
+                    except (IndexError, ValueError):
+                        pid = -1
+                    if not _pid_alive(pid):
+                        p.unlink(missing_ok=True)
+                        cleaned += 1
+            files = self._files()
+            rows = {r[0] for r in self._db.execute("SELECT id FROM blocks")}
+            for bid in rows - files.keys():
+                self._db.execute("DELETE FROM blocks WHERE id=?", (bid,))
+                dropped += 1
+            for bid in files.keys() - rows:
+                try:
+                    block = self.read_manifest(files[bid])
+                except BlockCorrupted as exc:
+                    log.warning("not indexing corrupt block file: %s", exc)
+                    continue
+                self._insert(block, files[bid].stat().st_size)
+                added += 1
+        if added or dropped or cleaned:
+            log.info("store %s reconciled: %d added, %d dropped, %d temp files removed",
+                     self.home, added, dropped, cleaned)
+        return {"added": added, "dropped": dropped, "temp_removed": cleaned}
+
+    def resolve(self, block_id: str) -> str:
+        """Full id for an id or a unique prefix of at least 4 hex characters."""
+        if not block_id or any(c not in "0123456789abcdef" for c in block_id):
+            raise BlockNotFound(f"{block_id!r} is not a block id (lowercase hex)")
+        if len(block_id) == 64:
+            return block_id
+        if len(block_id) < 4:
+            raise ConfigError(f"block id prefix {block_id!r} is too short: give at least 4 characters")
+        with self._tlock:
+            ids = [r[0] for r in self._db.execute(
+                "SELECT id FROM blocks WHERE id >= ? AND id < ? LIMIT 2", (block_id, block_id + "g"))]
+        if not ids:
+            raise BlockNotFound(f"no block {block_id!r} in the store at {self.home}")
+        if len(ids) > 1:
+            raise ConfigError(f"block id prefix {block_id!r} is ambiguous: give more characters")
+        return ids[0]
+
+    def get(self, block_id: str) -> Block:
+        bid = self.resolve(block_id)
+        with self._tlock:
+            row = self._db.execute("SELECT manifest FROM blocks WHERE id=?", (bid,)).fetchone()
+        if row is None:
+            raise BlockNotFound(f"no block {block_id!r} in the store at {self.home}")
+        return Block.model_validate_json(row[0])
+
+    def contains(self, block_id: str) -> bool:
+        with self._tlock:
+            return self._db.execute("SELECT 1 FROM blocks WHERE id=?", (block_id,)).fetchone() is not None
+
+    def list(self, *, kind: str | None = None) -> list[Block]:
+        q = "SELECT manifest FROM blocks" + (" WHERE kind=?" if kind else "") + " ORDER BY created_at, id"
+        with self._tlock:
+            rows = self._db.execute(q, (kind,) if kind else ()).fetchall()
+        return [Block.model_validate_json(r[0]) for r in rows]
+
+    def summary(self) -> dict[str, object]:
+        with self._tlock:
+            n, toks, size = self._db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(n_tokens),0), COALESCE(SUM(file_size),0) FROM blocks").fetchone()
+            kinds = dict(self._db.execute("SELECT kind, COUNT(*) FROM blocks GROUP BY kind").fetchall())
+        return {"blocks": n, "tokens": toks, "bytes": size, "kinds": kinds}
+
+    # ------------------------------------------------------------------ write / delete
+    def put(self, block: Block, state: memoryview | bytes) -> Block:
+        """Store a block atomically; a block already present (same content id) is returned as is."""
+        if block.state_size != len(state):
+            raise ConfigError(f"block says {block.state_size} state bytes, got {len(state)}")
+        path = self.path_of(block.id)
+        with self.lock():
+            if path.exists() and self.contains(block.id):
+                return self.get(block.id)
+            path.parent.mkdir(exist_ok=True)
+            tmp = path.parent / f".{block.id}.{os.getpid()}.{threading.get_ident()}.tmp"
+            try:
+                with open(tmp, "xb") as f:
+                    size = write_block(f, block, state)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+                _fsync_dir(path.parent)
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise StoreFull(f"disk full while writing block {block.short_id} to {self.home}; "
+                                    "nothing was written: free space and learn again") from exc
+                raise StoreError(f"cannot write block {block.short_id} to {path}: {exc}") from exc
+            self._insert(block, size)
+        return block
+
+    def delete(self, block_id: str) -> None:
+        bid = self.resolve(block_id)
+        with self.lock():
+            self.path_of(bid).unlink(missing_ok=True)
+            self._db.execute("DELETE FROM blocks WHERE id=?", (bid,))
+
+    def set_manifest(self, block: Block) -> None:
+        """Rewrite a block's manifest (e.g. its verification record); the state bytes are copied
+        through unchanged and their digest re-checked, all atomically."""
+        with self.lock():
+            buf = bytearray()
+            old, state = self.read_state(block.id, lambda n: memoryview(buf.extend(b"\0" * n) or buf)[:n])
+            if old.state_digest != block.state_digest or old.id != block.id:
+                raise ConfigError("set_manifest may not change a block's id or state")
+            self.path_of(block.id).unlink()  # put() is a no-op for present blocks
+            self._db.execute("DELETE FROM blocks WHERE id=?", (block.id,))
+        self.put(block, state)
+
+    # ------------------------------------------------------------------ read
+    def read_manifest(self, path: Path) -> Block:
+        """The manifest of a block file, with header, trailer and padding checked."""
+        where = str(path)
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            _, soff, slen = parse_header(f.read(HEADER.size), where=where, file_size=size)
+            f.seek(0)
+            prefix = f.read(soff)
+            f.seek(soff + slen)
+            trailer = f.read(TRAILER_LEN)
+        block = parse_manifest(prefix, trailer, where=where)
+        if path.stem != block.id or block.state_size != slen:
+            raise BlockCorrupted(f"{where}: manifest id/size do not match the file", path=where)
+        return block
+
+    def read_state(self, block_id: str, buffer: Callable[[int], memoryview], *,
+                   fingerprint: Optional[Fingerprint] = None) -> tuple[Block, memoryview]:
+        """Read a block's state into ``buffer(n)`` and check it; raise before anything is returned.
+
+        Checks, in order: header and size (truncation), trailer over header+manifest, manifest id,
+        fingerprint (if given), then the BLAKE3 digest of the state bytes.
+        """
+        bid = self.resolve(block_id)
+        path = self.path_of(bid)
+        where = str(path)
+        try:
+            f = open(path, "rb", buffering=0)
+        except FileNotFoundError as exc:
+            raise BlockNotFound(f"block {bid[:12]} is indexed but its file {path} is missing; "
+                                "run `graftmem doctor` to reconcile") from exc
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            _, soff, slen = parse_header(f.read(HEADER.size), where=where, file_size=size)
+            f.seek(0)
+            prefix = f.read(soff)
+            f.seek(soff + slen)
+            trailer = f.read(TRAILER_LEN)
+            block = parse_manifest(prefix, trailer, where=where)
+            if block.id != bid or block.state_size != slen:
+                raise BlockCorrupted(f"{where}: manifest id/size do not match the file", path=where)
+            if fingerprint is not None:
+                err = incompatibility(block, fingerprint)
+                if err is not None:
+                    raise err
+            view = buffer(slen)
+            f.seek(soff)
+            got = 0
+            while got < slen:
+                n = f.readinto(view[got:])
+                if not n:
+                    raise BlockCorrupted(f"{where}: truncated state ({got} of {slen} bytes)", path=where)
+                got += n
+        actual = state_digest(view)
+        if actual != block.state_digest:
+            raise BlockCorrupted(f"{where}: state digest mismatch: expected {block.state_digest}, "
+                                 f"actual {actual}", path=where, expected=block.state_digest, actual=actual)
+        return block, view

@@ -1,0 +1,142 @@
+"""Exactness checks: graft vs fresh prefill, by SHA-256 of float32 logits, KL and argmax.
+
+For each sample query q:
+
+* **graft**: read the block file (digest checked), restore it into an empty cache, prefill q, logits;
+* **fresh**: empty cache, prefill the block's own token ids, prefill q, logits.
+
+``fresh="reprefill"`` recomputes the block prefix for every sample. ``fresh="trim"`` prefills it once
+and, after each sample, removes the query's cells with ``llama_memory_seq_rm``, which leaves exactly
+the cells and cache head that a fresh prefill leaves; the first sample is always a full re-prefill, and
+``fresh="auto"`` picks trim only when re-prefilling would cost more than ~20k tokens of compute.
+The **floor** is fresh-vs-fresh on the first samples: if it were not SHA-equal the engine would be
+nondeterministic and no graft could be called exact. **Cross-process** runs the graft in a new Python
+process on the same store and compares its SHA-256s with the fresh ones computed here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import TYPE_CHECKING, Literal, Sequence
+
+import numpy as np
+
+from ._blocks import Block, SampleResult, VerifyReport
+from ._engine import logits_sha256
+from ._errors import EngineError
+
+if TYPE_CHECKING:
+    from ._memory import Memory
+
+__all__ = ["sample_queries", "kl_divergence", "verify_block"]
+
+_WORDS = ("what when where which how why explain list name give the first last step rule value "
+          "code answer because therefore next then total number page line word").split()
+
+
+def sample_queries(n: int) -> list[str]:
+    """``n`` distinct, deterministic queries of 1 to ~20 tokens (varied lengths, punctuation, newlines)."""
+    out = []
+    for i in range(n):
+        k = 1 + (i * 5) % 13
+        words = " ".join(_WORDS[(i * 3 + j * 7) % len(_WORDS)] for j in range(k))
+        sep = "\n" if i % 4 == 0 else " "
+        out.append(f"{sep}Q{i}: {words}{'?' if i % 3 else '.'}")
+    return out
+
+
+def kl_divergence(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
+    """KL(P || Q) in nats between the softmax distributions of two logit vectors (float64)."""
+    p = p_logits.astype(np.float64) - p_logits.max()
+    q = q_logits.astype(np.float64) - q_logits.max()
+    lp = p - np.log(np.exp(p).sum())
+    lq = q - np.log(np.exp(q).sum())
+    return float(max(0.0, (np.exp(lp) * (lp - lq)).sum()))
+
+
+def graft_logits(mem: "Memory", block_id: str, query_tokens: Sequence[int]) -> np.ndarray:
+    eng = mem.engine
+    with eng.lock:
+        _, view = mem.store.read_state(block_id, eng.buffer, fingerprint=eng.fingerprint)
+        block = mem.store.get(block_id)
+        eng.restore(view, block.n_tokens)
+        eng.prefill(query_tokens)
+        return eng.logits()
+
+
+def verify_block(mem: "Memory", block_id: str, *, samples: int = 50,
+                 fresh: Literal["auto", "reprefill", "trim"] = "auto",
+                 cross_process: bool = True, floor_samples: int = 2) -> VerifyReport:
+    block = mem.get(block_id)
+    eng = mem.engine
+    queries = sample_queries(samples)
+    qtoks = [eng.tokenize(q, add_special=False) for q in queries]
+    if fresh == "auto":
+        fresh = "reprefill" if block.n_tokens * samples <= 20_000 else "trim"
+    rows: list[SampleResult] = []
+    fresh_logits: list[np.ndarray] = []
+    floor_eq = 0
+    floor_n = min(floor_samples, samples)
+    with eng.lock:
+        for i, q in enumerate(qtoks):
+            if fresh == "reprefill" or i == 0:
+                eng.reset()
+                eng.prefill(block.tokens)
+            else:
+                eng.trim(block.n_tokens)
+            eng.prefill(q)
+            lf = eng.logits()
+            fresh_logits.append(lf)
+            if i < floor_n:  # fresh vs fresh: the engine's own determinism
+                eng.reset()
+                eng.prefill(block.tokens)
+                eng.prefill(q)
+                floor_eq += logits_sha256(eng.logits()) == logits_sha256(lf)
+        for i, (q, lf) in enumerate(zip(queries, fresh_logits)):
+            lg = graft_logits(mem, block.id, qtoks[i])
+            sf, sg = logits_sha256(lf), logits_sha256(lg)
+            rows.append(SampleResult(
+                query=q, n_query_tokens=len(qtoks[i]), graft_sha256=sg, fresh_sha256=sf,
+                sha_equal=sf == sg, kl=kl_divergence(lf, lg),
+                argmax_equal=int(np.argmax(lf)) == int(np.argmax(lg))))
+        eng.reset()
+    xproc = None
+    if cross_process:
+        n_x = min(samples, 5)
+        shas = graft_in_new_process(mem, block.id, queries[:n_x])
+        xproc = all(s == r.fresh_sha256 for s, r in zip(shas, rows[:n_x])) and len(shas) == n_x
+    kls = [r.kl for r in rows]
+    return VerifyReport(
+        block_id=block.id, n_tokens=block.n_tokens, samples=samples,
+        sha_equal=sum(r.sha_equal for r in rows), max_kl=max(kls, default=0.0),
+        mean_kl=float(np.mean(kls)) if kls else 0.0, argmax_agree=sum(r.argmax_equal for r in rows),
+        floor_sha_equal=floor_eq, floor_samples=floor_n, cross_process=xproc,
+        exact_engine=eng.exactness.exact, rows=rows)
+
+
+def graft_in_new_process(mem: "Memory", block_id: str, queries: list[str]) -> list[str]:
+    """Graft ``block_id`` in a fresh interpreter on the same store; return its logits SHA-256s."""
+    spec = {"home": str(mem.store.home), "model": str(mem.engine.model_path),
+            "config": mem.engine.config.model_dump(), "block": block_id, "queries": queries}
+    proc = subprocess.run([sys.executable, "-m", "graftmem._child"], input=json.dumps(spec),
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    if proc.returncode != 0:
+        raise EngineError(f"cross-process graft failed: {proc.stderr.strip()[-500:]}")
+    return json.loads(proc.stdout)["sha256"]
+
+
+def rederive_check(mem: "Memory", block: Block) -> bool:
+    """Re-prefill the block's own tokens and compare the captured state bytes with the stored ones."""
+    eng = mem.engine
+    with eng.lock:
+        eng.reset()
+        eng.prefill(block.tokens)
+        from ._format import state_digest
+
+        ok = state_digest(eng.capture()) == block.state_digest
+        eng.reset()
+    return ok
