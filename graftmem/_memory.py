@@ -38,20 +38,25 @@ class Memory:
 
     ``model`` is a short name (``"smollm2"``, ``"gemma3-270m"``) or a GGUF path; ``home`` the store
     directory (default ``$GRAFTMEM_HOME`` or the user data dir); ``config`` an :class:`EngineConfig`
-    or a dict of its fields (unknown keys are an error).
+    or a dict of its fields (unknown keys are an error). ``engine`` shares an already loaded
+    :class:`~graftmem._engine.Engine` between stores (the Memory then does not close it).
     """
 
     def __init__(self, model: str | os.PathLike[str] | None = None, *,
                  home: str | os.PathLike[str] | None = None,
-                 config: EngineConfig | Mapping[str, Any] | None = None) -> None:
+                 config: EngineConfig | Mapping[str, Any] | None = None,
+                 engine: Engine | None = None) -> None:
+        if engine is not None and (model is not None or config is not None):
+            raise ConfigError("pass either engine= or model=/config=, not both")
         if config is not None and not isinstance(config, EngineConfig):
             try:
                 config = EngineConfig(**dict(config))
             except ValueError as exc:
                 raise ConfigError(f"invalid engine config: {exc}") from exc
         self.store = Store(home)
+        self._owns_engine = engine is None
         try:
-            self.engine = Engine(model, config)
+            self.engine = engine if engine is not None else Engine(model, config)
         except BaseException:
             self.store.close()
             raise
@@ -61,7 +66,8 @@ class Memory:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.engine.close()
+            if self._owns_engine:
+                self.engine.close()
             self.store.close()
 
     def __enter__(self) -> "Memory":

@@ -1,0 +1,272 @@
+"""The ``graftmem`` command: argument parsing and printing only; every verb calls the public API.
+
+Errors print one line (``error: ...``) and exit 2; ``verify`` exits 1 on any mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+__all__ = ["main", "build_parser"]
+
+
+def _out(args: argparse.Namespace, data: Any, text: str) -> None:
+    if args.json:
+        if hasattr(data, "model_dump_json"):
+            print(data.model_dump_json(indent=2))
+        else:
+            print(json.dumps(data, indent=2, default=str))
+    else:
+        print(text)
+
+
+def _memory(args: argparse.Namespace):
+    from . import Memory
+
+    config = json.loads(args.config) if args.config else None
+    return Memory(args.model, home=args.home, config=config)
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*header)] + [fmt.format(*map(str, r)) for r in rows])
+
+
+def cmd_learn(args: argparse.Namespace) -> int:
+    text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text(encoding="utf-8")
+    with _memory(args) as mem:
+        block = mem.learn(text, name=args.name or (None if args.file == "-" else Path(args.file).stem),
+                          kind=args.kind, progress=not args.json)
+    _out(args, {"id": block.id, "name": block.name, "n_tokens": block.n_tokens,
+                "state_size": block.state_size},
+         f"learned {block.short_id}  {block.name}  {block.n_tokens} tokens  {block.state_size:,} state bytes")
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from ._store import Store
+
+    store = Store(args.home)
+    try:
+        blocks = store.list(kind=args.kind)
+    finally:
+        store.close()
+    rows = [[b.short_id, b.kind, b.n_tokens, f"{b.state_size:,}", b.fingerprint.model_name,
+             "yes" if b.verification and b.verification.ok else ("NO" if b.verification else "-"),
+             b.name[:40]] for b in blocks]
+    _out(args, [b.model_dump(exclude={"tokens", "text"}) for b in blocks],
+         _table(rows, ["id", "kind", "tokens", "state bytes", "model", "verified", "name"])
+         if rows else "(no blocks)")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from ._store import Store
+
+    store = Store(args.home)
+    try:
+        b = store.get(args.id)
+    finally:
+        store.close()
+    fp = b.fingerprint
+    text = "\n".join([
+        f"id           {b.id}", f"name         {b.name}", f"kind         {b.kind}",
+        f"tokens       {b.n_tokens} (positions {b.pos_start}..{b.pos_end - 1})",
+        f"state        {b.state_size:,} bytes  {b.state_digest}",
+        f"model        {fp.model_name}  sha256 {fp.model_sha256[:16]}…",
+        f"engine       n_ctx={fp.n_ctx} n_batch={fp.n_batch} n_ubatch={fp.n_ubatch} "
+        f"kv={fp.type_k}/{fp.type_v} flash_attn={fp.flash_attn} swa_full={fp.swa_full}",
+        f"created      {b.created_at.isoformat()}",
+        f"verified     {b.verification.model_dump_json() if b.verification else 'never'}",
+        f"text         {b.text[:200]!r}{'…' if len(b.text) > 200 else ''}",
+    ])
+    _out(args, b, text)
+    return 0
+
+
+def cmd_ask(args: argparse.Namespace) -> int:
+    with _memory(args) as mem:
+        r = mem.ask(args.id, args.question, max_tokens=args.max_tokens)
+    rc = r.receipt
+    _out(args, r, f"{r.text}\n\n-- block {rc.block_id[:12] if rc.block_id else '-'}: {rc.tokens_restored} "
+                  f"tokens restored in {rc.restore_ms:.1f} ms, {rc.tokens_prefilled} prefilled, "
+                  f"{rc.decode_tokens} decoded; first logits sha256 {rc.first_logits_sha256[:16]}… "
+                  f"exact={rc.exact}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    with _memory(args) as mem:
+        rep = mem.verify(args.id, samples=args.samples, cross_process=not args.no_cross_process)
+    rows = [[i, r.n_query_tokens, r.graft_sha256[:12], r.fresh_sha256[:12],
+             "yes" if r.sha_equal else "NO", f"{r.kl:.3g}", "yes" if r.argmax_equal else "NO"]
+            for i, r in enumerate(rep.rows)]
+    summary = (f"block {rep.block_id[:12]} ({rep.n_tokens} tokens): SHA-equal {rep.sha_equal}/{rep.samples}, "
+               f"max KL {rep.max_kl:.3g}, argmax agree {rep.argmax_agree}/{rep.samples}, "
+               f"fresh-vs-fresh floor {rep.floor_sha_equal}/{rep.floor_samples}, "
+               f"new process {'-' if rep.cross_process is None else ('equal' if rep.cross_process else 'DIFFERENT')}, "
+               f"engine exact={rep.exact_engine}\n{'OK' if rep.ok else 'MISMATCH'}")
+    _out(args, rep, _table(rows, ["#", "q tok", "graft sha", "fresh sha", "equal", "KL", "argmax"])
+         + "\n" + summary)
+    return 0 if rep.ok else 1
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    from ._store import Store
+
+    store = Store(args.home)
+    try:
+        bid = store.resolve(args.id)
+        store.delete(bid)
+    finally:
+        store.close()
+    _out(args, {"deleted": bid}, f"deleted {bid[:12]}")
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from ._store import Store
+
+    store = Store(args.home)
+    try:
+        s = store.summary()
+    finally:
+        store.close()
+    s["home"] = str(store.home)
+    _out(args, s, "\n".join(f"{k:<8} {v}" for k, v in s.items()))
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from ._store import Store
+
+    store = Store(args.home)
+    try:
+        fixed = store.reconcile()
+        summary = store.summary()
+        bad = []
+        for b in store.list():
+            try:
+                store.read_manifest(store.path_of(b.id))
+            except Exception as exc:  # report every unreadable block, keep going
+                bad.append(f"{b.short_id}: {exc}")
+    finally:
+        store.close()
+    with _memory(args) as mem:
+        fp, ex = mem.fingerprint, mem.exactness
+        path = mem.engine.model_path
+    report = {"model": fp.model_name, "model_path": str(path), "fingerprint": fp.model_dump(),
+              "fingerprint_digest": fp.digest(), "exactness": ex.model_dump(), "home": str(store.home),
+              "store": summary, "reconciled": fixed, "unreadable_blocks": bad}
+    lines = [f"model        {fp.model_name}  ({path})", f"model sha256 {fp.model_sha256}",
+             f"llama.cpp    llama-cpp-python {fp.llama_cpp_version}, build {fp.llama_build}, backend {fp.backend}",
+             f"engine       n_ctx={fp.n_ctx} n_batch={fp.n_batch} n_ubatch={fp.n_ubatch} kv={fp.type_k}/{fp.type_v} "
+             f"flash_attn={fp.flash_attn} swa_full={fp.swa_full} threads={fp.n_threads}",
+             f"fingerprint  {fp.digest()}", f"exact        {ex.exact}: {ex.reason}",
+             f"store        {store.home}: {summary['blocks']} blocks, {summary['tokens']} tokens, "
+             f"{summary['bytes']:,} bytes", f"reconciled   {fixed}",
+             f"health       {'ok' if not bad else str(len(bad)) + ' unreadable: ' + '; '.join(bad)}"]
+    _out(args, report, "\n".join(lines))
+    return 0 if ex.exact and not bad else 1
+
+
+DEMO_MANUAL = """You are the support desk of Northwind Outfitters.
+Refund procedure:
+1. Ask for the order number. Order numbers look like NW-12345.
+2. Check that the purchase is less than 30 days old.
+3. If it is, answer: REFUND APPROVED, and give the ticket code RF-<order digits>.
+4. If it is older, answer: REFUND DECLINED, and offer store credit.
+Shipping questions go to the logistics team at extension 4410.
+"""
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import tempfile
+    import time
+
+    home = args.home or tempfile.mkdtemp(prefix="graftmem-demo-")
+    args.home = home
+    t0 = time.perf_counter()
+    with _memory(args) as mem:
+        print(f"engine: {mem.fingerprint.model_name}, exact={mem.exactness.exact} ({mem.exactness.reason})")
+        print(f"store:  {home}")
+        block = mem.learn(DEMO_MANUAL, name="refund-manual")
+        print(f"learn:  block {block.short_id}, {block.n_tokens} tokens, {block.state_size:,} state bytes "
+              f"({time.perf_counter() - t0:.1f} s including model load)")
+        r = mem.ask(block.id, "\nCustomer: My order NW-20417 arrived 5 days ago and I want a refund.\nAgent:",
+                    max_tokens=40)
+        rc = r.receipt
+        print(f"recall: grafted {rc.tokens_restored} tokens in {rc.restore_ms:.1f} ms, prefilled "
+              f"{rc.tokens_prefilled} query tokens, decoded {rc.decode_tokens}")
+        print(f"answer: {r.text.strip()!r}")
+        rep = mem.verify(block.id, samples=args.samples)
+    print(f"verify: SHA-256 equal {rep.sha_equal}/{rep.samples}, max KL {rep.max_kl}, argmax agree "
+          f"{rep.argmax_agree}/{rep.samples}, fresh-vs-fresh floor {rep.floor_sha_equal}/{rep.floor_samples}, "
+          f"new process {'equal' if rep.cross_process else 'DIFFERENT'}")
+    print("OK: the graft is byte-exact" if rep.ok else "MISMATCH: the graft is not exact")
+    return 0 if rep.ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="graftmem", description="Agent memory made of verified, byte-exact KV-cache blocks.")
+    p.add_argument("--home", default=None, help="store directory (default: $GRAFTMEM_HOME or the user data dir)")
+    p.add_argument("--model", default=None, help="model short name (smollm2, gemma3-270m) or GGUF path")
+    p.add_argument("--config", default=None, help='engine config as JSON, e.g. \'{"n_ctx": 4096}\'')
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help)
+        sp.set_defaults(func=fn)
+        return sp
+
+    sp = add("learn", cmd_learn, "learn a text file (or - for stdin) into a block")
+    sp.add_argument("file")
+    sp.add_argument("--name")
+    sp.add_argument("--kind", default="manual")
+    sp = add("ls", cmd_ls, "list the blocks in the store")
+    sp.add_argument("--kind")
+    sp = add("show", cmd_show, "show one block's manifest")
+    sp.add_argument("id")
+    sp = add("ask", cmd_ask, "graft a block and answer a question after it")
+    sp.add_argument("id")
+    sp.add_argument("question")
+    sp.add_argument("--max-tokens", type=int, default=64)
+    sp = add("verify", cmd_verify, "prove graft == fresh prefill, byte for byte (exit 1 on any mismatch)")
+    sp.add_argument("id")
+    sp.add_argument("--samples", type=int, default=50)
+    sp.add_argument("--no-cross-process", action="store_true", help="skip the graft in a new process")
+    sp = add("delete", cmd_delete, "delete a block")
+    sp.add_argument("id")
+    add("stats", cmd_stats, "store totals")
+    add("doctor", cmd_doctor, "model, fingerprint, exactness probe, store location and health")
+    sp = add("demo", cmd_demo, "learn, recall and verify on the default model (the README's first command)")
+    sp.add_argument("--samples", type=int, default=20)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from ._errors import GraftmemError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except GraftmemError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, json.JSONDecodeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

