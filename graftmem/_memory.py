@@ -7,14 +7,19 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 import time
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional
 
 from ._blocks import Block, EngineConfig, Exactness, Fingerprint, Recall, Receipt, StoreStats, VerificationRecord, VerifyReport, block_id_for
 from ._engine import Engine, logits_sha256
 from ._errors import ClosedError, ConfigError
 from ._format import state_digest
 from ._store import Store, incompatibility
+
+if TYPE_CHECKING:
+    from ._blocks import SearchHit
+    from ._router import Embedder, Router
 
 __all__ = ["Memory"]
 
@@ -45,7 +50,7 @@ class Memory:
     def __init__(self, model: str | os.PathLike[str] | None = None, *,
                  home: str | os.PathLike[str] | None = None,
                  config: EngineConfig | Mapping[str, Any] | None = None,
-                 engine: Engine | None = None) -> None:
+                 engine: Engine | None = None, embedder: "Embedder | None" = None) -> None:
         if engine is not None and (model is not None or config is not None):
             raise ConfigError("pass either engine= or model=/config=, not both")
         if config is not None and not isinstance(config, EngineConfig):
@@ -61,6 +66,10 @@ class Memory:
             self.store.close()
             raise
         self._closed = False
+        # routing loads torch and MiniLM (seconds): created on the first recall/search, never by learn/ask
+        self._embedder = embedder
+        self._router: "Router | None" = None
+        self._router_lock = threading.Lock()
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -90,19 +99,32 @@ class Memory:
 
     # ------------------------------------------------------------------ learn
     def learn(self, text: str, *, name: Optional[str] = None, kind: str = "manual",
-              metadata: Optional[Mapping[str, Any]] = None, progress: bool = False) -> Block:
-        """Prefill ``text`` once and store its KV state as a block (deduplicated by content)."""
+              metadata: Optional[Mapping[str, Any]] = None, progress: bool = False,
+              when_to_use: Optional[str] = None, chat: bool = False) -> Block:
+        """Prefill ``text`` once and store its KV state as a block (deduplicated by content).
+
+        ``when_to_use`` describes the tasks this block serves; the router embeds it with the name and
+        the start of the text. ``chat=True`` stores the text as a complete chat turn of the model's
+        template (see :mod:`graftmem._prompt`), so that :meth:`recall` can append a task as the next
+        turn and still match a fresh prefill of the whole prompt token for token.
+        """
         self._check()
         if not text:
             raise ConfigError("cannot learn an empty text")
         eng = self.engine
+        if chat or when_to_use is not None:
+            from ._recall import prepare_learn
+
+            text, name, metadata = prepare_learn(self, text, name, metadata, when_to_use, chat)
         tokens = eng.tokenize(text)
         if len(tokens) >= eng.n_ctx:
             raise ConfigError(f"text is {len(tokens)} tokens, the engine's n_ctx is {eng.n_ctx}: "
                               "raise n_ctx or split the text")
         bid = block_id_for(eng.fingerprint, tokens)
         if self.store.contains(bid):
-            return self.store.get(bid)
+            from ._recall import learned_again
+
+            return learned_again(self, self.store.get(bid), metadata)
         bar = _progress(len(tokens), f"learn {name or bid[:12]}", progress)
         with eng.lock:
             eng.reset()
@@ -119,6 +141,8 @@ class Memory:
             stored = self.store.put(block, state)
             eng.reset()
         log.info("learned block %s (%d tokens, %d state bytes)", block.short_id, len(tokens), len(state))
+        if self._router is not None:
+            self._router.add_blocks([stored])
         return stored
 
     add = learn
@@ -152,6 +176,45 @@ class Memory:
             decode_tokens=len(out), first_logits_sha256=logits_sha256(first), exact=eng.exactness.exact)
         return Recall(text=eng.detokenize(out), tokens=out, block=block, receipt=receipt)
 
+    # ------------------------------------------------------------------ routing (see _router, _recall)
+    @property
+    def router(self) -> "Router":
+        """The routing index, created (and synced with the store) on first use."""
+        self._check()
+        with self._router_lock:
+            if self._router is None:
+                from ._router import Router, SentenceTransformerEmbedder
+
+                if self._embedder is None:
+                    self._embedder = SentenceTransformerEmbedder()
+                self._router = Router(self._embedder, self.store)
+            return self._router
+
+    def search(self, task: str, *, top_k: int = 5) -> "list[SearchHit]":
+        """Rank this engine's blocks for ``task`` (best first) without restoring anything."""
+        from ._recall import search
+
+        self._check()
+        return search(self, task, top_k=top_k)
+
+    def recall(self, task: str, *, max_tokens: int = 64, min_score: Optional[float] = None,
+               mode: Literal["graft", "text"] = "graft") -> Recall:
+        """Route ``task`` to ONE block, graft it, prefill the task, answer greedily.
+
+        Below ``min_score`` (default :data:`graftmem._router.DEFAULT_MIN_SCORE`) nothing is grafted:
+        ``block`` is None and the text says so. ``mode="text"`` answers the same prompt the old way
+        (prefill the block's text, no graft), for comparisons; the answers are identical.
+        """
+        from ._recall import recall
+
+        self._check()
+        return recall(self, task, max_tokens=max_tokens, min_score=min_score, mode=mode)
+
+    def reindex(self) -> int:
+        """Rebuild the routing index from the store (every block embedded again); returns its size."""
+        self._check()
+        return self.router.rebuild()
+
     # ------------------------------------------------------------------ store verbs
     def get(self, block_id: str) -> Block:
         self._check()
@@ -163,7 +226,10 @@ class Memory:
 
     def delete(self, block_id: str) -> None:
         self._check()
-        self.store.delete(block_id)
+        bid = self.store.resolve(block_id)
+        self.store.delete(bid)
+        if self._router is not None:
+            self._router.remove([bid])
 
     def stats(self) -> StoreStats:
         self._check()

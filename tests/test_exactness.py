@@ -1,0 +1,116 @@
+"""The contract's first clause: graft == fresh prefill, byte for byte, on both architectures.
+
+Every assertion compares SHA-256 of float32 logits from two real llama.cpp computations.
+Lengths cross n_ubatch (512) boundaries and Gemma 3's 512-token sliding window.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from graftmem import EngineConfig
+from graftmem._engine import Engine, logits_sha256
+from graftmem._verify import kl_divergence, sample_queries
+
+from .conftest import long_text
+
+
+def graft_vs_fresh(eng: Engine, tokens: list[int], query: list[int]) -> tuple[str, str]:
+    eng.reset()
+    eng.prefill(tokens)
+    state = bytearray(eng.capture())
+    eng.reset()                      # a fresh prefill from an empty cache, not a continuation
+    eng.prefill(tokens)
+    eng.prefill(query)
+    fresh = logits_sha256(eng.logits())
+    eng.restore(memoryview(state), len(tokens))
+    eng.prefill(query)
+    graft = logits_sha256(eng.logits())
+    eng.reset()
+    return graft, fresh
+
+
+@pytest.mark.parametrize("n", [37, 511, 513, 1100])
+def test_smollm2_graft_equals_fresh(smol, n):
+    tokens = smol.tokenize(long_text(n, seed=n))[:n]
+    assert len(tokens) == n
+    query = smol.tokenize("\nQuestion: which step comes first?", add_special=False)
+    graft, fresh = graft_vs_fresh(smol, tokens, query)
+    assert graft == fresh
+
+
+@pytest.mark.parametrize("n", [300, 513, 1100])
+def test_gemma3_graft_equals_fresh_past_the_window(gemma, n):
+    assert gemma.n_swa == 512  # the sliding window these lengths are chosen around
+    tokens = gemma.tokenize(long_text(n, seed=n))[:n]
+    assert len(tokens) == n
+    query = gemma.tokenize(" and then the agent", add_special=False)
+    graft, fresh = graft_vs_fresh(gemma, tokens, query)
+    assert graft == fresh
+
+
+def test_probe_marks_default_engines_exact(smol, gemma):
+    assert smol.exactness.exact and smol.exactness.probe_tokens > 0
+    assert gemma.exactness.exact and gemma.exactness.probe_tokens > gemma.n_swa
+
+
+def test_swa_model_without_full_cache_is_marked_inexact():
+    with Engine("gemma3-270m", EngineConfig(swa_full=False, flash_attn=False)) as eng:
+        assert not eng.exactness.exact
+        assert "swa_full" in eng.exactness.reason
+
+
+def test_verify_reports_50_of_50_on_smollm2(mem):
+    block = mem.learn(long_text(260, seed=7), name="fifty")
+    rep = mem.verify(block.id, samples=50)
+    assert rep.samples == 50
+    assert rep.sha_equal == 50 and rep.argmax_agree == 50 and rep.max_kl == 0.0
+    assert rep.floor_sha_equal == rep.floor_samples == 2
+    assert rep.cross_process is True
+    assert rep.ok
+    assert mem.get(block.id).verification.ok  # the record is stored in the manifest
+
+
+def test_verify_reports_50_of_50_on_gemma3_past_the_window(gmem):
+    block = gmem.learn(long_text(600, seed=3), name="gemma-fifty")
+    assert block.n_tokens > 512
+    rep = gmem.verify(block.id, samples=50)
+    assert (rep.sha_equal, rep.argmax_agree, rep.max_kl) == (50, 50, 0.0)
+    assert rep.cross_process is True and rep.ok
+
+
+def test_trimmed_fresh_prefix_equals_reprefilled_prefix(smol):
+    """verify's 'trim' mode must produce the same bytes as a full re-prefill for every query."""
+    tokens = smol.tokenize(long_text(200, seed=11))
+    queries = [smol.tokenize(q, add_special=False) for q in sample_queries(4)]
+    smol.reset(); smol.prefill(tokens)
+    trimmed = []
+    for q in queries:
+        smol.trim(len(tokens)); smol.prefill(q); trimmed.append(logits_sha256(smol.logits()))
+    full = []
+    for q in queries:
+        smol.reset(); smol.prefill(tokens); smol.prefill(q); full.append(logits_sha256(smol.logits()))
+    smol.reset()
+    assert trimmed == full
+    assert len(set(full)) == len(full)  # different queries really give different logits
+
+
+def test_kl_is_zero_only_for_identical_logits():
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal(1000).astype(np.float32)
+    b = a.copy(); b[3] += 1e-3
+    assert kl_divergence(a, a) == 0.0
+    assert kl_divergence(a, b) > 0.0
+
+
+def test_receipt_hash_matches_fresh_prefill(mem, smol):
+    """ask()'s receipt records the first-step logits SHA; it equals a fresh prefill's."""
+    text = "Checklist: 1. greet 2. ask order number 3. confirm date 4. decide refund."
+    block = mem.learn(text)
+    query = "\nStep 2 is:"
+    r = mem.ask(block.id, query, max_tokens=4)
+    smol.reset(); smol.prefill(block.tokens); smol.prefill(smol.tokenize(query, add_special=False))
+    assert r.receipt.first_logits_sha256 == logits_sha256(smol.logits())
+    smol.reset()
+    assert r.receipt.exact and r.receipt.tokens_restored == block.n_tokens

@@ -1,0 +1,206 @@
+"""Integrity, identity and durability: corrupt, truncated and foreign blocks are refused with their
+own errors; the store keeps working; concurrent writers and kill -9 leave it consistent."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from graftmem import (BlockCorrupted, BlockNotFound, EngineConfig, IncompatibleBlock, Memory,
+                      StoreFull)
+from graftmem._engine import Engine
+from graftmem._store import Store
+
+from .conftest import long_text
+
+TEXT = "Shipping rule: parcels over 2 kg go by ground, others by air. Always print the label first."
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def _still_works(mem: Memory) -> None:
+    other = mem.learn("A different manual about returns: keep the receipt.")
+    assert mem.ask(other.id, "\nQ: keep what?\nA:", max_tokens=3).receipt.exact
+
+
+def test_flipped_state_byte_is_refused_then_store_works(mem):
+    block = mem.learn(TEXT)
+    path = mem.store.path_of(block.id)
+    _flip(path, path.stat().st_size - 32 - 1000)  # inside the state bytes
+    with pytest.raises(BlockCorrupted) as ei:
+        mem.ask(block.id, "\nQ:")
+    err = ei.value
+    assert str(path) in str(err) and err.expected == block.state_digest and err.actual != err.expected
+    _still_works(mem)
+
+
+def test_flipped_manifest_byte_is_refused(mem):
+    block = mem.learn(TEXT)
+    path = mem.store.path_of(block.id)
+    _flip(path, 100)  # inside the manifest JSON
+    with pytest.raises(BlockCorrupted, match="digest mismatch"):
+        mem.ask(block.id, "\nQ:")
+    _still_works(mem)
+
+
+def test_truncated_file_is_refused(mem):
+    block = mem.learn(TEXT)
+    path = mem.store.path_of(block.id)
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(size - 4096)
+    with pytest.raises(BlockCorrupted, match="truncated"):
+        mem.ask(block.id, "\nQ:")
+    _still_works(mem)
+
+
+def test_block_from_another_model_is_refused(smol, gemma, tmp_path):
+    home = tmp_path / "shared"
+    with Memory(engine=gemma, home=home) as g:
+        block = g.learn(TEXT)
+    with Memory(engine=smol, home=home) as s:
+        with pytest.raises(IncompatibleBlock) as ei:
+            s.ask(block.id, "\nQ:")
+        assert "model_sha256" in ei.value.fields
+        assert "model_sha256" in str(ei.value)
+        _still_works(s)
+
+
+def test_block_from_another_n_ctx_is_refused(smol, tmp_path):
+    home = tmp_path / "shared"
+    with Memory(engine=smol, home=home) as s:
+        block = s.learn(TEXT)
+    with Memory("smollm2", home=home, config=EngineConfig(n_ctx=4096, probe=False)) as other:
+        with pytest.raises(IncompatibleBlock) as ei:
+            other.ask(block.id, "\nQ:")
+        assert set(ei.value.fields) == {"n_ctx"}
+        assert ei.value.fields["n_ctx"] == (8192, 4096)
+        assert "n_ctx=8192" in str(ei.value)
+
+
+def test_same_text_twice_is_one_block(mem):
+    a = mem.learn(TEXT, name="one")
+    b = mem.learn(TEXT, name="two")
+    assert a.id == b.id and len(mem.get_all()) == 1
+
+
+def test_index_survives_restart_and_reconciles_with_files(smol, tmp_path):
+    home = tmp_path / "s"
+    with Memory(engine=smol, home=home) as m:
+        ids = {m.learn(TEXT).id, m.learn(TEXT + " Twice.").id}
+    # a file without an index row (killed between rename and insert) and a row without a file
+    import sqlite3
+
+    db = sqlite3.connect(home / "index.sqlite")
+    gone = sorted(ids)[0]
+    db.execute("DELETE FROM blocks WHERE id=?", (gone,))
+    db.commit(); db.close()
+    with Memory(engine=smol, home=home) as m:
+        assert {b.id for b in m.get_all()} == ids  # re-indexed from the file
+        m.store.path_of(gone).unlink()
+    with Memory(engine=smol, home=home) as m:
+        assert {b.id for b in m.get_all()} == ids - {gone}
+        with pytest.raises(BlockNotFound):
+            m.get(gone)
+
+
+def test_id_prefix_and_missing_block(mem):
+    block = mem.learn(TEXT)
+    assert mem.get(block.id[:8]).id == block.id
+    with pytest.raises(BlockNotFound):
+        mem.get("ffff0000")
+
+
+_CHILD = r"""
+import sys, json
+from graftmem import Memory, EngineConfig
+home, tag, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+with Memory("smollm2", home=home, config=EngineConfig(probe=False)) as m:
+    for i in range(n):
+        m.learn(f"Manual {tag}-{i}: step one, step two, step three." if i else "Common shared manual.")
+print("done")
+"""
+
+
+def test_two_processes_learning_into_one_store(tmp_path):
+    home = tmp_path / "concurrent"
+    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, str(home), tag, "4"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for tag in ("a", "b")]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    store = Store(home)
+    try:
+        blocks = store.list()
+        assert len(blocks) == 7  # 3 + 3 distinct, plus the common one stored once
+        for b in blocks:
+            store.read_state(b.id, lambda n: memoryview(bytearray(n)))  # every digest checks
+        assert not list(home.glob("blocks/*/.*.tmp"))
+    finally:
+        store.close()
+
+
+_KILL_CHILD = r"""
+import sys
+from graftmem import Memory, EngineConfig
+home = sys.argv[1]
+with Memory("smollm2", home=home, config=EngineConfig(probe=False)) as m:
+    print("ready", flush=True)
+    i = 0
+    while True:
+        m.learn(f"Entry {i}: " + "the quick brown fox jumps over the lazy dog. " * 30)
+        i += 1
+"""
+
+
+@pytest.mark.parametrize("delay", [0.3, 0.9, 1.7])
+def test_kill_minus_9_mid_write_leaves_store_consistent(tmp_path, delay):
+    home = tmp_path / "killed"
+    p = subprocess.Popen([sys.executable, "-c", _KILL_CHILD, str(home)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    time.sleep(delay)
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=30)
+    store = Store(home)  # reconciles on open
+    try:
+        blocks = store.list()
+        files = sorted(home.glob("blocks/*/*.gmb"))
+        assert len(files) == len(blocks)
+        for b in blocks:
+            store.read_state(b.id, lambda n: memoryview(bytearray(n)))
+        assert not list(home.glob("blocks/*/.*.tmp"))  # the dead writer's temp file was removed
+    finally:
+        store.close()
+
+
+def test_full_disk_raises_store_full_and_loses_nothing(mem, tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        with Memory(engine=mem.engine, home=mnt / "store") as m:
+            small = m.learn("Tiny manual.")
+            with pytest.raises(StoreFull):
+                m.learn(long_text(200))  # ~4.6 MB of state does not fit in 3 MB
+            assert [b.id for b in m.get_all()] == [small.id]
+            assert not list((mnt / "store").glob("blocks/*/.*.tmp"))
+            assert m.ask(small.id, " Q:", max_tokens=2).receipt.exact
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
