@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 __all__ = [
     "FORMAT_VERSION", "KVType", "EngineConfig", "Fingerprint", "Exactness", "Block",
     "VerificationRecord", "Receipt", "Recall", "SampleResult", "VerifyReport", "StoreStats",
-    "block_id_for",
+    "block_id_for", "SearchHit",
 ]
 
 #: Version of the block file layout and of the state payload convention (per-sequence state of seq 0).
@@ -215,3 +215,18 @@ class StoreStats(_Strict):
     bytes_on_disk: int
     bytes_per_token: float
     kinds: dict[str, int]
+
+
+class SearchHit(_Strict):
+    """One candidate of a routing search: a block and its cosine score against the task.
+
+    Scores are cosine similarities of normalized embeddings, in [-1, 1]; compare them with
+    ``min_score``, not across different embedders.
+    """
+
+    block_id: str
+    name: str
+    score: float
+    kind: str
+    n_tokens: int
+    when_to_use: Optional[str] = None
