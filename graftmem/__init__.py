@@ -10,18 +10,23 @@ from ._blocks import (Block, EngineConfig, Exactness, Fingerprint, Recall, Recei
 from ._errors import (BlockCorrupted, BlockNotFound, BlockRejected, ClosedError, ConfigError,
                       EngineError, GraftmemError, IncompatibleBlock, ModelNotFound, StoreError,
                       StoreFull, StoreLocked)
+from ._async import AsyncMemory
+from ._blocks import SearchHit
 from ._memory import Memory
+from ._router import Embedder, SentenceTransformerEmbedder
 from ._models import MODELS, resolve_model
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncMemory",
     "Block",
     "BlockCorrupted",
     "BlockNotFound",
     "BlockRejected",
     "ClosedError",
     "ConfigError",
+    "Embedder",
     "EngineConfig",
     "EngineError",
     "Exactness",
@@ -34,6 +39,8 @@ __all__ = [
     "Recall",
     "Receipt",
     "SampleResult",
+    "SearchHit",
+    "SentenceTransformerEmbedder",
     "StoreError",
     "StoreFull",
     "StoreLocked",
