@@ -7,9 +7,10 @@ to a fresh prefill of the same text, and :meth:`Memory.verify` proves it.
 
 from ._blocks import (Block, EngineConfig, Exactness, Fingerprint, Recall, Receipt, SampleResult,
                       StoreStats, VerificationRecord, VerifyReport)
-from ._errors import (BlockCorrupted, BlockNotFound, BlockRejected, ClosedError, ConfigError,
-                      EngineError, GraftmemError, IncompatibleBlock, ModelNotFound, StoreError,
-                      StoreFull, StoreLocked)
+from ._errors import (AccessDenied, BlockCorrupted, BlockNotFound, BlockRejected, BundleRejected,
+                      ClosedError, ConfigError, EngineError, GraftmemError, IncompatibleBlock,
+                      ModelNotFound, StoreError, StoreFull, StoreLocked, TransferError,
+                      UntrustedBundle)
 from ._async import AsyncMemory
 from ._blocks import SearchHit
 from ._memory import Memory
@@ -19,11 +20,13 @@ from ._models import MODELS, resolve_model
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccessDenied",
     "AsyncMemory",
     "Block",
     "BlockCorrupted",
     "BlockNotFound",
     "BlockRejected",
+    "BundleRejected",
     "ClosedError",
     "ConfigError",
     "Embedder",
@@ -45,6 +48,8 @@ __all__ = [
     "StoreFull",
     "StoreLocked",
     "StoreStats",
+    "TransferError",
+    "UntrustedBundle",
     "VerificationRecord",
     "VerifyReport",
     "__version__",

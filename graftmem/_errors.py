@@ -14,6 +14,10 @@
     └── BlockRejected                  a block exists but must not be grafted
         ├── BlockCorrupted             its bytes do not match their digest (flipped, truncated, tampered)
         └── IncompatibleBlock          it was made by another engine fingerprint (model, n_ctx, KV type...)
+    BundleRejected                     a bundle or pushed upload is malformed or unsafe; nothing was written
+    └── UntrustedBundle                unsigned, or signed by a key the trust policy does not list
+    TransferError                      an HTTP transfer failed or was cut: retry (downloads resume)
+    └── AccessDenied                   the server refused the push token: pass the right token
 
 Foreign exceptions (OSError, ValueError from pydantic, llama.cpp return codes) are translated at the
 module boundary with ``raise ... from exc``, so the original cause stays visible in tracebacks.
@@ -23,9 +27,11 @@ Nothing is called ``MemoryError``: that name belongs to Python.
 from __future__ import annotations
 
 __all__ = [
+    "AccessDenied",
     "BlockCorrupted",
     "BlockNotFound",
     "BlockRejected",
+    "BundleRejected",
     "ClosedError",
     "ConfigError",
     "EngineError",
@@ -35,6 +41,8 @@ __all__ = [
     "StoreError",
     "StoreFull",
     "StoreLocked",
+    "TransferError",
+    "UntrustedBundle",
 ]
 
 
@@ -98,3 +106,23 @@ class IncompatibleBlock(BlockRejected):
     def __init__(self, message: str, *, fields: dict[str, tuple[object, object]] | None = None) -> None:
         super().__init__(message)
         self.fields = fields or {}
+
+
+class BundleRejected(GraftmemError):
+    """A bundle (or an upload) is malformed or unsafe: truncated, a member that escapes its directory,
+    a link or device, an oversized or unexpected member, a manifest that does not parse. Raised before
+    anything reaches the store, which is left exactly as it was."""
+
+
+class UntrustedBundle(BundleRejected):
+    """The trust policy requires a signature from a listed key and the bundle has none, or its key is
+    not listed, or the signature does not verify."""
+
+
+class TransferError(GraftmemError):
+    """An HTTP transfer failed (connection refused or cut, bad status). Nothing was added to the store;
+    a partial download is kept and resumed by the next pull."""
+
+
+class AccessDenied(TransferError):
+    """The server refused the request's token (push without a token, or a wrong one)."""

@@ -18,6 +18,9 @@ from ._format import state_digest
 from ._store import Store, incompatibility
 
 if TYPE_CHECKING:
+    from ._bundle import ExportReport, TransferReport
+    from ._server import BlockServer
+    from ._trust import RederiveReport, SigningKey, TrustPolicy
     from ._blocks import SearchHit
     from ._router import Embedder, Router
 
@@ -255,6 +258,62 @@ class Memory:
                                      ok=report.ok)
             self.store.set_manifest(block.model_copy(update={"verification": rec}))
         return report
+
+    # ------------------------------------------------------------------ sharing (see _bundle, _server, _trust)
+    def export(self, path: str | os.PathLike[str], block_ids: Optional[list[str]] = None, *,
+               kind: Optional[str] = None, sign_key: "Optional[SigningKey]" = None,
+               progress: bool = False) -> "ExportReport":
+        """Write blocks (default all) to one bundle file that another machine can import."""
+        self._check()
+        from ._bundle import export
+
+        return export(self.store, path, block_ids, kind=kind, sign_key=sign_key, progress=progress)
+
+    def import_bundle(self, path: str | os.PathLike[str], *, incompatible: str = "refuse",
+                      policy: "Optional[TrustPolicy]" = None, progress: bool = False) -> "TransferReport":
+        """Import a bundle, every digest checked, all or nothing; blocks of another engine are refused
+        (or kept apart / skipped). ``policy`` defaults to ``<home>/trust.json``."""
+        self._check()
+        from ._bundle import import_bundle
+
+        return import_bundle(self.store, path, fingerprint=self.fingerprint, policy=policy,
+                             incompatible=incompatible, progress=progress)  # type: ignore[arg-type]
+
+    def pull(self, url: str, block_ids: Optional[list[str]] = None, *, kind: Optional[str] = None,
+             incompatible: str = "refuse", policy: "Optional[TrustPolicy]" = None,
+             progress: bool = False) -> "TransferReport":
+        """Copy blocks from a ``graftmem serve`` at ``url``: checked as they arrive, resumable."""
+        self._check()
+        from ._server import pull
+
+        return pull(self.store, url, block_ids, fingerprint=self.fingerprint, kind=kind,
+                    incompatible=incompatible, policy=policy, progress=progress)  # type: ignore[arg-type]
+
+    def push(self, url: str, block_ids: Optional[list[str]] = None, *, token: str,
+             kind: Optional[str] = None, sign_key: "Optional[SigningKey]" = None,
+             progress: bool = False) -> "TransferReport":
+        """Send blocks to a ``graftmem serve`` that accepts pushes (it imports them all or nothing)."""
+        self._check()
+        from ._server import push
+
+        return push(self.store, url, block_ids, token=token, kind=kind, sign_key=sign_key,
+                    progress=progress)
+
+    def serve(self, *, host: str = "127.0.0.1", port: int = 0, push_token: Optional[str] = None,
+              sign_key: "Optional[SigningKey]" = None) -> "BlockServer":
+        """An HTTP server over this store (call ``.start()`` or use it as a context manager)."""
+        self._check()
+        from ._server import BlockServer
+
+        return BlockServer(self.store, host=host, port=port, push_token=push_token,
+                           fingerprint=self.fingerprint, sign_key=sign_key)
+
+    def rederive(self, block_id: str) -> "RederiveReport":
+        """Re-prefill the block's own tokens and compare the state with the stored bytes."""
+        self._check()
+        from ._trust import rederive
+
+        return rederive(self, block_id)
 
 
 def _default_name(text: str) -> str:

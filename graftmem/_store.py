@@ -264,6 +264,30 @@ class Store:
             self.path_of(bid).unlink(missing_ok=True)
             self._db.execute("DELETE FROM blocks WHERE id=?", (bid,))
 
+    def adopt(self, files: list[tuple[Block, Path]]) -> list[str]:
+        """Move already verified, fsync'ed block files (staged on this filesystem) into the store,
+        all or none, under one lock; return the ids added. Blocks already present are skipped (their
+        staged copy stays where it is). If anything fails, the files moved so far are removed again,
+        so the store is left as it was. Used by bundle import and pull, which verify before calling."""
+        added: list[str] = []
+        with self.lock():
+            try:
+                for block, src in files:
+                    dst = self.path_of(block.id)
+                    if dst.exists() and self.contains(block.id):
+                        continue
+                    dst.parent.mkdir(exist_ok=True)
+                    os.replace(src, dst)
+                    added.append(block.id)
+                    _fsync_dir(dst.parent)
+                    self._insert(block, dst.stat().st_size)
+            except BaseException:
+                for bid in added:
+                    self.path_of(bid).unlink(missing_ok=True)
+                    self._db.execute("DELETE FROM blocks WHERE id=?", (bid,))
+                raise
+        return added
+
     def set_manifest(self, block: Block) -> None:
         """Rewrite a block's manifest (e.g. its verification record); the state bytes are copied
         through unchanged and their digest re-checked, all atomically."""
