@@ -102,6 +102,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    if args.rederive:
+        return _rederive(args)
     with _memory(args) as mem:
         rep = mem.verify(args.id, samples=args.samples, cross_process=not args.no_cross_process)
     rows = [[i, r.n_query_tokens, r.graft_sha256[:12], r.fresh_sha256[:12],
@@ -115,6 +117,138 @@ def cmd_verify(args: argparse.Namespace) -> int:
     _out(args, rep, _table(rows, ["#", "q tok", "graft sha", "fresh sha", "equal", "KL", "argmax"])
          + "\n" + summary)
     return 0 if rep.ok else 1
+
+
+def _rederive(args: argparse.Namespace) -> int:
+    with _memory(args) as mem:
+        rep = mem.rederive(args.id)
+    where = "" if rep.ok else (f": first difference at byte {rep.first_difference:,} of {rep.stored_size:,}"
+                               if rep.first_difference is not None else "")
+    _out(args, rep.model_dump() | {"ok": rep.ok},
+         f"block {rep.block_id[:12]} ({rep.n_tokens} tokens): stored state {rep.stored_digest[:23]}, "
+         f"re-derived {rep.derived_digest[:23]} in {rep.seconds:.1f} s\n"
+         + ("OK: the state is exactly what its tokens produce" if rep.ok
+            else "MISMATCH: the stored state is not what its tokens produce" + where))
+    return 0 if rep.ok else 1
+
+
+# --------------------------------------------------------------------- sharing (bundles, HTTP, trust)
+def _home(args: argparse.Namespace) -> Path:
+    from ._store import default_home
+
+    return Path(args.home).expanduser() if args.home else default_home()
+
+
+def _policy(args: argparse.Namespace):
+    from ._trust import PublicKey, TrustPolicy
+
+    pol = TrustPolicy.load(_home(args))
+    if args.require_signature:
+        pol.require_signature = True
+    for k in args.trust or []:
+        pol.trust(PublicKey.load(k))
+    return pol
+
+
+def _sign_key(args: argparse.Namespace):
+    from ._trust import SigningKey
+
+    return SigningKey.load(args.sign) if args.sign else None
+
+
+def _transfer_text(verb: str, rep: Any) -> str:
+    mbps = rep.bytes / 1e6 / rep.seconds if rep.seconds > 0 else 0.0
+    signer = (f"; signed by {rep.signer} ({'trusted' if rep.signer_trusted else 'not in the trust policy'})"
+              if rep.signer else "; unsigned")
+    return (f"{verb} {rep.source}: {len(rep.added)} added, {len(rep.present)} already present, "
+            f"{len(rep.kept_apart)} kept apart, {len(rep.skipped)} skipped; {rep.bytes:,} bytes in "
+            f"{rep.seconds:.2f} s ({mbps:.0f} MB/s){signer}")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from ._bundle import export
+    from ._store import Store
+
+    store = Store(args.home)
+    try:
+        rep = export(store, args.path, args.ids or None, kind=args.kind, sign_key=_sign_key(args),
+                     progress=not args.json)
+    finally:
+        store.close()
+    _out(args, rep, f"exported {len(rep.blocks)} blocks to {rep.path}: {rep.bytes:,} bytes in "
+                    f"{rep.seconds:.2f} s" + (f", signed by {rep.signer}" if rep.signer else ""))
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    policy = _policy(args)
+    with _memory(args) as mem:
+        rep = mem.import_bundle(args.path, incompatible=args.incompatible, policy=policy,
+                                progress=not args.json)
+    _out(args, rep, _transfer_text("imported", rep))
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    policy = _policy(args)
+    with _memory(args) as mem:
+        rep = mem.pull(args.url, args.ids or None, kind=args.kind, incompatible=args.incompatible,
+                       policy=policy, progress=not args.json)
+    _out(args, rep, _transfer_text("pulled from", rep))
+    return 0
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    from ._server import push
+    from ._store import Store
+
+    token = args.token or os.environ.get("GRAFTMEM_PUSH_TOKEN")
+    if not token:
+        from ._errors import ConfigError
+
+        raise ConfigError("push needs the server's token: --token or $GRAFTMEM_PUSH_TOKEN")
+    store = Store(args.home)
+    try:
+        rep = push(store, args.url, args.ids or None, token=token, kind=args.kind,
+                   sign_key=_sign_key(args), progress=not args.json)
+    finally:
+        store.close()
+    _out(args, rep, _transfer_text(f"pushed to {args.url}; server imported", rep))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ._server import BlockServer
+
+    token = args.push_token or os.environ.get("GRAFTMEM_PUSH_TOKEN")
+    mem = _memory(args) if token else None  # accepting pushes needs this engine's fingerprint
+    try:
+        srv = (mem.serve(host=args.host, port=args.port, push_token=token, sign_key=_sign_key(args))
+               if mem else BlockServer(_home(args), host=args.host, port=args.port,
+                                       sign_key=_sign_key(args)))
+        try:
+            print(f"serving {srv.store.home} at {srv.url} (pushes {'on' if token else 'off'}, "
+                  f"listings {'signed' if args.sign else 'unsigned'}); Ctrl-C stops", flush=True)
+            srv.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            srv.close()
+    finally:
+        if mem:
+            mem.close()
+    return 0
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from ._trust import SigningKey
+
+    key = SigningKey.generate()
+    pub = key.save(args.path)
+    _out(args, {"private": args.path, "public": str(pub), "key_id": key.public_key.key_id},
+         f"wrote {args.path} (private, keep it) and {pub} (public, give it to importers); "
+         f"key id {key.public_key.key_id}")
+    return 0
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
@@ -242,9 +376,46 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("id")
     sp.add_argument("--samples", type=int, default=50)
     sp.add_argument("--no-cross-process", action="store_true", help="skip the graft in a new process")
+    sp.add_argument("--rederive", action="store_true",
+                    help="instead: re-prefill the block's stored tokens and compare the state bytes")
     sp = add("delete", cmd_delete, "delete a block")
     sp.add_argument("id")
     add("stats", cmd_stats, "store totals")
+
+    def trust_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--incompatible", choices=["refuse", "keep-apart", "skip"], default="refuse",
+                        help="blocks made by another engine: refuse all (default), keep them apart "
+                             "in <home>/foreign, or leave them out")
+        sp.add_argument("--require-signature", action="store_true",
+                        help="refuse unsigned bundles and keys not trusted (also: trust.json in the home)")
+        sp.add_argument("--trust", action="append", metavar="KEY.pub", help="trust this public key")
+
+    sp = add("export", cmd_export, "write blocks (default all) to one bundle file")
+    sp.add_argument("path")
+    sp.add_argument("ids", nargs="*", help="block ids or prefixes (default: all)")
+    sp.add_argument("--kind")
+    sp.add_argument("--sign", metavar="KEY", help="sign the bundle with this private key")
+    sp = add("import", cmd_import, "import a bundle: every digest checked, all or nothing")
+    sp.add_argument("path")
+    trust_args(sp)
+    sp = add("serve", cmd_serve, "serve the store over HTTP (read-only unless a push token is set)")
+    sp.add_argument("--host", default="127.0.0.1")
+    sp.add_argument("--port", type=int, default=8765, help="0 picks a free port")
+    sp.add_argument("--push-token", help="accept pushes with this token (or $GRAFTMEM_PUSH_TOKEN)")
+    sp.add_argument("--sign", metavar="KEY", help="sign listings with this private key")
+    sp = add("pull", cmd_pull, "copy blocks from a graftmem server, checked as they arrive, resumable")
+    sp.add_argument("url")
+    sp.add_argument("ids", nargs="*", help="block ids or prefixes (default: all)")
+    sp.add_argument("--kind")
+    trust_args(sp)
+    sp = add("push", cmd_push, "send blocks to a graftmem server that accepts pushes")
+    sp.add_argument("url")
+    sp.add_argument("ids", nargs="*", help="block ids or prefixes (default: all)")
+    sp.add_argument("--kind")
+    sp.add_argument("--token", help="the server's push token (or $GRAFTMEM_PUSH_TOKEN)")
+    sp.add_argument("--sign", metavar="KEY", help="sign the pushed bundle with this private key")
+    sp = add("keygen", cmd_keygen, "make an ed25519 key pair for signing bundles (PATH and PATH.pub)")
+    sp.add_argument("path")
     add("doctor", cmd_doctor, "model, fingerprint, exactness probe, store location and health")
     sp = add("demo", cmd_demo, "learn, recall and verify on the default model (the README's first command)")
     sp.add_argument("--samples", type=int, default=20)
