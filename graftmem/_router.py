@@ -131,7 +131,8 @@ class SentenceTransformerEmbedder:
                 except ImportError as exc:
                     raise ConfigError("routing needs sentence-transformers and faiss: "
                                       "pip install 'graftmem[router]'") from exc
-                self._model = SentenceTransformer(str(self.path), device=self.device, local_files_only=True)
+                self._model = _quietly(lambda: SentenceTransformer(str(self.path), device=self.device,
+                                                                   local_files_only=True))
                 log.info("loaded routing model %s in %.1f s", self.path, time.perf_counter() - t0)
             return self._model
 
@@ -140,6 +141,21 @@ class SentenceTransformerEmbedder:
         out = model.encode(list(texts), batch_size=self.batch_size, convert_to_numpy=True,
                            normalize_embeddings=True, show_progress_bar=False)
         return np.asarray(out, dtype=np.float32).reshape(len(texts), -1)
+
+
+def _quietly(load: Any) -> Any:
+    """Run ``load`` with transformers' progress bars off (no output from a library), then restore them."""
+    try:
+        from transformers.utils import logging as tlog
+    except ImportError:
+        return load()
+    was = tlog.is_progress_bar_enabled()
+    tlog.disable_progress_bar()
+    try:
+        return load()
+    finally:
+        if was:
+            tlog.enable_progress_bar()
 
 
 def normalize_task(task: str) -> str:

@@ -42,7 +42,8 @@ def cmd_learn(args: argparse.Namespace) -> int:
     text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text(encoding="utf-8")
     with _memory(args) as mem:
         block = mem.learn(text, name=args.name or (None if args.file == "-" else Path(args.file).stem),
-                          kind=args.kind, progress=not args.json)
+                          kind=args.kind, progress=not args.json, when_to_use=args.when_to_use,
+                          chat=args.chat)
     _out(args, {"id": block.id, "name": block.name, "n_tokens": block.n_tokens,
                 "state_size": block.state_size},
          f"learned {block.short_id}  {block.name}  {block.n_tokens} tokens  {block.state_size:,} state bytes")
@@ -117,6 +118,38 @@ def cmd_verify(args: argparse.Namespace) -> int:
     _out(args, rep, _table(rows, ["#", "q tok", "graft sha", "fresh sha", "equal", "KL", "argmax"])
          + "\n" + summary)
     return 0 if rep.ok else 1
+
+
+def cmd_recall(args: argparse.Namespace) -> int:
+    with _memory(args) as mem:
+        r = mem.recall(args.task, max_tokens=args.max_tokens, min_score=args.min_score)
+    rc = r.receipt
+    route = "nothing grafted"
+    if r.block is not None and r.score is not None:
+        route = f"routed to {r.block.name!r} ({r.block.short_id}) score {r.score:.3f}"
+        if r.runner_up and r.runner_up_score is not None:
+            route += f", runner-up {r.runner_up[:12]} {r.runner_up_score:.3f}"
+    _out(args, r, f"{r.text}\n\n-- {route}; {rc.tokens_restored} tokens restored in {rc.restore_ms:.1f} ms, "
+                  f"{rc.tokens_prefilled} prefilled, {rc.decode_tokens} decoded; exact={rc.exact}")
+    return 0 if r.block is not None else 1
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    with _memory(args) as mem:
+        hits = mem.search(args.task, top_k=args.top_k)
+    rows = [[i + 1, f"{h.score:.3f}", h.block_id[:12], h.n_tokens, h.name[:40], (h.when_to_use or "")[:50]]
+            for i, h in enumerate(hits)]
+    _out(args, [h.model_dump() for h in hits],
+         _table(rows, ["#", "score", "id", "tokens", "name", "when to use"]) if rows else "(no blocks)")
+    return 0
+
+
+def cmd_reindex(args: argparse.Namespace) -> int:
+    with _memory(args) as mem:
+        n = mem.reindex()
+        path = mem.router.path
+    _out(args, {"entries": n, "index": str(path)}, f"reindexed {n} blocks into {path}")
+    return 0
 
 
 def _rederive(args: argparse.Namespace) -> int:
@@ -364,6 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("file")
     sp.add_argument("--name")
     sp.add_argument("--kind", default="manual")
+    sp.add_argument("--when-to-use", default=None, help="which tasks this block serves (embedded for routing)")
+    sp.add_argument("--chat", action="store_true", help="store the text as a chat turn, for recall")
     sp = add("ls", cmd_ls, "list the blocks in the store")
     sp.add_argument("--kind")
     sp = add("show", cmd_show, "show one block's manifest")
@@ -378,6 +413,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-cross-process", action="store_true", help="skip the graft in a new process")
     sp.add_argument("--rederive", action="store_true",
                     help="instead: re-prefill the block's stored tokens and compare the state bytes")
+    sp = add("recall", cmd_recall, "route a task to one block, graft it and answer (exit 1 if nothing matched)")
+    sp.add_argument("task")
+    sp.add_argument("--max-tokens", type=int, default=64)
+    sp.add_argument("--min-score", type=float, default=None, help="refuse to graft below this cosine score")
+    sp = add("search", cmd_search, "rank the blocks for a task without grafting anything")
+    sp.add_argument("task")
+    sp.add_argument("--top-k", type=int, default=5)
+    add("reindex", cmd_reindex, "rebuild the routing index from the store")
     sp = add("delete", cmd_delete, "delete a block")
     sp.add_argument("id")
     add("stats", cmd_stats, "store totals")
