@@ -56,7 +56,7 @@ def test_probe_marks_default_engines_exact(smol, gemma):
 
 
 def test_swa_model_without_full_cache_is_marked_inexact():
-    with Engine("gemma3-270m", EngineConfig(swa_full=False, flash_attn=False)) as eng:
+    with Engine("gemma3-270m", EngineConfig(swa_full=False)) as eng:
         assert not eng.exactness.exact
         assert "swa_full" in eng.exactness.reason
 
@@ -114,3 +114,13 @@ def test_receipt_hash_matches_fresh_prefill(mem, smol):
     assert r.receipt.first_logits_sha256 == logits_sha256(smol.logits())
     smol.reset()
     assert r.receipt.exact and r.receipt.tokens_restored == block.n_tokens
+
+
+def test_negative_control_gemma3_window_sized_cache_is_not_exact():
+    """Why swa_full is required: with a window-sized SWA cache, a graft past the window differs
+    from a fresh prefill (measured at 1,500 tokens). If this ever passes as equal, revisit the rule."""
+    with Engine("gemma3-270m", EngineConfig(swa_full=False, probe=False)) as eng:
+        tokens = eng.tokenize(long_text(1500, seed=1500))[:1500]
+        query = eng.tokenize(" Then the agent answers the customer", add_special=False)
+        graft, fresh = graft_vs_fresh(eng, tokens, query)
+        assert graft != fresh
