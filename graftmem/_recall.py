@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional
 
 from ._blocks import Block, Recall, Receipt, SearchHit
 from ._engine import logits_sha256
-from ._errors import ConfigError
+from ._errors import BlockNotFound, ConfigError
 from ._prompt import FORMATS, detect_format, split_ids
 from ._router import DEFAULT_MIN_SCORE
 
@@ -84,7 +84,11 @@ def search(mem: "Memory", task: str, *, top_k: int = 5) -> list[SearchHit]:
     hits = mem.router.search(task, top_k, fingerprint_digest=mem.fingerprint.digest())
     out = []
     for bid, score in hits:
-        b = mem.store.get(bid)
+        try:
+            b = mem.store.get(bid)
+        except BlockNotFound:  # deleted since the last sync, by another connection: drop it
+            mem.router.remove([bid])
+            continue
         out.append(SearchHit(block_id=bid, name=b.name, score=score, kind=b.kind, n_tokens=b.n_tokens,
                              when_to_use=b.metadata.get("when_to_use")))
     return out
@@ -145,15 +149,22 @@ def recall(mem: "Memory", task: str, *, max_tokens: int = 64, min_score: Optiona
     if max_tokens < 1:
         raise ConfigError(f"max_tokens must be at least 1, got {max_tokens}")
     threshold = DEFAULT_MIN_SCORE if min_score is None else float(min_score)
-    hits = mem.router.search(task, 2, fingerprint_digest=mem.fingerprint.digest())
-    top = hits[0] if hits else None
-    if top is None or top[1] < threshold:
-        log.info("recall: no block above min_score %.2f (best %s)", threshold, top)
-        return _no_match(mem, top, threshold)
-    block = mem.store.get(top[0])
-    cont = continuation_for(block, task)
     answer = answer_graft_way if mode == "graft" else answer_text_way
-    r = answer(mem, block, cont, max_tokens=max_tokens)
+    for attempt in (1, 2):
+        hits = mem.router.search(task, 2, fingerprint_digest=mem.fingerprint.digest())
+        top = hits[0] if hits else None
+        if top is None or top[1] < threshold:
+            log.info("recall: no block above min_score %.2f (best %s)", threshold, top)
+            return _no_match(mem, top, threshold)
+        try:
+            block = mem.store.get(top[0])
+            r = answer(mem, block, continuation_for(block, task), max_tokens=max_tokens)
+            break
+        except BlockNotFound:
+            # another process deleted the block after the last sync: forget it and route again
+            if attempt == 2:
+                raise
+            mem.router.remove([top[0]])
     runner = hits[1] if len(hits) > 1 else None
     return r.model_copy(update={"score": top[1], "runner_up": runner[0] if runner else None,
                                 "runner_up_score": runner[1] if runner else None})
