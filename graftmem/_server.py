@@ -385,17 +385,31 @@ def _download(client: httpx.Client, url: str, e: BundleEntry, part: Path, bar) -
                 else:
                     _raise_for(resp, f"download {where}")
                 with open(part, "ab" if have else "wb") as out:
-                    for chunk in resp.iter_raw(1 << 20):
+                    pending = bytearray()  # hash and write in ~1 MiB steps (blake3 likes big updates)
+
+                    def flush() -> None:
+                        nonlocal got
+                        if not pending:
+                            return
                         try:
-                            checker.feed(chunk)
+                            checker.feed(pending)
                         except BlockCorrupted:
                             out.close()
                             part.unlink(missing_ok=True)
                             raise
-                        out.write(chunk)
-                        got += len(chunk)
+                        out.write(pending)
+                        got += len(pending)
                         if bar:
-                            bar.update(len(chunk))
+                            bar.update(len(pending))
+                        pending.clear()
+
+                    try:
+                        for chunk in resp.iter_raw():
+                            pending += chunk
+                            if len(pending) >= 1 << 20:
+                                flush()
+                    finally:
+                        flush()  # keep every byte that arrived, so the next pull resumes after it
                     out.flush()
                     os.fsync(out.fileno())
         except httpx.HTTPError as exc:

@@ -1,0 +1,251 @@
+"""HTTP sharing over a real loopback server: `graftmem serve` in another process, pull / push with
+httpx, Range and resume, and every refusal leaving the receiving store as it was."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from graftmem import (AccessDenied, BlockCorrupted, IncompatibleBlock, Memory, TransferError,
+                      UntrustedBundle)
+from graftmem._server import SIGNATURE_HEADER, BlockServer, _Handler
+from graftmem._trust import SigningKey, TrustPolicy
+
+from .test_bundle import QUERY, REPO, forge, other_model, state_of
+from .test_bundle import source  # noqa: F401,F811 (the module-scoped fixture)
+
+TOKEN = "push-token-for-tests"
+
+
+@pytest.fixture
+def served(source):
+    """Store A served read-only from this process (a real socket on 127.0.0.1)."""
+    with BlockServer(source["mem"].store) as srv:
+        yield srv
+
+
+def test_round_trip_through_serve_in_another_process(source, mem):
+    """`graftmem serve` runs in its own interpreter on store A; pull into B; graft on B gives the
+    first-step logits SHA-256 recorded on A, and the block files are byte-identical."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "graftmem", "--home", str(source["mem"].store.home), "serve", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        assert "serving" in line, proc.stderr.read() if proc.poll() is not None else line  # type: ignore[union-attr]
+        url = line.split(" at ")[1].split()[0]
+        rep = mem.pull(url)
+        assert sorted(rep.added) == sorted([source["b1"].id, source["b2"].id])
+        r = mem.ask(source["b1"].id, QUERY, max_tokens=1)
+        assert r.receipt.first_logits_sha256 == source["receipt"].first_logits_sha256
+        for bid in rep.added:
+            assert mem.store.path_of(bid).read_bytes() == source["mem"].store.path_of(bid).read_bytes()
+        again = mem.pull(url)
+        assert again.added == [] and sorted(again.present) == sorted(rep.added) and again.bytes == 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_range_requests(source, served):
+    bid = source["b1"].id
+    whole = source["mem"].store.path_of(bid).read_bytes()
+    url = f"{served.url}/v1/blocks/{bid}"
+    with httpx.Client() as c:
+        full = c.get(url)
+        assert full.status_code == 200 and full.content == whole and full.headers["accept-ranges"] == "bytes"
+        etag = full.headers["etag"]
+        r = c.get(url, headers={"Range": "bytes=100-199"})
+        assert r.status_code == 206 and r.content == whole[100:200]
+        assert r.headers["content-range"] == f"bytes 100-199/{len(whole)}"
+        assert c.get(url, headers={"Range": "bytes=4096-"}).content == whole[4096:]
+        assert c.get(url, headers={"Range": "bytes=-32"}).content == whole[-32:]
+        assert c.get(url, headers={"Range": "bytes=10-", "If-Range": etag}).status_code == 206
+        stale = c.get(url, headers={"Range": "bytes=10-", "If-Range": '"not-the-etag"'})
+        assert stale.status_code == 200 and stale.content == whole
+        assert c.get(url, headers={"Range": f"bytes={len(whole)}-"}).status_code == 416
+        head = c.head(url)
+        assert head.status_code == 200 and int(head.headers["content-length"]) == len(whole)
+        assert c.get(f"{url}/manifest").json()["id"] == bid
+        listing = c.get(f"{served.url}/v1/blocks").json()
+        assert {e["id"] for e in listing["blocks"]} == {source["b1"].id, source["b2"].id}
+
+
+@pytest.mark.parametrize("path", ["/v1/blocks/../../../etc/passwd", "/v1/blocks/%2e%2e%2fetc%2fpasswd",
+                                  "/v1/blocks/" + "A" * 64, "/v1/blocks/" + "0" * 64, "/etc/passwd"])
+def test_server_serves_only_block_ids(served, path):
+    import http.client
+    from urllib.parse import urlsplit
+
+    u = urlsplit(served.url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+    try:
+        conn.request("GET", path)  # sent as is, no client-side normalisation
+        r = conn.getresponse()
+        assert r.status == 404, r.read()[:200]
+    finally:
+        conn.close()
+
+
+class _CutHandler(_Handler):
+    """A server that drops the connection after ``cut`` bytes of a block body (a flaky network)."""
+
+    cut = 1_000_000
+    ranges: list[str] = []
+
+    def send_file(self, f, offset, count):  # type: ignore[override]
+        type(self).ranges.append(self.headers.get("Range") or "")
+        self.connection.sendfile(f, offset, min(count, self.cut))
+        self.close_connection = True
+        self.connection.shutdown(2)
+
+
+class _RecordingHandler(_Handler):
+    ranges: list[str] = []
+
+    def send_file(self, f, offset, count):  # type: ignore[override]
+        type(self).ranges.append(self.headers.get("Range") or "")
+        super().send_file(f, offset, count)
+
+
+def test_interrupted_download_is_refused_then_resumed(source, mem):
+    before = state_of(mem)
+    bid = source["b1"].id
+    with BlockServer(source["mem"].store, handler=_CutHandler) as flaky:
+        with pytest.raises(TransferError, match="was cut after .* pull again to resume"):
+            mem.pull(flaky.url, [bid])
+    assert state_of(mem)[1] == before[1] == []  # nothing entered the store
+    parts = list((mem.store.home / ".incoming").glob(f"{bid}.*.part"))
+    assert len(parts) == 1 and 0 < parts[0].stat().st_size < source["mem"].store.path_of(bid).stat().st_size
+    have = parts[0].stat().st_size
+    _RecordingHandler.ranges = []
+    with BlockServer(source["mem"].store, handler=_RecordingHandler) as good:
+        rep = mem.pull(good.url, [bid])
+    assert rep.added == [bid]
+    assert _RecordingHandler.ranges == [f"bytes={have}-"], "the download did not resume"
+    assert mem.ask(bid, QUERY, max_tokens=1).receipt.first_logits_sha256 == \
+        source["receipt"].first_logits_sha256
+    assert not list((mem.store.home / ".incoming").glob("*.part"))
+
+
+def test_damaged_partial_download_is_discarded_not_trusted(source, mem):
+    """Bytes already on disk from an earlier pull are re-hashed: a damaged partial is thrown away."""
+    bid = source["b1"].id
+    with BlockServer(source["mem"].store, handler=_CutHandler) as flaky:
+        with pytest.raises(TransferError):
+            mem.pull(flaky.url, [bid])
+    part = next((mem.store.home / ".incoming").glob(f"{bid}.*.part"))
+    raw = bytearray(part.read_bytes())
+    raw[8] ^= 0xFF  # the magic: refused on the first 64 bytes
+    part.write_bytes(bytes(raw))
+    with BlockServer(source["mem"].store) as good:
+        assert mem.pull(good.url, [bid]).added == [bid]
+
+
+def test_corrupt_block_on_the_server_is_refused(source, smol, tmp_path, mem):
+    with Memory(engine=smol, home=tmp_path / "bad-server") as bad:
+        bad.import_bundle(source["bundle"])
+        p = bad.store.path_of(source["b2"].id)
+        raw = bytearray(p.read_bytes())
+        raw[len(raw) // 2] ^= 0x10
+        p.write_bytes(bytes(raw))
+        before = state_of(mem)
+        with BlockServer(bad.store) as srv:
+            with pytest.raises(BlockCorrupted, match="state digest mismatch"):
+                mem.pull(srv.url)
+        assert state_of(mem)[1] == before[1] == []  # b1 arrived intact but nothing was adopted
+        assert not list((mem.store.home / ".incoming").glob(f"{source['b2'].id}*"))
+
+
+def test_pull_from_another_model_is_refused(source, smol, tmp_path, mem):
+    with Memory(engine=smol, home=tmp_path / "other") as o:
+        o.import_bundle(source["bundle"])
+        fid = forge(o.store, source["b1"].id, fingerprint=other_model(source["b1"].fingerprint))
+        with BlockServer(o.store) as srv:
+            with pytest.raises(IncompatibleBlock, match="model_sha256"):
+                mem.pull(srv.url)
+            assert mem.get_all() == []
+            rep = mem.pull(srv.url, incompatible="skip")
+            assert rep.skipped == [fid] and sorted(rep.added) == sorted([source["b1"].id, source["b2"].id])
+
+
+def test_push_needs_the_token(source, smol, tmp_path):
+    with Memory(engine=smol, home=tmp_path / "hub") as hub, hub.serve(push_token=TOKEN) as srv:
+        before = state_of(hub)
+        with pytest.raises(AccessDenied, match="no token|wrong token"):
+            source["mem"].push(srv.url, token="not-the-token")
+        # a raw upload without any token never reaches the import
+        r = httpx.post(f"{srv.url}/v1/bundles", content=source["bundle"].read_bytes())
+        assert r.status_code == 401 and r.json()["error"] == "AccessDenied"
+        assert state_of(hub) == before
+        rep = source["mem"].push(srv.url, [source["b1"].id], token=TOKEN)
+        assert rep.added == [source["b1"].id]
+        assert hub.ask(source["b1"].id, QUERY, max_tokens=1).receipt.first_logits_sha256 == \
+            source["receipt"].first_logits_sha256
+
+
+def test_push_is_off_without_a_token(source, served):
+    with pytest.raises(AccessDenied, match="does not accept pushes"):
+        source["mem"].push(served.url, token=TOKEN)
+
+
+def test_pushed_bundle_is_checked_like_a_file(source, smol, tmp_path):
+    raw = bytearray(source["bundle"].read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    with Memory(engine=smol, home=tmp_path / "hub") as hub, hub.serve(push_token=TOKEN) as srv:
+        before = state_of(hub)
+        r = httpx.post(f"{srv.url}/v1/bundles", content=bytes(raw),
+                       headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 422 and r.json()["error"] == "BlockCorrupted"
+        r = httpx.post(f"{srv.url}/v1/bundles", content=bytes(raw[: len(raw) // 3]),
+                       headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 422 and r.json()["error"] == "BundleRejected"
+        assert state_of(hub) == before
+
+
+def test_signatures_over_http(source, smol, tmp_path, mem):
+    key, stranger = SigningKey.generate(), SigningKey.generate()
+    strict = TrustPolicy(require_signature=True).trust(key.public_key)
+    with BlockServer(source["mem"].store) as unsigned:
+        with pytest.raises(UntrustedBundle, match="not signed"):
+            mem.pull(unsigned.url, policy=strict)
+    with BlockServer(source["mem"].store, sign_key=stranger) as other:
+        with pytest.raises(UntrustedBundle, match="does not list"):
+            mem.pull(other.url, policy=strict)
+    assert mem.get_all() == []
+    with BlockServer(source["mem"].store, sign_key=key) as signed:
+        assert SIGNATURE_HEADER.lower() in httpx.get(f"{signed.url}/v1/blocks").headers
+        rep = mem.pull(signed.url, policy=strict)
+        assert rep.signer == key.public_key.key_id and rep.signer_trusted and len(rep.added) == 2
+    # the hub requires signed pushes: unsigned refused, signed by a trusted key accepted
+    with Memory(engine=smol, home=tmp_path / "hub") as hub:
+        strict.save(hub.store.home)
+        with hub.serve(push_token=TOKEN) as srv:
+            with pytest.raises(UntrustedBundle, match="not signed"):
+                source["mem"].push(srv.url, token=TOKEN)
+            assert hub.get_all() == []
+            assert len(source["mem"].push(srv.url, token=TOKEN, sign_key=key).added) == 2
+
+
+def test_cli_pull_and_push(source, smol, tmp_path, capsys):
+    from graftmem.cli import main
+
+    cfg = '{"probe": false}'
+    with Memory(engine=smol, home=tmp_path / "hub") as hub, hub.serve(push_token=TOKEN) as srv:
+        assert main(["--home", str(source["mem"].store.home), "push", srv.url, source["b2"].id[:8],
+                     "--token", TOKEN]) == 0
+        assert [b.id for b in hub.get_all()] == [source["b2"].id]
+        assert "1 added" in capsys.readouterr().out
+        home_c = str(tmp_path / "c")
+        assert main(["--home", home_c, "--config", cfg, "--json", "pull", srv.url]) == 0
+        pulled = json.loads(capsys.readouterr().out)
+        assert pulled["added"] == [source["b2"].id]
+        assert main(["--home", home_c, "ls"]) == 0
+        assert source["b2"].id[:12] in capsys.readouterr().out
+        assert main(["--home", home_c, "--config", cfg, "pull", srv.url + "/nope"]) == 2
