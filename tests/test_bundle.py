@@ -414,3 +414,17 @@ def test_rederive_detects_state_swapped_for_another_text(smol, tmp_path):
         cfg = '{"probe": false}'
         assert main(["--home", home, "--config", cfg, "verify", a.id, "--rederive"]) == 1
         assert main(["--home", home, "--config", cfg, "verify", b.id, "--rederive"]) == 0
+
+
+def test_adopt_rolls_back_when_a_move_fails(source, mem, tmp_path):
+    """Store.adopt is all or none: if the second move fails, the first block is taken out again."""
+    members = dict(read_members(source["bundle"]))
+    stage = mem.store.home / ".staging" / "test"
+    stage.mkdir(parents=True)
+    b1, b2 = source["b1"], source["b2"]
+    (stage / "one.gmb").write_bytes(members[f"blocks/{b1.id}.gmb"])
+    before = state_of(mem)
+    with pytest.raises(FileNotFoundError):
+        mem.store.adopt([(b1, stage / "one.gmb"), (b2, stage / "missing.gmb")])
+    assert state_of(mem)[1] == before[1] == []
+    assert not mem.store.path_of(b1.id).exists()
