@@ -236,27 +236,32 @@ class Store:
         """Store a block atomically; a block already present (same content id) is returned as is."""
         if block.state_size != len(state):
             raise ConfigError(f"block says {block.state_size} state bytes, got {len(state)}")
-        path = self.path_of(block.id)
         with self.lock():
-            if path.exists() and self.contains(block.id):
+            if self.path_of(block.id).exists() and self.contains(block.id):
                 return self.get(block.id)
-            path.parent.mkdir(exist_ok=True)
-            tmp = path.parent / f".{block.id}.{os.getpid()}.{threading.get_ident()}.tmp"
-            try:
-                with open(tmp, "xb") as f:
-                    size = write_block(f, block, state)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-                _fsync_dir(path.parent)
-            except OSError as exc:
-                tmp.unlink(missing_ok=True)
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise StoreFull(f"disk full while writing block {block.short_id} to {self.home}; "
-                                    "nothing was written: free space and learn again") from exc
-                raise StoreError(f"cannot write block {block.short_id} to {path}: {exc}") from exc
-            self._insert(block, size)
+            self._write(block, state)
         return block
+
+    def _write(self, block: Block, state: memoryview | bytes) -> None:
+        """Write the block file (temp, fsync, rename over any old file, fsync dir) and index it.
+        The caller holds the lock. At every instant the final path holds a whole old or new file."""
+        path = self.path_of(block.id)
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.parent / f".{block.id}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            with open(tmp, "xb") as f:
+                size = write_block(f, block, state)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            _fsync_dir(path.parent)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreFull(f"disk full while writing block {block.short_id} to {self.home}; "
+                                "nothing was written: free space and learn again") from exc
+            raise StoreError(f"cannot write block {block.short_id} to {path}: {exc}") from exc
+        self._insert(block, size)
 
     def delete(self, block_id: str) -> None:
         bid = self.resolve(block_id)
@@ -267,9 +272,11 @@ class Store:
     def adopt(self, files: list[tuple[Block, Path]]) -> list[str]:
         """Move already verified, fsync'ed block files (staged on this filesystem) into the store,
         all or none, under one lock; return the ids added. Blocks already present are skipped (their
-        staged copy stays where it is). If anything fails, the files moved so far are removed again,
-        so the store is left as it was. Used by bundle import and pull, which verify before calling."""
-        added: list[str] = []
+        staged copy stays where it is). The renames are made durable with one fsync per directory and
+        the index rows are inserted in one transaction. If anything fails, the files moved so far are
+        removed again, so the store is left as it was. Used by bundle import and pull, which verify
+        before calling."""
+        moved: list[tuple[Block, Path]] = []
         with self.lock():
             try:
                 for block, src in files:
@@ -278,27 +285,32 @@ class Store:
                         continue
                     dst.parent.mkdir(exist_ok=True)
                     os.replace(src, dst)
-                    added.append(block.id)
-                    _fsync_dir(dst.parent)
-                    self._insert(block, dst.stat().st_size)
+                    moved.append((block, dst))
+                for d in {dst.parent for _, dst in moved}:
+                    _fsync_dir(d)
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    for block, dst in moved:
+                        self._insert(block, dst.stat().st_size)
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
             except BaseException:
-                for bid in added:
-                    self.path_of(bid).unlink(missing_ok=True)
-                    self._db.execute("DELETE FROM blocks WHERE id=?", (bid,))
+                for _, dst in moved:
+                    dst.unlink(missing_ok=True)
                 raise
-        return added
+        return [b.id for b, _ in moved]
 
     def set_manifest(self, block: Block) -> None:
-        """Rewrite a block's manifest (e.g. its verification record); the state bytes are copied
-        through unchanged and their digest re-checked, all atomically."""
+        """Rewrite a block's manifest (e.g. its verification record). The state bytes are read back,
+        their digest re-checked, and the new file replaces the old one with one atomic rename, so a
+        kill at any point leaves either the old or the new block, never none."""
         with self.lock():
-            buf = bytearray()
-            old, state = self.read_state(block.id, lambda n: memoryview(buf.extend(b"\0" * n) or buf)[:n])
+            old, state = self.read_state(block.id, lambda n: memoryview(bytearray(n)))
             if old.state_digest != block.state_digest or old.id != block.id:
                 raise ConfigError("set_manifest may not change a block's id or state")
-            self.path_of(block.id).unlink()  # put() is a no-op for present blocks
-            self._db.execute("DELETE FROM blocks WHERE id=?", (block.id,))
-        self.put(block, state)
+            self._write(block, state)
 
     # ------------------------------------------------------------------ read
     def read_manifest(self, path: Path) -> Block:
