@@ -7,7 +7,7 @@ Two answer paths over the same prompt, ``block.text + continuation``:
 
 * ``graft``: restore the block's KV state at its own positions (:meth:`Memory.ask`), prefill the
   continuation only;
-* ``text``: the way without graftmem: tokenize the whole prompt string and prefill all of it.
+* ``text``: the way without graftmem: tokenize the block's text again and prefill it, then the task.
 
 Both hash the first-step logits, so any caller can see that they agree byte for byte; they do only when
 the seam between block and continuation does not merge tokens (:func:`graftmem._prompt.split_ids`),
@@ -95,11 +95,16 @@ def search(mem: "Memory", task: str, *, top_k: int = 5) -> list[SearchHit]:
 
 
 def _no_match(mem: "Memory", top: Optional[tuple[str, float]], min_score: float) -> Recall:
+    name = "(deleted)"
+    if top is not None:
+        try:
+            name = mem.store.get(top[0]).name
+        except BlockNotFound:
+            pass
     if top is None:
         text = ("no block matched this task: the store has no block learned by this engine "
                 f"({mem.fingerprint.model_name}); nothing was grafted")
     else:
-        name = mem.store.get(top[0]).name
         text = (f"no block matched this task: the best candidate {name!r} ({top[0][:12]}) scored "
                 f"{top[1]:.3f}, below min_score {min_score:.2f}; nothing was grafted")
     receipt = Receipt(block_id=None, tokens_restored=0, tokens_prefilled=0, restore_ms=0.0, prefill_ms=0.0,
@@ -110,14 +115,22 @@ def _no_match(mem: "Memory", top: Optional[tuple[str, float]], min_score: float)
 
 
 def answer_text_way(mem: "Memory", block: Block, continuation: str, *, max_tokens: int) -> Recall:
-    """The baseline: tokenize ``block.text + continuation`` as one string and prefill all of it."""
+    """The baseline without graftmem: tokenize the block's text again and prefill it, then the task.
+
+    Two prefill calls (manual, then task), like the graft path: llama.cpp's CPU kernels are not
+    invariant to how a prompt is cut into decode calls, so one call over the joined prompt gives logits
+    that differ slightly (measured KL ~0.005, same argmax: docs/routing.md). The token ids are the
+    joined prompt's (checked), so this is the fresh prefill the graft must equal byte for byte.
+    """
     eng = mem.engine
     qtok, clean = split_ids(eng, block.tokens, block.text, continuation)
-    whole = eng.tokenize(block.text + continuation)
+    ptok = eng.tokenize(block.text)
+    whole = ptok + qtok
     with eng.lock:
         eng.reset()
         t0 = time.perf_counter()
-        eng.prefill(whole)
+        eng.prefill(ptok)
+        eng.prefill(qtok)
         first = eng.logits()
         t1 = time.perf_counter()
         out = eng.generate(max_tokens, first_logits=first)
