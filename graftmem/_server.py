@@ -43,7 +43,7 @@ from . import _errors
 from ._blocks import Block, Fingerprint
 from ._bundle import (CHUNK, DEFAULT_MAX_ENTRY_BYTES, BlockChecker, BundleEntry, BundleManifest,
                       Incompatible, Staging, TransferReport, _adopt, _progress, export,
-                      foreign_store, import_stream, listing, select)
+                      foreign_store, fsync_all, import_stream, listing, select)
 from ._errors import (AccessDenied, BlockCorrupted, BlockNotFound, ConfigError, GraftmemError,
                       IncompatibleBlock, TransferError)
 from ._store import Store, incompatibility
@@ -410,8 +410,6 @@ def _download(client: httpx.Client, url: str, e: BundleEntry, part: Path, bar) -
                                 flush()
                     finally:
                         flush()  # keep every byte that arrived, so the next pull resumes after it
-                    out.flush()
-                    os.fsync(out.fileno())
         except httpx.HTTPError as exc:
             raise TransferError(f"download of block {e.id[:12]} from {url} was cut after {got} of "
                                 f"{e.file_size} bytes ({exc}); nothing was added to the store; "
@@ -480,6 +478,7 @@ def pull(store: Store, url: str, block_ids: Optional[Iterable[str]] = None, *,
         finally:
             if bar:
                 bar.close()
+    fsync_all([p for _, p in got])
     mine = [(b, p) for b, p in got if b.fingerprint.digest() == local]
     apart = [(b, p) for b, p in got if b.fingerprint.digest() != local]
     for digest in {b.fingerprint.digest() for b, _ in apart}:

@@ -239,6 +239,9 @@ class Store:
         with self.lock():
             if self.path_of(block.id).exists() and self.contains(block.id):
                 return self.get(block.id)
+            if block.parent is not None and not self.contains(block.parent):
+                raise BlockNotFound(f"block {block.short_id} is chained on {block.parent[:12]}, which "
+                                    f"is not in the store at {self.home} (deleted meanwhile?)")
             self._write(block, state)
         return block
 
@@ -263,11 +266,34 @@ class Store:
             raise StoreError(f"cannot write block {block.short_id} to {path}: {exc}") from exc
         self._insert(block, size)
 
-    def delete(self, block_id: str) -> None:
+    def children(self, block_id: str) -> list[str]:
+        """Ids of the blocks chained directly on ``block_id`` (their manifest's ``parent``)."""
+        with self._tlock:
+            return [r[0] for r in self._db.execute(
+                "SELECT id FROM blocks WHERE json_extract(manifest, '$.parent') = ? ORDER BY id", (block_id,))]
+
+    def delete(self, block_id: str, *, cascade: bool = False) -> list[str]:
+        """Delete a block; return the ids deleted. A block that other blocks are chained on is
+        refused (their states are rebuilt from its bytes) unless ``cascade=True``, which deletes
+        every descendant first, deepest first, under one lock."""
         bid = self.resolve(block_id)
         with self.lock():
-            self.path_of(bid).unlink(missing_ok=True)
-            self._db.execute("DELETE FROM blocks WHERE id=?", (bid,))
+            order: list[str] = []
+            todo = [bid]
+            while todo:
+                cur = todo.pop()
+                order.append(cur)
+                todo.extend(self.children(cur))
+            if len(order) > 1 and not cascade:
+                kids = self.children(bid)
+                raise ConfigError(
+                    f"block {bid[:12]} has {len(kids)} chained child block(s) "
+                    f"({', '.join(k[:12] for k in kids)}) whose states are rebuilt from its bytes; "
+                    f"delete them first or pass cascade=True to delete all {len(order) - 1} descendants")
+            for cur in reversed(order):  # children before parents: a kill leaves no orphan
+                self.path_of(cur).unlink(missing_ok=True)
+                self._db.execute("DELETE FROM blocks WHERE id=?", (cur,))
+            return list(reversed(order))
 
     def adopt(self, files: list[tuple[Block, Path]]) -> list[str]:
         """Move already verified, fsync'ed block files (staged on this filesystem) into the store,
