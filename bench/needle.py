@@ -1,0 +1,405 @@
+"""Needle in store: many pages behind one fixed window, one page grafted per question.
+
+Builds a store of ``--tokens`` document tokens (deterministic synthetic prose with needles
+"The secret code of <name> is <6 digits>." hidden at depths spread from start to end), then asks for
+every needle: route to a passage, graft ONLY its page, prefill the question, check the number by code.
+
+    # small (a few minutes)
+    python bench/needle.py --tokens 16000 --store /tmp/needle-16k
+    # the big run: resumable, low priority, in the background
+    nice -n 19 nohup python bench/needle.py --tokens 1000000 --store /work/needle-store \
+        --out bench/results/needle_1m.json > /work/needle-build.log 2>&1 &
+    # ask over whatever is built so far (a partial store is reported as such)
+    python bench/needle.py --tokens 1000000 --store /work/needle-store --ask-only --out ...
+    # bytes per stored token, per model and KV type
+    python bench/needle.py --sizes
+    # the plot from the JSON files
+    python bench/needle.py --plot bench/results/needle_16k.json bench/results/needle_1m.json
+
+The build order puts the pages that hold needles first (``--needles-first``, default on), then every
+page in document order, so an interrupted build can already be asked at every depth; the report says how
+many pages of the document are stored. The questions are asked in a fresh subprocess so its peak RSS
+is the cost of asking, not of building.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from graftmem import EngineConfig, Memory  # noqa: E402
+from graftmem._engine import Engine, logits_sha256  # noqa: E402
+from graftmem._pager import learn_pages, page_index, plan_document  # noqa: E402
+
+# ----------------------------------------------------------------------------- corpus
+_SUBJ = ["the harbor master", "a young cartographer", "the old miller", "the night watchman", "a traveling tinker",
+         "the village baker", "the lighthouse keeper", "a weary shepherd", "the river pilot", "the schoolteacher",
+         "a merchant from the coast", "the blacksmith", "the orchard keeper", "a pair of fishermen", "the choir",
+         "the innkeeper", "a surveyor", "the ferryman", "the weaver", "a group of pilgrims", "the glassblower",
+         "the beekeeper", "a clockmaker", "the stable boy", "the apothecary", "the mapmaker's apprentice"]
+_VERB = ["walked along", "spoke at length about", "remembered", "repaired", "sketched", "crossed", "painted",
+         "argued over", "sang about", "measured", "cleaned", "searched", "described", "visited", "guarded",
+         "counted the stones of", "wrote a long letter about", "dreamed of", "traded stories about", "rebuilt"]
+_OBJ = ["the north bridge", "the flooded meadow", "the chapel roof", "the copper mill", "the salt road",
+        "the winter market", "the broken lantern", "the eastern orchard", "the quarry", "the narrow canal",
+        "the grain barge", "the ruined tower", "the fishing nets", "the long pier", "the hill fort", "the tide pools",
+        "the linen sheds", "the frozen pond", "the ferry landing", "the olive terraces", "the signal fire"]
+_WHEN = ["at dawn", "before the first frost", "during the spring fair", "after the long rains", "late in the evening",
+         "on market day", "in the dry season", "when the bells rang", "under a pale moon", "at the turn of the tide",
+         "before the harvest", "in the years after the flood", "while the wind rose", "on a grey morning"]
+_TAIL = ["and nobody could say why it mattered so much.", "while the gulls circled overhead.",
+         "as the smoke drifted over the rooftops.", "and the story was told again each winter.",
+         "though the weather turned cold.", "and then went home without a word.", "with great patience.",
+         "as their grandparents had done before them.", "and the children listened closely.",
+         "before the lamps were lit.", "because the council had asked for it.", "and wrote it in the ledger."]
+_OPEN = ["In the town of {t},", "Far to the south of {t},", "Near the walls of {t},", "Years ago in {t},",
+         "Across the valley from {t},", "Every autumn in {t},"]
+_TOWNS = ["Ashford", "Brackwater", "Coldharbor", "Dunmere", "Elderholt", "Fenwick", "Greymoor", "Hollowmere",
+          "Ivybridge", "Kettleby", "Larkspur", "Millbrook", "Northwold", "Oakhaven", "Pennick", "Ravensfold",
+          "Saltmarsh", "Thornbury", "Underhill", "Westerby", "Yarrowdale"]
+#: needle names: none of their words occur in the filler
+NEEDLE_NAMES = ["Zephyrine Oakwhistle", "Bartholomew Quillon", "Ottoline Vardasz", "Casimir Threnody",
+                "Marisol Kettlewick", "Theodric Pemberwell", "Anouk Silvermane", "Leopold Brindlecombe",
+                "Ysolde Marchbank", "Fitzgerald Orrinshaw", "Perpetua Hallowby", "Ignatius Wrenfield"]
+
+
+def _sentence(rng: random.Random) -> str:
+    kind = rng.random()
+    if kind < 0.25:
+        s = f"{rng.choice(_OPEN).format(t=rng.choice(_TOWNS))} {rng.choice(_SUBJ)} {rng.choice(_VERB)} {rng.choice(_OBJ)} {rng.choice(_WHEN)}, {rng.choice(_TAIL)}"
+    elif kind < 0.6:
+        s = f"{rng.choice(_SUBJ).capitalize()} {rng.choice(_VERB)} {rng.choice(_OBJ)} {rng.choice(_WHEN)} {rng.choice(_TAIL)}"
+    elif kind < 0.8:
+        s = (f"{rng.choice(_WHEN).capitalize()}, {rng.choice(_SUBJ)} and {rng.choice(_SUBJ)} {rng.choice(_VERB)} "
+             f"{rng.choice(_OBJ)} near {rng.choice(_TOWNS)}.")
+    else:
+        n = rng.randint(2, 40)
+        s = (f"There were {n} boats at {rng.choice(_OBJ)} that year, and {rng.choice(_SUBJ)} "
+             f"{rng.choice(_VERB)} each of them {rng.choice(_TAIL)}")
+    return s
+
+
+def make_corpus(engine: Engine, n_tokens: int, n_needles: int = 7, seed: int = 0) -> tuple[str, list[dict]]:
+    """Deterministic prose of about ``n_tokens`` tokens with needles at depths spread from 1 % to 99 %."""
+    rng = random.Random(seed)
+    sentences: list[str] = []
+    counts: list[int] = []
+    total = 0
+    while total < n_tokens:
+        para = " ".join(_sentence(rng) for _ in range(rng.randint(3, 7)))
+        n = len(engine.tokenize(para, add_special=False))
+        sentences.append(para)
+        counts.append(n)
+        total += n
+    needles = []
+    fracs = [0.01 + 0.98 * i / max(1, n_needles - 1) for i in range(n_needles)]
+    cum = [0]
+    for c in counts:
+        cum.append(cum[-1] + c)
+    for i, f in enumerate(fracs):
+        name = NEEDLE_NAMES[i % len(NEEDLE_NAMES)]
+        code = f"{rng.randint(100000, 999999)}"
+        target = f * total
+        para_i = min(range(len(counts)), key=lambda k: abs(cum[k] - target))
+        needles.append({"name": name, "code": code, "para": para_i, "fraction": round(f, 4)})
+    by_para = {nd["para"]: nd for nd in needles}
+    out = []
+    pos = 0
+    for k, para in enumerate(sentences):
+        if k in by_para:
+            nd = by_para[k]
+            needle = f"The secret code of {nd['name']} is {nd['code']}."
+            parts = para.split(". ")
+            # the needle goes inside the paragraph, between two of its sentences
+            cut = max(1, len(parts) // 2)
+            before = ". ".join(parts[:cut]) + ". "
+            nd["char_start"] = pos + len(before)
+            nd["char_end"] = nd["char_start"] + len(needle)
+            para = before + needle + " " + ". ".join(parts[cut:])
+            del nd["para"]
+        out.append(para)
+        pos += len(para) + 2
+    return "\n\n".join(out), needles
+
+
+def question(name: str) -> tuple[str, str]:
+    """The routing task and the prompt the base model continues."""
+    task = f"What is the secret code of {name}?"
+    prompt = f"\n\nQuestion: What is the secret code of {name}?\nAnswer: The secret code of {name} is"
+    return task, prompt
+
+
+# ----------------------------------------------------------------------------- phases
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(n_ctx=args.window + 256, type_k=args.kv, type_v=args.kv, n_threads=args.threads)
+
+
+def build(args: argparse.Namespace) -> dict:
+    t0 = time.perf_counter()
+    with Memory(args.model, home=args.store, config=engine_config(args)) as mem:
+        text, needles = make_corpus(mem.engine, args.tokens, args.needles, args.seed)
+        plan = plan_document(mem.engine, text, window=args.window, overlap=args.overlap,
+                             document=f"needle-{args.tokens}-s{args.seed}", name=f"needle corpus {args.tokens}")
+        t_plan = time.perf_counter() - t0
+        print(f"plan: {len(plan.pages)} pages, {plan.n_tokens} document tokens, {plan.page_tokens} page tokens "
+              f"({t_plan:.1f} s)", flush=True)
+        first = []
+        if args.needles_first:
+            for nd in needles:
+                first += [p for p in plan.pages_holding(nd["char_start"], nd["char_end"])[:1] if p not in first]
+        order = first + [p.page for p in plan.pages if p.page not in first]
+        done_tokens = 0
+        t_build = time.perf_counter()
+        chunk = max(1, args.chunk)
+        reports = []
+        for s in range(0, len(order), chunk):
+            rep = learn_pages(mem, plan, order[s:s + chunk], progress=args.progress)
+            reports.append(rep)
+            done_tokens += rep.tokens_prefilled
+            st = mem.stats()
+            el = time.perf_counter() - t_build
+            print(json.dumps({"t": round(el, 1), "pages_done": min(s + chunk, len(order)), "pages": len(order),
+                              "learned": rep.pages_learned, "skipped": rep.pages_skipped,
+                              "prefilled_tok_s": round(done_tokens / el, 1) if el else 0,
+                              "store_tokens": st.tokens, "store_bytes": st.bytes_on_disk,
+                              "bytes_per_token": round(st.bytes_per_token)}), flush=True)
+        st = mem.stats()
+    return {"pages": len(plan.pages), "document_tokens": plan.n_tokens, "page_tokens": plan.page_tokens,
+            "tokens_prefilled_this_run": done_tokens,
+            "pages_learned_this_run": sum(r.pages_learned for r in reports),
+            "pages_skipped_this_run": sum(r.pages_skipped for r in reports),
+            "build_seconds_this_run": round(time.perf_counter() - t_build, 1),
+            "prefill_tok_s_this_run": round(done_tokens / (time.perf_counter() - t_build), 1) if done_tokens else None,
+            "plan_seconds": round(t_plan, 1), "store_blocks": st.blocks, "store_tokens": st.tokens,
+            "store_bytes": st.bytes_on_disk, "bytes_per_token": round(st.bytes_per_token, 1)}
+
+
+def ask(args: argparse.Namespace) -> dict:
+    """Ask for every needle over the store as it is; runs in its own process (peak RSS)."""
+    t0 = time.perf_counter()
+    with Memory(args.model, home=args.store, config=engine_config(args)) as mem:
+        eng = mem.engine
+        text, needles = make_corpus(eng, args.tokens, args.needles, args.seed)
+        plan = plan_document(eng, text, window=args.window, overlap=args.overlap,
+                             document=f"needle-{args.tokens}-s{args.seed}")
+        fpd = mem.fingerprint.digest()
+        index = page_index(mem)
+        stored = {p.page: p for p in index.pages(plan.document, fpd)}
+        st = mem.stats()
+        n_ctx = eng.n_ctx
+        rss_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak_n_past = 0
+        orig_prefill = eng.prefill
+
+        def tracking_prefill(tokens, progress=None):  # the context never grows past one page + question
+            nonlocal peak_n_past
+            orig_prefill(tokens, progress)
+            peak_n_past = max(peak_n_past, eng.n_past)
+
+        eng.prefill = tracking_prefill  # type: ignore[method-assign]
+        mem.recall_document("warm up the router", document=plan.document, max_tokens=1, min_score=-1)
+        rows = []
+        for nd in needles:
+            holding = plan.pages_holding(nd["char_start"], nd["char_end"])
+            depth = plan.token_offset(nd["char_start"])
+            task, prompt = question(nd["name"])
+            row = {"name": nd["name"], "code": nd["code"], "depth": depth, "fraction": nd["fraction"],
+                   "needle_pages": holding, "needle_page_stored": any(p in stored for p in holding)}
+            t = time.perf_counter()
+            a = mem.recall_document(task, prompt=prompt, document=plan.document, max_tokens=10, min_score=-1)
+            row.update({
+                "page": a.page.page, "page_token_start": a.page.token_start, "passage_depth": a.depth,
+                "routed_to_needle_page": a.page.page in holding, "score": round(a.passage.score, 4),
+                "restore_ms": round(a.recall.receipt.restore_ms, 2), "tokens_restored": a.recall.receipt.tokens_restored,
+                "tokens_prefilled": a.recall.receipt.tokens_prefilled, "prefill_ms": round(a.recall.receipt.prefill_ms, 1),
+                "decode_ms": round(a.recall.receipt.decode_ms, 1), "total_ms": round((time.perf_counter() - t) * 1e3, 1),
+                "answer": a.text.strip(), "found": nd["code"] in a.text, "exact_seam": a.recall.receipt.exact,
+                "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                "n_past_peak": peak_n_past})
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        # negative control: graft a stored page that does NOT hold the needle, ask the same question
+        negatives = []
+        for nd in needles[:3]:
+            holding = set(plan.pages_holding(nd["char_start"], nd["char_end"]))
+            others = [p for p in sorted(stored) if p not in holding]
+            clean = [p for p in others if not any(  # prefer pages that hold no needle at all
+                plan.pages[p].char_start <= o["char_start"] < plan.pages[p].char_end for o in needles)]
+            others = clean or others
+            if not others:
+                continue
+            wrong = others[len(others) // 2]
+            task, prompt = question(nd["name"])
+            r = mem.ask(stored[wrong].block_id, prompt, max_tokens=10)
+            negatives.append({"name": nd["name"], "code": nd["code"], "grafted_page": wrong,
+                              "answer": r.text.strip(), "code_produced": nd["code"] in r.text,
+                              "restore_ms": round(r.receipt.restore_ms, 2)})
+            print("negative control:", json.dumps(negatives[-1]), flush=True)
+        # one page's graft vs a fresh prefill of the same page + question (SHA-256 of logits)
+        exact = None
+        if rows and args.check_exact:
+            a_row = rows[len(rows) // 2]
+            page = plan.pages[a_row["page"]]
+            block = mem.store.get(stored[page.page].block_id)
+            _, prompt = question(a_row["name"])
+            q = eng.tokenize(prompt, add_special=False)
+            graft = mem.ask(block.id, prompt, max_tokens=1).receipt.first_logits_sha256
+            with eng.lock:
+                eng.reset()
+                t = time.perf_counter()
+                orig_prefill(list(block.tokens) + q)
+                fresh_ms = (time.perf_counter() - t) * 1e3
+                fresh = logits_sha256(eng.logits())
+                eng.reset()
+            exact = {"page": page.page, "page_tokens": block.n_tokens, "graft_sha256": graft, "fresh_sha256": fresh,
+                     "equal": graft == fresh, "fresh_prefill_ms": round(fresh_ms, 1)}
+            print("exactness:", json.dumps(exact), flush=True)
+        n_index = len(index)
+    return {"store_blocks": st.blocks, "store_tokens": st.tokens, "store_bytes": st.bytes_on_disk,
+            "bytes_per_token": round(st.bytes_per_token, 1), "pages_in_document": len(plan.pages),
+            "pages_stored": len(stored), "document_tokens": plan.n_tokens,
+            "stored_document_fraction": round(len(stored) / len(plan.pages), 4), "passages_indexed": n_index,
+            "n_ctx": n_ctx, "window": args.window, "found": sum(r["found"] for r in rows), "asked": len(rows),
+            "questions": rows, "negative_controls": negatives, "exactness": exact,
+            "peak_rss_mb_after_load": round(rss_load / 1024, 1),
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "ask_seconds": round(time.perf_counter() - t0, 1)}
+
+
+def sizes(args: argparse.Namespace) -> list[dict]:
+    """State bytes per token and prefill speed for each model, KV type and page size."""
+    from tests.conftest import long_text
+
+    rows = []
+    for model in ("gemma3-270m", "smollm2"):
+        for kv in ("f16", "q8_0"):
+            for page in args.size_pages:
+                eng = Engine(model, EngineConfig(n_ctx=page + 256, type_k=kv, type_v=kv, probe=False,
+                                                 n_threads=args.threads))
+                toks = eng.tokenize(long_text(page * 2))[:page]
+                eng.reset()
+                t = time.perf_counter()
+                eng.prefill(toks)
+                dt = time.perf_counter() - t
+                n = len(eng.capture())
+                rows.append({"model": model, "kv": kv, "page_tokens": page, "state_bytes": n,
+                             "bytes_per_token": round(n / page), "prefill_tok_s": round(page / dt, 1)})
+                print(json.dumps(rows[-1]), flush=True)
+                eng.close()
+    return rows
+
+
+def plot(paths: list[str], out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for p in paths:
+        d = json.loads(Path(p).read_text())
+        qs = [q for q in d["ask"]["questions"]]
+        label = f"{d['ask']['store_tokens']:,} stored tokens ({d['ask']['pages_stored']} pages)"
+        xs = [q["depth"] for q in qs]
+        ax1.plot(xs, [q["restore_ms"] for q in qs], "o-", label=label)
+        ax2.plot(xs, [q["tokens_prefilled"] for q in qs], "o-", label=label)
+    ax1.set_xlabel("needle depth (token offset in the document)")
+    ax1.set_ylabel("restore ms (read + digest + graft of one page)")
+    ax1.set_ylim(bottom=0)
+    ax2.set_xlabel("needle depth (token offset in the document)")
+    ax2.set_ylabel("tokens prefilled per question")
+    ax2.set_ylim(bottom=0)
+    ax1.legend(fontsize=8)
+    fig.suptitle("Needle in store: restore cost against depth (one page grafted per question)")
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    print("wrote", out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=16000)
+    ap.add_argument("--store", default="/tmp/needle-store")
+    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--kv", default="q8_0", choices=["f16", "q8_0"])
+    ap.add_argument("--window", type=int, default=2048, help="page size in tokens; n_ctx = window + 256")
+    ap.add_argument("--overlap", type=int, default=64)
+    ap.add_argument("--needles", type=int, default=7)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--chunk", type=int, default=8, help="pages per progress line")
+    ap.add_argument("--needles-first", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False)
+    ap.add_argument("--check-exact", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--ask-only", action="store_true")
+    ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--sizes", action="store_true")
+    ap.add_argument("--size-pages", type=int, nargs="+", default=[1024, 2048, 4096])
+    ap.add_argument("--plot", nargs="*", default=None)
+    ap.add_argument("--plot-out", default=str(ROOT / "docs" / "img" / "needle_restore_vs_depth.png"))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.plot is not None:
+        plot(args.plot, args.plot_out)
+        return
+    if args.sizes:
+        rows = sizes(args)
+        out = Path(args.out or ROOT / "bench" / "results" / "needle_sizes.json")
+        out.write_text(json.dumps({"rows": rows, "threads": args.threads}, indent=1))
+        return
+    if args._child:
+        print("ASK_JSON " + json.dumps(ask(args)), flush=True)
+        return
+    out = Path(args.out or ROOT / "bench" / "results" / f"needle_{args.tokens // 1000}k.json")
+    result: dict = {"command": " ".join(sys.argv), "tokens": args.tokens, "model": args.model, "kv": args.kv,
+                    "window": args.window, "overlap": args.overlap, "store": args.store}
+    if not args.ask_only:
+        result["build"] = build(args)
+        print("build:", json.dumps(result["build"]), flush=True)
+        if out.exists():  # keep the build history of a resumed run
+            try:
+                prev = json.loads(out.read_text())
+                result["previous_builds"] = prev.get("previous_builds", []) + ([prev["build"]] if "build" in prev else [])
+            except (ValueError, KeyError):
+                pass
+    if args.build_only:
+        out.write_text(json.dumps(result, indent=1))
+        return
+    cmd = [sys.executable, __file__, "--_child"] + [a for a in sys.argv[1:] if a not in ("--ask-only", "--build-only")]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    sys.stdout.write("".join(l + "\n" for l in proc.stdout.splitlines() if not l.startswith("ASK_JSON")))
+    line = [l for l in proc.stdout.splitlines() if l.startswith("ASK_JSON ")]
+    if proc.returncode != 0 or not line:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise SystemExit(f"asking failed (exit {proc.returncode})")
+    result["ask"] = json.loads(line[0][len("ASK_JSON "):])
+    if args.ask_only and out.exists():
+        prev = json.loads(out.read_text())
+        for k in ("build", "previous_builds"):
+            if k in prev:
+                result[k] = prev[k]
+    a = result["ask"]
+    print(f"found {a['found']}/{a['asked']}; store {a['store_tokens']:,} tokens in {a['pages_stored']}/"
+          f"{a['pages_in_document']} pages, {a['bytes_per_token']:.0f} B/token, peak RSS {a['peak_rss_mb']} MB",
+          flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
