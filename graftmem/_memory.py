@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from ._trust import RederiveReport, SigningKey, TrustPolicy
     from ._blocks import SearchHit
     from ._router import Embedder, Router
+    from ._pager import DocumentAnswer, DocumentReport, Source
 
 __all__ = ["Memory"]
 
@@ -103,8 +104,15 @@ class Memory:
     # ------------------------------------------------------------------ learn
     def learn(self, text: str, *, name: Optional[str] = None, kind: str = "manual",
               metadata: Optional[Mapping[str, Any]] = None, progress: bool = False,
-              when_to_use: Optional[str] = None, chat: bool = False) -> Block:
+              when_to_use: Optional[str] = None, chat: bool = False,
+              parent: Optional[str] = None) -> Block:
         """Prefill ``text`` once and store its KV state as a block (deduplicated by content).
+
+        ``parent`` (a block id) chains the text on that block: the parent is grafted, ``text`` is
+        tokenized without BOS and prefilled at positions ``parent.pos_end..``, and the child is
+        stored as a delta (its new cells only) when the state layout allows; grafting the child
+        equals a fresh sequential prefill of every text of the chain, byte for byte. A shared system
+        prompt learned once with many manuals chained on it is the intended use.
 
         ``when_to_use`` describes the tasks this block serves; the router embeds it with the name and
         the start of the text. ``chat=True`` stores the text as a complete chat turn of the model's
@@ -119,11 +127,22 @@ class Memory:
             from ._recall import prepare_learn
 
             text, name, metadata = prepare_learn(self, text, name, metadata, when_to_use, chat)
-        tokens = eng.tokenize(text)
-        if len(tokens) >= eng.n_ctx:
-            raise ConfigError(f"text is {len(tokens)} tokens, the engine's n_ctx is {eng.n_ctx}: "
-                              "raise n_ctx or split the text")
-        bid = block_id_for(eng.fingerprint, tokens)
+        pblock = None
+        if parent is not None:
+            if chat:
+                raise ConfigError("chat=True cannot be chained on a parent block: learn the chat turn as a root")
+            pblock = self.store.get(parent)
+            err = incompatibility(pblock, eng.fingerprint)
+            if err is not None:
+                raise err
+        tokens = eng.tokenize(text, add_special=pblock is None)
+        if not tokens:
+            raise ConfigError("the text has no tokens")
+        start = pblock.pos_end if pblock is not None else 0
+        if start + len(tokens) >= eng.n_ctx:
+            raise ConfigError(f"text is {len(tokens)} tokens after {start} positions, the engine's n_ctx "
+                              f"is {eng.n_ctx}: raise n_ctx or split the text")
+        bid = block_id_for(eng.fingerprint, tokens, pblock.id if pblock is not None else None)
         if self.store.contains(bid):
             from ._recall import learned_again
 
@@ -132,15 +151,22 @@ class Memory:
         with eng.lock:
             eng.reset()
             try:
-                eng.prefill(tokens, progress=bar.update if bar else None)
+                if pblock is not None:
+                    from ._chain import capture_child
+
+                    state, fields = capture_child(self.store, eng, pblock, tokens,
+                                                  progress=bar.update if bar else None)
+                else:
+                    eng.prefill(tokens, progress=bar.update if bar else None)
+                    state = eng.capture()
+                    fields = {"state_size": len(state), "state_digest": state_digest(state)}
             finally:
                 if bar:
                     bar.close()
-            state = eng.capture()
             block = Block(
                 id=bid, name=name or _default_name(text), kind=kind, text=text, tokens=tokens,
-                n_tokens=len(tokens), fingerprint=eng.fingerprint, state_size=len(state),
-                state_digest=state_digest(state), metadata=dict(metadata or {}))
+                n_tokens=len(tokens), fingerprint=eng.fingerprint, metadata=dict(metadata or {}),
+                **fields)
             stored = self.store.put(block, state)
             eng.reset()
         log.info("learned block %s (%d tokens, %d state bytes)", block.short_id, len(tokens), len(state))
@@ -164,8 +190,13 @@ class Memory:
             raise ConfigError("the query is empty")
         with eng.lock:
             t0 = time.perf_counter()
-            _, view = self.store.read_state(block.id, eng.buffer, fingerprint=eng.fingerprint)
-            eng.restore(view, block.n_tokens)
+            if block.parent is None:
+                _, view = self.store.read_state(block.id, eng.buffer, fingerprint=eng.fingerprint)
+            else:  # a chained block: every stored digest of the chain checked, then merged
+                from ._chain import load_state
+
+                _, view = load_state(self.store, block.id, eng.buffer, fingerprint=eng.fingerprint)
+            eng.restore(view, block.pos_end)
             t1 = time.perf_counter()
             eng.prefill(qtok)
             first = eng.logits()
@@ -174,7 +205,7 @@ class Memory:
             t3 = time.perf_counter()
             eng.reset()
         receipt = Receipt(
-            block_id=block.id, tokens_restored=block.n_tokens, tokens_prefilled=len(qtok),
+            block_id=block.id, tokens_restored=block.pos_end, tokens_prefilled=len(qtok),
             restore_ms=(t1 - t0) * 1e3, prefill_ms=(t2 - t1) * 1e3, decode_ms=(t3 - t2) * 1e3,
             decode_tokens=len(out), first_logits_sha256=logits_sha256(first), exact=eng.exactness.exact)
         return Recall(text=eng.detokenize(out), tokens=out, block=block, receipt=receipt)
@@ -218,6 +249,32 @@ class Memory:
         self._check()
         return self.router.rebuild()
 
+    # ------------------------------------------------------------------ long documents (see _pager)
+    def learn_document(self, source: "Source", *, document: Optional[str] = None, name: Optional[str] = None,
+                       window: Optional[int] = None, overlap: Optional[int] = None,
+                       progress: bool = True) -> "DocumentReport":
+        """Cut a long document (a path, a text or an iterable of texts) into pages that fit the window,
+        prefill and store each page as a block of kind ``page`` and index its passages for routing.
+
+        Resumable: pages already stored are skipped, so a rerun after a crash or Ctrl-C continues
+        where the build stopped. ``window`` defaults to ``n_ctx - 256`` tokens (room for the question).
+        """
+        from ._pager import DEFAULT_OVERLAP, learn_document
+
+        self._check()
+        return learn_document(self, source, document=document, name=name, window=window,
+                              overlap=DEFAULT_OVERLAP if overlap is None else overlap, progress=progress)
+
+    def recall_document(self, task: str, *, prompt: Optional[str] = None, document: Optional[str] = None,
+                        max_tokens: int = 32, min_score: Optional[float] = None) -> "DocumentAnswer":
+        """Route ``task`` to the passage that answers it, graft ONLY its page and answer after ``prompt``
+        (default: a blank line and the task); the answer says which page and where in the document."""
+        from ._pager import recall_document
+
+        self._check()
+        return recall_document(self, task, prompt=prompt, document=document, max_tokens=max_tokens,
+                               min_score=min_score)
+
     # ------------------------------------------------------------------ store verbs
     def get(self, block_id: str) -> Block:
         self._check()
@@ -227,12 +284,15 @@ class Memory:
         self._check()
         return self.store.list(kind=kind)
 
-    def delete(self, block_id: str) -> None:
+    def delete(self, block_id: str, *, cascade: bool = False) -> list[str]:
+        """Delete a block; return the ids deleted. A block with chained children is refused
+        (:class:`ConfigError`) unless ``cascade=True``, which deletes its descendants too."""
         self._check()
         bid = self.store.resolve(block_id)
-        self.store.delete(bid)
+        gone = self.store.delete(bid, cascade=cascade)
         if self._router is not None:
-            self._router.remove([bid])
+            self._router.remove(gone)
+        return gone
 
     def stats(self) -> StoreStats:
         self._check()
