@@ -10,7 +10,9 @@ measures the checking and the format, not durability, each peer is given the sam
               (streamed to disk + fsync); both servers run in their own process
 
 The same numbers without any fsync are printed too. All files are in the page cache (just written):
-this measures CPU and syscalls, not the disk. Median of ``--repeat`` runs.
+this measures CPU and syscalls, not the disk. The three variants of each operation run back to back
+in every round (the machine is shared); MB/s are medians over ``--repeat`` rounds and each ratio is
+the median of the per-round ratios.
 
     python bench/bundle.py [--blocks 8] [--tokens 400] [--repeat 5]
 """
@@ -50,17 +52,28 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def median_rate(fn, nbytes: int, repeat: int, setup=None, teardown=None) -> float:
-    """Median MB/s of ``fn(setup())`` (10^6 bytes per MB); setup and teardown are not timed."""
-    rates = []
+def timed(fn, setup=None, teardown=None) -> float:
+    arg = setup() if setup else None
+    t0 = time.perf_counter()
+    fn(arg) if setup else fn()
+    dt = time.perf_counter() - t0
+    if teardown:
+        teardown(arg)
+    return dt
+
+
+def paired(nbytes: int, repeat: int, ours, plain, plain_no_fsync) -> dict[str, float]:
+    """Run the three back to back, ``repeat`` times (each a (fn, setup, teardown) tuple), so that
+    they see the same machine load (this machine is shared); MB/s are medians, and the ratio is the
+    median of the per-round ratios, which is robust to load that changes between rounds."""
+    t: dict[str, list[float]] = {"graftmem": [], "plain": [], "plain_no_fsync": []}
     for _ in range(repeat):
-        arg = setup() if setup else None
-        t0 = time.perf_counter()
-        fn(arg) if setup else fn()
-        rates.append(nbytes / 1e6 / (time.perf_counter() - t0))
-        if teardown:
-            teardown(arg)
-    return statistics.median(rates)
+        for name, spec in (("graftmem", ours), ("plain", plain), ("plain_no_fsync", plain_no_fsync)):
+            t[name].append(timed(*spec))
+    out = {k: nbytes / 1e6 / statistics.median(v) for k, v in t.items()}
+    out["ratio"] = statistics.median(p / o for o, p in zip(t["graftmem"], t["plain"]))
+    out["ratio_no_fsync"] = statistics.median(p / o for o, p in zip(t["graftmem"], t["plain_no_fsync"]))
+    return out
 
 
 def drop_store(s: Store) -> None:
@@ -83,7 +96,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=400, help="about this many tokens per block")
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=9)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "bundle.json"))
     args = ap.parse_args()
 
@@ -121,9 +134,8 @@ def main() -> int:
                 fsync_file(d)
             shutil.rmtree(d)
 
-        rows["export"] = {"graftmem": median_rate(do_export, nbytes, args.repeat),
-                          "plain": median_rate(lambda: copy_files(True), nbytes, args.repeat),
-                          "plain_no_fsync": median_rate(lambda: copy_files(False), nbytes, args.repeat)}
+        rows["export"] = paired(nbytes, args.repeat, (do_export,), (lambda: copy_files(True),),
+                                (lambda: copy_files(False),))
         do_export()
         bsize = bundle.stat().st_size
 
@@ -140,9 +152,8 @@ def main() -> int:
             dst.unlink()
 
         new_store = (lambda: Store(work / f"dst-{next(counter)}"))
-        rows["import"] = {"graftmem": median_rate(do_import, bsize, args.repeat, new_store, drop_store),
-                          "plain": median_rate(lambda: copy_bundle(True), bsize, args.repeat),
-                          "plain_no_fsync": median_rate(lambda: copy_bundle(False), bsize, args.repeat)}
+        rows["import"] = paired(bsize, args.repeat, (do_import, new_store, drop_store),
+                                (lambda: copy_bundle(True),), (lambda: copy_bundle(False),))
 
         # ------------------------------------------------------------------ pull vs plain HTTP
         srv, line = spawn([sys.executable, "-m", "graftmem", "--home", str(home_a), "serve", "--port", "0"],
@@ -173,9 +184,8 @@ def main() -> int:
                     fsync_file(d)
                 shutil.rmtree(d)
 
-            rows["pull"] = {"graftmem": median_rate(do_pull, nbytes, args.repeat, new_store, drop_store),
-                            "plain": median_rate(lambda: http_download(True), nbytes, args.repeat),
-                            "plain_no_fsync": median_rate(lambda: http_download(False), nbytes, args.repeat)}
+            rows["pull"] = paired(nbytes, args.repeat, (do_pull, new_store, drop_store),
+                                  (lambda: http_download(True),), (lambda: http_download(False),))
         finally:
             for p in (srv, plain):
                 p.terminate()
@@ -186,8 +196,6 @@ def main() -> int:
         print(f"\n{'operation':<8} {'graftmem MB/s':>14} {'plain MB/s':>11} {'ratio':>6} {'target':>7}   "
               f"{'plain, no fsync':>15} {'ratio':>6}   peer")
         for op, r in rows.items():
-            r["ratio"] = r["graftmem"] / r["plain"]
-            r["ratio_no_fsync"] = r["graftmem"] / r["plain_no_fsync"]
             ok = "ok" if r["ratio"] >= TARGET else "MISS"
             print(f"{op:<8} {r['graftmem']:>14.0f} {r['plain']:>11.0f} {r['ratio']:>6.2f} {ok:>7}   "
                   f"{r['plain_no_fsync']:>15.0f} {r['ratio_no_fsync']:>6.2f}   {peers[op]}")
@@ -196,7 +204,9 @@ def main() -> int:
             "blocks": len(blocks), "tokens": sum(b.n_tokens for b in blocks), "block_bytes": nbytes,
             "bundle_bytes": bsize, "repeat": args.repeat, "target_ratio": TARGET, "cpus": os.cpu_count(),
             "results": rows, "peers": peers,
-            "note": "MB = 10^6 bytes; median of repeats; files in page cache; plain peers fsync like graftmem",
+            "note": "MB = 10^6 bytes; medians over rounds, each round runs graftmem and both peers "
+                    "back to back; ratio = median of per-round ratios; files in page cache; 'plain' peers "
+                    "fsync like graftmem, 'plain_no_fsync' do not",
         }
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

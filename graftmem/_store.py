@@ -312,8 +312,15 @@ class Store:
                     dst.parent.mkdir(exist_ok=True)
                     os.replace(src, dst)
                     moved.append((block, dst))
-                for d in {dst.parent for _, dst in moved}:
-                    _fsync_dir(d)
+                dirs = list({dst.parent for _, dst in moved})
+                if len(dirs) > 1:  # concurrent fsyncs share journal commits
+                    from concurrent.futures import ThreadPoolExecutor
+
+                    with ThreadPoolExecutor(max_workers=min(16, len(dirs))) as pool:
+                        list(pool.map(_fsync_dir, dirs))
+                else:
+                    for d in dirs:
+                        _fsync_dir(d)
                 self._db.execute("BEGIN IMMEDIATE")
                 try:
                     for block, dst in moved:
