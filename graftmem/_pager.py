@@ -23,9 +23,11 @@ and the cutting is deterministic (same text, window, overlap and tokenizer give 
 rerun computes the same ids, finds the stored ones and skips them: nothing is prefilled twice and
 nothing is stored twice. The document row records how many pages are done, for progress reports.
 
-Positions in the document. ``token_start`` of a page or passage counts the tokens of the document
-before it, as the sum of the token counts of the sentences before it (each sentence tokenized on its
-own). That is within a few tokens of tokenizing the whole document at once, and costs no extra pass.
+Positions in the document. ``token_start`` of a page is the previous page's plus the tokens of the
+text between the two page starts; of a passage, its page's plus the tokens of the page text before it.
+Each piece is tokenized whole, so an offset differs from tokenizing the entire document at once only
+where a piece boundary splits a token (about one token per page), at a cost of one extra tokenization
+of the text instead of a pass over a million-token string.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
@@ -106,13 +108,8 @@ class DocumentPlan:
     window: int
     overlap: int
     pages: list[Page]
-    unit_starts: list[int] = field(repr=False)
-    unit_token_starts: list[int] = field(repr=False)
-
-    @property
-    def n_tokens(self) -> int:
-        """Tokens of the document (sum over its sentences; overlaps counted once)."""
-        return self.unit_token_starts[-1] if self.unit_token_starts else 0
+    n_tokens: int  #: tokens of the document, overlaps counted once (see the module docstring)
+    tokenize: Callable[[str], list[int]] = field(repr=False, compare=False)
 
     @property
     def page_tokens(self) -> int:
@@ -120,11 +117,14 @@ class DocumentPlan:
         return sum(p.n_tokens for p in self.pages)
 
     def token_offset(self, char_pos: int) -> int:
-        """Token offset in the document of the sentence that holds ``char_pos``."""
+        """Token offset in the document of character ``char_pos``: the start of the last page that
+        begins at or before it, plus the tokens of the page text before it."""
         import bisect
 
-        i = max(0, bisect.bisect_right(self.unit_starts, char_pos) - 1)
-        return self.unit_token_starts[i]
+        starts = [p.char_start for p in self.pages]
+        page = self.pages[max(0, bisect.bisect_right(starts, char_pos) - 1)]
+        head = self.text[page.char_start:char_pos]
+        return page.token_start + (len(self.tokenize(head)) if head else 0)
 
     def pages_holding(self, char_start: int, char_end: int) -> list[int]:
         """Page numbers whose text contains the whole range ``[char_start, char_end)``."""
@@ -273,9 +273,11 @@ def plan_document(engine: "Engine", text: str, *, window: Optional[int] = None,
         else:
             spans.append((s, e))
             counts.append(n)
-    tok_starts = [0]
-    for n in counts:
-        tok_starts.append(tok_starts[-1] + n)
+    def count(t: str) -> int:
+        return len(engine.tokenize(t, add_special=False)) if t else 0
+
+    page_tok = 0  # token offset of the current page: the previous one's plus its text up to here
+    prev_cs = 0
 
     pages: list[Page] = []
     i = 0
@@ -297,16 +299,19 @@ def plan_document(engine: "Engine", text: str, *, window: Optional[int] = None,
             j -= 1
         if len(tokens) > window:
             raise ConfigError(f"a sentence at character {cs} does not fit a {window}-token page")
+        page_tok += count(text[prev_cs:cs])
+        prev_cs = cs
         passages = []
         k = i
         while k < j:
             m = k
             while m < j and (m == k or spans[m][1] - spans[k][0] <= passage_chars):
                 m += 1
-            passages.append((spans[k][0], min(spans[m - 1][1], cs + len(page_text)), tok_starts[k]))
+            passages.append((spans[k][0], min(spans[m - 1][1], cs + len(page_text)),
+                             page_tok + count(text[cs:spans[k][0]])))
             k = m
         pages.append(Page(page=len(pages), char_start=cs, char_end=cs + len(page_text),
-                          token_start=tok_starts[i], tokens=tokens, text=page_text, passages=passages))
+                          token_start=page_tok, tokens=tokens, text=page_text, passages=passages))
         if j >= n_units:
             break
         # the next page starts at the earliest unit such that the units it repeats fit in `overlap`
@@ -316,8 +321,9 @@ def plan_document(engine: "Engine", text: str, *, window: Optional[int] = None,
             nxt -= 1
             kept += counts[nxt]
         i = nxt
+    n_doc = page_tok + count(text[prev_cs:])
     return DocumentPlan(document=doc_id, name=name or doc_id, text=text, window=window, overlap=overlap,
-                        pages=pages, unit_starts=[s for s, _ in spans], unit_token_starts=tok_starts)
+                        pages=pages, n_tokens=n_doc, tokenize=lambda t: engine.tokenize(t, add_special=False))
 
 
 # --------------------------------------------------------------------------- the passage index
