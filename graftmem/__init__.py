@@ -13,8 +13,14 @@ from ._errors import (AccessDenied, BlockCorrupted, BlockNotFound, BlockRejected
                       UntrustedBundle)
 from ._async import AsyncMemory
 from ._blocks import SearchHit
+from ._bundle import BundleManifest, ExportReport, TransferReport
 from ._memory import Memory
+from ._server import BlockServer
+from ._trust import PublicKey, RederiveReport, SigningKey, TrustPolicy
 from ._router import Embedder, SentenceTransformerEmbedder
+from ._flywheel import Attempt, Flywheel, Gate, GateReport, Solution, SolverOutput
+from ._verifiers import (CallableVerifier, Candidate, ExactMatch, ProgramRun, ProgramVerifier, Verdict,
+                         Verifier, run_program)
 from ._models import MODELS, resolve_model
 
 __version__ = "0.1.0"
@@ -22,36 +28,58 @@ __version__ = "0.1.0"
 __all__ = [
     "AccessDenied",
     "AsyncMemory",
+    "Attempt",
     "Block",
     "BlockCorrupted",
     "BlockNotFound",
     "BlockRejected",
+    "BlockServer",
+    "BundleManifest",
     "BundleRejected",
+    "CallableVerifier",
+    "Candidate",
     "ClosedError",
     "ConfigError",
     "Embedder",
     "EngineConfig",
     "EngineError",
+    "ExactMatch",
     "Exactness",
+    "ExportReport",
     "Fingerprint",
+    "Flywheel",
+    "Gate",
+    "GateReport",
     "GraftmemError",
     "IncompatibleBlock",
     "MODELS",
     "Memory",
     "ModelNotFound",
+    "ProgramRun",
+    "ProgramVerifier",
+    "PublicKey",
     "Recall",
     "Receipt",
+    "RederiveReport",
     "SampleResult",
     "SearchHit",
     "SentenceTransformerEmbedder",
+    "SigningKey",
+    "Solution",
+    "SolverOutput",
     "StoreError",
     "StoreFull",
     "StoreLocked",
     "StoreStats",
     "TransferError",
+    "TransferReport",
+    "TrustPolicy",
     "UntrustedBundle",
+    "Verdict",
     "VerificationRecord",
+    "Verifier",
     "VerifyReport",
     "__version__",
     "resolve_model",
+    "run_program",
 ]

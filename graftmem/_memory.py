@@ -18,6 +18,8 @@ from ._format import state_digest
 from ._store import Store, incompatibility
 
 if TYPE_CHECKING:
+    from typing import Callable
+
     from ._bundle import ExportReport, TransferReport
     from ._server import BlockServer
     from ._trust import RederiveReport, SigningKey, TrustPolicy
@@ -321,13 +323,15 @@ class Memory:
 
     # ------------------------------------------------------------------ sharing (see _bundle, _server, _trust)
     def export(self, path: str | os.PathLike[str], block_ids: Optional[list[str]] = None, *,
-               kind: Optional[str] = None, sign_key: "Optional[SigningKey]" = None,
-               progress: bool = False) -> "ExportReport":
-        """Write blocks (default all) to one bundle file that another machine can import."""
+               kind: Optional[str] = None, where: "Optional[Callable[[Block], bool]]" = None,
+               sign_key: "Optional[SigningKey]" = None, progress: bool = False) -> "ExportReport":
+        """Write blocks (by id or prefix, else all, narrowed by ``kind`` and the ``where`` filter)
+        to one bundle file that another machine can import."""
         self._check()
         from ._bundle import export
 
-        return export(self.store, path, block_ids, kind=kind, sign_key=sign_key, progress=progress)
+        return export(self.store, path, block_ids, kind=kind, where=where, sign_key=sign_key,
+                      progress=progress)
 
     def import_bundle(self, path: str | os.PathLike[str], *, incompatible: str = "refuse",
                       policy: "Optional[TrustPolicy]" = None, progress: bool = False) -> "TransferReport":
