@@ -142,23 +142,20 @@ def test_round_trip_into_another_process_and_home(source, tmp_path):
     a_home = source["mem"].store.home
     assert main(["--home", str(a_home), "export", str(out), source["b1"].id[:10]]) == 0
     home_b = tmp_path / "machine-b"
-    script = (
-        "import json, sys\n"
-        "from graftmem import Memory, EngineConfig\n"
-        f"with Memory('smollm2', home={str(home_b)!r}, config=EngineConfig(probe=False)) as m:\n"
-        f"    rep = m.import_bundle({str(out)!r})\n"
-        f"    r = m.ask({source['b1'].id!r}, {QUERY!r}, max_tokens=1)\n"
-        "    b = m.get(rep.added[0])\n"
-        "    print(json.dumps({'added': rep.added, 'sha': r.receipt.first_logits_sha256,\n"
-        "                      'digest': b.state_digest, 'pid': __import__('os').getpid()}))\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "GRAFTMEM_HOME": str(home_b), "PYTHONPATH": str(REPO)})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["pid"] != os.getpid()
+    env = {**os.environ, "GRAFTMEM_HOME": str(home_b), "PYTHONPATH": str(REPO)}
+
+    def cli(*argv: str) -> dict:
+        proc = subprocess.run([sys.executable, "-m", "graftmem", "--config", '{"probe": false}', "--json",
+                               *argv], capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout)
+
+    got = cli("import", str(out))
     assert got["added"] == [source["b1"].id]
-    assert got["digest"] == source["b1"].state_digest
-    assert got["sha"] == source["receipt"].first_logits_sha256
+    shown = cli("show", source["b1"].id)
+    assert shown["state_digest"] == source["b1"].state_digest
+    answer = cli("ask", source["b1"].id, QUERY, "--max-tokens", "1")
+    assert answer["receipt"]["first_logits_sha256"] == source["receipt"].first_logits_sha256
     a_file = source["mem"].store.path_of(source["b1"].id).read_bytes()
     b_file = Store(home_b).path_of(source["b1"].id).read_bytes()
     assert hashlib.sha256(a_file).digest() == hashlib.sha256(b_file).digest()
@@ -428,3 +425,27 @@ def test_adopt_rolls_back_when_a_move_fails(source, mem, tmp_path):
         mem.store.adopt([(b1, stage / "one.gmb"), (b2, stage / "missing.gmb")])
     assert state_of(mem)[1] == before[1] == []
     assert not mem.store.path_of(b1.id).exists()
+
+
+def test_export_filter_and_cli_signing(source, mem, tmp_path, capsys):
+    from graftmem.cli import main
+
+    only_two = tmp_path / "two.gmbundle"
+    rep = source["mem"].export(only_two, where=lambda b: b.name == "manual-two")
+    assert rep.blocks == [source["b2"].id]
+    key = tmp_path / "alice"
+    assert main(["keygen", str(key)]) == 0
+    signed = tmp_path / "signed.gmbundle"
+    home_a = str(source["mem"].store.home)
+    assert main(["--home", home_a, "export", str(signed), "--kind", "manual", "--sign", str(key)]) == 0
+    capsys.readouterr()
+    home = str(mem.store.home)
+    cfg = '{"probe": false}'
+    assert main(["--home", home, "--config", cfg, "import", str(only_two), "--require-signature"]) == 2
+    assert "not signed" in capsys.readouterr().err
+    assert mem.get_all() == []
+    assert main(["--home", home, "--config", cfg, "import", str(signed), "--require-signature",
+                 "--trust", f"{key}.pub"]) == 0
+    out = capsys.readouterr().out
+    assert "2 added" in out and "(trusted)" in out
+    assert len(mem.get_all()) == 2
