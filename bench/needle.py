@@ -259,7 +259,8 @@ def ask(args: argparse.Namespace) -> dict:
             with eng.lock:
                 eng.reset()
                 t = time.perf_counter()
-                orig_prefill(list(block.tokens) + q)
+                orig_prefill(list(block.tokens))  # the contract: prefill(page); prefill(question)
+                orig_prefill(q)
                 fresh_ms = (time.perf_counter() - t) * 1e3
                 fresh = logits_sha256(eng.logits())
                 eng.reset()
