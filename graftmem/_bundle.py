@@ -49,7 +49,7 @@ from ._trust import Signature, SigningKey, TrustPolicy, TrustResult
 
 __all__ = ["BundleEntry", "BundleManifest", "BlockChecker", "ExportReport", "TransferReport",
            "export", "import_bundle", "import_stream", "entry_for", "listing", "Staging",
-           "MANIFEST_NAME", "SIGNATURE_NAME", "DEFAULT_MAX_ENTRY_BYTES", "Incompatible", "fsync_all"]
+           "MANIFEST_NAME", "SIGNATURE_NAME", "DEFAULT_MAX_ENTRY_BYTES", "Incompatible", "fsync_all", "BlockCheck"]
 
 log = logging.getLogger("graftmem")
 
@@ -69,6 +69,8 @@ _BLOCK_NAME = re.compile(r"blocks/([0-9a-f]{64})\.gmb")
 _TAR_BLOCK = 512
 
 Incompatible = Literal["refuse", "keep-apart", "skip"]
+#: An extra check of a verified, staged block file before it is moved in (raise to refuse).
+BlockCheck = Callable[[Block, Path], None]
 
 
 class _Strict(BaseModel):
@@ -84,8 +86,8 @@ class BundleEntry(_Strict):
     n_tokens: int = Field(ge=0)
     state_size: int = Field(ge=0)
     file_size: int = Field(ge=HEADER.size + TRAILER_LEN)
-    state_digest: str
-    manifest_digest: str
+    state_digest: str = Field(pattern=r"^blake3:[0-9a-f]{64}$")
+    manifest_digest: str = Field(pattern=r"^blake3:[0-9a-f]{64}$")
     fingerprint: str = Field(pattern=r"^[0-9a-f]{64}$")
 
     @property
@@ -517,13 +519,17 @@ def export(store: Store, path: str | os.PathLike[str], block_ids: Optional[Itera
 # ---------------------------------------------------------------------------------------- import
 def import_bundle(store: Store, path: str | os.PathLike[str], *, fingerprint: Fingerprint,
                   policy: Optional[TrustPolicy] = None, incompatible: Incompatible = "refuse",
-                  max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES, progress: bool = False) -> TransferReport:
+                  max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES, progress: bool = False,
+                  check: Optional[BlockCheck] = None) -> TransferReport:
     """Import a bundle file into ``store``: every digest checked while reading, all or nothing.
 
     ``fingerprint`` is the local engine's: blocks made under another one are refused
     (``incompatible="refuse"``, the default: the whole bundle is refused), kept apart in
     ``<home>/foreign/`` (``"keep-apart"``), or left out (``"skip"``); they never enter the main store.
     ``policy`` (default: ``<home>/trust.json``) decides whether a signature is required.
+    ``check(block, staged_path)`` runs on every new compatible block after all bytes are checked and
+    before anything is moved in; it raises to refuse the bundle (``Memory.import_bundle(rederive=
+    True)`` passes a re-derivation here).
     """
     path = Path(path)
     try:
@@ -542,7 +548,7 @@ def import_bundle(store: Store, path: str | os.PathLike[str], *, fingerprint: Fi
         try:
             return import_stream(store, src, where=str(path), fingerprint=fingerprint, policy=policy,
                                  incompatible=incompatible, max_entry_bytes=max_entry_bytes,
-                                 progress=progress)
+                                 progress=progress, check=check)
         finally:
             if isinstance(src, mmap.mmap):
                 with contextlib.suppress(BufferError):  # a view kept alive by a traceback
@@ -551,7 +557,8 @@ def import_bundle(store: Store, path: str | os.PathLike[str], *, fingerprint: Fi
 
 def import_stream(store: Store, f: BinaryIO | mmap.mmap, *, where: str, fingerprint: Fingerprint,
                   policy: Optional[TrustPolicy] = None, incompatible: Incompatible = "refuse",
-                  max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES, progress: bool = False) -> TransferReport:
+                  max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES, progress: bool = False,
+                  check: Optional[BlockCheck] = None) -> TransferReport:
     """:func:`import_bundle` from any readable stream (an HTTP request body) or an mmap."""
     if incompatible not in ("refuse", "keep-apart", "skip"):
         raise ConfigError(f"incompatible={incompatible!r}: use 'refuse', 'keep-apart' or 'skip'")
@@ -662,6 +669,9 @@ def import_stream(store: Store, f: BinaryIO | mmap.mmap, *, where: str, fingerpr
             if missing:
                 raise BundleRejected(f"{where}: truncated bundle: {len(missing)} announced blocks are "
                                      f"missing (e.g. {sorted(missing)[0][:12]})")
+            if check is not None:
+                for b, pth in staged:
+                    check(b, pth)
             fsync_all([p for _, p in staged + apart])
             # 4. everything checked and on disk: move in, all or none
             by_fp: dict[str, list[tuple[Block, Path]]] = {}

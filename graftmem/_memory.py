@@ -20,7 +20,7 @@ from ._store import Store, incompatibility
 if TYPE_CHECKING:
     from typing import Callable
 
-    from ._bundle import ExportReport, TransferReport
+    from ._bundle import BlockCheck, ExportReport, TransferReport
     from ._server import BlockServer
     from ._trust import RederiveReport, SigningKey, TrustPolicy
     from ._blocks import SearchHit
@@ -334,24 +334,35 @@ class Memory:
                       progress=progress)
 
     def import_bundle(self, path: str | os.PathLike[str], *, incompatible: str = "refuse",
-                      policy: "Optional[TrustPolicy]" = None, progress: bool = False) -> "TransferReport":
+                      policy: "Optional[TrustPolicy]" = None, rederive: bool = False,
+                      progress: bool = False) -> "TransferReport":
         """Import a bundle, every digest checked, all or nothing; blocks of another engine are refused
-        (or kept apart / skipped). ``policy`` defaults to ``<home>/trust.json``."""
+        (or kept apart / skipped). ``policy`` defaults to ``<home>/trust.json``. ``rederive`` also
+        re-prefills every new block's text and refuses the bundle unless the state bytes are equal."""
         self._check()
         from ._bundle import import_bundle
 
         return import_bundle(self.store, path, fingerprint=self.fingerprint, policy=policy,
-                             incompatible=incompatible, progress=progress)  # type: ignore[arg-type]
+                             incompatible=incompatible, progress=progress,  # type: ignore[arg-type]
+                             check=self._rederive_check() if rederive else None)
+
+    def _rederive_check(self) -> "BlockCheck":
+        """A staged-block check that re-derives the block here (used by import and pull)."""
+        from ._trust import rederive_file
+
+        return lambda block, path: rederive_file(self, block, path)
 
     def pull(self, url: str, block_ids: Optional[list[str]] = None, *, kind: Optional[str] = None,
              incompatible: str = "refuse", policy: "Optional[TrustPolicy]" = None,
-             progress: bool = False) -> "TransferReport":
-        """Copy blocks from a ``graftmem serve`` at ``url``: checked as they arrive, resumable."""
+             rederive: bool = False, progress: bool = False) -> "TransferReport":
+        """Copy blocks from a ``graftmem serve`` at ``url``: checked as they arrive, resumable;
+        ``rederive`` as for :meth:`import_bundle`."""
         self._check()
         from ._server import pull
 
         return pull(self.store, url, block_ids, fingerprint=self.fingerprint, kind=kind,
-                    incompatible=incompatible, policy=policy, progress=progress)  # type: ignore[arg-type]
+                    incompatible=incompatible, policy=policy, progress=progress,  # type: ignore[arg-type]
+                    check=self._rederive_check() if rederive else None)
 
     def push(self, url: str, block_ids: Optional[list[str]] = None, *, token: str,
              kind: Optional[str] = None, sign_key: "Optional[SigningKey]" = None,

@@ -41,8 +41,8 @@ import httpx
 
 from . import _errors
 from ._blocks import Block, Fingerprint
-from ._bundle import (CHUNK, DEFAULT_MAX_ENTRY_BYTES, BlockChecker, BundleEntry, BundleManifest,
-                      Incompatible, Staging, TransferReport, _adopt, _progress, export,
+from ._bundle import (CHUNK, DEFAULT_MAX_ENTRY_BYTES, MAX_MANIFEST_BYTES, BlockCheck, BlockChecker,
+                      BundleEntry, BundleManifest, Incompatible, Staging, TransferReport, _adopt, _progress, export,
                       foreign_store, fsync_all, import_stream, listing, select)
 from ._errors import (AccessDenied, BlockCorrupted, BlockNotFound, ConfigError, GraftmemError,
                       IncompatibleBlock, TransferError)
@@ -326,16 +326,22 @@ def _client(timeout: float) -> httpx.Client:
 def fetch_listing(client: httpx.Client, url: str, policy: TrustPolicy,
                   kind: Optional[str] = None) -> tuple[BundleManifest, Optional[str], bool]:
     """The server's listing, checked against the trust policy; returns (listing, signer, trusted)."""
+    body = bytearray()
     try:
-        resp = client.get(f"{url}/v1/blocks", params={"kind": kind} if kind else None)
+        with client.stream("GET", f"{url}/v1/blocks", params={"kind": kind} if kind else None) as resp:
+            _raise_for(resp, f"listing {url}")
+            for chunk in resp.iter_raw():  # bounded: a hostile server cannot exhaust our memory
+                body += chunk
+                if len(body) > MAX_MANIFEST_BYTES:
+                    raise _errors.BundleRejected(f"the listing of {url} is over {MAX_MANIFEST_BYTES} "
+                                                 "bytes; refusing it")
     except httpx.HTTPError as exc:
         raise TransferError(f"cannot reach {url}: {exc}; is `graftmem serve` running there?") from exc
-    _raise_for(resp, f"listing {url}")
     hdr = resp.headers.get(SIGNATURE_HEADER)
     sig = Signature.from_header(hdr) if hdr else None
-    trust = policy.check(LISTING_DOMAIN, resp.content, sig, what=f"the listing of {url}")
+    trust = policy.check(LISTING_DOMAIN, bytes(body), sig, what=f"the listing of {url}")
     try:
-        return BundleManifest.model_validate_json(resp.content), trust.signer, trust.trusted
+        return BundleManifest.model_validate_json(body), trust.signer, trust.trusted
     except ValueError as exc:
         raise _errors.BundleRejected(f"the listing of {url} does not parse: {exc}") from exc
 
@@ -424,10 +430,11 @@ def _download(client: httpx.Client, url: str, e: BundleEntry, part: Path, bar) -
 def pull(store: Store, url: str, block_ids: Optional[Iterable[str]] = None, *,
          fingerprint: Fingerprint, kind: Optional[str] = None, policy: Optional[TrustPolicy] = None,
          incompatible: Incompatible = "refuse", progress: bool = False, timeout: float = 60.0,
-         max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES) -> TransferReport:
+         max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES, check: Optional[BlockCheck] = None) -> TransferReport:
     """Copy blocks (by id or prefix; default all, or all of ``kind``) from a ``graftmem serve`` at
     ``url`` into ``store``. Every byte is checked as it arrives; nothing enters the store until all
-    selected blocks have arrived and checked; an interrupted pull resumes where it stopped."""
+    selected blocks have arrived and checked; an interrupted pull resumes where it stopped.
+    ``check(block, path)`` runs on each new compatible block before anything is moved in."""
     if incompatible not in ("refuse", "keep-apart", "skip"):
         raise ConfigError(f"incompatible={incompatible!r}: use 'refuse', 'keep-apart' or 'skip'")
     t0 = time.perf_counter()
@@ -478,8 +485,15 @@ def pull(store: Store, url: str, block_ids: Optional[Iterable[str]] = None, *,
         finally:
             if bar:
                 bar.close()
-    fsync_all([p for _, p in got])
     mine = [(b, p) for b, p in got if b.fingerprint.digest() == local]
+    if check is not None:
+        for b, p in mine:
+            try:
+                check(b, p)
+            except BlockCorrupted:
+                p.unlink(missing_ok=True)  # its bytes arrived intact but are not what they claim
+                raise
+    fsync_all([p for _, p in got])
     apart = [(b, p) for b, p in got if b.fingerprint.digest() != local]
     for digest in {b.fingerprint.digest() for b, _ in apart}:
         fstore = foreign_store(store, digest)

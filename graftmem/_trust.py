@@ -33,13 +33,14 @@ from typing import TYPE_CHECKING, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ._errors import ConfigError, UntrustedBundle
+from ._blocks import Block
+from ._errors import BlockCorrupted, ConfigError, UntrustedBundle
 
 if TYPE_CHECKING:
     from ._memory import Memory
 
 __all__ = ["PublicKey", "SigningKey", "Signature", "TrustPolicy", "TrustResult", "POLICY_FILE",
-           "RederiveReport", "rederive"]
+           "RederiveReport", "rederive", "rederive_file"]
 
 POLICY_FILE = "trust.json"
 _PUB_TAG = "graftmem-ed25519"
@@ -271,14 +272,8 @@ class RederiveReport(BaseModel):
         return self.stored_size == self.derived_size and self.first_difference is None
 
 
-def rederive(mem: "Memory", block_id: str) -> RederiveReport:
-    """Prefill the block's stored tokens in a clean context and compare the captured state with the
-    stored state bytes (read through the digest check): equal bytes prove the block holds exactly
-    the text it claims and no hidden state. A block whose state was swapped for another text's, with
-    its digests rewritten to match, passes every digest check and fails here.
-
-    Only root blocks (``pos_start == 0``, no parent) can be re-derived alone.
-    """
+def _compare_rederived(mem: "Memory", block: Block, stored: memoryview) -> RederiveReport:
+    """Prefill ``block.tokens`` in a clean context and compare the captured state with ``stored``."""
     import time
 
     import numpy as np
@@ -287,15 +282,13 @@ def rederive(mem: "Memory", block_id: str) -> RederiveReport:
     from ._store import incompatibility
 
     t0 = time.perf_counter()
-    store, eng = mem.store, mem.engine
-    block = store.get(block_id)
+    eng = mem.engine
     if block.parent is not None or block.pos_start != 0:
-        raise ConfigError(f"block {block.short_id} continues block {str(block.parent)[:12]}: re-derive "
-                          "its root block instead")
+        raise ConfigError(f"block {block.short_id} continues block {str(block.parent)[:12]}: it cannot "
+                          "be re-derived alone; re-derive its root block instead")
     err = incompatibility(block, eng.fingerprint)
     if err is not None:
         raise err
-    _, stored = store.read_state(block.id, lambda n: memoryview(bytearray(n)))
     with eng.lock:
         eng.reset()
         try:
@@ -312,3 +305,42 @@ def rederive(mem: "Memory", block_id: str) -> RederiveReport:
     return RederiveReport(block_id=block.id, n_tokens=block.n_tokens, stored_digest=state_digest(stored),
                           derived_digest=ddig, stored_size=len(a), derived_size=len(b),
                           first_difference=first, seconds=time.perf_counter() - t0)
+
+
+def rederive(mem: "Memory", block_id: str) -> RederiveReport:
+    """Prefill the block's stored tokens in a clean context and compare the captured state with the
+    stored state bytes (read through the digest check): equal bytes prove the block holds exactly
+    the text it claims and no hidden state. A block whose state was swapped for another text's, with
+    its digests rewritten to match, passes every digest check and fails here.
+
+    Only root blocks (``pos_start == 0``, no parent) can be re-derived alone.
+    """
+    block = mem.store.get(block_id)
+    _, stored = mem.store.read_state(block.id, lambda n: memoryview(bytearray(n)))
+    return _compare_rederived(mem, block, stored)
+
+
+def rederive_file(mem: "Memory", block: Block, path: Path) -> None:
+    """Re-derive a block from a (checked) block file that is not in the store yet, such as a staged
+    import; raise :class:`BlockCorrupted` if its state is not what its tokens produce."""
+    from ._format import HEADER, parse_header
+
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        _, soff, slen = parse_header(f.read(HEADER.size), where=str(path), file_size=size)
+        buf = bytearray(slen)
+        f.seek(soff)
+        view = memoryview(buf)
+        got = 0
+        while got < slen:
+            n = f.readinto(view[got:])
+            if not n:
+                raise BlockCorrupted(f"{path}: truncated state", path=str(path))
+            got += n
+    rep = _compare_rederived(mem, block, view)
+    if not rep.ok:
+        raise BlockCorrupted(f"block {block.short_id} ({block.name!r}): its state is not what its "
+                             f"{block.n_tokens} tokens produce (first difference at byte "
+                             f"{rep.first_difference:,}): it holds something other than its text; "
+                             "refusing it", path=str(path), expected=rep.derived_digest,
+                             actual=rep.stored_digest)

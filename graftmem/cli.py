@@ -217,7 +217,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     policy = _policy(args)
     with _memory(args) as mem:
         rep = mem.import_bundle(args.path, incompatible=args.incompatible, policy=policy,
-                                progress=not args.json)
+                                rederive=args.rederive, progress=not args.json)
     _out(args, rep, _transfer_text("imported", rep))
     return 0
 
@@ -226,7 +226,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     policy = _policy(args)
     with _memory(args) as mem:
         rep = mem.pull(args.url, args.ids or None, kind=args.kind, incompatible=args.incompatible,
-                       policy=policy, progress=not args.json)
+                       policy=policy, rederive=args.rederive, progress=not args.json)
     _out(args, rep, _transfer_text("pulled from", rep))
     return 0
 
@@ -432,6 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--require-signature", action="store_true",
                         help="refuse unsigned bundles and keys not trusted (also: trust.json in the home)")
         sp.add_argument("--trust", action="append", metavar="KEY.pub", help="trust this public key")
+        sp.add_argument("--rederive", action="store_true",
+                        help="also re-prefill each new block's text and refuse unless the state is equal")
 
     sp = add("export", cmd_export, "write blocks (default all) to one bundle file")
     sp.add_argument("path")

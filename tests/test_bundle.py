@@ -449,3 +449,24 @@ def test_export_filter_and_cli_signing(source, mem, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "2 added" in out and "(trusted)" in out
     assert len(mem.get_all()) == 2
+
+
+@pytest.fixture
+def forged(smol, tmp_path):
+    """A store whose block A holds the state of text B (same length), every digest rewritten."""
+    with Memory(engine=smol, home=tmp_path / "forger") as f:
+        text_a = long_text(80, seed=5)
+        a, b = f.learn(text_a, name="a"), f.learn(text_a.replace("agent", "robot", 1), name="b")
+        buf = bytearray()
+        _, state_b = f.store.read_state(b.id, lambda n: memoryview(buf.extend(b"\0" * n) or buf)[:n])
+        forge(f.store, a.id, state=bytes(state_b))
+        f.delete(b.id)
+        yield f, a.id
+
+
+def test_import_with_rederive_refuses_a_forged_state(forged, mem, tmp_path):
+    f, aid = forged
+    path = tmp_path / "forged.gmbundle"
+    f.export(path)  # self-consistent: the exporter's own checks pass
+    assert_refused(mem, path, BlockCorrupted, match="not what its .* tokens produce", rederive=True)
+    assert mem.import_bundle(path).added == [aid]  # digests alone cannot tell

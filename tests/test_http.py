@@ -7,17 +7,19 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
 
-from graftmem import (AccessDenied, BlockCorrupted, IncompatibleBlock, Memory, TransferError,
-                      UntrustedBundle)
+from graftmem import (AccessDenied, BlockCorrupted, BundleRejected, IncompatibleBlock, Memory,
+                      TransferError, UntrustedBundle)
+from graftmem._bundle import listing
 from graftmem._server import SIGNATURE_HEADER, BlockServer, _Handler
 from graftmem._trust import SigningKey, TrustPolicy
 
 from .test_bundle import QUERY, REPO, forge, other_model, state_of
-from .test_bundle import source  # noqa: F401,F811 (the module-scoped fixture)
+from .test_bundle import forged, source  # noqa: F401,F811 (fixtures)
 
 TOKEN = "push-token-for-tests"
 
@@ -249,3 +251,33 @@ def test_cli_pull_and_push(source, smol, tmp_path, capsys):
         assert main(["--home", home_c, "ls"]) == 0
         assert source["b2"].id[:12] in capsys.readouterr().out
         assert main(["--home", home_c, "--config", cfg, "pull", srv.url + "/nope"]) == 2
+
+
+def test_pull_with_rederive_refuses_a_forged_state(forged, mem):
+    f, aid = forged
+    with BlockServer(f.store) as srv:
+        before = state_of(mem)
+        with pytest.raises(BlockCorrupted, match="not what its"):
+            mem.pull(srv.url, rederive=True)
+        assert state_of(mem)[1] == before[1] == []
+        assert mem.pull(srv.url).added == [aid]
+
+
+class _HostileListing(_Handler):
+    """A server whose listing tries to make the client write outside its store."""
+
+    def do_GET(self):  # type: ignore[override]
+        if self.path.startswith("/v1/blocks") and "/" not in self.path[len("/v1/blocks"):].lstrip("?"):
+            store = self.server.app.store
+            man = json.loads(listing(store, store.list()).model_dump_json())
+            man["blocks"][0]["manifest_digest"] = "blake3:../../../../../../tmp/graftmem-evil-part"
+            return self._send(200, json.dumps(man).encode())
+        return super().do_GET()
+
+
+def test_hostile_listing_is_refused(source, mem):
+    with BlockServer(source["mem"].store, handler=_HostileListing) as srv:
+        with pytest.raises(BundleRejected, match="does not parse"):
+            mem.pull(srv.url)
+    assert not list(Path("/tmp").glob("graftmem-evil-part*"))
+    assert mem.get_all() == []
