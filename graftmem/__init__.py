@@ -18,6 +18,7 @@ from ._memory import Memory
 from ._server import BlockServer
 from ._trust import PublicKey, RederiveReport, SigningKey, TrustPolicy
 from ._router import Embedder, SentenceTransformerEmbedder
+from ._pager import DocumentAnswer, DocumentReport, PageInfo, PassageHit
 from ._flywheel import Attempt, Flywheel, Gate, GateReport, Solution, SolverOutput
 from ._verifiers import (CallableVerifier, Candidate, ExactMatch, ProgramRun, ProgramVerifier, Verdict,
                          Verifier, run_program)
@@ -40,6 +41,8 @@ __all__ = [
     "Candidate",
     "ClosedError",
     "ConfigError",
+    "DocumentAnswer",
+    "DocumentReport",
     "Embedder",
     "EngineConfig",
     "EngineError",
@@ -55,6 +58,8 @@ __all__ = [
     "MODELS",
     "Memory",
     "ModelNotFound",
+    "PageInfo",
+    "PassageHit",
     "ProgramRun",
     "ProgramVerifier",
     "PublicKey",
