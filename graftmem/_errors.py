@@ -11,13 +11,13 @@
     │   ├── BlockNotFound              no block with that id: list the store, check the id
     │   ├── StoreLocked                another process holds the store lock past the timeout: retry
     │   └── StoreFull                  the disk is full: free space; nothing was half-written
-    └── BlockRejected                  a block exists but must not be grafted
-        ├── BlockCorrupted             its bytes do not match their digest (flipped, truncated, tampered)
-        └── IncompatibleBlock          it was made by another engine fingerprint (model, n_ctx, KV type...)
-    BundleRejected                     a bundle or pushed upload is malformed or unsafe; nothing was written
-    └── UntrustedBundle                unsigned, or signed by a key the trust policy does not list
-    TransferError                      an HTTP transfer failed or was cut: retry (downloads resume)
-    └── AccessDenied                   the server refused the push token: pass the right token
+    ├── BlockRejected                  a block exists but must not be grafted
+    │   ├── BlockCorrupted             its bytes do not match their digest (flipped, truncated, tampered)
+    │   └── IncompatibleBlock          it was made by another engine fingerprint (model, n_ctx, KV type...)
+    ├── BundleRejected                 a bundle or pushed upload is malformed or unsafe; nothing was written
+    │   └── UntrustedBundle            unsigned, or signed by a key the trust policy does not list
+    └── TransferError                  an HTTP transfer failed or was cut: retry (downloads resume)
+        └── AccessDenied               the server refused the push token: pass the right token
 
 Foreign exceptions (OSError, ValueError from pydantic, llama.cpp return codes) are translated at the
 module boundary with ``raise ... from exc``, so the original cause stays visible in tracebacks.
