@@ -469,8 +469,6 @@ def export(store: Store, path: str | os.PathLike[str], block_ids: Optional[Itera
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     now = time.time()
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
     bar = _progress(manifest.total_bytes, f"export {path.name}", progress)
     written = 0
     try:
@@ -486,14 +484,24 @@ def export(store: Store, path: str | os.PathLike[str], block_ids: Optional[Itera
                 checker = BlockChecker(entry.file_size, where=str(src), expect=entry)
                 out.write(_tar_header(f"blocks/{entry.id}.gmb", entry.file_size, now))
                 with open(src, "rb", buffering=0) as f:
-                    while True:
-                        n = f.readinto(view)
-                        if not n:
-                            break
-                        checker.feed(view[:n])
-                        out.write(view[:n])
-                        if bar:
-                            bar.update(n)
+                    # mapped, so the checker and the writer see the page cache: one copy per byte
+                    size = os.fstat(f.fileno()).st_size
+                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+                    try:
+                        with memoryview(mm if mm is not None else b"") as whole:
+                            for pos in range(0, size, CHUNK):
+                                piece = whole[pos:pos + CHUNK]
+                                checker.feed(piece)
+                                out.write(piece)
+                                if bar:
+                                    bar.update(len(piece))
+                                del piece
+                    finally:
+                        if mm is not None:
+                            with contextlib.suppress(BufferError):
+                                mm.close()
+                if size != entry.file_size:
+                    raise BlockCorrupted(f"{src}: the file changed size during the export", path=str(src))
                 checker.finish()
                 out.write(_pad(entry.file_size))
                 written += entry.file_size
