@@ -200,7 +200,7 @@ def main() -> int:
             print(f"{op:<8} {r['graftmem']:>14.0f} {r['plain']:>11.0f} {r['ratio']:>6.2f} {ok:>7}   "
                   f"{r['plain_no_fsync']:>15.0f} {r['ratio_no_fsync']:>6.2f}   {peers[op]}")
         result = {
-            "command": "python bench/bundle.py " + " ".join(sys.argv[1:]),
+            "command": ("python bench/bundle.py " + " ".join(sys.argv[1:])).strip(),
             "blocks": len(blocks), "tokens": sum(b.n_tokens for b in blocks), "block_bytes": nbytes,
             "bundle_bytes": bsize, "repeat": args.repeat, "target_ratio": TARGET, "cpus": os.cpu_count(),
             "results": rows, "peers": peers,
