@@ -161,8 +161,9 @@ def test_context_never_grows(dmem, monkeypatch):
 
     monkeypatch.setattr(type(eng), "prefill", spy)
     max_tokens = 6
-    for task in ("Who painted the lighthouse green?", "What is the mule called?", "How many sacks of barley?"):
-        a = dmem.recall_document(task, max_tokens=max_tokens)
+    for task in ("Who painted the lighthouse of Brackwater green?", "What is the mule that pulls the ferry called?",
+                 "How many sacks of barley does the copper mill grind?"):
+        a = dmem.recall_document(task, max_tokens=max_tokens, min_score=0.0)
         r = a.recall.receipt
         assert max(seen) <= r.tokens_restored + r.tokens_prefilled + max_tokens
         assert r.tokens_restored <= 256
