@@ -25,6 +25,7 @@ fingerprint (required to enable pushes) and its trust policy.
 
 from __future__ import annotations
 
+import fcntl
 import hmac
 import json
 import logging
@@ -125,10 +126,15 @@ class _Handler(BaseHTTPRequestHandler):
             if m.group(2):
                 return self._send(200, app.store.get(bid).model_dump_json().encode())
             return self._get_block(bid)
-        except GraftmemError as exc:
-            return self._error(500, exc)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
+        except GraftmemError as exc:
+            return self._error(500, exc)
+        except FileNotFoundError:  # deleted between the index lookup and the open
+            return self._error(404, BlockNotFound(f"block {url.path.rsplit('/', 1)[-1][:12]} was just deleted"))
+        except OSError as exc:
+            log.warning("serve: %s failed: %s", url.path, exc)
+            return self._error(500, f"cannot read {url.path}: {exc.strerror}", close=True)
 
     def _get_block(self, bid: str) -> None:
         app = self.server.app
@@ -347,7 +353,21 @@ def fetch_listing(client: httpx.Client, url: str, policy: TrustPolicy,
 
 
 def _download(client: httpx.Client, url: str, e: BundleEntry, part: Path, bar) -> Block:
-    """Fetch one block file into ``part`` (resuming what is there), checking every byte."""
+    """Fetch one block file into ``part`` (resuming what is there), checking every byte. The part
+    file is flock'ed for the duration, so two pulls into one store never interleave their bytes."""
+    lock_fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise TransferError(f"another pull is downloading block {e.id[:12]} into this store right "
+                                "now; retry when it has finished") from None
+        return _download_locked(client, url, e, part, bar)
+    finally:
+        os.close(lock_fd)
+
+
+def _download_locked(client: httpx.Client, url: str, e: BundleEntry, part: Path, bar) -> Block:
     where = f"{url}/v1/blocks/{e.id[:12]}"
 
     def fresh() -> BlockChecker:

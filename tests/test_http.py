@@ -281,3 +281,22 @@ def test_hostile_listing_is_refused(source, mem):
             mem.pull(srv.url)
     assert not list(Path("/tmp").glob("graftmem-evil-part*"))
     assert mem.get_all() == []
+
+
+def test_two_pulls_of_one_block_do_not_interleave(source, mem, served):
+    """A pull that finds the block's part file locked by another pull refuses instead of mixing bytes."""
+    import fcntl
+
+    from graftmem._server import fetch_listing
+
+    with httpx.Client() as c:
+        man, _, _ = fetch_listing(c, served.url, TrustPolicy())
+    e = next(x for x in man.blocks if x.id == source["b1"].id)
+    incoming = mem.store.home / ".incoming"
+    incoming.mkdir()
+    part = incoming / f"{e.id}.{e.etag[:16]}.part"
+    with open(part, "ab") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(TransferError, match="another pull"):
+            mem.pull(served.url, [e.id])
+    assert mem.pull(served.url, [e.id]).added == [e.id]
