@@ -26,6 +26,7 @@ are moved in under the store lock (:meth:`Store.adopt`), and rolled back if any 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import mmap
 import os
@@ -42,14 +43,16 @@ import blake3
 from pydantic import BaseModel, ConfigDict, Field
 
 from ._blocks import FORMAT_VERSION, Block, Fingerprint, block_id_for
-from ._errors import BlockCorrupted, BundleRejected, ConfigError, IncompatibleBlock, StoreError
+from ._errors import (BlockCorrupted, BundleRejected, ConfigError, IncompatibleBlock, StoreError,
+                      StoreFull)
 from ._format import HEADER, TRAILER_LEN, parse_header, parse_manifest
 from ._store import Store, incompatibility
 from ._trust import Signature, SigningKey, TrustPolicy, TrustResult
 
 __all__ = ["BundleEntry", "BundleManifest", "BlockChecker", "ExportReport", "TransferReport",
            "export", "import_bundle", "import_stream", "entry_for", "listing", "Staging",
-           "MANIFEST_NAME", "SIGNATURE_NAME", "DEFAULT_MAX_ENTRY_BYTES", "Incompatible", "fsync_all", "BlockCheck"]
+           "MANIFEST_NAME", "SIGNATURE_NAME", "DEFAULT_MAX_ENTRY_BYTES", "Incompatible", "fsync_all",
+           "BlockCheck", "disk_error"]
 
 log = logging.getLogger("graftmem")
 
@@ -617,7 +620,8 @@ def import_stream(store: Store, f: BinaryIO | mmap.mmap, *, where: str, fingerpr
         stub = incompatibility(_stub(e, manifest.fingerprints[e.fingerprint]), fingerprint)
         raise IncompatibleBlock(f"{where}: {len(foreign)} of {len(entries)} blocks were made by another "
                                 f"engine; {stub}. Nothing was imported; import with "
-                                "incompatible='keep-apart' (CLI: --keep-apart) to keep them apart",
+                                "incompatible='keep-apart' (CLI: --incompatible keep-apart) to keep "
+                                "them apart",
                                 fields=stub.fields if stub else {})
 
     # 3. the blocks: each streamed once through the checker into staging
@@ -692,6 +696,8 @@ def import_stream(store: Store, f: BinaryIO | mmap.mmap, *, where: str, fingerpr
                 finally:
                     fstore.close()
             added = _adopt(store, staged)
+    except OSError as exc:
+        raise disk_error(store, exc, f"importing {where}") from exc
     finally:
         if bar:
             bar.close()
@@ -708,6 +714,14 @@ def _stub(e: BundleEntry, fp: Fingerprint) -> Block:
     """A manifest-only Block for error messages about an announced (not yet read) block."""
     return Block(id=e.id, name=e.name, kind=e.kind, text="", tokens=[], n_tokens=e.n_tokens,
                  fingerprint=fp, state_size=e.state_size, state_digest=e.state_digest)
+
+
+def disk_error(store: Store, exc: OSError, doing: str) -> StoreError:
+    """Our error for an OSError while staging or moving in (nothing reached the store)."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StoreFull(f"disk full while {doing} into {store.home}; nothing was imported: free "
+                         "space and retry")
+    return StoreError(f"{doing} into {store.home} failed: {exc}; nothing was imported")
 
 
 def _adopt(store: Store, items: list[tuple[Block, Path]]) -> list[str]:

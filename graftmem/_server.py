@@ -43,8 +43,9 @@ import httpx
 from . import _errors
 from ._blocks import Block, Fingerprint
 from ._bundle import (CHUNK, DEFAULT_MAX_ENTRY_BYTES, MAX_MANIFEST_BYTES, BlockCheck, BlockChecker,
-                      BundleEntry, BundleManifest, Incompatible, Staging, TransferReport, _adopt, _progress, export,
-                      foreign_store, fsync_all, import_stream, listing, select)
+                      BundleEntry, BundleManifest, Incompatible, Staging, TransferReport, _adopt,
+                      _progress, disk_error, export, foreign_store, fsync_all, import_stream, listing,
+                      select)
 from ._errors import (AccessDenied, BlockCorrupted, BlockNotFound, ConfigError, GraftmemError,
                       IncompatibleBlock, TransferError)
 from ._store import Store, incompatibility
@@ -131,7 +132,8 @@ class _Handler(BaseHTTPRequestHandler):
         except GraftmemError as exc:
             return self._error(500, exc)
         except FileNotFoundError:  # deleted between the index lookup and the open
-            return self._error(404, BlockNotFound(f"block {url.path.rsplit('/', 1)[-1][:12]} was just deleted"))
+            gone = url.path.rsplit("/", 1)[-1][:12]
+            return self._error(404, BlockNotFound(f"block {gone} was just deleted"))
         except OSError as exc:
             log.warning("serve: %s failed: %s", url.path, exc)
             return self._error(500, f"cannot read {url.path}: {exc.strerror}", close=True)
@@ -450,7 +452,8 @@ def _download_locked(client: httpx.Client, url: str, e: BundleEntry, part: Path,
 def pull(store: Store, url: str, block_ids: Optional[Iterable[str]] = None, *,
          fingerprint: Fingerprint, kind: Optional[str] = None, policy: Optional[TrustPolicy] = None,
          incompatible: Incompatible = "refuse", progress: bool = False, timeout: float = 60.0,
-         max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES, check: Optional[BlockCheck] = None) -> TransferReport:
+         max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
+         check: Optional[BlockCheck] = None) -> TransferReport:
     """Copy blocks (by id or prefix; default all, or all of ``kind``) from a ``graftmem serve`` at
     ``url`` into ``store``. Every byte is checked as it arrives; nothing enters the store until all
     selected blocks have arrived and checked; an interrupted pull resumes where it stopped.
@@ -502,6 +505,8 @@ def pull(store: Store, url: str, block_ids: Optional[Iterable[str]] = None, *,
             for e in todo:
                 part = incoming / f"{e.id}.{e.etag[:16]}.part"
                 got.append((_download(client, url, e, part, bar), part))
+        except OSError as exc:
+            raise disk_error(store, exc, f"pulling from {url}") from exc
         finally:
             if bar:
                 bar.close()
@@ -513,7 +518,10 @@ def pull(store: Store, url: str, block_ids: Optional[Iterable[str]] = None, *,
             except BlockCorrupted:
                 p.unlink(missing_ok=True)  # its bytes arrived intact but are not what they claim
                 raise
-    fsync_all([p for _, p in got])
+    try:
+        fsync_all([p for _, p in got])
+    except OSError as exc:
+        raise disk_error(store, exc, f"pulling from {url}") from exc
     apart = [(b, p) for b, p in got if b.fingerprint.digest() != local]
     for digest in {b.fingerprint.digest() for b, _ in apart}:
         fstore = foreign_store(store, digest)

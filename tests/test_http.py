@@ -40,7 +40,8 @@ def test_round_trip_through_serve_in_another_process(source, mem):
         env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         line = proc.stdout.readline()  # type: ignore[union-attr]
-        assert "serving" in line, proc.stderr.read() if proc.poll() is not None else line  # type: ignore[union-attr]
+        assert "serving" in line, (proc.stderr.read()  # type: ignore[union-attr]
+                                   if proc.poll() is not None else line)
         url = line.split(" at ")[1].split()[0]
         rep = mem.pull(url)
         assert sorted(rep.added) == sorted([source["b1"].id, source["b2"].id])
