@@ -281,14 +281,16 @@ class Router:
                 self._keys.append(keys[j] if keys is not None else "")
             self._changed()
 
-    def add_blocks(self, blocks: Sequence["Block"]) -> None:
-        """Embed blocks (name, when_to_use, start of text) and add them."""
+    def add_blocks(self, blocks: Sequence["Block"], *, persist: bool = True) -> None:
+        """Embed blocks (name, when_to_use, start of text), add them, and write the index file."""
         if not blocks:
             return
         vecs = self.embedder.embed_batch([block_route_text(b) for b in blocks])
         self.add_vectors([b.id for b in blocks], np.asarray(vecs),
                          digests=[b.fingerprint.digest() for b in blocks],
                          keys=[_entry_key(b.name, b.metadata.get("when_to_use")) for b in blocks])
+        if persist:
+            self.save()
 
     def _remove(self, ids: Sequence[str]) -> None:
         rows = sorted({self._pos[i] for i in ids if i in self._pos})
@@ -304,9 +306,11 @@ class Router:
         self._pos = {bid: j for j, bid in enumerate(self._ids)}
         self._changed()
 
-    def remove(self, ids: Sequence[str]) -> None:
+    def remove(self, ids: Sequence[str], *, persist: bool = True) -> None:
         with self._lock:
             self._remove(ids)
+            if persist:
+                self.save()
 
     def _changed(self) -> None:
         self.generation += 1
@@ -351,7 +355,7 @@ class Router:
                         blocks.append(self.store.get(bid))
                     except StoreError:  # deleted meanwhile: the next sync drops it
                         continue
-                self.add_blocks(blocks)
+                self.add_blocks(blocks, persist=False)
             self._seen_version = dv
             if stale or missing:
                 log.info("router synced with %s: %d added, %d dropped", self.store.home, len(missing),
