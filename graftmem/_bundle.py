@@ -104,7 +104,7 @@ class BundleManifest(_Strict):
 
     format: Literal["graftmem-bundle"] = "graftmem-bundle"
     bundle_version: Literal[1] = BUNDLE_VERSION
-    block_format_version: int = FORMAT_VERSION
+    block_format_version: int = Field(FORMAT_VERSION, ge=FORMAT_VERSION, le=FORMAT_VERSION)
     graftmem_version: str
     created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
     fingerprints: dict[str, Fingerprint]
@@ -585,6 +585,7 @@ def import_stream(store: Store, f: BinaryIO | mmap.mmap, *, where: str, fingerpr
         raise BundleRejected(f"{where}: {p or f'first member is {ti.name!r}, expected {MANIFEST_NAME!r}'}; "
                              "not a graftmem bundle")
     mbytes = tar.read_small(ti, MAX_MANIFEST_BYTES)
+    _check_versions(mbytes, where)
     try:
         manifest = BundleManifest.model_validate_json(mbytes)
     except ValueError as exc:
@@ -708,6 +709,26 @@ def import_stream(store: Store, f: BinaryIO | mmap.mmap, *, where: str, fingerpr
                           kept_apart=[b.id for b, _ in apart], skipped=skipped,
                           bytes=manifest.total_bytes, seconds=time.perf_counter() - t0,
                           signer=trust.signer, signer_trusted=trust.trusted)
+
+
+def _check_versions(mbytes: bytes, where: str) -> None:
+    """Name a version mismatch plainly, before the strict model would call it a parse error."""
+    import json
+
+    try:
+        head = json.loads(mbytes)
+    except ValueError as exc:
+        raise BundleRejected(f"{where}: the bundle manifest is not JSON: {exc}") from exc
+    if not isinstance(head, dict) or head.get("format") != "graftmem-bundle":
+        raise BundleRejected(f"{where}: not a graftmem bundle manifest")
+    from . import __version__
+
+    for field, ours in (("bundle_version", BUNDLE_VERSION), ("block_format_version", FORMAT_VERSION)):
+        theirs = head.get(field)
+        if theirs != ours:
+            raise BundleRejected(f"{where}: {field} is {theirs!r}, this graftmem ({__version__}) reads "
+                                 f"{ours}; the bundle was written by graftmem "
+                                 f"{head.get('graftmem_version', '?')}: use a matching version")
 
 
 def _stub(e: BundleEntry, fp: Fingerprint) -> Block:

@@ -375,13 +375,15 @@ class Memory:
                     progress=progress)
 
     def serve(self, *, host: str = "127.0.0.1", port: int = 0, push_token: Optional[str] = None,
-              sign_key: "Optional[SigningKey]" = None) -> "BlockServer":
-        """An HTTP server over this store (call ``.start()`` or use it as a context manager)."""
+              sign_key: "Optional[SigningKey]" = None, rederive: bool = False) -> "BlockServer":
+        """An HTTP server over this store (call ``.start()`` or use it as a context manager);
+        ``rederive`` re-derives every pushed block before accepting it."""
         self._check()
         from ._server import BlockServer
 
         return BlockServer(self.store, host=host, port=port, push_token=push_token,
-                           fingerprint=self.fingerprint, sign_key=sign_key)
+                           fingerprint=self.fingerprint, sign_key=sign_key,
+                           check=self._rederive_check() if rederive else None)
 
     def rederive(self, block_id: str) -> "RederiveReport":
         """Re-prefill the block's own tokens and compare the state with the stored bytes."""

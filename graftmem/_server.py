@@ -207,7 +207,8 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             report = import_stream(app.store, body, where=f"push from {self.client_address[0]}",
                                    fingerprint=app.fingerprint, policy=app.policy,
-                                   incompatible="refuse", max_entry_bytes=app.max_push_bytes)
+                                   incompatible="refuse", max_entry_bytes=app.max_push_bytes,
+                                   check=app.check)
         except GraftmemError as exc:
             log.warning("refused a push from %s: %s", self.client_address[0], exc)
             return self._error(422, exc, close=body.left > 0)
@@ -243,6 +244,8 @@ class BlockServer:
 
     ``fingerprint`` is required to accept pushes: a pushed block must match the engine that will
     graft it here. ``sign_key`` signs every listing so clients that require signatures can pull.
+    ``check(block, staged_path)`` runs on every new pushed block before it is moved in
+    (``Memory.serve(rederive=True)`` re-derives each one).
     Use as a context manager, or :meth:`start` (background thread) / :meth:`serve_forever`.
     """
 
@@ -250,6 +253,7 @@ class BlockServer:
                  port: int = 0, push_token: Optional[str] = None,
                  fingerprint: Optional[Fingerprint] = None, policy: Optional[TrustPolicy] = None,
                  sign_key: Optional[SigningKey] = None, max_push_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
+                 check: Optional[BlockCheck] = None,
                  handler: type[BaseHTTPRequestHandler] = _Handler) -> None:
         if push_token is not None and fingerprint is None:
             raise ConfigError("accepting pushes needs the engine fingerprint of this store "
@@ -263,6 +267,7 @@ class BlockServer:
         self.policy = policy if policy is not None else TrustPolicy.load(self.store.home)
         self.sign_key = sign_key
         self.max_push_bytes = max_push_bytes
+        self.check = check
         try:
             self._httpd = _HTTPServer((host, port), handler)
         except OSError as exc:

@@ -256,7 +256,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     token = args.push_token or os.environ.get("GRAFTMEM_PUSH_TOKEN")
     mem = _memory(args) if token else None  # accepting pushes needs this engine's fingerprint
     try:
-        srv = (mem.serve(host=args.host, port=args.port, push_token=token, sign_key=_sign_key(args))
+        srv = (mem.serve(host=args.host, port=args.port, push_token=token, sign_key=_sign_key(args),
+                         rederive=args.rederive)
                if mem else BlockServer(_home(args), host=args.host, port=args.port,
                                        sign_key=_sign_key(args)))
         try:
@@ -448,6 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--port", type=int, default=8765, help="0 picks a free port")
     sp.add_argument("--push-token", help="accept pushes with this token (or $GRAFTMEM_PUSH_TOKEN)")
     sp.add_argument("--sign", metavar="KEY", help="sign listings with this private key")
+    sp.add_argument("--rederive", action="store_true",
+                    help="re-prefill every pushed block's text and refuse it unless the state is equal")
     sp = add("pull", cmd_pull, "copy blocks from a graftmem server, checked as they arrive, resumable")
     sp.add_argument("url")
     sp.add_argument("ids", nargs="*", help="block ids or prefixes (default: all)")

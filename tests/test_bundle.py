@@ -470,3 +470,13 @@ def test_import_with_rederive_refuses_a_forged_state(forged, mem, tmp_path):
     f.export(path)  # self-consistent: the exporter's own checks pass
     assert_refused(mem, path, BlockCorrupted, match="not what its .* tokens produce", rederive=True)
     assert mem.import_bundle(path).added == [aid]  # digests alone cannot tell
+
+
+def test_bundle_from_a_newer_graftmem_is_refused_plainly(bundle, mem):
+    members = read_members(bundle)
+    man = json.loads(members[0][1])
+    man["bundle_version"] = 2
+    man["graftmem_version"] = "9.0.0"
+    members[0] = (MANIFEST_NAME, json.dumps(man).encode())
+    bundle.write_bytes(rebuild(members))
+    assert_refused(mem, bundle, BundleRejected, match="bundle_version is 2, this graftmem .* reads 1")

@@ -301,3 +301,11 @@ def test_two_pulls_of_one_block_do_not_interleave(source, mem, served):
         with pytest.raises(TransferError, match="another pull"):
             mem.pull(served.url, [e.id])
     assert mem.pull(served.url, [e.id]).added == [e.id]
+
+
+def test_hub_that_rederives_refuses_a_forged_push(forged, smol, tmp_path):
+    f, aid = forged
+    with Memory(engine=smol, home=tmp_path / "hub") as hub, hub.serve(push_token=TOKEN, rederive=True) as srv:
+        with pytest.raises(BlockCorrupted, match="not what its"):
+            f.push(srv.url, token=TOKEN)
+        assert hub.get_all() == []
