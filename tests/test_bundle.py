@@ -480,3 +480,18 @@ def test_bundle_from_a_newer_graftmem_is_refused_plainly(bundle, mem):
     members[0] = (MANIFEST_NAME, json.dumps(man).encode())
     bundle.write_bytes(rebuild(members))
     assert_refused(mem, bundle, BundleRejected, match="bundle_version is 2, this graftmem .* reads 1")
+
+
+def test_bundle_from_a_real_other_model_is_refused(gmem, mem, tmp_path):
+    """The same refusal with a block genuinely learned by Gemma 3 270M, imported under SmolLM2."""
+    g = gmem.learn(long_text(60, seed=9), name="gemma-block")
+    path = tmp_path / "gemma.gmbundle"
+    gmem.export(path)
+    before = state_of(mem)
+    with pytest.raises(IncompatibleBlock, match="model_sha256") as ei:
+        mem.import_bundle(path)
+    assert {"model_sha256", "n_ctx"} & set(ei.value.fields)
+    assert state_of(mem) == before
+    assert mem.import_bundle(path, incompatible="keep-apart").kept_apart == [g.id]
+    with pytest.raises(BlockNotFound):
+        mem.ask(g.id, QUERY)
