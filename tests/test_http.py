@@ -309,3 +309,24 @@ def test_hub_that_rederives_refuses_a_forged_push(forged, smol, tmp_path):
         with pytest.raises(BlockCorrupted, match="not what its"):
             f.push(srv.url, token=TOKEN)
         assert hub.get_all() == []
+
+
+def test_cli_serve_with_a_push_token_accepts_pushes(source, tmp_path):
+    hub = tmp_path / "hub"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "graftmem", "--home", str(hub), "--config", '{"probe": false}', "serve",
+         "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO), "GRAFTMEM_PUSH_TOKEN": TOKEN})
+    try:
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        assert "pushes on" in line, (proc.stderr.read()  # type: ignore[union-attr]
+                                     if proc.poll() is not None else line)
+        url = line.split(" at ")[1].split()[0]
+        with pytest.raises(AccessDenied):
+            source["mem"].push(url, token="wrong-token-x")
+        rep = source["mem"].push(url, token=TOKEN)
+        assert sorted(rep.added) == sorted([source["b1"].id, source["b2"].id])
+        assert httpx.get(f"{url}/v1/info").json()["blocks"] == 2
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
