@@ -228,6 +228,19 @@ def ask(args: argparse.Namespace) -> dict:
                 "answer": a.text.strip(), "found": nd["code"] in a.text, "exact_seam": a.recall.receipt.exact,
                 "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                 "n_past_peak": peak_n_past})
+            # the restore alone (read + digest check + graft), repeated: the machine is shared, so one
+            # timing is noise; the median and the minimum of --reps runs are what the slope is fitted on
+            times = []
+            for _ in range(args.reps):
+                with eng.lock:
+                    t = time.perf_counter()
+                    blk, view = mem.store.read_state(a.page.block_id, eng.buffer, fingerprint=mem.fingerprint)
+                    eng.restore(view, blk.n_tokens)
+                    times.append((time.perf_counter() - t) * 1e3)
+                    eng.reset()
+            times.sort()
+            row.update({"restore_ms_median": round(times[len(times) // 2], 2), "restore_ms_min": round(times[0], 2),
+                        "restore_ms_max": round(times[-1], 2), "restore_bytes": blk.state_size})
             rows.append(row)
             print(json.dumps(row), flush=True)
         # negative control: graft a stored page that does NOT hold the needle, ask the same question
@@ -268,12 +281,26 @@ def ask(args: argparse.Namespace) -> dict:
                      "equal": graft == fresh, "fresh_prefill_ms": round(fresh_ms, 1)}
             print("exactness:", json.dumps(exact), flush=True)
         n_index = len(index)
+    fit = None
+    if len(rows) >= 2:
+        import numpy as np
+
+        x = np.array([r["depth"] for r in rows], dtype=float)
+        y = np.array([r["restore_ms_median"] for r in rows])
+        slope, icpt = np.polyfit(x, y, 1)
+        resid = y - (slope * x + icpt)
+        se = float(np.sqrt(resid.var(ddof=2) / ((x - x.mean()) ** 2).sum())) if len(rows) > 2 else float("nan")
+        fit = {"restore_ms_per_100k_tokens_of_depth": round(float(slope) * 1e5, 3),
+               "stderr_per_100k": round(se * 1e5, 3), "intercept_ms": round(float(icpt), 2),
+               "median_restore_ms": round(float(np.median(y)), 2),
+               "prefilled_tokens_min_max": [min(r["tokens_prefilled"] for r in rows),
+                                            max(r["tokens_prefilled"] for r in rows)]}
     return {"store_blocks": st.blocks, "store_tokens": st.tokens, "store_bytes": st.bytes_on_disk,
             "bytes_per_token": round(st.bytes_per_token, 1), "pages_in_document": len(plan.pages),
             "pages_stored": len(stored), "document_tokens": plan.n_tokens,
             "stored_document_fraction": round(len(stored) / len(plan.pages), 4), "passages_indexed": n_index,
             "n_ctx": n_ctx, "window": args.window, "found": sum(r["found"] for r in rows), "asked": len(rows),
-            "questions": rows, "negative_controls": negatives, "exactness": exact,
+            "questions": rows, "restore_fit": fit, "negative_controls": negatives, "exactness": exact,
             "peak_rss_mb_after_load": round(rss_load / 1024, 1),
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             "ask_seconds": round(time.perf_counter() - t0, 1)}
@@ -314,7 +341,13 @@ def plot(paths: list[str], out: str) -> None:
         qs = [q for q in d["ask"]["questions"]]
         label = f"{d['ask']['store_tokens']:,} stored tokens ({d['ask']['pages_stored']} pages)"
         xs = [q["depth"] for q in qs]
-        ax1.plot(xs, [q["restore_ms"] for q in qs], "o-", label=label)
+        if "restore_ms_median" in qs[0]:
+            med = [q["restore_ms_median"] for q in qs]
+            ax1.errorbar(xs, med, yerr=[[m - q["restore_ms_min"] for m, q in zip(med, qs)],
+                                        [q["restore_ms_max"] - m for m, q in zip(med, qs)]],
+                         fmt="o-", capsize=3, label=label + ", median and min-max")
+        else:
+            ax1.plot(xs, [q["restore_ms"] for q in qs], "o-", label=label)
         ax2.plot(xs, [q["tokens_prefilled"] for q in qs], "o-", label=label)
     ax1.set_xlabel("needle depth (token offset in the document)")
     ax1.set_ylabel("restore ms (read + digest + graft of one page)")
@@ -339,6 +372,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=2048, help="page size in tokens; n_ctx = window + 256")
     ap.add_argument("--overlap", type=int, default=64)
     ap.add_argument("--needles", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=7, help="restore timings per question (median reported)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=8, help="pages per progress line")
