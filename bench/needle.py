@@ -146,6 +146,36 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(n_ctx=args.window + 256, type_k=args.kv, type_v=args.kv, n_threads=args.threads)
 
 
+def _meta_path(args: argparse.Namespace) -> Path:
+    return Path(args.store) / f"needle_bench_{args.tokens}_s{args.seed}_w{args.window}_o{args.overlap}.json"
+
+
+def write_meta(args: argparse.Namespace, plan, needles: list[dict]) -> dict:
+    """Where the needles are (pages, depth): so asking needs neither the corpus nor the plan in memory."""
+    meta = {"document": plan.document, "n_pages": len(plan.pages), "document_tokens": plan.n_tokens,
+            "page_tokens": plan.page_tokens, "needles": [
+                {**nd, "pages": plan.pages_holding(nd["char_start"], nd["char_end"]),
+                 "depth": plan.token_offset(nd["char_start"])} for nd in needles]}
+    path = _meta_path(args)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(meta, indent=1))
+    return meta
+
+
+def ensure_meta(args: argparse.Namespace) -> dict:
+    path = _meta_path(args)
+    if path.exists():
+        return json.loads(path.read_text())
+    eng = Engine(args.model, engine_config(args).model_copy(update={"probe": False}))
+    try:
+        text, needles = make_corpus(eng, args.tokens, args.needles, args.seed)
+        plan = plan_document(eng, text, window=args.window, overlap=args.overlap,
+                             document=f"needle-{args.tokens}-s{args.seed}")
+        return write_meta(args, plan, needles)
+    finally:
+        eng.close()
+
+
 def build(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     with Memory(args.model, home=args.store, config=engine_config(args)) as mem:
@@ -153,6 +183,7 @@ def build(args: argparse.Namespace) -> dict:
         plan = plan_document(mem.engine, text, window=args.window, overlap=args.overlap,
                              document=f"needle-{args.tokens}-s{args.seed}", name=f"needle corpus {args.tokens}")
         t_plan = time.perf_counter() - t0
+        write_meta(args, plan, needles)
         print(f"plan: {len(plan.pages)} pages, {plan.n_tokens} document tokens, {plan.page_tokens} page tokens "
               f"({t_plan:.1f} s)", flush=True)
         first = []
@@ -191,12 +222,12 @@ def ask(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     with Memory(args.model, home=args.store, config=engine_config(args)) as mem:
         eng = mem.engine
-        text, needles = make_corpus(eng, args.tokens, args.needles, args.seed)
-        plan = plan_document(eng, text, window=args.window, overlap=args.overlap,
-                             document=f"needle-{args.tokens}-s{args.seed}")
+        meta = json.loads(_meta_path(args).read_text())  # written by the build or by ensure_meta
+        needles = meta["needles"]
+        document = meta["document"]
         fpd = mem.fingerprint.digest()
         index = page_index(mem)
-        stored = {p.page: p for p in index.pages(plan.document, fpd)}
+        stored = {p.page: p for p in index.pages(document, fpd)}
         st = mem.stats()
         n_ctx = eng.n_ctx
         rss_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -209,16 +240,16 @@ def ask(args: argparse.Namespace) -> dict:
             peak_n_past = max(peak_n_past, eng.n_past)
 
         eng.prefill = tracking_prefill  # type: ignore[method-assign]
-        mem.recall_document("warm up the router", document=plan.document, max_tokens=1, min_score=-1)
+        mem.recall_document("warm up the router", document=document, max_tokens=1, min_score=-1)
         rows = []
         for nd in needles:
-            holding = plan.pages_holding(nd["char_start"], nd["char_end"])
-            depth = plan.token_offset(nd["char_start"])
+            holding = nd["pages"]
+            depth = nd["depth"]
             task, prompt = question(nd["name"])
             row = {"name": nd["name"], "code": nd["code"], "depth": depth, "fraction": nd["fraction"],
                    "needle_pages": holding, "needle_page_stored": any(p in stored for p in holding)}
             t = time.perf_counter()
-            a = mem.recall_document(task, prompt=prompt, document=plan.document, max_tokens=10, min_score=-1)
+            a = mem.recall_document(task, prompt=prompt, document=document, max_tokens=10, min_score=-1)
             row.update({
                 "page": a.page.page, "page_token_start": a.page.token_start, "passage_depth": a.depth,
                 "routed_to_needle_page": a.page.page in holding, "score": round(a.passage.score, 4),
@@ -246,10 +277,10 @@ def ask(args: argparse.Namespace) -> dict:
         # negative control: graft a stored page that does NOT hold the needle, ask the same question
         negatives = []
         for nd in needles[:3]:
-            holding = set(plan.pages_holding(nd["char_start"], nd["char_end"]))
+            holding = set(nd["pages"])
             others = [p for p in sorted(stored) if p not in holding]
             clean = [p for p in others if not any(  # prefer pages that hold no needle at all
-                plan.pages[p].char_start <= o["char_start"] < plan.pages[p].char_end for o in needles)]
+                stored[p].char_start <= o["char_start"] < stored[p].char_end for o in needles)]
             others = clean or others
             if not others:
                 continue
@@ -264,8 +295,8 @@ def ask(args: argparse.Namespace) -> dict:
         exact = None
         if rows and args.check_exact:
             a_row = rows[len(rows) // 2]
-            page = plan.pages[a_row["page"]]
-            block = mem.store.get(stored[page.page].block_id)
+            page = stored[a_row["page"]]
+            block = mem.store.get(page.block_id)
             _, prompt = question(a_row["name"])
             q = eng.tokenize(prompt, add_special=False)
             graft = mem.ask(block.id, prompt, max_tokens=1).receipt.first_logits_sha256
@@ -296,9 +327,9 @@ def ask(args: argparse.Namespace) -> dict:
                "prefilled_tokens_min_max": [min(r["tokens_prefilled"] for r in rows),
                                             max(r["tokens_prefilled"] for r in rows)]}
     return {"store_blocks": st.blocks, "store_tokens": st.tokens, "store_bytes": st.bytes_on_disk,
-            "bytes_per_token": round(st.bytes_per_token, 1), "pages_in_document": len(plan.pages),
-            "pages_stored": len(stored), "document_tokens": plan.n_tokens,
-            "stored_document_fraction": round(len(stored) / len(plan.pages), 4), "passages_indexed": n_index,
+            "bytes_per_token": round(st.bytes_per_token, 1), "pages_in_document": meta["n_pages"],
+            "pages_stored": len(stored), "document_tokens": meta["document_tokens"],
+            "stored_document_fraction": round(len(stored) / meta["n_pages"], 4), "passages_indexed": n_index,
             "n_ctx": n_ctx, "window": args.window, "found": sum(r["found"] for r in rows), "asked": len(rows),
             "questions": rows, "restore_fit": fit, "negative_controls": negatives, "exactness": exact,
             "peak_rss_mb_after_load": round(rss_load / 1024, 1),
@@ -415,6 +446,7 @@ def main() -> None:
     if args.build_only:
         out.write_text(json.dumps(result, indent=1))
         return
+    ensure_meta(args)  # here, not in the child: the child's peak RSS is the cost of asking only
     cmd = [sys.executable, __file__, "--_child"] + [a for a in sys.argv[1:] if a not in ("--ask-only", "--build-only")]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     sys.stdout.write("".join(l + "\n" for l in proc.stdout.splitlines() if not l.startswith("ASK_JSON")))
