@@ -43,8 +43,8 @@ import blake3
 from pydantic import BaseModel, ConfigDict, Field
 
 from ._blocks import FORMAT_VERSION, Block, Fingerprint, block_id_for
-from ._errors import (BlockCorrupted, BundleRejected, ConfigError, IncompatibleBlock, StoreError,
-                      StoreFull)
+from ._errors import (BlockCorrupted, BlockNotFound, BundleRejected, ConfigError, IncompatibleBlock,
+                      StoreError, StoreFull)
 from ._format import HEADER, TRAILER_LEN, parse_header, parse_manifest
 from ._store import Store, incompatibility
 from ._trust import Signature, SigningKey, TrustPolicy, TrustResult
@@ -92,6 +92,7 @@ class BundleEntry(_Strict):
     state_digest: str = Field(pattern=r"^blake3:[0-9a-f]{64}$")
     manifest_digest: str = Field(pattern=r"^blake3:[0-9a-f]{64}$")
     fingerprint: str = Field(pattern=r"^[0-9a-f]{64}$")
+    parent: Optional[str] = Field(None, pattern=r"^[0-9a-f]{64}$")
 
     @property
     def etag(self) -> str:
@@ -223,7 +224,8 @@ class BlockChecker:
             mdig = "blake3:" + bytes(self._trailer).hex()
             checks = {"id": (e.id, block.id), "state_digest": (e.state_digest, block.state_digest),
                       "manifest_digest": (e.manifest_digest, mdig),
-                      "fingerprint": (e.fingerprint, block.fingerprint.digest())}
+                      "fingerprint": (e.fingerprint, block.fingerprint.digest()),
+                      "parent": (e.parent, block.parent)}
             for field, (want, got) in checks.items():
                 if want != got:
                     raise self._corrupt(f"{field} mismatch: the bundle/listing announced {want}, "
@@ -244,19 +246,38 @@ def entry_for(store: Store, block: Block) -> BundleEntry:
                          "run `graftmem doctor`") from exc
     return BundleEntry(id=block.id, name=block.name, kind=block.kind, n_tokens=block.n_tokens,
                        state_size=block.state_size, file_size=size, state_digest=block.state_digest,
-                       manifest_digest="blake3:" + trailer.hex(), fingerprint=block.fingerprint.digest())
+                       manifest_digest="blake3:" + trailer.hex(), fingerprint=block.fingerprint.digest(),
+                       parent=block.parent)
 
 
 def select(store: Store, block_ids: Optional[Iterable[str]] = None, *, kind: Optional[str] = None,
            where: Optional[Callable[[Block], bool]] = None) -> list[Block]:
-    """Blocks by id (or unique prefix), else all (of ``kind``), then filtered by ``where``."""
+    """Blocks by id (or unique prefix), else all (of ``kind``), then filtered by ``where``; then
+    every ancestor of a chained block is added (before it), since a child cannot be grafted
+    without its parent."""
     if block_ids is not None:
         blocks = [store.get(store.resolve(b)) for b in dict.fromkeys(block_ids)]
         if kind is not None:
             blocks = [b for b in blocks if b.kind == kind]
     else:
         blocks = store.list(kind=kind)
-    return [b for b in blocks if where is None or where(b)]
+    blocks = [b for b in blocks if where is None or where(b)]
+    out: dict[str, Block] = {}
+
+    def add(b: Block) -> None:
+        if b.id in out:
+            return
+        if b.parent is not None:
+            try:
+                add(store.get(b.parent))
+            except BlockNotFound as exc:
+                raise StoreError(f"block {b.short_id} continues block {b.parent[:12]}, which is not in "
+                                 f"{store.home}: it cannot be carried without it") from exc
+        out[b.id] = b
+
+    for b in blocks:
+        add(b)
+    return list(out.values())
 
 
 def listing(store: Store, blocks: list[Block]) -> BundleManifest:
@@ -615,6 +636,10 @@ def import_stream(store: Store, f: BinaryIO | mmap.mmap, *, where: str, fingerpr
     for digest, fp in manifest.fingerprints.items():
         if fp.digest() != digest:
             raise BundleRejected(f"{where}: fingerprint {digest[:12]} does not hash to its key")
+    for e in entries.values():
+        if e.parent is not None and e.parent not in entries and not store.contains(e.parent):
+            raise BundleRejected(f"{where}: block {e.id[:12]} continues block {e.parent[:12]}, which is "
+                                 "neither in the bundle nor in this store; export it with its parent")
     foreign = {i for i, e in entries.items() if e.fingerprint != local_fp}
     if foreign and incompatible == "refuse":
         e = entries[sorted(foreign)[0]]

@@ -454,6 +454,26 @@ def _download_locked(client: httpx.Client, url: str, e: BundleEntry, part: Path,
         raise
 
 
+def _with_ancestors(entries: list[BundleEntry], by_id: dict[str, BundleEntry], store: Store,
+                    url: str) -> list[BundleEntry]:
+    """``entries`` plus every ancestor a chained block needs (parents first), unless already here."""
+    out: dict[str, BundleEntry] = {}
+
+    def add(e: BundleEntry) -> None:
+        if e.id in out:
+            return
+        if e.parent is not None and not store.contains(e.parent):
+            if e.parent not in by_id:
+                raise _errors.BundleRejected(f"block {e.id[:12]} on {url} continues block "
+                                             f"{e.parent[:12]}, which neither {url} nor this store has")
+            add(by_id[e.parent])
+        out[e.id] = e
+
+    for e in entries:
+        add(e)
+    return list(out.values())
+
+
 def pull(store: Store, url: str, block_ids: Optional[Iterable[str]] = None, *,
          fingerprint: Fingerprint, kind: Optional[str] = None, policy: Optional[TrustPolicy] = None,
          incompatible: Incompatible = "refuse", progress: bool = False, timeout: float = 60.0,
@@ -469,7 +489,8 @@ def pull(store: Store, url: str, block_ids: Optional[Iterable[str]] = None, *,
     url = _base(url)
     policy = policy if policy is not None else TrustPolicy.load(store.home)
     with _client(timeout) as client:
-        man, signer, trusted = fetch_listing(client, url, policy, kind)
+        man, signer, trusted = fetch_listing(client, url, policy)
+        by_id = {e.id: e for e in man.blocks}
         entries = man.blocks
         if block_ids is not None:
             chosen = []
@@ -479,7 +500,10 @@ def pull(store: Store, url: str, block_ids: Optional[Iterable[str]] = None, *,
                     raise (BlockNotFound if not hits else ConfigError)(
                         f"{'no' if not hits else 'more than one'} block {want!r} on {url}")
                 chosen.append(hits[0])
-            entries = list({e.id: e for e in chosen}.values())
+            entries = chosen
+        if kind is not None:
+            entries = [e for e in entries if e.kind == kind]
+        entries = _with_ancestors(entries, by_id, store, url)
         local = fingerprint.digest()
         for e in entries:
             if e.file_size > max_entry_bytes:

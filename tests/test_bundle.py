@@ -495,3 +495,24 @@ def test_bundle_from_a_real_other_model_is_refused(gmem, mem, tmp_path):
     assert mem.import_bundle(path, incompatible="keep-apart").kept_apart == [g.id]
     with pytest.raises(BlockNotFound):
         mem.ask(g.id, QUERY)
+
+
+def test_chained_block_travels_with_its_parent(smol, mem, tmp_path):
+    with Memory(engine=smol, home=tmp_path / "chain") as c:
+        root = c.learn(long_text(60, seed=11), name="root")
+        child = c.learn(" " + long_text(40, seed=12), name="child", parent=root.id)
+        assert child.parent == root.id
+        want = c.ask(child.id, QUERY, max_tokens=1).receipt.first_logits_sha256
+        path = tmp_path / "child.gmbundle"
+        rep = c.export(path, [child.id])
+        assert rep.blocks == [root.id, child.id]  # the parent comes along, first
+        # an orphan (the child without its parent) is refused
+        members = read_members(path)
+        man = json.loads(members[0][1])
+        man["blocks"] = [e for e in man["blocks"] if e["id"] == child.id]
+        orphan = tmp_path / "orphan.gmbundle"
+        orphan.write_bytes(rebuild([(MANIFEST_NAME, json.dumps(man).encode()),
+                                    (f"blocks/{child.id}.gmb", dict(members)[f"blocks/{child.id}.gmb"])]))
+        assert_refused(mem, orphan, BundleRejected, match="neither in the bundle nor in this store")
+        assert sorted(mem.import_bundle(path).added) == sorted([root.id, child.id])
+        assert mem.ask(child.id, QUERY, max_tokens=1).receipt.first_logits_sha256 == want

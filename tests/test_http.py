@@ -18,6 +18,7 @@ from graftmem._bundle import listing
 from graftmem._server import SIGNATURE_HEADER, BlockServer, _Handler
 from graftmem._trust import SigningKey, TrustPolicy
 
+from .conftest import long_text
 from .test_bundle import QUERY, REPO, forge, other_model, state_of
 from .test_bundle import forged, source  # noqa: F401,F811 (fixtures)
 
@@ -330,3 +331,13 @@ def test_cli_serve_with_a_push_token_accepts_pushes(source, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_pulling_a_chained_block_brings_its_parent(smol, mem, tmp_path):
+    with Memory(engine=smol, home=tmp_path / "chain") as c:
+        root = c.learn(long_text(60, seed=11), name="root")
+        child = c.learn(" " + long_text(40, seed=12), name="child", parent=root.id)
+        with c.serve() as srv:
+            rep = mem.pull(srv.url, [child.id[:10]])
+        assert sorted(rep.added) == sorted([root.id, child.id])
+        assert mem.get(child.id).parent == root.id
