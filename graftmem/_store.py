@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import logging
 import os
 import sqlite3
@@ -103,6 +102,7 @@ class Store:
         except OSError as exc:
             raise StoreError(f"cannot create the store at {self.home}: {exc}") from exc
         self._tlock = threading.RLock()
+        self._lock_depth = 0
         self._db = sqlite3.connect(self.home / "index.sqlite", timeout=lock_timeout,
                                    check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -117,8 +117,18 @@ class Store:
     # ------------------------------------------------------------------ locking
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
-        """Exclusive inter-process lock for mutations (flock on ``home/lock``)."""
+        """Exclusive inter-process lock for mutations (flock on ``home/lock``).
+
+        Re-entrant within a thread: flock locks belong to an open file description, so a nested
+        call opening a second descriptor would wait on itself; nested calls reuse the held lock."""
         with self._tlock:
+            if self._lock_depth:
+                self._lock_depth += 1
+                try:
+                    yield
+                finally:
+                    self._lock_depth -= 1
+                return
             fd = os.open(self.home / "lock", os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 deadline = time.monotonic() + self.lock_timeout
@@ -131,8 +141,10 @@ class Store:
                             raise StoreLocked(f"the store at {self.home} stayed locked by another "
                                               f"process for {self.lock_timeout:.0f} s; retry later") from None
                         time.sleep(0.02)
+                self._lock_depth = 1
                 yield
             finally:
+                self._lock_depth = 0
                 os.close(fd)  # closing the descriptor releases the flock
 
     # ------------------------------------------------------------------ paths
