@@ -13,8 +13,12 @@ from ._errors import (AccessDenied, BlockCorrupted, BlockNotFound, BlockRejected
                       UntrustedBundle)
 from ._async import AsyncMemory
 from ._blocks import SearchHit
+from ._bundle import BundleManifest, ExportReport, TransferReport
 from ._memory import Memory
+from ._server import BlockServer
+from ._trust import PublicKey, RederiveReport, SigningKey, TrustPolicy
 from ._router import Embedder, SentenceTransformerEmbedder
+from ._pager import DocumentAnswer, DocumentReport, PageInfo, PassageHit
 from ._flywheel import Attempt, Flywheel, Gate, GateReport, Solution, SolverOutput
 from ._verifiers import (CallableVerifier, Candidate, ExactMatch, ProgramRun, ProgramVerifier, Verdict,
                          Verifier, run_program)
@@ -30,16 +34,21 @@ __all__ = [
     "BlockCorrupted",
     "BlockNotFound",
     "BlockRejected",
+    "BlockServer",
+    "BundleManifest",
     "BundleRejected",
     "CallableVerifier",
     "Candidate",
     "ClosedError",
     "ConfigError",
+    "DocumentAnswer",
+    "DocumentReport",
     "Embedder",
     "EngineConfig",
     "EngineError",
     "ExactMatch",
     "Exactness",
+    "ExportReport",
     "Fingerprint",
     "Flywheel",
     "Gate",
@@ -49,13 +58,18 @@ __all__ = [
     "MODELS",
     "Memory",
     "ModelNotFound",
+    "PageInfo",
+    "PassageHit",
     "ProgramRun",
     "ProgramVerifier",
+    "PublicKey",
     "Recall",
     "Receipt",
+    "RederiveReport",
     "SampleResult",
     "SearchHit",
     "SentenceTransformerEmbedder",
+    "SigningKey",
     "Solution",
     "SolverOutput",
     "StoreError",
@@ -63,6 +77,8 @@ __all__ = [
     "StoreLocked",
     "StoreStats",
     "TransferError",
+    "TransferReport",
+    "TrustPolicy",
     "UntrustedBundle",
     "Verdict",
     "VerificationRecord",
