@@ -140,6 +140,13 @@ class Block(_Strict):
     state_digest: str
     metadata: dict[str, Any] = Field(default_factory=dict)
     verification: Optional[VerificationRecord] = None
+    #: ``"full"``: the file holds the whole per-sequence state. ``"delta"`` (chained blocks only): the
+    #: file holds only this block's new cells and the full state is rebuilt from the parent's (see
+    #: :mod:`graftmem._statefmt`); ``state_size``/``state_digest`` then describe the stored delta and
+    #: ``full_state_size``/``full_state_digest`` the rebuilt state, checked before it is grafted.
+    storage: Literal["full", "delta"] = "full"
+    full_state_size: Optional[int] = None
+    full_state_digest: Optional[str] = None
 
     @property
     def short_id(self) -> str:
@@ -148,6 +155,11 @@ class Block(_Strict):
     @property
     def pos_end(self) -> int:
         return self.pos_start + self.n_tokens
+
+    @property
+    def restored_size(self) -> int:
+        """Bytes of the full state a graft restores (the stored size, or the rebuilt size of a delta)."""
+        return self.full_state_size if self.full_state_size is not None else self.state_size
 
 
 class Receipt(_Strict):

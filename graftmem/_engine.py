@@ -228,6 +228,35 @@ class Engine:
             C.llama_memory_clear(C.llama_get_memory(self._ctx), True)
             self._n_past = 0
 
+    def reset_at(self, position: int) -> None:
+        """Empty the KV cache and make the next prefill start at ``position`` instead of 0.
+
+        For measurements only (bench/position.py): a fresh prefill "at offset M" is the reference a
+        re-based block is compared with. Blocks are never learned this way.
+        """
+        with self._lock:
+            self.reset()
+            if not 0 <= position < self.n_ctx:
+                raise ConfigError(f"position {position} is outside 0..{self.n_ctx - 1}")
+            self._n_past = position
+
+    def shift_positions(self, delta: int) -> None:
+        """Move every cell of sequence 0 by ``delta`` positions (``llama_memory_seq_add``).
+
+        llama.cpp re-rotates the cached keys (RoPE) on the next decode. This is APPROXIMATE: the
+        re-rotated keys are not the bytes a prefill at the new positions computes (measured in
+        bench/position.py), so nothing exact may be built on it; it exists to measure re-basing.
+        """
+        with self._lock:
+            self._check()
+            mem = C.llama_get_memory(self._ctx)
+            if not C.llama_memory_can_shift(mem):
+                raise EngineError("this model's KV cache cannot shift positions")
+            if self._n_past + delta < 0 or self._n_past + delta > self.n_ctx:
+                raise ConfigError(f"shifting {self._n_past} positions by {delta} leaves 0..{self.n_ctx}")
+            C.llama_memory_seq_add(mem, 0, 0, -1, delta)
+            self._n_past = C.llama_memory_seq_pos_max(mem, 0) + 1
+
     def trim(self, n_keep: int) -> None:
         """Drop the cells at positions >= n_keep (what a query added), keeping the prefix intact."""
         with self._lock:

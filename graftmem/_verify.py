@@ -59,10 +59,11 @@ def kl_divergence(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
 
 def graft_logits(mem: "Memory", block_id: str, query_tokens: Sequence[int]) -> np.ndarray:
     eng = mem.engine
+    from ._chain import load_state
+
     with eng.lock:
-        _, view = mem.store.read_state(block_id, eng.buffer, fingerprint=eng.fingerprint)
-        block = mem.store.get(block_id)
-        eng.restore(view, block.n_tokens)
+        block, view = load_state(mem.store, block_id, eng.buffer, fingerprint=eng.fingerprint)
+        eng.restore(view, block.pos_end)
         eng.prefill(query_tokens)
         return eng.logits()
 
@@ -75,24 +76,31 @@ def verify_block(mem: "Memory", block_id: str, *, samples: int = 50,
     queries = sample_queries(samples)
     qtoks = [eng.tokenize(q, add_special=False) for q in queries]
     if fresh == "auto":
-        fresh = "reprefill" if block.n_tokens * samples <= 20_000 else "trim"
+        fresh = "reprefill" if block.pos_end * samples <= 20_000 else "trim"
     rows: list[SampleResult] = []
     fresh_logits: list[np.ndarray] = []
     floor_eq = 0
     floor_n = min(floor_samples, samples)
+    from ._chain import segments
+
+    segs = segments(mem.store, block)  # a chained block: each block of the chain in its own call
+
+    def prefill_fresh() -> None:
+        eng.reset()
+        for seg in segs:
+            eng.prefill(seg)
+
     with eng.lock:
         for i, q in enumerate(qtoks):
             if fresh == "reprefill" or i == 0:
-                eng.reset()
-                eng.prefill(block.tokens)
+                prefill_fresh()
             else:
-                eng.trim(block.n_tokens)
+                eng.trim(block.pos_end)
             eng.prefill(q)
             lf = eng.logits()
             fresh_logits.append(lf)
             if i < floor_n:  # fresh vs fresh: the engine's own determinism
-                eng.reset()
-                eng.prefill(block.tokens)
+                prefill_fresh()
                 eng.prefill(q)
                 floor_eq += logits_sha256(eng.logits()) == logits_sha256(lf)
         for i, (q, lf) in enumerate(zip(queries, fresh_logits)):

@@ -1,0 +1,177 @@
+"""Chained blocks: a text learned on top of another block, and the state that holds both.
+
+A child block C of a parent P holds C's own tokens (tokenized without BOS) at positions
+``[P.pos_end, P.pos_end + len(C.tokens))``; its id hashes P's id, so the same text on another parent
+is another block. Learning C grafts P (every digest checked), prefills C's tokens and captures the
+full per-sequence state. That state is stored as a *delta*: only C's new cells plus, per cache
+section, how many of P's cells it keeps (:mod:`graftmem._statefmt`). Before a delta is written,
+``merge(P's full state, delta)`` is compared byte for byte with the captured state; if the layout
+cannot be split, or the merge differs, the full state is stored instead and the log says why.
+
+The exactness reference of a chain is the *sequential* fresh prefill: a cleared cache, then each
+block's tokens prefilled in their own call, root first (exactly what learning the chain without
+grafts computes). On SmolLM2 (Q4_1) that equals one prefill of the concatenated tokens; on
+Gemma 3 270M (Q4_K_M) it does not, because the CPU's repacked Q4_K matrix kernels round the last
+``n mod 4`` rows of a micro-batch differently, so a token's K/V bytes depend on where the micro-batch
+boundaries fall. docs/exactness.md has the measurement.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Callable, Optional
+
+from ._blocks import Block, Fingerprint
+from ._errors import BlockCorrupted, ConfigError
+from ._format import state_digest
+from . import _statefmt
+
+if TYPE_CHECKING:
+    from ._engine import Engine
+    from ._store import Store
+
+__all__ = ["chain_of", "segments", "full_tokens", "full_state", "load_state", "make_delta", "capture_child", "MAX_DEPTH"]
+
+log = logging.getLogger("graftmem")
+
+#: A chain deeper than this is refused (each level costs a read and a merge at restore).
+MAX_DEPTH = 64
+
+
+def chain_of(store: "Store", block: Block) -> list[Block]:
+    """The blocks from the root to ``block`` (inclusive), checked for consistent positions."""
+    out = [block]
+    while out[-1].parent is not None:
+        if len(out) > MAX_DEPTH:
+            raise ConfigError(f"block {block.short_id} is chained more than {MAX_DEPTH} levels deep")
+        parent = store.get(out[-1].parent)
+        if out[-1].pos_start != parent.pos_end:
+            raise BlockCorrupted(f"block {out[-1].short_id} starts at position {out[-1].pos_start} but its "
+                                 f"parent {parent.short_id} ends at {parent.pos_end}")
+        out.append(parent)
+    if out[-1].pos_start != 0:
+        raise BlockCorrupted(f"root block {out[-1].short_id} starts at position {out[-1].pos_start}, not 0")
+    return out[::-1]
+
+
+def segments(store: "Store", block: Block) -> list[list[int]]:
+    """Token ids of each block of the chain, root first: the prefill calls of the fresh reference."""
+    return [list(b.tokens) for b in chain_of(store, block)]
+
+
+def full_tokens(store: "Store", block: Block) -> list[int]:
+    """Every token id from position 0 to ``block.pos_end``."""
+    return [t for seg in segments(store, block) for t in seg]
+
+
+def _read_full(store: "Store", block: Block, buffer: Callable[[int], memoryview],
+               fingerprint: Optional[Fingerprint]) -> memoryview:
+    """The full state of ``block`` in ``buffer``; every stored digest on the chain checked."""
+    if block.storage == "full":
+        return store.read_state(block.id, buffer, fingerprint=fingerprint)[1]
+    if block.parent is None or block.full_state_size is None or block.full_state_digest is None:
+        raise BlockCorrupted(f"block {block.short_id} is stored as a delta without a parent or full digest")
+    parent = store.get(block.parent)
+    pstate = _read_full(store, parent, lambda n: memoryview(bytearray(n)), fingerprint)
+    _, delta = store.read_state(block.id, lambda n: memoryview(bytearray(n)), fingerprint=fingerprint)
+    out = buffer(block.full_state_size)
+    try:
+        _statefmt.merge(pstate, delta, out)
+    except _statefmt.StateLayoutError as exc:
+        raise BlockCorrupted(f"block {block.short_id}: its delta does not merge with parent "
+                             f"{parent.short_id}: {exc}") from exc
+    actual = state_digest(out)
+    if actual != block.full_state_digest:
+        raise BlockCorrupted(f"block {block.short_id}: rebuilt state digest mismatch: expected "
+                             f"{block.full_state_digest}, actual {actual}",
+                             expected=block.full_state_digest, actual=actual)
+    return out
+
+
+def full_state(store: "Store", block: Block, *, fingerprint: Optional[Fingerprint] = None) -> bytes:
+    """The per-sequence state a full capture after the chain's prefill holds (a delta rebuilt), as
+    new bytes; every digest checked. This is what provenance checks compare, byte for byte."""
+    if block.parent is None:
+        return bytes(store.read_state(block.id, lambda n: memoryview(bytearray(n)), fingerprint=fingerprint)[1])
+    chain_of(store, block)
+    return bytes(_read_full(store, block, lambda n: memoryview(bytearray(n)), fingerprint))
+
+
+def load_state(store: "Store", block_id: str, buffer: Callable[[int], memoryview], *,
+               fingerprint: Optional[Fingerprint] = None) -> tuple[Block, memoryview]:
+    """Read (and for a delta, rebuild) a block's full state into ``buffer``; check everything first.
+
+    For a root block this is :meth:`Store.read_state`. For a chained block, each ancestor's stored
+    bytes and this block's delta are read with their digests checked, merged, and the merged bytes
+    checked against ``full_state_digest``, all before anything is returned (so before llama.cpp).
+    A chained state whose window cache was trimmed is then padded with masked placeholder cells
+    (:func:`graftmem._statefmt.place_cells`) so that a restore keeps every cell at its fresh index;
+    without that, Gemma 3 grafts differ from a fresh prefill for 1-token and >= 64-token queries.
+    """
+    block = store.get(block_id)
+    if block.parent is None:
+        return store.read_state(block.id, buffer, fingerprint=fingerprint)
+    chain_of(store, block)  # positions and depth
+    full = _read_full(store, block, lambda n: memoryview(bytearray(n)), fingerprint)
+    try:
+        placed = _statefmt.place_cells(full, block.pos_end)
+    except _statefmt.StateLayoutError:
+        placed = None
+    src = full if placed is None else placed
+    out = buffer(len(src))
+    out[:] = src
+    return block, out
+
+
+def make_delta(parent_state: memoryview | bytes, full_state: memoryview | bytes,
+               parent_end: int) -> Optional[bytes]:
+    """The delta of ``full_state`` over ``parent_state``, or None when the layout cannot be split
+    safely (then the caller stores the full state). A delta is only returned after
+    ``merge(parent, delta)`` was compared with ``full_state`` byte for byte."""
+    try:
+        delta = _statefmt.split(parent_state, full_state, parent_end)
+        rebuilt = _statefmt.merge(parent_state, delta)
+    except _statefmt.StateLayoutError as exc:
+        log.info("state layout not split (%s); storing the full state", exc)
+        return None
+    if rebuilt != bytes(full_state):
+        log.warning("delta merge differs from the captured state; storing the full state")
+        return None
+    return delta
+
+
+def capture_child(store: "Store", engine: "Engine", parent: Block, tokens: list[int],
+                  progress: Optional[Callable[[int], None]] = None) -> tuple[memoryview | bytes, dict]:
+    """Graft ``parent``, prefill ``tokens`` after it and capture; return the bytes to store and
+    the manifest fields that describe them (``storage``, sizes, digests). The caller holds
+    ``engine.lock`` and resets the engine afterwards."""
+    pstate = full_state(store, parent, fingerprint=engine.fingerprint)  # a copy: capture() reuses the buffer
+    pview = memoryview(bytearray(pstate))
+    try:
+        placed = _statefmt.place_cells(pstate, parent.pos_end)
+    except _statefmt.StateLayoutError:
+        placed = b""
+    if placed is None:
+        engine.restore(pview, parent.pos_end)
+    elif placed:
+        # the parent's window cache was trimmed: restore it with masked placeholders in front so
+        # that every cell sits where a fresh prefill puts it (see _statefmt.place_cells)
+        engine.restore(memoryview(bytearray(placed)), parent.pos_end)
+    else:
+        log.info("block chained on %s: state layout not understood; re-prefilling the chain "
+                 "(%d tokens) instead of grafting it", parent.short_id, parent.pos_end)
+        engine.reset()
+        for seg in segments(store, parent):
+            engine.prefill(seg)
+    engine.prefill(tokens, progress=progress)
+    full = engine.capture()
+    fields: dict = {"parent": parent.id, "pos_start": parent.pos_end,
+                    "full_state_size": len(full), "full_state_digest": state_digest(full)}
+    delta = make_delta(pstate, full, parent.pos_end)
+    if delta is None:
+        return full, {**fields, "storage": "full", "state_size": len(full),
+                      "state_digest": fields["full_state_digest"]}
+    log.info("chained block stored as a delta: %d of %d bytes (%.1f%%)", len(delta), len(full),
+             100.0 * len(delta) / len(full))
+    return delta, {**fields, "storage": "delta", "state_size": len(delta),
+                   "state_digest": state_digest(delta)}

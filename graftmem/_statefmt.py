@@ -1,0 +1,331 @@
+"""Parse, split and merge llama.cpp per-sequence KV states. Pure: bytes in, bytes out, no llama_cpp.
+
+Why this exists: a chained block (text B learned on top of block A) holds, in a full capture, every
+cell of A again. Storing only B's new cells plus a reference to A saves that repeated prefix on
+disk; at restore the full state is rebuilt from A's bytes and B's delta, byte for byte.
+
+The layout parsed here is what ``llama_kv_cache::state_write`` writes for ONE sequence
+(``llama_state_seq_get_data``, vendored llama.cpp of llama-cpp-python 0.3.36), all integers
+little-endian. A state starts with ``u32 magic (0xaf143cd8), i32 seq_id`` (written by
+``llama_context::state_seq_get_data``) and then holds one *section* per KV cache: a dense model has one cache; an iSWA model
+(Gemma 3) writes its full-attention cache and then its sliding-window cache, back to back::
+
+    u32 n_stream                                  (1: a context with n_seq_max = 1)
+    u32 cell_count
+    cell_count x meta: i32 pos, u32 n_seq_id (=1), i32 seq_id   (no cell "ext": no M-RoPE / PLE)
+    u32 v_trans, u32 n_layer
+    n_layer x K: i32 type, u64 row_size, cell_count * row_size bytes       (row = one cell)
+    V, if v_trans == 0: n_layer x (i32 type, u64 row_size, cell_count * row_size bytes)
+    V, if v_trans == 1: n_layer x (i32 type, u32 el_size, u32 n_embd,
+                                   n_embd x (cell_count * el_size bytes))  (column = one cell)
+
+Cells are written in cell-index order, and the sliding-window cache writes only the cells its last
+position still sees. Both facts matter for splitting: a child's full state is, per section, a
+*suffix* of the parent's cells (all of them for full attention, the ones still in the window for
+SWA) followed by the child's new cells. :func:`split` checks that this decomposition holds on the
+positions before returning a delta, and the caller must check ``merge(parent, delta) == full``
+on the real bytes before trusting it (``Memory.learn`` does, and stores the full state otherwise).
+
+Layouts this parser refuses (it raises :class:`StateLayoutError`, and the caller stores the full
+state): several streams, cells shared by several sequences, cell "ext" records (M-RoPE / PLE
+models), layers without V, trailing bytes, and anything that does not add up to the buffer length.
+
+The delta encoding (ours, versioned by its magic)::
+
+    8s  b"GMDELTA1"
+    u32 n_sections
+    n_sections x u32 n_keep      cells kept from the END of the parent's section, in order
+    the child's new cells, encoded as a llama per-sequence state (the same sections, fewer cells)
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["StateLayoutError", "Section", "parse_state", "encode_state", "split", "merge",
+           "DELTA_MAGIC", "delta_sizes", "place_cells", "join"]
+
+DELTA_MAGIC = b"GMDELTA1"
+_IO_MAGIC = 0xAF143CD8  # llama-context.cpp: io_magic
+_META = np.dtype([("pos", "<i4"), ("n_seq_id", "<u4"), ("seq_id", "<i4")])  # 12 bytes per cell
+
+
+class StateLayoutError(ValueError):
+    """The bytes are not a per-sequence state of the layout described in this module."""
+
+
+@dataclass
+class _Layer:
+    """One layer's K (or V) of one section: a 2-D uint8 array ``[cells, row]`` or, for transposed
+    V, a 3-D array ``[n_embd, cells, el_size]``."""
+
+    type: int
+    unit: int  # row_size for rows, el_size for transposed V
+    data: np.ndarray
+    n_embd: int = 0  # transposed V only
+
+
+@dataclass
+class Section:
+    """One KV cache's cells for one sequence: positions, raw meta, and per-layer K/V bytes."""
+
+    meta: np.ndarray  # structured _META array, one per cell
+    v_trans: bool = False
+    k: list[_Layer] = field(default_factory=list)
+    v: list[_Layer] = field(default_factory=list)
+
+    @property
+    def n_cells(self) -> int:
+        return int(self.meta.shape[0])
+
+    @property
+    def positions(self) -> np.ndarray:
+        return self.meta["pos"]
+
+    def take(self, sl: slice) -> "Section":
+        """The cells ``sl`` (a slice over cell order) of this section."""
+        return Section(meta=self.meta[sl], v_trans=self.v_trans,
+                       k=[_Layer(l.type, l.unit, l.data[sl]) for l in self.k],
+                       v=[_Layer(l.type, l.unit, l.data[:, sl] if self.v_trans else l.data[sl], l.n_embd)
+                          for l in self.v])
+
+
+class _Reader:
+    def __init__(self, buf: memoryview | bytes) -> None:
+        self.arr = np.frombuffer(buf, dtype=np.uint8)
+        self.off = 0
+
+    def take(self, n: int) -> np.ndarray:
+        if n < 0 or self.off + n > self.arr.size:
+            raise StateLayoutError(f"state ends at byte {self.arr.size}, needed {self.off + n}")
+        out = self.arr[self.off:self.off + n]
+        self.off += n
+        return out
+
+    def unpack(self, fmt: str) -> tuple[int, ...]:
+        s = struct.Struct(fmt)
+        return s.unpack(self.take(s.size).tobytes())
+
+
+def _parse_section(r: _Reader) -> Optional[Section]:
+    (n_stream,) = r.unpack("<I")
+    if n_stream != 1:
+        raise StateLayoutError(f"{n_stream} streams: only single-stream caches are split")
+    (cells,) = r.unpack("<I")
+    if cells == 0:
+        return Section(meta=np.zeros(0, dtype=_META))
+    meta = r.take(cells * _META.itemsize).view(_META)
+    if np.any(meta["n_seq_id"] != 1) or np.any(meta["seq_id"] != 0):
+        raise StateLayoutError("cells with several sequences or cell ext records: not split")
+    if cells > 1 and np.any(np.diff(meta["pos"]) <= 0):
+        raise StateLayoutError("cell positions are not strictly increasing in cell order")
+    v_trans, n_layer = r.unpack("<II")
+    if v_trans not in (0, 1) or not 0 < n_layer < 4096:
+        raise StateLayoutError(f"implausible v_trans={v_trans} n_layer={n_layer}")
+    sec = Section(meta=meta, v_trans=bool(v_trans))
+    for _ in range(n_layer):
+        ktype, row = r.unpack("<iQ")
+        sec.k.append(_Layer(ktype, row, r.take(cells * row).reshape(cells, row)))
+    for _ in range(n_layer):  # every layer has V in the models this is used with (checked by length)
+        if not v_trans:
+            vtype, row = r.unpack("<iQ")
+            sec.v.append(_Layer(vtype, row, r.take(cells * row).reshape(cells, row)))
+        else:
+            vtype, el, n_embd = r.unpack("<iII")
+            data = r.take(n_embd * cells * el).reshape(n_embd, cells, el)
+            sec.v.append(_Layer(vtype, el, data, n_embd))
+    return sec
+
+
+def parse_state(buf: memoryview | bytes) -> list[Section]:
+    """Every section of a per-sequence state, as zero-copy views into ``buf``.
+
+    Raises :class:`StateLayoutError` unless the whole buffer parses exactly (no trailing bytes).
+    """
+    r = _Reader(buf)
+    magic, seq_id = r.unpack("<Ii")
+    if magic != _IO_MAGIC or seq_id != 0:
+        raise StateLayoutError(f"not a sequence-0 state (magic {magic:#x}, seq_id {seq_id})")
+    out: list[Section] = []
+    while r.off < r.arr.size:
+        sec = _parse_section(r)
+        assert sec is not None
+        out.append(sec)
+        if len(out) > 8:
+            raise StateLayoutError("more than 8 cache sections")
+    if not out:
+        raise StateLayoutError("empty state")
+    return out
+
+
+def _section_parts(sec: Section) -> list[bytes | np.ndarray]:
+    parts: list[bytes | np.ndarray] = [struct.pack("<II", 1, sec.n_cells)]
+    if sec.n_cells == 0:
+        return parts
+    parts.append(sec.meta)
+    parts.append(struct.pack("<II", int(sec.v_trans), len(sec.k)))
+    for l in sec.k:
+        parts += [struct.pack("<iQ", l.type, l.unit), l.data]
+    for l in sec.v:
+        parts += [struct.pack("<iII", l.type, l.unit, l.n_embd) if sec.v_trans
+                  else struct.pack("<iQ", l.type, l.unit), l.data]
+    return parts
+
+
+def _concat(a: Section, b: Section) -> Section:
+    if a.n_cells == 0:
+        return b
+    if b.n_cells == 0:
+        return a
+    if a.v_trans != b.v_trans or len(a.k) != len(b.k) or len(a.v) != len(b.v):
+        raise StateLayoutError("sections of different shape cannot be joined")
+    for la, lb in zip(a.k + a.v, b.k + b.v):
+        if la.type != lb.type or la.unit != lb.unit or la.n_embd != lb.n_embd:
+            raise StateLayoutError("layer types or row sizes differ between parent and delta")
+    ax = 1 if a.v_trans else 0
+    return Section(meta=np.concatenate([a.meta, b.meta]), v_trans=a.v_trans,
+                   k=[_Layer(x.type, x.unit, np.concatenate([x.data, y.data])) for x, y in zip(a.k, b.k)],
+                   v=[_Layer(x.type, x.unit, np.concatenate([x.data, y.data], axis=ax), x.n_embd)
+                      for x, y in zip(a.v, b.v)])
+
+
+def _size(parts: list[bytes | np.ndarray]) -> int:
+    return sum(p.nbytes if isinstance(p, np.ndarray) else len(p) for p in parts)
+
+
+def _write(parts: list[bytes | np.ndarray], out: Optional[memoryview]) -> bytes | memoryview:
+    n = _size(parts)
+    dst = np.empty(n, dtype=np.uint8) if out is None else np.frombuffer(out, dtype=np.uint8)
+    if dst.size != n:
+        raise StateLayoutError(f"output buffer holds {dst.size} bytes, the state needs {n}")
+    off = 0
+    for p in parts:
+        b = np.frombuffer(p, dtype=np.uint8) if isinstance(p, bytes) else np.ascontiguousarray(p).reshape(-1).view(np.uint8)
+        dst[off:off + b.size] = b
+        off += b.size
+    return dst.tobytes() if out is None else out
+
+
+def encode_state(sections: list[Section]) -> bytes:
+    """The llama.cpp per-sequence state bytes of ``sections`` (inverse of :func:`parse_state`)."""
+    return bytes(_write([struct.pack("<Ii", _IO_MAGIC, 0)] + [p for s in sections for p in _section_parts(s)], None))
+
+
+def split(parent: memoryview | bytes, full: memoryview | bytes, parent_end: int) -> bytes:
+    """The delta that turns ``parent``'s state into ``full`` (parent cells + cells at positions
+    ``>= parent_end``). Raises :class:`StateLayoutError` if ``full`` is not, section by section, a
+    suffix of the parent's cells followed by new cells; the caller must still compare
+    ``merge(parent, delta)`` with ``full`` byte for byte."""
+    ps, fs = parse_state(parent), parse_state(full)
+    if len(ps) != len(fs):
+        raise StateLayoutError(f"parent has {len(ps)} cache sections, the full state {len(fs)}")
+    keeps: list[int] = []
+    news: list[Section] = []
+    for p, f in zip(ps, fs):
+        fpos = f.positions
+        n_old = int(np.searchsorted(fpos, parent_end)) if f.n_cells else 0
+        if n_old > p.n_cells or (n_old and not np.array_equal(fpos[:n_old], p.positions[p.n_cells - n_old:])):
+            raise StateLayoutError("the full state's old cells are not a suffix of the parent's cells")
+        keeps.append(n_old)
+        news.append(f.take(slice(n_old, None)))
+    head = DELTA_MAGIC + struct.pack(f"<I{len(keeps)}I", len(keeps), *keeps)
+    return head + encode_state(news)
+
+
+def _parse_delta(delta: memoryview | bytes) -> tuple[list[int], list[Section]]:
+    d = bytes(delta[:12])
+    if d[:8] != DELTA_MAGIC:
+        raise StateLayoutError("not a graftmem state delta (bad magic)")
+    (n,) = struct.unpack_from("<I", d, 8)
+    if not 0 < n <= 8:
+        raise StateLayoutError(f"delta claims {n} sections")
+    keeps = list(struct.unpack_from(f"<{n}I", bytes(delta[12:12 + 4 * n])))
+    news = parse_state(memoryview(delta)[12 + 4 * n:])
+    if len(news) != n:
+        raise StateLayoutError(f"delta header names {n} sections, its state has {len(news)}")
+    return keeps, news
+
+
+def _merged_parts(parent: memoryview | bytes, delta: memoryview | bytes) -> list[bytes | np.ndarray]:
+    keeps, news = _parse_delta(delta)
+    ps = parse_state(parent)
+    if len(ps) != len(news):
+        raise StateLayoutError(f"parent has {len(ps)} sections, the delta {len(news)}")
+    parts: list[bytes | np.ndarray] = [struct.pack("<Ii", _IO_MAGIC, 0)]
+    for p, k, nsec in zip(ps, keeps, news):
+        if k > p.n_cells:
+            raise StateLayoutError(f"delta keeps {k} cells of a parent section holding {p.n_cells}")
+        parts += _section_parts(_concat(p.take(slice(p.n_cells - k, None)), nsec))
+    return parts
+
+
+def delta_sizes(parent: memoryview | bytes, delta: memoryview | bytes) -> int:
+    """Size in bytes of the full state that ``merge(parent, delta)`` produces."""
+    return _size(_merged_parts(parent, delta))
+
+
+def merge(parent: memoryview | bytes, delta: memoryview | bytes,
+          out: Optional[memoryview] = None) -> bytes | memoryview:
+    """Rebuild the full state from the parent's full state and a child's delta.
+
+    With ``out`` (exactly :func:`delta_sizes` bytes, e.g. the engine's state buffer) the bytes are
+    written there and ``out`` is returned; otherwise new ``bytes`` are returned.
+    """
+    return _write(_merged_parts(parent, delta), out)
+
+
+def place_cells(state: memoryview | bytes, n_positions: int) -> Optional[bytes]:
+    """The state with every section's cells at the indices a fresh prefill gives them, or None if
+    they already are.
+
+    A sliding-window section holds only the cells its last position still sees (positions
+    ``first..n-1``), so a plain restore puts position ``first`` at cell 0, not at cell ``first``.
+    llama.cpp's CPU flash-attention then rounds differently from a fresh prefill whenever cell
+    indices matter: single-token decodes over >= 512 cells (the split-KV path cuts the cells into
+    per-thread chunks) and micro-batches of >= 64 tokens (the tiled path works on 64-cell tiles).
+    Measured on Gemma 3 270M with a 660-token block: a plain graft differs from a fresh prefill for
+    1-token and >= 64-token queries and in greedy generation; with the placeholders it does not.
+
+    The placeholders (positions ``0..first-1``, K and V all zero) are masked by the window for every
+    later token, so they never contribute to attention; they only keep the real cells in place.
+    """
+    secs = parse_state(state)
+    if all(s.n_cells == 0 or int(s.positions[0]) == 0 for s in secs):
+        return None
+    out: list[Section] = []
+    for s in secs:
+        first = int(s.positions[0]) if s.n_cells else 0
+        if first == 0:
+            out.append(s)
+            continue
+        if int(s.positions[-1]) != n_positions - 1 or s.n_cells != n_positions - first:
+            raise StateLayoutError("a trimmed section is not the contiguous tail of the positions")
+        meta = np.zeros(first, dtype=_META)
+        meta["pos"], meta["n_seq_id"] = np.arange(first, dtype=np.int32), 1
+        ph = Section(meta=meta, v_trans=s.v_trans,
+                     k=[_Layer(l.type, l.unit, np.zeros((first, l.unit), np.uint8)) for l in s.k],
+                     v=[_Layer(l.type, l.unit, np.zeros((l.n_embd, first, l.unit), np.uint8) if s.v_trans
+                               else np.zeros((first, l.unit), np.uint8), l.n_embd) for l in s.v])
+        out.append(_concat(ph, s))
+    return encode_state(out)
+
+
+def join(first: memoryview | bytes, second: memoryview | bytes) -> bytes:
+    """Stitch two independently captured states into one: each section's cells of ``first``
+    followed by those of ``second`` (whose positions must all come later).
+
+    This is the *stitching* the paper measures as wrong (KL 13.85): ``second``'s cells were computed
+    without attending to ``first``, so the result is not what a prefill of both texts computes.
+    It exists for ``bench/position.py``; nothing exact is built on it.
+    """
+    a, b = parse_state(first), parse_state(second)
+    if len(a) != len(b):
+        raise StateLayoutError(f"{len(a)} sections cannot be joined with {len(b)}")
+    for x, y in zip(a, b):
+        if x.n_cells and y.n_cells and int(y.positions[0]) <= int(x.positions[-1]):
+            raise StateLayoutError("the second state's positions must follow the first's")
+    return encode_state([_concat(x, y) for x, y in zip(a, b)])
