@@ -176,14 +176,49 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(json_path: str, png: str) -> None:
+    """KL(fresh || other) per condition and model, log scale; exact conditions drawn at the floor."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(Path(json_path).read_text())
+    conds = [c for c in data["results"][0]["conditions"] if c != "floor"]
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    width = 0.8 / len(data["results"])
+    floor = 1e-9
+    for i, r in enumerate(data["results"]):
+        med = [max(r["conditions"][c]["kl_median"], floor) for c in conds]
+        p99 = [max(r["conditions"][c]["kl_p99"], floor) for c in conds]
+        xs = [j + i * width for j in range(len(conds))]
+        ax.bar(xs, med, width, label=f"{r['model']} (median)")
+        ax.scatter(xs, p99, marker="_", s=200, color="black", zorder=3, label="p99" if i == 0 else None)
+    ax.set_yscale("log")
+    ax.set_ylim(floor / 2, 100)
+    ax.axhline(13.85, color="red", ls=":", lw=1, label="paper: stitching KL 13.85")
+    ax.axhline(0.015, color="gray", ls="--", lw=1, label="paper: re-basing KL ~0.015")
+    ax.set_xticks([j + width * (len(data["results"]) - 1) / 2 for j in range(len(conds))])
+    ax.set_xticklabels(conds, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("KL(fresh || other), nats\n(exact = bottom)")
+    ax.legend(fontsize=7, loc="upper right", ncol=2)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), help="only draw the plot from a result file")
     ap.add_argument("--models", nargs="+", default=["smollm2", "gemma3-270m"])
     ap.add_argument("--samples", type=int, default=50)
     ap.add_argument("--words", type=int, default=200, help="words per block (about 1.2 tokens each)")
     ap.add_argument("--offsets", type=int, nargs="+", default=[8, 128, 1024, 4096])
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "position.json"))
     args = ap.parse_args(argv)
+    if args.plot:
+        plot(*args.plot)
+        print(f"wrote {args.plot[1]}")
+        return 0
     results = [run_model(m, args.samples, args.words, args.offsets) for m in args.models]
     print(table(results))
     doc = {"command": "python bench/position.py " + " ".join(sys.argv[1:] if argv is None else argv),

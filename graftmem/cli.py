@@ -43,7 +43,7 @@ def cmd_learn(args: argparse.Namespace) -> int:
     with _memory(args) as mem:
         block = mem.learn(text, name=args.name or (None if args.file == "-" else Path(args.file).stem),
                           kind=args.kind, progress=not args.json, when_to_use=args.when_to_use,
-                          chat=args.chat)
+                          chat=args.chat, parent=args.parent)
     _out(args, {"id": block.id, "name": block.name, "n_tokens": block.n_tokens,
                 "state_size": block.state_size},
          f"learned {block.short_id}  {block.name}  {block.n_tokens} tokens  {block.state_size:,} state bytes")
@@ -291,10 +291,10 @@ def cmd_delete(args: argparse.Namespace) -> int:
     store = Store(args.home)
     try:
         bid = store.resolve(args.id)
-        store.delete(bid)
+        gone = store.delete(bid, cascade=args.cascade)
     finally:
         store.close()
-    _out(args, {"deleted": bid}, f"deleted {bid[:12]}")
+    _out(args, {"deleted": bid, "deleted_all": gone}, "deleted " + ", ".join(g[:12] for g in gone))
     return 0
 
 
@@ -400,6 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--kind", default="manual")
     sp.add_argument("--when-to-use", default=None, help="which tasks this block serves (embedded for routing)")
     sp.add_argument("--chat", action="store_true", help="store the text as a chat turn, for recall")
+    sp.add_argument("--parent", metavar="ID", default=None,
+                    help="chain the text on this block (graft it, continue after it; stored as a delta)")
     sp = add("ls", cmd_ls, "list the blocks in the store")
     sp.add_argument("--kind")
     sp = add("show", cmd_show, "show one block's manifest")
@@ -422,8 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("task")
     sp.add_argument("--top-k", type=int, default=5)
     add("reindex", cmd_reindex, "rebuild the routing index from the store")
-    sp = add("delete", cmd_delete, "delete a block")
+    sp = add("delete", cmd_delete, "delete a block (refused for a block with chained children unless --cascade)")
     sp.add_argument("id")
+    sp.add_argument("--cascade", action="store_true", help="also delete every block chained on it")
     add("stats", cmd_stats, "store totals")
 
     def trust_args(sp: argparse.ArgumentParser) -> None:

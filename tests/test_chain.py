@@ -70,10 +70,20 @@ def test_chain_is_exact_and_stored_as_delta(request, fixture, words):
         full, _ = _fresh(eng, segments(m.store, b))
         assert _rebuilt(m, b) == full
 
-    # the graft == fresh sequential prefill, SHA-256 of the logits
-    for q in QUERIES:
-        _, want = _fresh(eng, segments(m.store, grand), q)
-        assert m.ask(grand.id, q, max_tokens=1).receipt.first_logits_sha256 == want
+    # the graft == fresh sequential prefill, SHA-256 of the logits (the query cells trimmed between
+    # samples, which leaves exactly the cells a fresh prefill leaves: graftmem._verify)
+    want = []
+    with eng.lock:
+        eng.reset()
+        for s in segments(m.store, grand):
+            eng.prefill(s)
+        for q in QUERIES:
+            eng.prefill(eng.tokenize(q, add_special=False))
+            want.append(logits_sha256(eng.logits()))
+            eng.trim(grand.pos_end)
+        eng.reset()
+    for q, w in zip(QUERIES, want):
+        assert m.ask(grand.id, q, max_tokens=1).receipt.first_logits_sha256 == w, q
     r = m.ask(grand.id, QUERIES[0], max_tokens=1).receipt
     assert r.tokens_restored == grand.pos_end
 
@@ -88,7 +98,7 @@ def test_chain_is_exact_and_stored_as_delta(request, fixture, words):
         eng.reset()
     assert m.ask(grand.id, QUERIES[0], max_tokens=8).tokens == want_gen
 
-    rep = m.verify(grand.id, samples=6, cross_process=False, record=False)
+    rep = m.verify(grand.id, samples=3, cross_process=False, record=False)
     assert rep.ok, rep
 
 
@@ -231,3 +241,27 @@ def test_split_merge_synthetic_layouts(v_trans):
     assert sf.merge(parent, delta) == full
     out = memoryview(bytearray(len(full)))
     assert sf.merge(parent, delta, out) is out and bytes(out) == full
+
+
+@pytest.mark.parametrize("v_trans", [False, True])
+def test_place_cells_pads_a_trimmed_window(v_trans):
+    full = _synthetic(v_trans, list(range(10)), 4)
+    window = _synthetic(v_trans, list(range(6, 10)), 5)
+    state = sf.encode_state([full, window])
+    placed = sf.parse_state(sf.place_cells(state, 10))
+    assert [list(s.positions) for s in placed] == [list(range(10))] * 2
+    assert sf.encode_state([placed[1].take(slice(6, None))]) == sf.encode_state([window])
+    assert all(not l.data[:, :6].any() if v_trans else not l.data[:6].any() for l in placed[1].k[:0] + placed[1].v)
+    assert not any(l.data[:6].any() for l in placed[1].k)  # placeholders are zero
+    assert sf.place_cells(sf.encode_state([full]), 10) is None  # nothing trimmed: nothing to do
+    with pytest.raises(sf.StateLayoutError):  # a window that does not end at the last position
+        sf.place_cells(state, 12)
+
+
+def test_join_refuses_overlapping_positions():
+    a = sf.encode_state([_synthetic(False, [0, 1, 2], 6)])
+    b = sf.encode_state([_synthetic(False, [2, 3], 7)])
+    with pytest.raises(sf.StateLayoutError):
+        sf.join(a, b)
+    c = sf.encode_state([_synthetic(False, [3, 4], 8)])
+    assert [list(s.positions) for s in sf.parse_state(sf.join(a, c))] == [[0, 1, 2, 3, 4]]
