@@ -105,16 +105,23 @@ class SentenceTransformerEmbedder:
     task is a few dozen word pieces, a second thread buys little, and on a machine whose cores
     llama.cpp already keeps busy it costs a lot (one task, 2 cores under load: p50 17 ms with one
     thread, 200 ms with two). ``None`` leaves torch's setting alone (note: it is process-wide).
+
+    ``quantize`` (default True) converts the linear layers to int8 with torch's dynamic quantization:
+    measured 3x faster per task on this CPU (about 6 instead of 17-20 ms under load) with the same
+    routing accuracy on the labelled set (bench/routing.py). If this torch build cannot do it, the
+    model stays float32 and a warning is logged; ``model_id`` records which, so an index built by one
+    is never queried with the other.
     """
 
     dim = 384
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, device: str = "cpu",
-                 batch_size: int = 64, num_threads: Optional[int] = 1) -> None:
+                 batch_size: int = 64, num_threads: Optional[int] = 1, quantize: bool = True) -> None:
         self.path = Path(path) if path is not None else minilm_path()
         self.device = device
         self.batch_size = batch_size
         self.num_threads = num_threads
+        self.quantize = quantize
         self._model: Any = None
         self._lock = threading.Lock()
         try:
@@ -124,7 +131,8 @@ class SentenceTransformerEmbedder:
         except Exception:  # metadata missing: fall back to the weights' size
             ver = "unknown"
         size = (self.path / "model.safetensors").stat().st_size if (self.path / "model.safetensors").exists() else 0
-        self.model_id = f"all-MiniLM-L6-v2/{ver}/{size}"
+        self._base_id = f"all-MiniLM-L6-v2/{ver}/{size}"
+        self.model_id = self._base_id + ("/int8" if quantize else "/fp32")
 
     def _load(self) -> Any:
         with self._lock:
@@ -139,13 +147,33 @@ class SentenceTransformerEmbedder:
                                       "pip install 'graftmem[router]'") from exc
                 self._model = _quietly(lambda: SentenceTransformer(str(self.path), device=self.device,
                                                                    local_files_only=True))
-                if self.num_threads is not None:
-                    import torch
+                import torch
 
-                    if torch.get_num_threads() > self.num_threads:
-                        torch.set_num_threads(self.num_threads)
+                if self.num_threads is not None and torch.get_num_threads() > self.num_threads:
+                    torch.set_num_threads(self.num_threads)
+                if self.quantize and not self._quantize(self._model, torch):
+                    # a half-converted model must not be used: load the float32 one again
+                    self._model = _quietly(lambda: SentenceTransformer(str(self.path), device=self.device,
+                                                                       local_files_only=True))
                 log.info("loaded routing model %s in %.1f s", self.path, time.perf_counter() - t0)
             return self._model
+
+    def _quantize(self, model: Any, torch: Any) -> bool:
+        import warnings
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the eager API is marked deprecated; it still works here
+                torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8,
+                                                       inplace=True)
+            if any(isinstance(m, torch.nn.Linear) for m in model.modules()):
+                raise RuntimeError("some linear layers were left in float32")
+        except Exception as exc:  # an older/newer torch without it: stay exact float32, say so
+            log.warning("MiniLM int8 quantization unavailable (%s); routing uses float32", exc)
+            self.quantize = False
+            self.model_id = self._base_id + "/fp32"
+            return False
+        return True
 
     def embed_batch(self, texts: Sequence[str]) -> np.ndarray:
         model = self._model or self._load()
