@@ -134,6 +134,28 @@ def cmd_recall(args: argparse.Namespace) -> int:
     return 0 if r.block is not None else 1
 
 
+def cmd_learn_document(args: argparse.Namespace) -> int:
+    with _memory(args) as mem:
+        rep = mem.learn_document(Path(args.file), document=args.document, name=args.name, window=args.window,
+                                 overlap=args.overlap, progress=not args.json)
+    _out(args, rep, f"document {rep.document}: {rep.pages} pages ({rep.pages_learned} learned, "
+                    f"{rep.pages_skipped} already stored), {rep.document_tokens:,} tokens, "
+                    f"{rep.passages_embedded} passages embedded, {rep.seconds:.1f} s"
+                    + ("" if rep.complete else "; INCOMPLETE: run again to resume"))
+    return 0 if rep.complete else 1
+
+
+def cmd_recall_document(args: argparse.Namespace) -> int:
+    with _memory(args) as mem:
+        a = mem.recall_document(args.task, prompt=args.prompt, document=args.document,
+                                max_tokens=args.max_tokens, min_score=args.min_score)
+    rc = a.recall.receipt
+    _out(args, a, f"{a.text}\n\n-- page {a.page.page} of {a.page.document} (token {a.depth:,} of the document, "
+                  f"passage score {a.passage.score:.3f}); {rc.tokens_restored} tokens restored in "
+                  f"{rc.restore_ms:.1f} ms, {rc.tokens_prefilled} prefilled; exact={rc.exact}")
+    return 0
+
+
 def cmd_search(args: argparse.Namespace) -> int:
     with _memory(args) as mem:
         hits = mem.search(args.task, top_k=args.top_k)
@@ -424,6 +446,20 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("task")
     sp.add_argument("--top-k", type=int, default=5)
     add("reindex", cmd_reindex, "rebuild the routing index from the store")
+    sp = add("learn-document", cmd_learn_document,
+             "learn a long text file as pages that fit the window (resumable; exit 1 if incomplete)")
+    sp.add_argument("file")
+    sp.add_argument("--document", default=None, help="document id (default: a hash of the text)")
+    sp.add_argument("--name", default=None)
+    sp.add_argument("--window", type=int, default=None, help="page size in tokens (default: n_ctx - 256)")
+    sp.add_argument("--overlap", type=int, default=None, help="tokens repeated between pages (default 64)")
+    sp = add("recall-document", cmd_recall_document,
+             "route a question to one page of a learned document, graft only that page and answer")
+    sp.add_argument("task")
+    sp.add_argument("--prompt", default=None, help="what to prefill after the page (default: a blank line + task)")
+    sp.add_argument("--document", default=None, help="only this document's pages")
+    sp.add_argument("--max-tokens", type=int, default=32)
+    sp.add_argument("--min-score", type=float, default=None, help="refuse to graft below this cosine score")
     sp = add("delete", cmd_delete, "delete a block (refused for a block with chained children unless --cascade)")
     sp.add_argument("id")
     sp.add_argument("--cascade", action="store_true", help="also delete every block chained on it")

@@ -240,3 +240,18 @@ def test_needle_bench_small(tmp_path):
     assert a["negative_controls"] and not any(n["code_produced"] for n in a["negative_controls"])
     assert a["exactness"]["equal"]
     assert a["pages_stored"] == a["pages_in_document"]
+
+
+def test_cli_learn_and_recall_document(tmp_path, capsys):
+    from graftmem.cli import main as cli_main
+
+    doc = tmp_path / "town.txt"
+    doc.write_text(_document())
+    base = ["--home", str(tmp_path / "cli"), "--model", "gemma3-270m", "--config", '{"n_ctx": 1024, "probe": false}']
+    assert cli_main(base + ["learn-document", str(doc), "--document", "town", "--window", "256", "--overlap", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "document town:" in out and "already stored" in out
+    assert cli_main(base + ["--json", "recall-document", "How many sacks of barley does the copper mill at Dunmere grind?",
+                            "--max-tokens", "3"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["page"]["document"] == "town" and "412" in d["passage"]["text"]
