@@ -370,23 +370,28 @@ def plot(paths: list[str], out: str) -> None:
     for p in paths:
         d = json.loads(Path(p).read_text())
         qs = [q for q in d["ask"]["questions"]]
-        label = f"{d['ask']['store_tokens']:,} stored tokens ({d['ask']['pages_stored']} pages)"
+        a = d["ask"]
+        label = (f"{a['document_tokens']:,}-token document, {a['pages_stored']}/{a['pages_in_document']} pages "
+                 f"stored ({a['store_tokens']:,} tokens)")
         xs = [q["depth"] for q in qs]
         if "restore_ms_median" in qs[0]:
             med = [q["restore_ms_median"] for q in qs]
             ax1.errorbar(xs, med, yerr=[[m - q["restore_ms_min"] for m, q in zip(med, qs)],
                                         [q["restore_ms_max"] - m for m, q in zip(med, qs)]],
-                         fmt="o-", capsize=3, label=label + ", median and min-max")
+                         fmt="o-", capsize=3, label=label)
         else:
             ax1.plot(xs, [q["restore_ms"] for q in qs], "o-", label=label)
         ax2.plot(xs, [q["tokens_prefilled"] for q in qs], "o-", label=label)
+    for ax in (ax1, ax2):
+        ax.set_xscale("log")  # depths from a few hundred tokens to a million on one axis
     ax1.set_xlabel("needle depth (token offset in the document)")
     ax1.set_ylabel("restore ms (read + digest + graft of one page)")
     ax1.set_ylim(bottom=0)
     ax2.set_xlabel("needle depth (token offset in the document)")
     ax2.set_ylabel("tokens prefilled per question")
     ax2.set_ylim(bottom=0)
-    ax1.legend(fontsize=8)
+    ax2.legend(fontsize=8, loc="lower right")
+    ax1.text(0.02, 0.97, "median of repeated restores, bars: min-max", transform=ax1.transAxes, fontsize=8, va="top")
     fig.suptitle("Needle in store: restore cost against depth (one page grafted per question)")
     fig.tight_layout()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -417,6 +422,7 @@ def main() -> None:
     ap.add_argument("--plot", nargs="*", default=None)
     ap.add_argument("--plot-out", default=str(ROOT / "docs" / "img" / "needle_restore_vs_depth.png"))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--build-log", default=None, help="with --ask-only: record the progress lines of this build log")
     ap.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -460,6 +466,9 @@ def main() -> None:
         for k in ("build", "previous_builds"):
             if k in prev:
                 result[k] = prev[k]
+    if args.build_log and Path(args.build_log).exists():  # progress of a build that was interrupted
+        lines = [l for l in Path(args.build_log).read_text().splitlines() if l.startswith('{"t"')]
+        result["build_progress_from_log"] = {"log": args.build_log, "lines": [json.loads(l) for l in lines]}
     a = result["ask"]
     print(f"found {a['found']}/{a['asked']}; store {a['store_tokens']:,} tokens in {a['pages_stored']}/"
           f"{a['pages_in_document']} pages, {a['bytes_per_token']:.0f} B/token, peak RSS {a['peak_rss_mb']} MB",
