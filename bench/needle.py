@@ -312,6 +312,7 @@ def ask(args: argparse.Namespace) -> dict:
                      "equal": graft == fresh, "fresh_prefill_ms": round(fresh_ms, 1)}
             print("exactness:", json.dumps(exact), flush=True)
         n_index = len(index)
+        doc_row = next((r for r in index.documents() if r["id"] == document), None)
     fit = None
     if len(rows) >= 2:
         import numpy as np
@@ -331,7 +332,7 @@ def ask(args: argparse.Namespace) -> dict:
             "pages_stored": len(stored), "document_tokens": meta["document_tokens"],
             "stored_document_fraction": round(len(stored) / meta["n_pages"], 4), "passages_indexed": n_index,
             "n_ctx": n_ctx, "window": args.window, "found": sum(r["found"] for r in rows), "asked": len(rows),
-            "questions": rows, "restore_fit": fit, "negative_controls": negatives, "exactness": exact,
+            "document_build_record": doc_row, "questions": rows, "restore_fit": fit, "negative_controls": negatives, "exactness": exact,
             "peak_rss_mb_after_load": round(rss_load / 1024, 1),
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             "ask_seconds": round(time.perf_counter() - t0, 1)}
