@@ -529,7 +529,11 @@ def learn_pages(mem: "Memory", plan: DocumentPlan, pages: Optional[Sequence[int]
     fpd = fp.digest()
     index = page_index(mem)
     index.start_document(plan, fpd)
-    todo = [plan.pages[i] for i in (range(len(plan.pages)) if pages is None else pages)]
+    numbers = list(range(len(plan.pages))) if pages is None else [int(i) for i in pages]
+    bad = [i for i in numbers if not 0 <= i < len(plan.pages)]
+    if bad:
+        raise ConfigError(f"document {plan.document} has pages 0..{len(plan.pages) - 1}; no page {bad[0]}")
+    todo = [plan.pages[i] for i in numbers]
     learned = skipped = embedded = prefilled = 0
     t0 = time.perf_counter()
     bar = None
