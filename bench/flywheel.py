@@ -6,7 +6,7 @@ and the do-no-harm gate. Prints tables and writes bench/results/flywheel.json.
 
 Arms, per problem of examples/flywheel/problems.py (30 problems with known answers):
 
-* base: SmolLM2-135M alone, best-of-5 (greedy + 4 samples at T=0.8, at most --base-tokens each);
+* base: SmolLM2-135M alone, best-of-5 (greedy + 4 samples at the gate's T=0.5, --base-tokens each);
   solved if ANY of the five answers is right (an oracle pick: generous to the base model).
 * run 1 (flywheel, learning): Flywheel.solve with the model's own samples first, then the stand-in
   solver (examples/flywheel/solver.py, a deterministic program generator that stands for a larger
@@ -38,7 +38,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from graftmem import ExactMatch, Flywheel, Gate, Memory  # noqa: E402
-from graftmem._verifiers import Candidate, normalize_answer  # noqa: E402
+from graftmem._flywheel import literals  # noqa: E402
+from graftmem._verifiers import normalize_answer  # noqa: E402
 
 from problems import EASY, answers, problem_set, variants  # noqa: E402
 from solver import make_solver  # noqa: E402
@@ -46,9 +47,12 @@ from solver import make_solver  # noqa: E402
 
 def flywheel(mem: Memory, gate: bool = True) -> Flywheel:
     count = lambda s: len(mem.engine.tokenize(s, add_special=False))  # noqa: E731
-    return Flywheel(mem, ExactMatch(answers()), solver=make_solver(count),
-                    gate=Gate(samples=3, temperature=0.8, agree=0.75, max_tokens=32) if gate else None,
+    return Flywheel(mem, ExactMatch(answers()), solver=make_solver(count), gate=Gate() if gate else None,
                     budget=256)
+
+
+# one llama.cpp thread: on a shared, oversubscribed CPU two spinning threads decoded 40x slower
+CONFIG = {"n_threads": 1}
 
 
 def right(x, want) -> bool:
@@ -58,7 +62,7 @@ def right(x, want) -> bool:
 def phase_learn(args) -> dict:
     probs = problem_set()[: args.limit]
     rows = []
-    with Memory("smollm2", home=args.store) as mem:
+    with Memory("smollm2", home=args.store, config=CONFIG) as mem:
         fw = flywheel(mem)
         for p in probs:
             t0 = time.perf_counter()
@@ -102,7 +106,7 @@ def phase_recur(args) -> dict:
     probs = problem_set()[: args.limit]
     rows, trans = [], []
     t_load = time.perf_counter()
-    with Memory("smollm2", home=args.store) as mem:
+    with Memory("smollm2", home=args.store, config=CONFIG) as mem:
         load_s = time.perf_counter() - t_load
         fw = flywheel(mem)
         for p in probs:
@@ -122,7 +126,7 @@ def phase_recur(args) -> dict:
             trans.append({
                 "family": v["family"], "problem": v["problem"], "answer": v["answer"], "score": score,
                 "routed_to": hit[0].metadata.get("problem") if hit else None,
-                "routed_same_shape": fam is not None and fam == __import__("graftmem._flywheel", fromlist=["x"]).literals(v["problem"])[1],
+                "routed_same_shape": fam is not None and fam == literals(v["problem"])[1],
                 "substitution_answer": sub.answer if sub else None, "substitution_ok": bool(sub and sub.verified),
                 "substitution_program": sub.program if sub else None,
                 "adaptation_answer": ada.answer if ada else None, "adaptation_ok": bool(ada and ada.verified),
@@ -202,7 +206,7 @@ def report(learn: dict, recur: dict, args) -> None:
           for c in (True, False) for r in (True, False)}
     harmed = sum(1 for h in harm if h["base_greedy_right"] and not h["with_block_right"])
     gated_kept = sum(1 for h in harm if h["gated_block"] is None and h["gated_method"] == "model")
-    print(f"  gate (5-sample self-consistency, agree>=0.75) over {len(conf)} problems: confident&right {cm[True, True]}, "
+    print(f"  gate (5-sample self-consistency, 3/5 agree) over {len(conf)} problems: confident&right {cm[True, True]}, "
           f"confident&wrong {cm[True, False]}, unsure&right {cm[False, True]}, unsure&wrong {cm[False, False]}")
     print(f"  harm on {len(harm)} easy problems the model solves: grafting the routed block broke {harmed}; "
           f"with the flywheel's gate, {gated_kept}/{len(harm)} answered by the model with no block")

@@ -403,6 +403,26 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if rep.ok else 1
 
 
+def cmd_solve(args: argparse.Namespace) -> int:
+    from . import ExactMatch, Flywheel, Gate, ProgramVerifier, SolverOutput
+
+    # --answer: verify against the known answer; else the method must reproduce the answer (a
+    # consistency check of the cached or supplied program, not a proof)
+    verifier = ExactMatch({args.problem: args.answer}) if args.answer is not None else ProgramVerifier()
+    solver = None
+    if args.program:
+        src = Path(args.program).read_text(encoding="utf-8")
+        solver = lambda problem, budget: SolverOutput(program=src, name=Path(args.program).name)  # noqa: E731
+    with _memory(args) as mem:
+        sol = Flywheel(mem, verifier, solver=solver, budget=args.budget,
+                       gate=None if args.no_gate else Gate()).solve(args.problem)
+    _out(args, sol, f"{'solved' if sol.verified else 'UNSOLVED'}  {sol.answer}  source={sol.source}"
+                    f"{'/' + sol.method if sol.method else ''}  {sol.tokens_decoded} tokens  {sol.wall_s:.2f} s"
+                    + (f"  block {sol.block_id[:12]}" if sol.block_id else "")
+                    + (f"  deposited {sol.deposited[:12]}" if sol.deposited else ""))
+    return 0 if sol.verified else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="graftmem", description="Agent memory made of verified, byte-exact KV-cache blocks.")
     p.add_argument("--home", default=None, help="store directory (default: $GRAFTMEM_HOME or the user data dir)")
@@ -464,6 +484,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("id")
     sp.add_argument("--cascade", action="store_true", help="also delete every block chained on it")
     add("stats", cmd_stats, "store totals")
+    sp = add("solve", cmd_solve, "answer a problem from a verified block, by transfer or live; deposit what "
+                                 "the verifier accepts (exit 1 if unsolved)")
+    sp.add_argument("problem")
+    sp.add_argument("--answer", help="the known answer (verify by exact match); without it the method must "
+                                     "reproduce the answer")
+    sp.add_argument("--program", help="a Python file printing the answer, used as the solver (run sandboxed)")
+    sp.add_argument("--budget", type=int, default=512, help="tokens the model may decode live")
+    sp.add_argument("--no-gate", action="store_true", help="use a routed block even if the model is confident")
 
     def trust_args(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--incompatible", choices=["refuse", "keep-apart", "skip"], default="refuse",

@@ -214,3 +214,19 @@ def test_gate_keeps_block_away_from_a_problem_the_model_solves(mem):
     # without the gate the same problem is routed to the block (a transfer)
     ungated = fast(mem, ExactMatch(ANSWERS)).solve("What is 2 + 2?")
     assert ungated.block_id == seed.deposited and ungated.source == "transfer"
+
+
+def test_cli_solve(tmp_path, capsys):
+    from graftmem.cli import main
+
+    prog = tmp_path / "p.py"
+    prog.write_text("print(17 * 23)\n")
+    base = ["--home", str(tmp_path / "cli"), "--config", '{"n_threads": 1}', "--json", "solve", PROBLEM]
+    assert main(base + ["--answer", "391", "--program", str(prog), "--no-gate", "--budget", "8"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["source"] == "live" and first["method"] == "solver" and first["deposited"]
+    assert main(base) == 0  # no answer given: the cached method must reproduce the decoded answer
+    again = json.loads(capsys.readouterr().out)
+    assert again["source"] == "cache" and again["answer"] == "391" and again["block_id"] == first["deposited"]
+    assert main(base + ["--answer", "390", "--no-gate", "--budget", "8"]) == 1  # wrong known answer: nothing verifies
+    assert "UNSOLVED" not in capsys.readouterr().out  # --json prints the Solution
