@@ -52,6 +52,10 @@ PAPER = {
 }
 
 
+def _progress(model: str, what: str, t0: float) -> None:
+    print(f"[{model}] {what} done at {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+
+
 def compare(ref: list[np.ndarray], got: list[np.ndarray]) -> dict:
     kls = np.array([kl_divergence(a, b) for a, b in zip(ref, got)])
     return {
@@ -105,6 +109,7 @@ def run_model(model: str, samples: int, words: int, offsets: list[int]) -> dict:
             eng.prefill(q)
             floor.append(eng.logits())
         out["conditions"]["floor"] = compare(ref[: len(floor)], floor)
+        _progress(model, "floor", t0)
 
         # stitch: A alone at 0.., B alone at na.. (never attended to A), joined
         eng.reset()
@@ -115,6 +120,7 @@ def run_model(model: str, samples: int, words: int, offsets: list[int]) -> dict:
         sb = bytes(eng.capture())
         stitched = _statefmt.join(sa, sb)
         out["conditions"]["stitch"] = compare(ref, graft_each(stitched, na + nb))
+        _progress(model, "stitch", t0)
 
         # rebase and own position at each offset M, for block A alone
         for m in offsets:
@@ -128,6 +134,7 @@ def run_model(model: str, samples: int, words: int, offsets: list[int]) -> dict:
                 eng.trim(m + na)
             out["conditions"][f"rebase@{m}"] = compare(fresh_m, graft_each(sa, na, shift=m))
             out["conditions"][f"own@{m}"] = compare(fresh_m, graft_each(own_state, m + na))
+            _progress(model, f"offset {m}", t0)
         eng.reset()
 
     # chain: through the public API (learn with parent=, stored as a delta)
@@ -176,6 +183,25 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def markdown(json_path: str) -> str:
+    """The result file as a Markdown table (for docs/position.md and docs/benchmarks.md)."""
+    data = json.loads(Path(json_path).read_text())
+    out = ["| model | condition | SHA-equal | KL median | KL p99 | KL max | argmax flips | paper |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in data["results"]:
+        for cond, c in r["conditions"].items():
+            out.append(f"| {r['model']} | {cond} | {c['sha_equal']}/{c['samples']} | {c['kl_median']:.3g} | "
+                       f"{c['kl_p99']:.3g} | {c['kl_max']:.3g} | {c['argmax_flips']}/{c['samples']} | "
+                       f"{paper_for(cond)} |")
+    out.append("")
+    for r in data["results"]:
+        s = r["chain_storage"]
+        out.append(f"- {r['model']}, A = {r['tokens_a']} tokens, B = {r['tokens_b']} tokens: the chained "
+                   f"child is stored as a {s['storage']}, {s['stored_bytes']:,} of {s['full_state_bytes']:,} "
+                   f"bytes ({100 * s['saved_fraction']:.1f}% saved on disk).")
+    return "\n".join(out)
+
+
 def plot(json_path: str, png: str) -> None:
     """KL(fresh || other) per condition and model, log scale; exact conditions drawn at the floor."""
     import matplotlib
@@ -209,12 +235,16 @@ def plot(json_path: str, png: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), help="only draw the plot from a result file")
+    ap.add_argument("--markdown", metavar="JSON", help="only print a result file as a Markdown table")
     ap.add_argument("--models", nargs="+", default=["smollm2", "gemma3-270m"])
     ap.add_argument("--samples", type=int, default=50)
     ap.add_argument("--words", type=int, default=200, help="words per block (about 1.2 tokens each)")
     ap.add_argument("--offsets", type=int, nargs="+", default=[8, 128, 1024, 4096])
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "position.json"))
     args = ap.parse_args(argv)
+    if args.markdown:
+        print(markdown(args.markdown))
+        return 0
     if args.plot:
         plot(*args.plot)
         print(f"wrote {args.plot[1]}")

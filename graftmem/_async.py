@@ -46,9 +46,9 @@ class AsyncMemory:
 
     async def learn(self, text: str, *, name: Optional[str] = None, kind: str = "manual",
                     metadata: Optional[Mapping[str, Any]] = None, when_to_use: Optional[str] = None,
-                    chat: bool = False) -> "Block":
+                    chat: bool = False, parent: Optional[str] = None) -> "Block":
         return await asyncio.to_thread(self.memory.learn, text, name=name, kind=kind, metadata=metadata,
-                                       when_to_use=when_to_use, chat=chat)
+                                       when_to_use=when_to_use, chat=chat, parent=parent)
 
     add = learn
 
@@ -69,8 +69,8 @@ class AsyncMemory:
     async def get_all(self, *, kind: Optional[str] = None) -> "list[Block]":
         return await asyncio.to_thread(self.memory.get_all, kind=kind)
 
-    async def delete(self, block_id: str) -> None:
-        await asyncio.to_thread(self.memory.delete, block_id)
+    async def delete(self, block_id: str, *, cascade: bool = False) -> list[str]:
+        return await asyncio.to_thread(self.memory.delete, block_id, cascade=cascade)
 
     async def reindex(self) -> int:
         return await asyncio.to_thread(self.memory.reindex)
