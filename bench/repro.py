@@ -192,22 +192,27 @@ def other_rows() -> list[Row]:
         rows.append(Row("4.6", "recurrence token ratio", "6,574x fewer tokens, 8/8 vs 0/8",
                         "built (graftmem._flywheel); no result file yet: run bench/flywheel.py", "bench/flywheel.py"))
     else:
-        summary = fly.get("summary", fly)
-        keys = [k for k in summary if "ratio" in k or "token" in k][:4]
-        rows.append(Row("4.6", "recurrence token ratio", "6,574x fewer tokens, 8/8 vs 0/8",
-                        "; ".join(f"{k}={summary[k]}" for k in keys) or "see bench/results/flywheel.json",
-                        "read from bench/results/flywheel.json (bench/flywheel.py)"))
+        t = fly.get("totals", {})
+        rows.append(Row("4.6", f"recurrence: recurring problems from the cache ({fly.get('model', '?')})",
+                        "8/8 in 61 decode tokens vs 0/8 in 401,026 (best-of-5): 6,574x fewer tokens",
+                        f"{t.get('run2_verified')}/{fly.get('n_problems')} from the cache in {t.get('run2_tokens')} "
+                        f"decode tokens vs base best-of-5 {t.get('base_solved')}/{fly.get('n_problems')} in "
+                        f"{t.get('base_tokens')} tokens: {t.get('token_ratio', 0):.1f}x fewer tokens",
+                        f"read from bench/results/flywheel.json (`{fly.get('command', 'bench/flywheel.py')}`)"))
     routing = _json("routing.json")
-    if not _has("graftmem._memory") or not hasattr(Memory, "recall"):
+    if not hasattr(Memory, "recall"):
         rows.append(Row("4.12", "in-library routing", "15/15", "not built yet", "-"))
     elif routing is None:
         rows.append(Row("4.12", "in-library routing", "15/15 (Wilson 95% CI 79.6-100%)",
                         "built (Memory.recall); no result file: run bench/routing.py", "bench/routing.py"))
     else:
-        s = routing.get("summary", routing)
-        keys = [k for k in s if isinstance(s[k], (int, float, str))][:4]
-        rows.append(Row("4.12", "in-library routing", "15/15 (Wilson 95% CI 79.6-100%)",
-                        "; ".join(f"{k}={s[k]}" for k in keys), "read from bench/results/routing.json"))
+        acc = routing.get("accuracy", {})
+        gvt = routing.get("graft_vs_text", {})
+        rows.append(Row("4.12", f"in-library routing ({acc.get('manuals')} manuals, {acc.get('phrasings')} phrasings)",
+                        "15/15 (Wilson 95% CI 79.6-100%)",
+                        f"top-1 {100 * acc.get('top1', 0):.1f}%, top-3 {100 * acc.get('top3', 0):.1f}%; graft vs text "
+                        f"answers identical: {gvt.get('all_identical')}, {gvt.get('speedup', 0):.1f}x faster",
+                        f"read from bench/results/routing.json (`{routing.get('command', 'bench/routing.py')}`)"))
     rows.append(Row("4.10", "another accelerator architecture (B200 replay)", "0/50 flips, 10/10 SHA-equal",
                     "not testable here: CPU only (byte-exactness is claimed within one configuration)", "-"))
     rows.append(Row("4.5/4.7/4.9", "smarter (AIME), transfer, 31B scale-up", "80.0% -> 93.3%; 5/7; 7/7",
