@@ -194,11 +194,39 @@ def main() -> int:
         for name, wtu, text in filler_blocks(100 - len(MANUALS)):
             mem.learn(text, name=name, when_to_use=wtu, chat=True)
         print(f"\nlearned {100 - len(MANUALS)} filler blocks in {time.perf_counter() - t0:.1f} s")
+        # the 10k index (free-standing: synthetic entries, embedded texts, plus the 12 real manuals)
+        n = args.synthetic
+        t0 = time.perf_counter()
+        from graftmem._router import route_text
+
+        r10 = Router(emb)
+        r10.add_vectors([f"syn{i}" for i in range(n)],
+                        emb.embed_batch([route_text(nm, w, t) for nm, w, t in filler_blocks(n)]))
+        r10.add_vectors([m.name for m in MANUALS],
+                        emb.embed_batch([route_text(m.name, m.when_to_use, m.manual) for m in MANUALS]))
+        build_s = time.perf_counter() - t0
+        print(f"built the {len(r10):,}-entry index in {build_s:.1f} s")
+
         router = mem.router
         digest = mem.fingerprint.digest()
         router.search("warm up again", 2, fingerprint_digest=digest, use_cache=False)
         assert len(router) == 100
-        lat100 = latency(lambda t: router.search(t, 2, fingerprint_digest=digest, use_cache=False), tasks, args.reps)
+        # interleaved, so that both sizes see the same load on this shared machine
+        lat100, lat10k, idx100, idx10k = [], [], [], []
+        for _ in range(args.reps):
+            for t in tasks:
+                for rt, kw, out in ((router, {"fingerprint_digest": digest}, lat100), (r10, {}, lat10k)):
+                    t0 = time.perf_counter()
+                    rt.search(t, 2, use_cache=False, **kw)
+                    out.append((time.perf_counter() - t0) * 1e3)
+                q = router.embed_task(t)
+                for rt, out in ((router, idx100), (r10, idx10k)):
+                    t0 = time.perf_counter()
+                    rt._index.search(q, 2)
+                    out.append((time.perf_counter() - t0) * 1e3)
+        acc10k = sum(r10.search(t, 1, use_cache=False)[0][0] == w for t, w in LABELLED) / len(LABELLED)
+        res["latency_10k"] = {"entries": len(r10), "build_s": build_s, "route": summary(lat10k),
+                              "faiss_search_only": summary(idx10k), "top1_with_synthetic_distractors": acc10k}
         for t in tasks:  # fill the exact-lookup memory, then time only hits
             router.search(t, 2, fingerprint_digest=digest)
         cached = latency(lambda t: router.search(t, 2, fingerprint_digest=digest), tasks, args.reps)
@@ -206,6 +234,7 @@ def main() -> int:
         embed_only = latency(lambda t: router.embed_task(t), tasks, args.reps)
         acc100 = sum(mem.search(t, top_k=1)[0].name == w for t, w in LABELLED) / len(LABELLED)
         res["latency_100"] = {"route": summary(lat100), "exact_lookup": summary(cached),
+                              "faiss_search_only": summary(idx100),
                               "memory_search_top5": summary(msearch), "embed_task_only": summary(embed_only),
                               "top1_with_88_fillers": acc100}
 
@@ -226,6 +255,7 @@ def main() -> int:
                     r = hb.recall(q, max_tokens=args.max_tokens, min_score=-1.0, mode=mode)
                     rows.append({"task": q, "mode": mode, "ms": (time.perf_counter() - t0) * 1e3,
                                  "ttft_ms": r.receipt.restore_ms + r.receipt.prefill_ms,
+                                 "decode_ms": r.receipt.decode_ms,
                                  "text": r.text, "sha": r.receipt.first_logits_sha256,
                                  "prefilled": r.receipt.tokens_prefilled, "restored": r.receipt.tokens_restored,
                                  "decode_tokens": r.receipt.decode_tokens, "block": r.block.id if r.block else None})
@@ -240,6 +270,8 @@ def main() -> int:
                 "text_ms": statistics.median(r["ms"] for r in x),
                 "graft_ttft_ms": statistics.median(r["ttft_ms"] for r in g),
                 "text_ttft_ms": statistics.median(r["ttft_ms"] for r in x),
+                "graft_decode_ms": statistics.median(r["decode_ms"] for r in g),
+                "text_decode_ms": statistics.median(r["decode_ms"] for r in x),
                 "identical": len({r["text"] for r in g + x}) == 1 and len({r["sha"] for r in g + x}) == 1,
                 "answer": g[0]["text"], "decode_tokens": g[0]["decode_tokens"],
                 "graft_prefilled": g[0]["prefilled"], "text_prefilled": x[0]["prefilled"]})
@@ -251,26 +283,11 @@ def main() -> int:
                                 / statistics.median(r["ttft_ms"] for r in rows if r["mode"] == "graft"),
                                 "all_identical": all(p["identical"] for p in per_task)}
 
-    # -------------------------------------------------------------------- 4 latency, 10k blocks
-    n = args.synthetic
-    t0 = time.perf_counter()
-    fillers = filler_blocks(n)
-    from graftmem._router import route_text
-
-    r10 = Router(emb)
-    vecs = emb.embed_batch([route_text(nm, w, t) for nm, w, t in fillers])
-    r10.add_vectors([f"syn{i}" for i in range(n)], vecs)
-    real = emb.embed_batch([route_text(m.name, m.when_to_use, m.manual) for m in MANUALS])
-    r10.add_vectors([m.name for m in MANUALS], real)
-    build_s = time.perf_counter() - t0
-    lat10k = latency(lambda t: r10.search(t, 2, use_cache=False), tasks, args.reps)
-    acc10k = sum(r10.search(t, 1, use_cache=False)[0][0] == w for t, w in LABELLED) / len(LABELLED)
-    res["latency_10k"] = {"entries": len(r10), "build_s": build_s, "route": summary(lat10k),
-                          "top1_with_synthetic_distractors": acc10k}
     res["machine"]["load_avg_end"] = os.getloadavg()[0]
 
     l1, l2 = res["latency_100"], res["latency_10k"]
-    print(f"\n## Route latency (one task: embed + faiss search + store check), {args.reps} x {len(tasks)} tasks")
+    print(f"\n## Route latency (one task: embed + faiss search + store check), {args.reps} x {len(tasks)} tasks, "
+          "100 and 10k interleaved")
     print(table([
         ["100 (real store)", f"{l1['route']['p50_ms']:.1f}", f"{l1['route']['p95_ms']:.1f}", f"{acc100 * 100:.1f}%"],
         ["100, exact-lookup hit", f"{l1['exact_lookup']['p50_ms']:.3f}", f"{l1['exact_lookup']['p95_ms']:.3f}", "-"],
@@ -278,16 +295,21 @@ def main() -> int:
          f"{l1['memory_search_top5']['p95_ms']:.1f}", "-"],
         ["(embedding the task alone)", f"{l1['embed_task_only']['p50_ms']:.1f}", f"{l1['embed_task_only']['p95_ms']:.1f}", "-"],
         [f"{len(r10):,} (synthetic)", f"{l2['route']['p50_ms']:.1f}", f"{l2['route']['p95_ms']:.1f}", f"{acc10k * 100:.1f}%"],
+        ["(faiss search alone, 100)", f"{l1['faiss_search_only']['p50_ms']:.3f}", f"{l1['faiss_search_only']['p95_ms']:.3f}", "-"],
+        [f"(faiss search alone, {len(r10):,})", f"{l2['faiss_search_only']['p50_ms']:.3f}", f"{l2['faiss_search_only']['p95_ms']:.3f}", "-"],
     ], ["blocks", "p50 ms", "p95 ms", "top-1"]))
     gv = res["graft_vs_text"]
     print(f"\n## Recall, graft vs text, {gv['manual_tokens']}-token manual, max_tokens={gv['max_tokens']} "
           f"(median of {args.graft_reps} interleaved runs)")
     print(table([[p["task"][:40], p["graft_prefilled"], p["text_prefilled"], f"{p['graft_ms']:.0f}",
                   f"{p['text_ms']:.0f}", f"{p['text_ms'] / p['graft_ms']:.1f}x",
-                  f"{p['text_ttft_ms'] / p['graft_ttft_ms']:.1f}x", "yes" if p["identical"] else "NO"]
+                  f"{p['graft_ttft_ms']:.0f}", f"{p['text_ttft_ms']:.0f}",
+                  f"{p['text_ttft_ms'] / p['graft_ttft_ms']:.1f}x", p["decode_tokens"],
+                  f"{p['graft_decode_ms']:.0f}/{p['text_decode_ms']:.0f}", "yes" if p["identical"] else "NO"]
                  for p in gv["per_task"]],
                 ["task", "prefilled graft", "prefilled text", "graft ms", "text ms", "speedup",
-                 "first-token speedup", "identical"]))
+                 "graft 1st-token ms", "text 1st-token ms", "1st-token speedup", "decoded",
+                 "decode ms g/t", "identical"]))
     print(f"overall: graft {gv['graft_ms_median']:.0f} ms vs text {gv['text_ms_median']:.0f} ms: "
           f"{gv['speedup']:.1f}x end to end, {gv['ttft_speedup']:.1f}x to the first token; identical answers: "
           f"{gv['all_identical']}")

@@ -105,12 +105,13 @@ def detect_format(engine: "Engine") -> Optional[ChatFormat]:
 
 
 def split_ids(engine: "Engine", prefix_tokens: Sequence[int], prefix_text: str,
-              continuation: str) -> tuple[list[int], bool]:
+              continuation: str, *, add_special: bool = True) -> tuple[list[int], bool]:
     """Continuation ids, and whether ``prefix_tokens + ids == tokenize(prefix_text + continuation)``.
 
-    ``prefix_tokens`` are the ids the block holds (tokenized with ``add_special=True``); the check
-    costs one tokenization of the whole prompt, which is microseconds next to any prefill.
+    ``prefix_tokens`` are the ids the block holds, tokenized with ``add_special`` (True for a root
+    block, False for a block chained on a parent); the check costs one tokenization of the whole
+    prompt, which is microseconds next to any prefill.
     """
     ids = engine.tokenize(continuation, add_special=False)
-    whole = engine.tokenize(prefix_text + continuation)
+    whole = engine.tokenize(prefix_text + continuation, add_special=add_special)
     return ids, list(prefix_tokens) + ids == whole

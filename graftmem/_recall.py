@@ -114,6 +114,22 @@ def _no_match(mem: "Memory", top: Optional[tuple[str, float]], min_score: float)
                   runner_up_score=top[1] if top else None)
 
 
+def _seam(mem: "Memory", block: Block, continuation: str) -> tuple[list[int], bool]:
+    """The continuation's ids and whether the block/continuation seam tokenizes like the joined text."""
+    return split_ids(mem.engine, block.tokens, block.text, continuation, add_special=block.parent is None)
+
+
+def _reread(mem: "Memory", block: Block) -> list[list[int]]:
+    """The block's text tokenized again, one list per prefill call: the chain root first for a
+    chained block (its fresh reference is a sequential prefill, see :mod:`graftmem._chain`)."""
+    eng = mem.engine
+    if block.parent is None:
+        return [eng.tokenize(block.text)]
+    from ._chain import chain_of
+
+    return [eng.tokenize(b.text, add_special=b.parent is None) for b in chain_of(mem.store, block)]
+
+
 def answer_text_way(mem: "Memory", block: Block, continuation: str, *, max_tokens: int) -> Recall:
     """The baseline without graftmem: tokenize the block's text again and prefill it, then the task.
 
@@ -123,27 +139,28 @@ def answer_text_way(mem: "Memory", block: Block, continuation: str, *, max_token
     joined prompt's (checked), so this is the fresh prefill the graft must equal byte for byte.
     """
     eng = mem.engine
-    qtok, clean = split_ids(eng, block.tokens, block.text, continuation)
-    ptok = eng.tokenize(block.text)
-    whole = ptok + qtok
+    qtok, clean = _seam(mem, block, continuation)
+    segs = _reread(mem, block)
+    n_prompt = sum(len(s) for s in segs) + len(qtok)
     with eng.lock:
         eng.reset()
         t0 = time.perf_counter()
-        eng.prefill(ptok)
+        for seg in segs:
+            eng.prefill(seg)
         eng.prefill(qtok)
         first = eng.logits()
         t1 = time.perf_counter()
         out = eng.generate(max_tokens, first_logits=first)
         t2 = time.perf_counter()
         eng.reset()
-    receipt = Receipt(block_id=block.id, tokens_restored=0, tokens_prefilled=len(whole), restore_ms=0.0,
+    receipt = Receipt(block_id=block.id, tokens_restored=0, tokens_prefilled=n_prompt, restore_ms=0.0,
                       prefill_ms=(t1 - t0) * 1e3, decode_ms=(t2 - t1) * 1e3, decode_tokens=len(out),
                       first_logits_sha256=logits_sha256(first), exact=eng.exactness.exact and clean)
     return Recall(text=eng.detokenize(out), tokens=out, block=block, receipt=receipt)
 
 
 def answer_graft_way(mem: "Memory", block: Block, continuation: str, *, max_tokens: int) -> Recall:
-    _, clean = split_ids(mem.engine, block.tokens, block.text, continuation)
+    _, clean = _seam(mem, block, continuation)
     if not clean:
         log.warning("block %s: the task's first tokens merge with the block's last ones; the graft "
                     "matches a prefill of the same token ids, not of the joined string (receipt.exact=False)",
