@@ -48,7 +48,7 @@ from solver import make_solver  # noqa: E402
 def flywheel(mem: Memory, gate: bool = True) -> Flywheel:
     count = lambda s: len(mem.engine.tokenize(s, add_special=False))  # noqa: E731
     return Flywheel(mem, ExactMatch(answers()), solver=make_solver(count), gate=Gate() if gate else None,
-                    budget=256)
+                    budget=512)
 
 
 # one llama.cpp thread: on a shared, oversubscribed CPU two spinning threads decoded 40x slower

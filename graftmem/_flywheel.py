@@ -15,7 +15,9 @@ Order of work in :meth:`Flywheel.solve`:
    (a larger model, a program generator, a human...), within a token ``budget``.
 4. **verify**: every answer, from any path, goes through the verifier; only a clean yes counts.
 5. **deposit**: only verified solutions of steps 2-3 become blocks (kind ``"solution"``): the problem,
-   the verified method and the answer, as a chat turn the model can copy from.
+   the verified method and the answer, as a chat exchange the model can copy from. A problem the
+   model answered right on its own is deposited too: its recurrence then costs a few tokens instead
+   of k samples, and an exact recurrence of a verified answer cannot override a better method.
 
 **Do no harm** (paper 4.13: a cached procedure that overrode a method the model already had cost 55
 points). Before a *routed* block is used for a new problem, the :class:`Gate` asks the model alone a
@@ -168,23 +170,37 @@ def extract_answer(text: str) -> Optional[str]:
 
 
 def extract_program(text: str) -> Optional[str]:
-    """A Python program in a model's reply: code fences removed, cut before an ``Answer:`` line,
-    kept only if it compiles (compiling runs nothing)."""
+    """A Python program in a model's reply: code fences removed, cut before an ``Answer:`` /
+    ``Problem:`` / ``The verified answer`` line, then trailing lines dropped until it compiles
+    (compiling runs nothing). None if no prefix of it compiles."""
     m = re.search(r"```(?:python)?\n(.*?)(?:```|$)", text, re.S)
     body = m.group(1) if m else text
-    lines = []
+    lines: list[str] = []
     for line in body.splitlines():
-        if re.match(r"\s*(answer|problem)\s*:", line, re.I):
+        if re.match(r"\s*((answer|problem)\s*:|the verified answer)", line, re.I):
             break
         lines.append(line)
-    src = "\n".join(lines).strip()
-    if not src:
-        return None
-    try:
-        compile(src, "<program>", "exec")
-    except (SyntaxError, ValueError):
-        return None
-    return src + "\n"
+    while lines:
+        src = "\n".join(lines).strip()
+        if src:
+            try:
+                compile(src, "<program>", "exec")
+                return src + "\n"
+            except (SyntaxError, ValueError):
+                pass
+        lines.pop()
+    return None
+
+
+def program_lead(program: Optional[str]) -> str:
+    """The start of a cached program's first line, up to and including its first ``(``
+    (``"print("``, ``"def solve("``): the adaptation prompt shows it so that the model writes a
+    method of the same form rather than prose. Empty when there is no such start."""
+    if not program:
+        return ""
+    first = program.lstrip().splitlines()[0] if program.strip() else ""
+    m = re.match(r"[A-Za-z_][\w.]*\s*\(", first) or re.match(r"def\s+\w+\s*\(", first)
+    return m.group(0) if m else ""
 
 
 _LITERAL = re.compile(r"'[^'\n]*'|\"[^\"\n]*\"|(?<![\w.])\d+(?:\.\d+)?(?![\w.]|\.\d)")
@@ -356,8 +372,8 @@ class Flywheel:
             if gate_rep.confident:
                 att = self._check_model_answer(problem, gate_rep.majority)
                 attempts.append(att)
-                if att.verified:  # the model knows this one: keep the block away from it
-                    return done("live", att, gate=gate_rep, score=hit[1])
+                if att.verified:  # the model knows this one: keep the routed block away from it
+                    return done("live", att, gate=gate_rep, score=hit[1], deposited=self._deposit(problem, att))
         if hit is not None:
             block, score = hit
             for how in self.transfer:
@@ -388,10 +404,7 @@ class Flywheel:
             att = self._check_model_answer(problem, ans)
             attempts.append(att)
             if att.verified:
-                dep = None
-                if not (gate_rep and gate_rep.confident):  # the model was unsure: worth a block
-                    dep = self._deposit(problem, att)
-                return done("live", att, gate=gate_rep, deposited=dep)
+                return done("live", att, gate=gate_rep, deposited=self._deposit(problem, att))
         solver_tokens = 0
         if self.solver is not None:
             att = self._run_solver(problem, max(0, self.budget - ledger["tokens"]))
@@ -511,9 +524,10 @@ class Flywheel:
 
     def _adapt(self, block: Block, problem: str) -> tuple[Attempt, Optional[Receipt]]:
         t0 = time.perf_counter()
-        cont = self.fmt.continuation(f"Problem: {problem}") + "Method (Python program):\n"
+        lead = program_lead(block.metadata.get("program"))
+        cont = self.fmt.continuation(f"Problem: {problem}") + "Method (Python program):\n" + lead
         r = self.mem.ask(block.id, cont, max_tokens=self.max_program_tokens)
-        prog = extract_program(r.text)
+        prog = extract_program(lead + r.text)
         n = r.receipt.decode_tokens
         if prog is None:
             return Attempt(method="adaptation", answer=None, verified=False, tokens=n, block_id=block.id,

@@ -205,15 +205,16 @@ def test_gate_keeps_block_away_from_a_problem_the_model_solves(mem):
     # a verified block for a problem of the same shape, deposited through the solver
     seed = fast(mem, ExactMatch(ANSWERS)).solve("What is 345 + 678?")
     assert seed.deposited
+    # without the gate the problem is routed to the block (a transfer)
+    ungated = fast(mem, ExactMatch(ANSWERS)).solve("What is 2 + 2?")
+    assert ungated.block_id == seed.deposited and ungated.source == "transfer" and ungated.deposited
+    mem.delete(ungated.deposited)  # forget it, so that the gated run must route again
     gated = Flywheel(mem, ExactMatch(ANSWERS), gate=Gate(samples=3, temperature=0.3, agree=0.66, max_tokens=8))
     sol = gated.solve("What is 2 + 2?")
     assert sol.gate is not None and sol.gate.confident and sol.gate.majority == "4"
     assert sol.source == "live" and sol.method == "model" and sol.answer == "4"
-    assert sol.block_id is None and sol.deposited is None
-    assert all(a.block_id is None for a in sol.attempts)  # nothing was grafted
-    # without the gate the same problem is routed to the block (a transfer)
-    ungated = fast(mem, ExactMatch(ANSWERS)).solve("What is 2 + 2?")
-    assert ungated.block_id == seed.deposited and ungated.source == "transfer"
+    assert sol.block_id is None and sol.score is not None  # a block was routed to, and kept away
+    assert all(a.block_id is None for a in sol.attempts)   # nothing was grafted
 
 
 def test_cli_solve(tmp_path, capsys):
@@ -229,4 +230,4 @@ def test_cli_solve(tmp_path, capsys):
     again = json.loads(capsys.readouterr().out)
     assert again["source"] == "cache" and again["answer"] == "391" and again["block_id"] == first["deposited"]
     assert main(base + ["--answer", "390", "--no-gate", "--budget", "8"]) == 1  # wrong known answer: nothing verifies
-    assert "UNSOLVED" not in capsys.readouterr().out  # --json prints the Solution
+    assert json.loads(capsys.readouterr().out)["verified"] is False
