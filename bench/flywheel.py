@@ -208,8 +208,10 @@ def report(learn: dict, recur: dict, args) -> None:
     gated_kept = sum(1 for h in harm if h["gated_block"] is None and h["gated_method"] == "model")
     print(f"  gate (5-sample self-consistency, 3/5 agree) over {len(conf)} problems: confident&right {cm[True, True]}, "
           f"confident&wrong {cm[True, False]}, unsure&right {cm[False, True]}, unsure&wrong {cm[False, False]}")
-    print(f"  harm on {len(harm)} easy problems the model solves: grafting the routed block broke {harmed}; "
-          f"with the flywheel's gate, {gated_kept}/{len(harm)} answered by the model with no block")
+    gated_right = sum(1 for h in harm if h["gated_right"])
+    print(f"  harm on {len(harm)} easy problems the model solves: grafting the routed block blindly broke "
+          f"{harmed}/{len(harm)}; the flywheel answered {gated_right}/{len(harm)} right, its gate kept the block "
+          f"away from {gated_kept}/{len(harm)} (the rest went through a verified transfer)")
     out = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "model": "smollm2 (SmolLM2-135M-Instruct Q4_1)", "n_problems": n,
@@ -220,7 +222,8 @@ def report(learn: dict, recur: dict, args) -> None:
                    "transfer_n": len(tr), "transfer_routed_same_shape": routed_ok,
                    "transfer_substitution": sub_ok, "transfer_adaptation": ada_ok,
                    "gate_confusion": {f"{'confident' if c else 'unsure'}_{'right' if r else 'wrong'}": v for (c, r), v in cm.items()},
-                   "harm_without_gate": harmed, "harm_kept_away_by_gate": gated_kept, "harm_n": len(harm),
+                   "harm_without_gate": harmed, "harm_kept_away_by_gate": gated_kept, "harm_flywheel_right": gated_right,
+                   "harm_n": len(harm),
                    "run2_router_loaded": recur["router_loaded_after_recurrences"]},
         "run1": rows, "run2": r2, "transfer": tr, "harm": harm,
         "command": "python bench/flywheel.py" + (f" --limit {args.limit}" if args.limit else ""),
