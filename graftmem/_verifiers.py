@@ -16,7 +16,11 @@ The sandbox (:func:`run_program`): ``python -I`` (isolated mode: no user site, n
 cwd on ``sys.path``) reading the program from stdin, in a fresh temporary directory, with an empty
 environment, in its own session (a timeout kills the whole process group), and with resource limits
 set by a small wrapper inside the child before the program runs: address space (``RLIMIT_AS``), CPU
-seconds (``RLIMIT_CPU``), file size (``RLIMIT_FSIZE``) and open files. The limits are set by the child
+seconds (``RLIMIT_CPU``), file size (``RLIMIT_FSIZE``) and open files; a child started as root drops
+to ``nobody`` (uid/gid 65534, process count limited) before the program runs, or refuses to run it;
+common standard-library modules (math, itertools, collections, fractions, re, ...) are imported first,
+since the interpreter's own files may not be readable by ``nobody`` (a Python under ``/root``); any
+other import then fails, and the program is not verified. The limits are set by the child
 itself rather than by ``preexec_fn`` because ``preexec_fn`` is unsafe in a parent that runs threads
 (torch, faiss and llama.cpp all do). Network: when ``unshare -n`` works (root, or ``unshare -rn``
 with unprivileged user namespaces) the child runs in a new network namespace with no interface but a
@@ -181,6 +185,25 @@ _lim(resource.RLIMIT_CPU, {cpu})
 _lim(resource.RLIMIT_FSIZE, {fsize})
 _lim(resource.RLIMIT_NOFILE, 64)
 _lim(resource.RLIMIT_CORE, 0)
+import os
+# modules a generated program may import, loaded while the interpreter's files are still readable
+# (after dropping to nobody a Python installed under /root could not import anything new)
+for _m in ("math", "cmath", "itertools", "functools", "collections", "fractions", "decimal", "re", "string",
+           "statistics", "operator", "heapq", "bisect", "datetime", "json", "random", "socket"):
+    try:
+        __import__(_m)
+    except ImportError:
+        pass
+if os.getuid() == 0:  # never run generated code as root: drop to nobody
+    try:
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+    except OSError:
+        sys.stderr.write("graftmem sandbox: could not drop root privileges\n")
+        sys.exit(97)
+    _lim(resource.RLIMIT_NPROC, 64)
+del os
 import socket as _s
 class _NoNet(_s.socket):
     def __init__(self, family=-1, *a, **k):
