@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from graftmem import Memory  # noqa: E402
+from graftmem import EngineConfig, Memory  # noqa: E402
 from graftmem import _statefmt  # noqa: E402
 from graftmem._engine import Engine, logits_sha256  # noqa: E402
 from graftmem._verify import kl_divergence, sample_queries  # noqa: E402
@@ -67,8 +67,10 @@ def compare(ref: list[np.ndarray], got: list[np.ndarray]) -> dict:
     }
 
 
-def run_model(model: str, samples: int, words: int, offsets: list[int]) -> dict:
-    eng = Engine(model)
+def run_model(model: str, samples: int, words: int, offsets: list[int], threads: int | None = 1) -> dict:
+    # one thread by default: on a shared, oversubscribed CPU llama.cpp's spinning barriers waste most
+    # of a second thread's time (the thread count does not change the bytes: docs/exactness.md)
+    eng = Engine(model, EngineConfig(n_threads=threads))
     qtoks = [eng.tokenize(q, add_special=False) for q in sample_queries(samples)]
     a = eng.tokenize(long_text(words, 31))
     b = eng.tokenize(" " + long_text(words, 32), add_special=False)
@@ -240,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=50)
     ap.add_argument("--words", type=int, default=200, help="words per block (about 1.2 tokens each)")
     ap.add_argument("--offsets", type=int, nargs="+", default=[8, 128, 1024, 4096])
+    ap.add_argument("--threads", type=int, default=1, help="llama.cpp threads (default 1: shared machines)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "position.json"))
     args = ap.parse_args(argv)
     if args.markdown:
@@ -249,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         plot(*args.plot)
         print(f"wrote {args.plot[1]}")
         return 0
-    results = [run_model(m, args.samples, args.words, args.offsets) for m in args.models]
+    results = [run_model(m, args.samples, args.words, args.offsets, args.threads) for m in args.models]
     print(table(results))
     doc = {"command": "python bench/position.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from graftmem import Memory  # noqa: E402
+from graftmem import EngineConfig, Memory  # noqa: E402
 from graftmem._engine import Engine, logits_sha256  # noqa: E402
 from graftmem._verify import graft_logits, sample_queries  # noqa: E402
 from tests.conftest import long_text  # noqa: E402
@@ -128,12 +128,12 @@ def speed_rows(engines: dict[str, Engine], words: int) -> list[Row]:
     return rows
 
 
-def position_rows(samples: int, offsets: list[int], reuse: bool) -> tuple[list[Row], dict]:
+def position_rows(samples: int, offsets: list[int], reuse: bool, threads: int = 1) -> tuple[list[Row], dict]:
     import position  # bench/position.py
 
     data = _json("position.json") if reuse else None
     if data is None:
-        data = {"results": [position.run_model(m, samples, 200, offsets) for m in MODELS],
+        data = {"results": [position.run_model(m, samples, 200, offsets, threads) for m in MODELS],
                 "command": f"bench/position.py run by bench/repro.py (samples={samples})"}
     rows = []
     for r in data["results"]:
@@ -249,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="10 samples, 2 offsets, 4 blocks: a smoke run")
     ap.add_argument("--reuse-position", action="store_true",
                     help="take the stitching/rebasing rows from bench/results/position.json instead of re-running")
+    ap.add_argument("--threads", type=int, default=1, help="llama.cpp threads (default 1: shared machines)")
     ap.add_argument("--write", metavar="PATH", help="write the table as a Markdown page (docs/paper.md)")
     args = ap.parse_args(argv)
     samples = 10 if args.quick else args.samples
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": "python bench/repro.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.machine()}, {platform.system()}, Python {platform.python_version()}"}
-    engines = {m: Engine(m) for m in MODELS}
+    engines = {m: Engine(m, EngineConfig(n_threads=args.threads)) for m in MODELS}
     try:
         rows = exactness_rows(engines, samples)
         rows += portability_rows(engines, 4 if args.quick else 8)
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for e in engines.values():
             e.close()
-    prow, pdata = position_rows(samples, offsets, args.reuse_position)
+    prow, pdata = position_rows(samples, offsets, args.reuse_position, args.threads)
     rows += prow + other_rows()
     text = render(rows, meta)
     print(text)
