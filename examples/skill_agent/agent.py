@@ -1,6 +1,6 @@
 """The skill-manual agent: learn six manuals once, then solve six tasks through ``recall``.
 
-    python examples/skill_agent/agent.py [--home DIR] [--model smollm2] [--max-tokens 32] [--json FILE]
+    python examples/skill_agent/agent.py [--home DIR] [--model smollm2] [--max-tokens 32] [--threads 1] [--json FILE]
 
 For each task it prints the routed block, the routing score, whether the route is the right manual,
 whether the task succeeded (checked by code on the answer), the tokens prefilled and the wall time,
@@ -34,11 +34,15 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--json", default=None, help="also write the rows as JSON to this file")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="llama.cpp threads (default 1: on a shared, busy CPU more threads stall each other; "
+                         "0 = all cores)")
     args = ap.parse_args()
     home = args.home or tempfile.mkdtemp(prefix="graftmem-skills-")
 
     t0 = time.perf_counter()
-    with Memory(args.model, home=home) as mem:
+    config = {"n_threads": args.threads} if args.threads else None
+    with Memory(args.model, home=home, config=config) as mem:
         print(f"model {mem.fingerprint.model_name}, exact={mem.exactness.exact}; store {home} "
               f"(loaded in {time.perf_counter() - t0:.1f} s)")
         t = time.perf_counter()
