@@ -233,3 +233,16 @@ def test_cli_solve(tmp_path, capsys):
     assert again["source"] == "cache" and again["answer"] == "391" and again["block_id"] == first["deposited"]
     assert main(base + ["--answer", "390", "--no-gate", "--budget", "8"]) == 1  # wrong known answer: nothing verifies
     assert json.loads(capsys.readouterr().out)["verified"] is False
+
+
+def test_transfer_to_a_variant_by_substitution_and_by_the_model(mem):
+    assert fast(mem, ExactMatch(ANSWERS)).solve(PROBLEM).deposited
+    fw = fast(mem, ExactMatch(ANSWERS))
+    sub, score = fw.try_transfer("What is 19 * 42?", "substitution")
+    assert sub.verified and sub.program == "print(19 * 42)\n" and sub.tokens == 0 and score > 0
+    ada, _ = fw.try_transfer("What is 19 * 42?", "adaptation")
+    assert ada.method == "adaptation" and 0 < ada.tokens <= fw.max_program_tokens
+    assert ada.verified and ada.answer == "798"  # SmolLM2 greedy writes print(19 * 42) after the graft
+    assert mem.get_all(kind="solution") and len(mem.get_all(kind="solution")) == 1  # try_transfer deposits nothing
+    sol = fw.solve("What is 19 * 42?")  # solve: substitution first, then deposited
+    assert sol.source == "transfer" and sol.method == "substitution" and sol.tokens_decoded == 0 and sol.deposited
