@@ -115,7 +115,9 @@ def test_pages_indexed_and_routed(dmem):
     ]:
         hits = idx.search(task, 3, fp_digest=dmem.fingerprint.digest())
         assert fact in hits[0].text
-        a = dmem.recall_document(task, document="town", max_tokens=4)
+        # the filler around each fact is word salad that dilutes the passage's vector: routing is what
+        # is tested here (the right passage ranks first), not the refusal threshold
+        a = dmem.recall_document(task, document="town", max_tokens=4, min_score=0.0)
         block = dmem.get(a.page.block_id)
         assert fact in block.text  # the ONE grafted page holds the answer
         assert block.metadata["page"] == a.page.page and block.metadata["document"] == "town"
@@ -218,7 +220,8 @@ def test_resume_after_a_killed_build(dmem, tmp_path):
         assert n_pass[0] == n_pass[1] > 0  # no passage twice
         assert db.execute("SELECT COUNT(DISTINCT page) FROM passages").fetchone()[0] == rep.pages
         assert db.execute("SELECT pages_done, complete FROM documents").fetchall() == [(rep.pages, 1)]
-        a = m2.recall_document("How many sacks of barley does the copper mill at Dunmere grind?", max_tokens=3)
+        a = m2.recall_document("How many sacks of barley does the copper mill at Dunmere grind?", max_tokens=3,
+                               min_score=0.0)
         assert FACTS[1] in m2.get(a.page.block_id).text
     db.close()
 
@@ -252,6 +255,6 @@ def test_cli_learn_and_recall_document(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "document town:" in out and "already stored" in out
     assert cli_main(base + ["--json", "recall-document", "How many sacks of barley does the copper mill at Dunmere grind?",
-                            "--max-tokens", "3"]) == 0
+                            "--max-tokens", "3", "--min-score", "0"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["page"]["document"] == "town" and "412" in d["passage"]["text"]
