@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -113,7 +113,12 @@ class Engine:
     """
 
     def __init__(self, model: str | os.PathLike[str] | None = None,
-                 config: EngineConfig | None = None) -> None:
+                 config: EngineConfig | Mapping[str, Any] | None = None) -> None:
+        if config is not None and not isinstance(config, EngineConfig):
+            try:
+                config = EngineConfig(**dict(config))
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"invalid engine config: {exc}") from exc
         self.config = config or EngineConfig()
         self.model_name, self.model_path = resolve_model(model)
         if self.config.n_ubatch > self.config.n_batch:

@@ -135,16 +135,3 @@ def graft_in_new_process(mem: "Memory", block_id: str, queries: list[str]) -> li
     if proc.returncode != 0:
         raise EngineError(f"cross-process graft failed: {proc.stderr.strip()[-500:]}")
     return json.loads(proc.stdout)["sha256"]
-
-
-def rederive_check(mem: "Memory", block: Block) -> bool:
-    """Re-prefill the block's own tokens and compare the captured state bytes with the stored ones."""
-    eng = mem.engine
-    with eng.lock:
-        eng.reset()
-        eng.prefill(block.tokens)
-        from ._format import state_digest
-
-        ok = state_digest(eng.capture()) == block.state_digest
-        eng.reset()
-    return ok
