@@ -110,7 +110,16 @@ def load_state(store: "Store", block_id: str, buffer: Callable[[int], memoryview
     """
     block = store.get(block_id)
     if block.parent is None:
-        return store.read_state(block.id, buffer, fingerprint=fingerprint)
+        block, view = store.read_state(block.id, buffer, fingerprint=fingerprint)
+        try:  # a root block of a sliding-window model past its window: same placement fix
+            placed = _statefmt.place_cells(view, block.pos_end)
+        except _statefmt.StateLayoutError:
+            placed = None
+        if placed is None:
+            return block, view
+        out = buffer(len(placed))
+        out[:] = placed
+        return block, out
     chain_of(store, block)  # positions and depth
     full = _read_full(store, block, lambda n: memoryview(bytearray(n)), fingerprint)
     try:

@@ -192,12 +192,10 @@ class Memory:
             raise ConfigError("the query is empty")
         with eng.lock:
             t0 = time.perf_counter()
-            if block.parent is None:
-                _, view = self.store.read_state(block.id, eng.buffer, fingerprint=eng.fingerprint)
-            else:  # a chained block: every stored digest of the chain checked, then merged
-                from ._chain import load_state
+            # digests checked; a chain merged; window-trimmed cells put back at their fresh indices
+            from ._chain import load_state
 
-                _, view = load_state(self.store, block.id, eng.buffer, fingerprint=eng.fingerprint)
+            _, view = load_state(self.store, block.id, eng.buffer, fingerprint=eng.fingerprint)
             eng.restore(view, block.pos_end)
             t1 = time.perf_counter()
             eng.prefill(qtok)

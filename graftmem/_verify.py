@@ -41,6 +41,12 @@ def sample_queries(n: int) -> list[str]:
     """``n`` distinct, deterministic queries of 1 to ~20 tokens (varied lengths, punctuation, newlines)."""
     out = []
     for i in range(n):
+        if i == 1:  # one token: the single-row decode path (split-KV over >= 512 cells)
+            out.append(" the")
+            continue
+        if i == 2:  # a >= 64-token micro-batch: the tiled flash-attention path
+            out.append("\n" + " ".join(_WORDS[(j * 7) % len(_WORDS)] for j in range(80)) + "?")
+            continue
         k = 1 + (i * 5) % 13
         words = " ".join(_WORDS[(i * 3 + j * 7) % len(_WORDS)] for j in range(k))
         sep = "\n" if i % 4 == 0 else " "

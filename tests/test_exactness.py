@@ -124,3 +124,20 @@ def test_negative_control_gemma3_window_sized_cache_is_not_exact():
         query = eng.tokenize(" Then the agent answers the customer", add_special=False)
         graft, fresh = graft_vs_fresh(eng, tokens, query)
         assert graft != fresh
+
+
+@pytest.mark.parametrize("query", [" the", "\n" + " ".join(["step rule value code answer"] * 16) + "?"])
+def test_gemma3_root_block_past_the_window_exact_for_1_and_64plus_token_queries(gmem, gemma, query):
+    """Regression: a plain restore puts the window section's cells at other indices than a fresh
+    prefill; 1-token decodes (split-KV) and >= 64-token micro-batches (64-cell tiles) then rounded
+    differently. The placement fix must make both, and greedy generation, byte-exact."""
+    block = gmem.learn(long_text(560, seed=660), name="gemma-660")
+    assert block.n_tokens > 600
+    r = gmem.ask(block.id, query, max_tokens=8)
+    q = gemma.tokenize(query, add_special=False)
+    gemma.reset(); gemma.prefill(block.tokens); gemma.prefill(q)
+    fresh = gemma.logits()
+    fresh_gen = gemma.generate(8, first_logits=fresh)
+    gemma.reset()
+    assert r.receipt.first_logits_sha256 == logits_sha256(fresh)
+    assert r.tokens == fresh_gen
