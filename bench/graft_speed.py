@@ -51,9 +51,9 @@ def drop_page_cache_hint(path: Path) -> None:
             pass
 
 
-def bench_model(model: str, lengths: list[int], reps: int, home: Path) -> list[dict]:
+def bench_model(model: str, lengths: list[int], reps: int, home: Path, threads: int | None) -> list[dict]:
     rows = []
-    mem = Memory(model, home=home / model, config=EngineConfig(probe=False))
+    mem = Memory(model, home=home / model, config=EngineConfig(probe=False, n_threads=threads))
     eng = mem.engine
     import llama_cpp  # the peer only; the library itself imports llama_cpp in _engine.py alone
 
@@ -165,13 +165,15 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["smollm2", "gemma3-270m"])
     ap.add_argument("--lengths", nargs="+", type=int, default=[512, 1024, 2048, 3000, 4096])
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: all cores)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "graft_speed.json"))
     args = ap.parse_args()
     print(" | ".join(h for _, h in COLS))
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [r for m in args.models for r in bench_model(m, args.lengths, args.reps, Path(tmp))]
+        rows = [r for m in args.models for r in bench_model(m, args.lengths, args.reps, Path(tmp), args.threads)]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"cpu_count": os.cpu_count(), "rows": rows}, indent=2))
+    Path(args.out).write_text(json.dumps({"cpu_count": os.cpu_count(), "threads": args.threads,
+                                          "command": " ".join(sys.argv), "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

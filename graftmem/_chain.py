@@ -10,8 +10,9 @@ cannot be split, or the merge differs, the full state is stored instead and the 
 
 The exactness reference of a chain is the *sequential* fresh prefill: a cleared cache, then each
 block's tokens prefilled in their own call, root first (exactly what learning the chain without
-grafts computes). On SmolLM2 (Q4_1) that equals one prefill of the concatenated tokens; on
-Gemma 3 270M (Q4_K_M) it does not, because the CPU's repacked Q4_K matrix kernels round the last
+grafts computes). It is not, in general, one prefill of the concatenated tokens: on SmolLM2 the two
+were equal at the lengths tests/test_chain.py uses but differ for other splits (54 + 20 tokens: KL
+about 0.006, same argmax); on Gemma 3 270M (Q4_K_M) they differ, because the CPU's repacked Q4_K matrix kernels round the last
 ``n mod 4`` rows of a micro-batch differently, so a token's K/V bytes depend on where the micro-batch
 boundaries fall. docs/exactness.md has the measurement.
 """
