@@ -260,6 +260,10 @@ def block_route_text(block: "Block") -> str:
     return route_text(block.name, block.metadata.get("when_to_use"), body)
 
 
+#: kind of the page blocks of long documents; routed per passage by _pager, never by this index
+PAGE_KIND = "page"
+
+
 class Router:
     """A faiss inner-product index over normalized block vectors, kept equal to a :class:`Store`.
 
@@ -326,7 +330,9 @@ class Router:
             self._changed()
 
     def add_blocks(self, blocks: Sequence["Block"], *, persist: bool = True) -> None:
-        """Embed blocks (name, when_to_use, start of text), add them, and write the index file."""
+        """Embed blocks (name, when_to_use, start of text), add them, and write the index file.
+        Document pages are left out: they are routed per passage by :mod:`graftmem._pager`."""
+        blocks = [b for b in blocks if b.kind != PAGE_KIND]
         if not blocks:
             return
         vecs = self.embedder.embed_batch([block_route_text(b) for b in blocks])
@@ -375,7 +381,8 @@ class Router:
         assert store is not None
         with store._tlock:  # noqa: SLF001
             rows = store._db.execute(  # noqa: SLF001
-                "SELECT id, name, fp_digest, json_extract(manifest, '$.metadata.when_to_use') FROM blocks").fetchall()
+                "SELECT id, name, fp_digest, json_extract(manifest, '$.metadata.when_to_use') FROM blocks "
+                "WHERE kind != ?", (PAGE_KIND,)).fetchall()
         return {r[0]: (r[2], _entry_key(r[1], r[3])) for r in rows}
 
     def sync(self, *, force: bool = False) -> bool:

@@ -275,3 +275,15 @@ def test_threads_and_asyncio_share_one_memory(rmem):
     assert [r.text for r in out[:-1]] == [expected[t].text for t in tasks]
     assert out[-1][0].block_id == ids[TASKS[tasks[0]]]
     assert not rmem._closed  # AsyncMemory(memory=...) does not own the Memory
+
+
+def test_document_pages_are_not_routed_by_the_block_router(mem):
+    """Pages of long documents are routed per passage by the pager; the block router skips them."""
+    manual = mem.learn("Backups: run nightly-backup --full at 02:00 and check the log.", name="backups")
+    page = mem.learn("Backups chapter of a long document: nightly backups, full backups, logs.",
+                     name="doc page 3", kind="page")
+    ids = [h.block_id for h in mem.search("how do I run the nightly backup?", top_k=5)]
+    assert manual.id in ids and page.id not in ids
+    mem.reindex()
+    ids = [h.block_id for h in mem.search("how do I run the nightly backup?", top_k=5)]
+    assert manual.id in ids and page.id not in ids
