@@ -46,7 +46,7 @@ from ._blocks import FORMAT_VERSION, Block, Fingerprint, block_id_for
 from ._errors import (BlockCorrupted, BlockNotFound, BundleRejected, ConfigError, IncompatibleBlock,
                       StoreError, StoreFull)
 from ._format import HEADER, TRAILER_LEN, parse_header, parse_manifest
-from ._store import Store, incompatibility
+from ._store import Store, fsync_path, incompatibility, pid_alive
 from ._trust import Signature, SigningKey, TrustPolicy, TrustResult
 
 __all__ = ["BundleEntry", "BundleManifest", "BlockChecker", "ExportReport", "TransferReport",
@@ -395,16 +395,6 @@ class _TarReader:
 
 
 # ---------------------------------------------------------------------------------------- staging
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class Staging:
     """A private directory inside the store home (same filesystem, so moves are renames), removed on
     exit; directories left by dead processes are removed the next time one is made."""
@@ -419,7 +409,7 @@ class Staging:
                 pid = int(old.name.split("-")[0])
             except ValueError:
                 continue
-            if pid != os.getpid() and not _pid_alive(pid):
+            if pid != os.getpid() and not pid_alive(pid):
                 shutil.rmtree(old, ignore_errors=True)
         self.path = root / f"{os.getpid()}-{secrets.token_hex(6)}"
         self.path.mkdir()
@@ -431,32 +421,17 @@ class Staging:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_all(paths: list[Path]) -> None:
     """fsync many files at once: concurrent fsyncs share journal commits (ext4, xfs), so N files
     cost about as much as one instead of N times as much."""
-    def one(p: Path) -> None:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
     if len(paths) <= 1:
         for p in paths:
-            one(p)
+            fsync_path(p)
         return
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=min(16, len(paths))) as pool:
-        list(pool.map(one, paths))
+        list(pool.map(fsync_path, paths))
 
 
 def foreign_store(store: Store, fp_digest: str) -> Store:
@@ -533,7 +508,7 @@ def export(store: Store, path: str | os.PathLike[str], block_ids: Optional[Itera
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_path(path.parent)
     except BaseException as exc:
         tmp.unlink(missing_ok=True)
         if isinstance(exc, OSError):

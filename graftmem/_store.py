@@ -63,7 +63,8 @@ def default_home() -> Path:
     return Path(platformdirs.user_data_dir("graftmem"))
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory by path (a directory fsync makes a rename inside it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -71,7 +72,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -180,7 +181,7 @@ class Store:
                         pid = int(p.name.split(".")[2])
                     except (IndexError, ValueError):
                         pid = -1
-                    if not _pid_alive(pid):
+                    if not pid_alive(pid):
                         p.unlink(missing_ok=True)
                         cleaned += 1
             files = self._files()
@@ -269,7 +270,7 @@ class Store:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-            _fsync_dir(path.parent)
+            fsync_path(path.parent)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -329,10 +330,10 @@ class Store:
                     from concurrent.futures import ThreadPoolExecutor
 
                     with ThreadPoolExecutor(max_workers=min(16, len(dirs))) as pool:
-                        list(pool.map(_fsync_dir, dirs))
+                        list(pool.map(fsync_path, dirs))
                 else:
                     for d in dirs:
-                        _fsync_dir(d)
+                        fsync_path(d)
                 self._db.execute("BEGIN IMMEDIATE")
                 try:
                     for block, dst in moved:
