@@ -8,11 +8,10 @@ import hashlib
 import logging
 import os
 import threading
-import time
 from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional
 
-from ._blocks import Block, EngineConfig, Exactness, Fingerprint, Recall, Receipt, StoreStats, VerificationRecord, VerifyReport, block_id_for
-from ._engine import Engine, logits_sha256
+from ._blocks import Block, EngineConfig, Exactness, Fingerprint, Recall, StoreStats, VerificationRecord, VerifyReport, block_id_for
+from ._engine import Engine
 from ._errors import ClosedError, ConfigError
 from ._format import state_digest
 from ._store import Store, incompatibility
@@ -190,25 +189,16 @@ class Memory:
         qtok = eng.tokenize(query, add_special=False)
         if not qtok:
             raise ConfigError("the query is empty")
-        with eng.lock:
-            t0 = time.perf_counter()
-            # digests checked; a chain merged; window-trimmed cells put back at their fresh indices
-            from ._chain import load_state
+        from ._answer import answer
+        from ._chain import load_state
 
+        def graft() -> int:
+            # digests checked; a chain merged; window-trimmed cells put back at their fresh indices
             _, view = load_state(self.store, block.id, eng.buffer, fingerprint=eng.fingerprint)
             eng.restore(view, block.pos_end)
-            t1 = time.perf_counter()
-            eng.prefill(qtok)
-            first = eng.logits()
-            t2 = time.perf_counter()
-            out = eng.generate(max_tokens, first_logits=first)
-            t3 = time.perf_counter()
-            eng.reset()
-        receipt = Receipt(
-            block_id=block.id, tokens_restored=block.pos_end, tokens_prefilled=len(qtok),
-            restore_ms=(t1 - t0) * 1e3, prefill_ms=(t2 - t1) * 1e3, decode_ms=(t3 - t2) * 1e3,
-            decode_tokens=len(out), first_logits_sha256=logits_sha256(first), exact=eng.exactness.exact)
-        return Recall(text=eng.detokenize(out), tokens=out, block=block, receipt=receipt)
+            return block.pos_end
+
+        return answer(eng, block, qtok, graft, graft=True, max_tokens=max_tokens)
 
     # ------------------------------------------------------------------ routing (see _router, _recall)
     @property

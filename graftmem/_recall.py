@@ -17,11 +17,10 @@ which chat blocks guarantee and raw blocks may not: a merging seam is reported a
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional
 
+from ._answer import answer
 from ._blocks import Block, Recall, Receipt, SearchHit
-from ._engine import logits_sha256
 from ._errors import BlockNotFound, ConfigError
 from ._prompt import FORMATS, detect_format, split_ids
 from ._router import DEFAULT_MIN_SCORE
@@ -141,22 +140,14 @@ def answer_text_way(mem: "Memory", block: Block, continuation: str, *, max_token
     eng = mem.engine
     qtok, clean = _seam(mem, block, continuation)
     segs = _reread(mem, block)
-    n_prompt = sum(len(s) for s in segs) + len(qtok)
-    with eng.lock:
+
+    def reread() -> int:
         eng.reset()
-        t0 = time.perf_counter()
         for seg in segs:
             eng.prefill(seg)
-        eng.prefill(qtok)
-        first = eng.logits()
-        t1 = time.perf_counter()
-        out = eng.generate(max_tokens, first_logits=first)
-        t2 = time.perf_counter()
-        eng.reset()
-    receipt = Receipt(block_id=block.id, tokens_restored=0, tokens_prefilled=n_prompt, restore_ms=0.0,
-                      prefill_ms=(t1 - t0) * 1e3, decode_ms=(t2 - t1) * 1e3, decode_tokens=len(out),
-                      first_logits_sha256=logits_sha256(first), exact=eng.exactness.exact and clean)
-    return Recall(text=eng.detokenize(out), tokens=out, block=block, receipt=receipt)
+        return sum(len(s) for s in segs)
+
+    return answer(eng, block, qtok, reread, graft=False, max_tokens=max_tokens, exact=clean)
 
 
 def answer_graft_way(mem: "Memory", block: Block, continuation: str, *, max_tokens: int) -> Recall:

@@ -368,21 +368,15 @@ class Router:
 
     # ------------------------------------------------------------------ consistency with the store
     def _data_version(self) -> int:
-        # PRAGMA data_version changes when *another* connection commits; this Memory's own writes go
-        # through add_blocks/remove directly. Store has no public accessor for it (yet).
-        store = self.store
-        assert store is not None
-        with store._tlock:  # noqa: SLF001
-            return int(store._db.execute("PRAGMA data_version").fetchone()[0])  # noqa: SLF001
+        # changes when *another* connection commits; this Memory's own writes go through
+        # add_blocks/remove directly
+        assert self.store is not None
+        return self.store.data_version()
 
     def _store_rows(self) -> dict[str, tuple[str, str]]:
         """``{block id: (fingerprint digest, entry key)}`` for every block in the store."""
-        store = self.store
-        assert store is not None
-        with store._tlock:  # noqa: SLF001
-            rows = store._db.execute(  # noqa: SLF001
-                "SELECT id, name, fp_digest, json_extract(manifest, '$.metadata.when_to_use') FROM blocks "
-                "WHERE kind != ?", (PAGE_KIND,)).fetchall()
+        assert self.store is not None
+        rows = self.store.routing_rows(exclude_kind=PAGE_KIND)
         return {r[0]: (r[2], _entry_key(r[1], r[3])) for r in rows}
 
     def sync(self, *, force: bool = False) -> bool:

@@ -244,6 +244,23 @@ class Store:
             kinds = dict(self._db.execute("SELECT kind, COUNT(*) FROM blocks GROUP BY kind").fetchall())
         return {"blocks": n, "tokens": toks, "bytes": size, "kinds": kinds}
 
+    def data_version(self) -> int:
+        """A number that changes whenever *another* connection (process) commits to the index.
+
+        SQLite's ``PRAGMA data_version``: one cheap query that lets a cache built from the index (the
+        router) tell whether it must look again. This connection's own writes do not change it.
+        """
+        with self._tlock:
+            return int(self._db.execute("PRAGMA data_version").fetchone()[0])
+
+    def routing_rows(self, *, exclude_kind: str) -> list[tuple[str, str, str, str | None]]:
+        """``(id, name, fingerprint digest, metadata.when_to_use)`` of every block not of ``exclude_kind``,
+        read from the index without parsing manifests (the router syncs from this on every change)."""
+        with self._tlock:
+            return self._db.execute(
+                "SELECT id, name, fp_digest, json_extract(manifest, '$.metadata.when_to_use') FROM blocks "
+                "WHERE kind != ?", (exclude_kind,)).fetchall()
+
     # ------------------------------------------------------------------ write / delete
     def put(self, block: Block, state: memoryview | bytes) -> Block:
         """Store a block atomically; a block already present (same content id) is returned as is."""

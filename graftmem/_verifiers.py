@@ -46,7 +46,7 @@ import time
 from functools import lru_cache
 from typing import Any, Callable, Mapping, Optional, Protocol, Union, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from ._errors import ConfigError
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Literal, Sequence
 
 import numpy as np
 
-from ._blocks import Block, SampleResult, VerifyReport
+from ._blocks import SampleResult, VerifyReport
 from ._engine import logits_sha256
 from ._errors import EngineError
 

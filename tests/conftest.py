@@ -10,7 +10,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from graftmem import EngineConfig, Memory  # noqa: E402
+from graftmem import Memory  # noqa: E402
 from graftmem._engine import Engine  # noqa: E402
 
 

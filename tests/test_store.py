@@ -3,8 +3,6 @@ own errors; the store keeps working; concurrent writers and kill -9 leave it con
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
 import sys
@@ -15,7 +13,6 @@ import pytest
 
 from graftmem import (BlockCorrupted, BlockNotFound, EngineConfig, IncompatibleBlock, Memory,
                       StoreFull)
-from graftmem._engine import Engine
 from graftmem._store import Store
 
 from .conftest import long_text
