@@ -210,7 +210,9 @@ def other_rows() -> list[Row]:
         rows.append(Row("4.12", f"in-library routing ({acc.get('manuals')} manuals, {acc.get('phrasings')} phrasings)",
                         "15/15 (Wilson 95% CI 79.6-100%)",
                         f"top-1 {100 * acc.get('top1', 0):.1f}%, top-3 {100 * acc.get('top3', 0):.1f}%; graft vs text "
-                        f"answers identical: {gvt.get('all_identical')}, {gvt.get('speedup', 0):.1f}x faster",
+                        f"answers identical: {gvt.get('all_identical')}, "
+                        + ", ".join(f"recall {run['speedup']:.1f}x faster at max_tokens={run['max_tokens']}"
+                                    for run in gvt.get("runs", [])),
                         f"read from bench/results/routing.json (`{routing.get('command', 'bench/routing.py')}`)"))
     rows.append(Row("4.10", "another accelerator architecture (B200 replay)", "0/50 flips, 10/10 SHA-equal",
                     "not testable here: CPU only (byte-exactness is claimed within one configuration)", "-"))
