@@ -67,3 +67,21 @@ def test_quickstart_page_snippet_runs(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path,
                           env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_readme_quickstart_runs(tmp_path):
+    """The README's Python block, run as a new user would (default home redirected to a temp dir)."""
+    import re
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    assert blocks, "README.md has a python example"
+    script = tmp_path / "readme.py"
+    script.write_text(blocks[0])
+    env = {**os.environ, "GRAFTMEM_HOME": str(tmp_path / "home"), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path,
+                          env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert "True 50 0.0" in lines, proc.stdout[-2000:]
+    assert lines[-1].startswith("dates "), proc.stdout[-2000:]
