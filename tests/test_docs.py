@@ -53,35 +53,33 @@ def test_quickstart_example_runs(tmp_path):
     assert "byte-exact: True" in proc.stdout or "OK" in proc.stdout, proc.stdout[-2000:]
 
 
-@pytest.mark.slow
-def test_quickstart_page_snippet_runs(tmp_path):
-    """The first Python block of docs/quickstart.md, run as the page says (save it, run it)."""
+def _run_first_python_block(page: str, tmp_path) -> subprocess.CompletedProcess:
+    """Save the page's first Python block as a script and run it as a new user would (home in tmp)."""
     import re
 
-    page = (ROOT / "docs" / "quickstart.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", page, flags=re.S)
-    assert blocks, "docs/quickstart.md has a python example"
-    script = tmp_path / "quickstart.py"
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), flags=re.S)
+    assert blocks, f"{page} has a python example"
+    script = tmp_path / "snippet.py"
     script.write_text(blocks[0])
     env = {**os.environ, "GRAFTMEM_HOME": str(tmp_path / "home"), "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path,
                           env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_quickstart_page_snippet_runs(tmp_path):
+    """The first Python block of docs/quickstart.md, run as the page says (save it, run it)."""
+    lines = _run_first_python_block("docs/quickstart.md", tmp_path).stdout.splitlines()
+    assert lines[0].endswith("  dates") and lines[2].startswith("dates "), lines  # routed to the date manual
+    assert lines[-1].startswith("None no block matched"), lines                   # refused, nothing grafted
 
 
 @pytest.mark.slow
 def test_readme_quickstart_runs(tmp_path):
     """The README's Python block, run as a new user would (default home redirected to a temp dir)."""
-    import re
-
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
-    assert blocks, "README.md has a python example"
-    script = tmp_path / "readme.py"
-    script.write_text(blocks[0])
-    env = {**os.environ, "GRAFTMEM_HOME": str(tmp_path / "home"), "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path,
-                          env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _run_first_python_block("README.md", tmp_path)
     lines = proc.stdout.splitlines()
     assert "True 50 0.0" in lines, proc.stdout[-2000:]
     assert lines[-1].startswith("dates "), proc.stdout[-2000:]
