@@ -3,9 +3,12 @@
 For each model and block length N, in one run:
 
 * cold       fresh context: prefill N block tokens + the query (the paper's measure uses 1 token)
-* graft      graftmem: read the block file into the engine buffer, check BLAKE3 digest and
-             fingerprint, llama_state_seq_set_data, then prefill the query
-* floor      the raw minimum: readinto a preallocated buffer + llama_state_seq_set_data, no checks
+* graft      graftmem's own restore path (``load_state``, what ``Memory.ask`` runs): read the block
+             file into the engine buffer while hashing it, check BLAKE3 digest and fingerprint, for a
+             sliding-window model past its window put the window cells back at their fresh indices
+             (placeholder cells), llama_state_seq_set_data; then prefill the query
+* floor      the raw minimum: readinto a preallocated buffer + llama_state_seq_set_data of the stored
+             bytes, no checks (for Gemma past its window: no cell placement either, so fewer cells)
 * peer       what a user would pick today: llama_cpp.Llama.save_state() pickled to disk (what
              LlamaDiskCache does), restored with pickle.load + Llama.load_state, then the query
 
@@ -30,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from graftmem import EngineConfig, Memory  # noqa: E402
 from graftmem._engine import logits_sha256  # noqa: E402
+from graftmem._chain import load_state  # noqa: E402
 from tests.conftest import long_text  # noqa: E402
 
 QUESTION = "\nQuestion: according to the manual, what should the agent do first?\nAnswer:"
@@ -83,14 +87,14 @@ def bench_model(model: str, lengths: list[int], reps: int, home: Path, threads: 
 
         def graft(q):
             def run():
-                _, view = mem.store.read_state(block.id, eng.buffer, fingerprint=eng.fingerprint)
+                _, view = load_state(mem.store, block.id, eng.buffer, fingerprint=eng.fingerprint)
                 eng.restore(view, block.n_tokens)
                 eng.prefill(q)
                 return logits_sha256(eng.logits())
             return run
 
-        def restore_only():
-            _, view = mem.store.read_state(block.id, eng.buffer, fingerprint=eng.fingerprint)
+        def restore_only():  # the library's restore path (Memory.ask): read, check, place window cells, graft
+            _, view = load_state(mem.store, block.id, eng.buffer, fingerprint=eng.fingerprint)
             eng.restore(view, block.n_tokens)
 
         graft_1_ms, g1 = timed(graft(q1), reps)

@@ -42,6 +42,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from graftmem import EngineConfig, Memory  # noqa: E402
 from graftmem._engine import Engine, logits_sha256  # noqa: E402
 from graftmem._pager import learn_pages, page_index, plan_document  # noqa: E402
+from graftmem._chain import load_state  # noqa: E402
 
 # ----------------------------------------------------------------------------- corpus
 _SUBJ = ["the harbor master", "a young cartographer", "the old miller", "the night watchman", "a traveling tinker",
@@ -280,7 +281,7 @@ def ask(args: argparse.Namespace) -> dict:
             for _ in range(args.reps):
                 with eng.lock:
                     t = time.perf_counter()
-                    blk, view = mem.store.read_state(a.page.block_id, eng.buffer, fingerprint=mem.fingerprint)
+                    blk, view = load_state(mem.store, a.page.block_id, eng.buffer, fingerprint=mem.fingerprint)
                     eng.restore(view, blk.n_tokens)
                     times.append((time.perf_counter() - t) * 1e3)
                     eng.reset()

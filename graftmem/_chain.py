@@ -20,6 +20,7 @@ boundaries fall. docs/exactness.md has the measurement.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import TYPE_CHECKING, Callable, Optional
 
 from ._blocks import Block, Fingerprint
@@ -112,25 +113,38 @@ def load_state(store: "Store", block_id: str, buffer: Callable[[int], memoryview
     block = store.get(block_id)
     if block.parent is None:
         block, view = store.read_state(block.id, buffer, fingerprint=fingerprint)
-        try:  # a root block of a sliding-window model past its window: same placement fix
-            placed = _statefmt.place_cells(view, block.pos_end)
-        except _statefmt.StateLayoutError:
-            placed = None
-        if placed is None:
+        # a root block of a sliding-window model past its window: same placement fix. The bytes were
+        # read into ``buffer``, which the placed state is written to: move them to scratch first
+        if not _needs_placing(view):
             return block, view
-        out = buffer(len(placed))
-        out[:] = placed
-        return block, out
+        src = _scratch(len(view))
+        src[:] = view
+        return block, _statefmt.place_cells_into(src, block.pos_end, buffer)
     chain_of(store, block)  # positions and depth
     full = _read_full(store, block, lambda n: memoryview(bytearray(n)), fingerprint)
-    try:
-        placed = _statefmt.place_cells(full, block.pos_end)
-    except _statefmt.StateLayoutError:
-        placed = None
-    src = full if placed is None else placed
-    out = buffer(len(src))
-    out[:] = src
+    if _needs_placing(full):
+        return block, _statefmt.place_cells_into(full, block.pos_end, buffer)
+    out = buffer(len(full))
+    out[:] = full
     return block, out
+
+
+def _needs_placing(state: memoryview) -> bool:
+    try:
+        return _statefmt.needs_placing(state)
+    except _statefmt.StateLayoutError:  # a layout we do not parse is restored as stored
+        return False
+
+
+_local = threading.local()
+
+
+def _scratch(n: int) -> memoryview:
+    """A per-thread reusable buffer (placing a window section needs the read bytes elsewhere)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or len(buf) < n:
+        buf = _local.buf = bytearray(n)
+    return memoryview(buf)[:n]
 
 
 def make_delta(parent_state: memoryview | bytes, full_state: memoryview | bytes,

@@ -42,12 +42,12 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
 __all__ = ["StateLayoutError", "Section", "parse_state", "encode_state", "split", "merge",
-           "DELTA_MAGIC", "delta_sizes", "place_cells", "join"]
+           "DELTA_MAGIC", "delta_sizes", "place_cells", "place_cells_into", "needs_placing", "join"]
 
 DELTA_MAGIC = b"GMDELTA1"
 _IO_MAGIC = 0xAF143CD8  # llama-context.cpp: io_magic
@@ -193,17 +193,49 @@ def _concat(a: Section, b: Section) -> Section:
                       for x, y in zip(a.v, b.v)])
 
 
-def _size(parts: list[bytes | np.ndarray]) -> int:
-    return sum(p.nbytes if isinstance(p, np.ndarray) else len(p) for p in parts)
+@dataclass(frozen=True)
+class _Zeros:
+    """A run of ``n`` zero bytes in a part list (placeholder cells' K/V rows), written, never built."""
+
+    n: int
 
 
-def _write(parts: list[bytes | np.ndarray], out: Optional[memoryview]) -> bytes | memoryview:
+@dataclass(frozen=True)
+class _PaddedVT:
+    """A transposed V layer with ``first`` zero cells before its cells, in every one of its rows."""
+
+    first: int
+    data: np.ndarray  # [n_embd, cells, el_size]
+
+    @property
+    def nbytes(self) -> int:
+        e, c, el = self.data.shape
+        return e * (self.first + c) * el
+
+
+def _size(parts: list) -> int:
+    return sum(p.n if isinstance(p, _Zeros) else p.nbytes if isinstance(p, (np.ndarray, _PaddedVT)) else len(p)
+               for p in parts)
+
+
+def _write(parts: list, out: Optional[memoryview]) -> bytes | memoryview:
     n = _size(parts)
     dst = np.empty(n, dtype=np.uint8) if out is None else np.frombuffer(out, dtype=np.uint8)
     if dst.size != n:
         raise StateLayoutError(f"output buffer holds {dst.size} bytes, the state needs {n}")
     off = 0
     for p in parts:
+        if isinstance(p, _Zeros):
+            dst[off:off + p.n] = 0
+            off += p.n
+            continue
+        if isinstance(p, _PaddedVT):
+            e, c, el = p.data.shape
+            d3 = dst[off:off + p.nbytes].reshape(e, p.first + c, el)
+            d3[:, :p.first] = 0
+            d3[:, p.first:] = p.data
+            off += p.nbytes
+            continue
         b = np.frombuffer(p, dtype=np.uint8) if isinstance(p, bytes) else np.ascontiguousarray(p).reshape(-1).view(np.uint8)
         dst[off:off + b.size] = b
         off += b.size
@@ -293,25 +325,50 @@ def place_cells(state: memoryview | bytes, n_positions: int) -> Optional[bytes]:
     The placeholders (positions ``0..first-1``, K and V all zero) are masked by the window for every
     later token, so they never contribute to attention; they only keep the real cells in place.
     """
-    secs = parse_state(state)
+    parts = _placed_parts(parse_state(state), n_positions)
+    return None if parts is None else bytes(_write(parts, None))
+
+
+def needs_placing(state: memoryview | bytes) -> bool:
+    """Whether :func:`place_cells` would change ``state`` (a section does not start at position 0)."""
+    return any(s.n_cells and int(s.positions[0]) != 0 for s in parse_state(state))
+
+
+def place_cells_into(state: memoryview | bytes, n_positions: int, out: Callable[[int], memoryview]) -> memoryview:
+    """:func:`place_cells` written straight into ``out(n)`` (the engine's state buffer): no
+    intermediate section arrays or bytes, the placeholders' zero rows written in place. ``state``
+    must not live in the memory ``out`` returns. Raises :class:`StateLayoutError` if nothing needs
+    placing (check with :func:`needs_placing`)."""
+    parts = _placed_parts(parse_state(state), n_positions)
+    if parts is None:
+        raise StateLayoutError("no section needs placing")
+    view = out(_size(parts))
+    _write(parts, view)
+    return view
+
+
+def _placed_parts(secs: list[Section], n_positions: int) -> Optional[list]:
     if all(s.n_cells == 0 or int(s.positions[0]) == 0 for s in secs):
         return None
-    out: list[Section] = []
+    parts: list = [struct.pack("<Ii", _IO_MAGIC, 0)]
     for s in secs:
         first = int(s.positions[0]) if s.n_cells else 0
         if first == 0:
-            out.append(s)
+            parts += _section_parts(s)
             continue
         if int(s.positions[-1]) != n_positions - 1 or s.n_cells != n_positions - first:
             raise StateLayoutError("a trimmed section is not the contiguous tail of the positions")
         meta = np.zeros(first, dtype=_META)
         meta["pos"], meta["n_seq_id"] = np.arange(first, dtype=np.int32), 1
-        ph = Section(meta=meta, v_trans=s.v_trans,
-                     k=[_Layer(l.type, l.unit, np.zeros((first, l.unit), np.uint8)) for l in s.k],
-                     v=[_Layer(l.type, l.unit, np.zeros((l.n_embd, first, l.unit), np.uint8) if s.v_trans
-                               else np.zeros((first, l.unit), np.uint8), l.n_embd) for l in s.v])
-        out.append(_concat(ph, s))
-    return encode_state(out)
+        parts += [struct.pack("<II", 1, n_positions), meta, s.meta, struct.pack("<II", int(s.v_trans), len(s.k))]
+        for l in s.k:
+            parts += [struct.pack("<iQ", l.type, l.unit), _Zeros(first * l.unit), l.data]
+        for l in s.v:
+            if s.v_trans:
+                parts += [struct.pack("<iII", l.type, l.unit, l.n_embd), _PaddedVT(first, l.data)]
+            else:
+                parts += [struct.pack("<iQ", l.type, l.unit), _Zeros(first * l.unit), l.data]
+    return parts
 
 
 def join(first: memoryview | bytes, second: memoryview | bytes) -> bytes:

@@ -258,6 +258,30 @@ def test_place_cells_pads_a_trimmed_window(v_trans):
         sf.place_cells(state, 12)
 
 
+@pytest.mark.parametrize("v_trans", [False, True])
+def test_place_cells_into_writes_the_same_bytes(v_trans):
+    """The in-place writer (zero runs, no intermediate arrays) against a placement built the plain
+    way: zero placeholder cells concatenated in front of the window section, then encoded."""
+    full = _synthetic(v_trans, list(range(10)), 6)
+    window = _synthetic(v_trans, list(range(6, 10)), 7)
+    state = sf.encode_state([full, window])
+    meta = np.zeros(6, dtype=sf._META)
+    meta["pos"], meta["n_seq_id"] = np.arange(6), 1
+    ph = sf.Section(meta=meta, v_trans=v_trans,
+                    k=[sf._Layer(l.type, l.unit, np.zeros((6, l.unit), np.uint8)) for l in window.k],
+                    v=[sf._Layer(l.type, l.unit, np.zeros((l.n_embd, 6, l.unit) if v_trans else (6, l.unit),
+                                                          np.uint8), l.n_embd) for l in window.v])
+    expected = sf.encode_state([full, sf._concat(ph, window)])
+    assert sf.needs_placing(state) and not sf.needs_placing(sf.encode_state([full]))
+    assert sf.place_cells(state, 10) == expected
+    buf = bytearray(len(expected) + 100)  # the engine's buffer: larger than needed, with junk in it
+    buf[:] = b"\xff" * len(buf)
+    got = sf.place_cells_into(state, 10, lambda n: memoryview(buf)[:n])
+    assert len(got) == len(expected) and bytes(got) == expected
+    with pytest.raises(sf.StateLayoutError):
+        sf.place_cells_into(sf.encode_state([full]), 10, lambda n: memoryview(bytearray(n)))
+
+
 def test_join_refuses_overlapping_positions():
     a = sf.encode_state([_synthetic(False, [0, 1, 2], 6)])
     b = sf.encode_state([_synthetic(False, [2, 3], 7)])
