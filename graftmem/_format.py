@@ -26,8 +26,6 @@ No pickle anywhere: a block file never executes anything when read.
 from __future__ import annotations
 
 import struct
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO
 
 import blake3
@@ -35,7 +33,7 @@ import blake3
 from ._blocks import FORMAT_VERSION, Block
 from ._errors import BlockCorrupted
 
-__all__ = ["MAGIC", "HEADER", "ALIGN", "state_digest", "read_state_digest", "encode_prefix", "trailer_digest",
+__all__ = ["MAGIC", "HEADER", "ALIGN", "state_digest", "encode_prefix", "trailer_digest",
            "parse_header", "parse_manifest", "layout", "TRAILER_LEN", "write_block"]
 
 MAGIC = b"GRAFTMEM"
@@ -50,57 +48,6 @@ def state_digest(state: memoryview | bytes) -> str:
     h = blake3.blake3(max_threads=blake3.blake3.AUTO if len(state) > (1 << 20) else 1)
     h.update(state)
     return "blake3:" + h.hexdigest()
-
-
-#: states at least this large are read and hashed in parallel (below it a thread hop costs more)
-PIPELINE_MIN = 8 << 20
-_CHUNK = 4 << 20
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _hash_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="graftmem-blake3")
-        return _pool
-
-
-def read_state_digest(f: BinaryIO, view: memoryview) -> tuple[int, str]:
-    """Fill ``view`` from ``f`` (at its current offset) and return (bytes read, ``state_digest(view)``).
-
-    A checked restore reads the state and hashes it, and both cost milliseconds per 10 MB. BLAKE3
-    releases the GIL, so a worker thread hashes chunk *i* while this thread reads chunk *i + 1*: the
-    cost is about max(read, hash) instead of their sum. Stops early on end of file (the caller reports
-    truncation); the digest is then of the bytes read.
-    """
-    size = len(view)
-    if size < PIPELINE_MIN:
-        got = 0
-        while got < size:
-            n = f.readinto(view[got:])
-            if not n:
-                break
-            got += n
-        return got, state_digest(view[:got])
-    h = blake3.blake3()
-    pool = _hash_pool()
-    pending = None
-    got = 0
-    try:
-        while got < size:
-            n = f.readinto(view[got:got + _CHUNK])
-            if not n:
-                break
-            if pending is not None:
-                pending.result()
-            pending = pool.submit(h.update, view[got:got + n])
-            got += n
-    finally:
-        if pending is not None:
-            pending.result()
-    return got, "blake3:" + h.hexdigest()
 
 
 def trailer_digest(prefix: bytes) -> bytes:

@@ -30,7 +30,7 @@ from typing import Callable, Iterator, Optional
 from ._blocks import Block, Fingerprint
 from ._errors import (BlockCorrupted, BlockNotFound, ConfigError, IncompatibleBlock, StoreError,
                       StoreFull, StoreLocked)
-from ._format import HEADER, TRAILER_LEN, parse_header, parse_manifest, read_state_digest, write_block
+from ._format import HEADER, TRAILER_LEN, parse_header, parse_manifest, state_digest, write_block
 
 __all__ = ["Store", "default_home"]
 
@@ -422,9 +422,13 @@ class Store:
                     raise err
             view = buffer(slen)
             f.seek(soff)
-            got, actual = read_state_digest(f, view)
-            if got < slen:
-                raise BlockCorrupted(f"{where}: truncated state ({got} of {slen} bytes)", path=where)
+            got = 0
+            while got < slen:
+                n = f.readinto(view[got:])
+                if not n:
+                    raise BlockCorrupted(f"{where}: truncated state ({got} of {slen} bytes)", path=where)
+                got += n
+        actual = state_digest(view)
         if actual != block.state_digest:
             raise BlockCorrupted(f"{where}: state digest mismatch: expected {block.state_digest}, "
                                  f"actual {actual}", path=where, expected=block.state_digest, actual=actual)

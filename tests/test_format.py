@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import os
 
 import pytest
 
@@ -35,24 +34,3 @@ def test_not_a_block_and_wrong_version_are_refused(mem):
     raw[8] = 99  # version field
     with pytest.raises(BlockCorrupted, match="version 99"):
         parse_header(bytes(raw[:HEADER.size]), where="v", file_size=len(raw))
-
-
-@pytest.mark.parametrize("size", [0, 4096, (8 << 20) - 1, (8 << 20) + 12345, 3 * (4 << 20)])
-def test_pipelined_read_digest_equals_serial(size):
-    """Read+hash in parallel (large states) gives the bytes and the digest of a plain read + hash."""
-    from graftmem._format import read_state_digest
-
-    data = os.urandom(size)
-    buf = memoryview(bytearray(size))
-    got, digest = read_state_digest(io.BytesIO(data), buf)
-    assert (got, digest) == (size, state_digest(data))
-    assert bytes(buf) == data
-    # a short file: the count says so, and the digest is of what was read
-    longer = memoryview(bytearray(size + 100))
-    got, digest = read_state_digest(io.BytesIO(data), longer)
-    assert (got, digest) == (size, state_digest(data))
-    # one flipped byte in the middle changes the digest
-    if size:
-        flipped = bytearray(data)
-        flipped[size // 2] ^= 1
-        assert read_state_digest(io.BytesIO(bytes(flipped)), buf)[1] != state_digest(data)
