@@ -11,8 +11,8 @@ so instead of a number; a claim that needs hardware we do not have says that.
 Rows run here: graft exactness (both models, N samples, new process), cross-store exactness
 (bundle export -> import into another store -> graft), prefill subsidy (cold prefill vs graft),
 rebase drift, stitching failure and chained composition (bench/position.py's measurement),
-bundle portability. Rows read from files: needle retrieval (bench/results/needle_16k.json from
-bench/needle.py), recurrence and routing (bench/results/flywheel.json, routing.json) when present.
+bundle portability. Rows read from files: needle retrieval (bench/results/needle_1m.json, else needle_16k.json,
+from bench/needle.py), recurrence and routing (bench/results/flywheel.json, routing.json) when present.
 """
 
 from __future__ import annotations
@@ -169,7 +169,12 @@ def position_rows(samples: int, offsets: list[int], reuse: bool, threads: int = 
 # ----------------------------------------------------------------------------- rows read or absent
 def other_rows() -> list[Row]:
     rows = []
-    needle = _json("needle_16k.json")
+    # the largest complete store measured, else the small one
+    needle_file = "needle_1m.json"
+    needle = _json(needle_file)
+    if needle is None or needle.get("ask", {}).get("stored_document_fraction") != 1.0:
+        needle_file = "needle_16k.json"
+        needle = _json(needle_file)
     if not _has("graftmem._pager"):
         rows.append(Row("4.4", "needle retrieval behind a fixed window", "7/7 needles to depth 2.82M",
                         "not built yet", "-"))
@@ -182,8 +187,10 @@ def other_rows() -> list[Row]:
                         "7/7 needles to depth 2.82M; 87.1x the window",
                         f"{a.get('found')}/{a.get('asked')} needles; {a.get('store_blocks')} blocks, "
                         f"{a.get('store_tokens', 0):,} tokens behind a {a.get('window')}-token window "
-                        f"({a.get('store_tokens', 0) / max(1, a.get('window') or 1):.1f}x)",
-                        "read from bench/results/needle_16k.json (bench/needle.py)"))
+                        f"({a.get('store_tokens', 0) / max(1, a.get('window') or 1):.1f}x), deepest needle at "
+                        f"{max((q['depth'] for q in a.get('questions', [])), default=0):,} tokens, restore median "
+                        f"{a.get('restore_fit', {}).get('median_restore_ms', 0):.1f} ms at every depth",
+                        f"read from bench/results/{needle_file} (`{needle.get('command', 'bench/needle.py')}`)"))
     fly = _json("flywheel.json")
     if not _has("graftmem._flywheel"):
         rows.append(Row("4.6", "recurrence token ratio", "6,574x fewer tokens, 8/8 vs 0/8", "not built yet", "-"))
