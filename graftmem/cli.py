@@ -376,7 +376,18 @@ Shipping questions go to the logistics team at extension 4410.
 """
 
 
+DEMO_DATES = """Date style guide:
+Write every date as YYYY-MM-DD. For example, March 7, 2024 is written 2024-03-07.
+Never write the month as a word and never put the day first.
+"""
+
+DEMO_TASK = "My order NW-20417 arrived 5 days ago and I want a refund."
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
+    """learn two manuals, recall a task through the router (graft), the same task the text way
+    (identical answer, slower), then verify the grafted block against fresh prefills."""
+    import importlib.util
     import tempfile
     import time
 
@@ -386,16 +397,32 @@ def cmd_demo(args: argparse.Namespace) -> int:
     with _memory(args) as mem:
         print(f"engine: {mem.fingerprint.model_name}, exact={mem.exactness.exact} ({mem.exactness.reason})")
         print(f"store:  {home}")
-        block = mem.learn(DEMO_MANUAL, name="refund-manual")
-        print(f"learn:  block {block.short_id}, {block.n_tokens} tokens, {block.state_size:,} state bytes "
-              f"({time.perf_counter() - t0:.1f} s including model load)")
-        r = mem.ask(block.id, "\nCustomer: My order NW-20417 arrived 5 days ago and I want a refund.\nAgent:",
-                    max_tokens=40)
+        block = mem.learn(DEMO_MANUAL, name="refund-manual", chat=True,
+                          when_to_use="a customer asks for a refund or about shipping")
+        mem.learn(DEMO_DATES, name="date-format", chat=True, when_to_use="write or convert a calendar date")
+        print(f"learn:  2 manuals; refund-manual = block {block.short_id}, {block.n_tokens} tokens, "
+              f"{block.state_size:,} state bytes ({time.perf_counter() - t0:.1f} s including model load)")
+        print(f"task:   {DEMO_TASK!r}")
+        if importlib.util.find_spec("sentence_transformers") is None:
+            print("route:  skipped (install graftmem[router] for recall); grafting refund-manual by id")
+            r = mem.ask(block.id, "\nCustomer: " + DEMO_TASK + "\nAgent:", max_tokens=40)
+            text_way = None
+        else:
+            r = mem.recall(DEMO_TASK, max_tokens=40)
+            print(f"route:  -> {r.block.name if r.block else None} (score {r.score:.3f}; runner-up score "
+                  f"{r.runner_up_score if r.runner_up_score is not None else float('nan'):.3f})")
+            text_way = mem.recall(DEMO_TASK, max_tokens=40, mode="text")
         rc = r.receipt
         print(f"recall: grafted {rc.tokens_restored} tokens in {rc.restore_ms:.1f} ms, prefilled "
-              f"{rc.tokens_prefilled} query tokens, decoded {rc.decode_tokens}")
+              f"{rc.tokens_prefilled} task tokens in {rc.prefill_ms:.0f} ms, decoded {rc.decode_tokens}")
         print(f"answer: {r.text.strip()!r}")
-        rep = mem.verify(block.id, samples=args.samples)
+        if text_way is not None:
+            tc = text_way.receipt
+            same = text_way.text == r.text and tc.first_logits_sha256 == rc.first_logits_sha256
+            print(f"text way (re-read the manual): prefilled {tc.tokens_prefilled} tokens in {tc.prefill_ms:.0f} ms; "
+                  f"answer and logits identical: {'yes' if same else 'NO'}; graft "
+                  f"{tc.prefill_ms / max(rc.restore_ms + rc.prefill_ms, 1e-9):.1f}x faster to the first token")
+        rep = mem.verify(r.block.id if r.block else block.id, samples=args.samples)
     print(f"verify: SHA-256 equal {rep.sha_equal}/{rep.samples}, max KL {rep.max_kl}, argmax agree "
           f"{rep.argmax_agree}/{rep.samples}, fresh-vs-fresh floor {rep.floor_sha_equal}/{rep.floor_samples}, "
           f"new process {'equal' if rep.cross_process else 'DIFFERENT'}")

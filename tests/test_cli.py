@@ -66,3 +66,14 @@ def test_doctor_reports_fingerprint_and_exactness(tmp_path):
     rep = json.loads(r.stdout)
     assert rep["exactness"]["exact"] is True
     assert rep["fingerprint"]["model_name"] == "smollm2" and len(rep["fingerprint_digest"]) == 64
+
+
+def test_demo_learns_recalls_and_verifies(tmp_path):
+    """The README's first command ends in this demo: route to the right manual, graft it, the text
+    way gives the identical answer, and verify passes (exit 0)."""
+    proc = run(tmp_path / "home", "--home", str(tmp_path / "demo"), "demo", "--samples", "4")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "route:  -> refund-manual" in out, out
+    assert "answer and logits identical: yes" in out, out
+    assert "verify: SHA-256 equal 4/4" in out and "OK: the graft is byte-exact" in out, out
