@@ -38,18 +38,10 @@ import httpx  # noqa: E402
 from graftmem import EngineConfig, Memory  # noqa: E402
 from graftmem._bundle import export, import_bundle  # noqa: E402
 from graftmem._server import pull  # noqa: E402
-from graftmem._store import Store  # noqa: E402
+from graftmem._store import Store, fsync_path  # noqa: E402
 from tests.conftest import long_text  # noqa: E402
 
 TARGET = 0.70
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def timed(fn, setup=None, teardown=None) -> float:
@@ -129,9 +121,9 @@ def main() -> int:
             for p in files:
                 shutil.copyfile(p, d / p.name)
                 if sync:
-                    fsync_file(d / p.name)
+                    fsync_path(d / p.name)
             if sync:
-                fsync_file(d)
+                fsync_path(d)
             shutil.rmtree(d)
 
         rows["export"] = paired(nbytes, args.repeat, (do_export,), (lambda: copy_files(True),),
@@ -148,7 +140,7 @@ def main() -> int:
             dst = work / f"bundle-copy-{next(counter)}"
             shutil.copyfile(bundle, dst)
             if sync:
-                fsync_file(dst)
+                fsync_path(dst)
             dst.unlink()
 
         new_store = (lambda: Store(work / f"dst-{next(counter)}"))
@@ -181,7 +173,7 @@ def main() -> int:
                                 out.flush()
                                 os.fsync(out.fileno())
                 if sync:
-                    fsync_file(d)
+                    fsync_path(d)
                 shutil.rmtree(d)
 
             rows["pull"] = paired(nbytes, args.repeat, (do_pull, new_store, drop_store),

@@ -25,7 +25,7 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import BinaryIO, Callable, Iterator, Optional
 
 from ._blocks import Block, Fingerprint
 from ._errors import (BlockCorrupted, BlockNotFound, ConfigError, IncompatibleBlock, StoreError,
@@ -90,6 +90,21 @@ def incompatibility(block: Block, fingerprint: Fingerprint) -> IncompatibleBlock
     parts = ", ".join(f"{k}={a!r} (this engine has {b!r})" for k, (a, b) in diff.items())
     return IncompatibleBlock(f"block {block.short_id} was made with {parts}; it cannot be grafted "
                              f"into this engine: learn it again here", fields=diff)
+
+
+def _read_head(f: BinaryIO, where: str, expect_id: str) -> tuple[Block, int, int]:
+    """The manifest of an open block file and where its state lies (offset, length), with header,
+    trailer and padding checked and the manifest's id and size matched against the file."""
+    size = os.fstat(f.fileno()).st_size
+    _, soff, slen = parse_header(f.read(HEADER.size), where=where, file_size=size)
+    f.seek(0)
+    prefix = f.read(soff)
+    f.seek(soff + slen)
+    trailer = f.read(TRAILER_LEN)
+    block = parse_manifest(prefix, trailer, where=where)
+    if block.id != expect_id or block.state_size != slen:
+        raise BlockCorrupted(f"{where}: manifest id/size do not match the file", path=where)
+    return block, soff, slen
 
 
 class Store:
@@ -378,18 +393,8 @@ class Store:
     # ------------------------------------------------------------------ read
     def read_manifest(self, path: Path) -> Block:
         """The manifest of a block file, with header, trailer and padding checked."""
-        where = str(path)
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            _, soff, slen = parse_header(f.read(HEADER.size), where=where, file_size=size)
-            f.seek(0)
-            prefix = f.read(soff)
-            f.seek(soff + slen)
-            trailer = f.read(TRAILER_LEN)
-        block = parse_manifest(prefix, trailer, where=where)
-        if path.stem != block.id or block.state_size != slen:
-            raise BlockCorrupted(f"{where}: manifest id/size do not match the file", path=where)
-        return block
+            return _read_head(f, str(path), path.stem)[0]
 
     def read_state(self, block_id: str, buffer: Callable[[int], memoryview], *,
                    fingerprint: Optional[Fingerprint] = None) -> tuple[Block, memoryview]:
@@ -407,15 +412,7 @@ class Store:
             raise BlockNotFound(f"block {bid[:12]} is indexed but its file {path} is missing; "
                                 "run `graftmem doctor` to reconcile") from exc
         with f:
-            size = os.fstat(f.fileno()).st_size
-            _, soff, slen = parse_header(f.read(HEADER.size), where=where, file_size=size)
-            f.seek(0)
-            prefix = f.read(soff)
-            f.seek(soff + slen)
-            trailer = f.read(TRAILER_LEN)
-            block = parse_manifest(prefix, trailer, where=where)
-            if block.id != bid or block.state_size != slen:
-                raise BlockCorrupted(f"{where}: manifest id/size do not match the file", path=where)
+            block, soff, slen = _read_head(f, where, bid)
             if fingerprint is not None:
                 err = incompatibility(block, fingerprint)
                 if err is not None:
