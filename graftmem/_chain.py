@@ -119,14 +119,31 @@ def load_state(store: "Store", block_id: str, buffer: Callable[[int], memoryview
             return block, view
         src = _scratch(len(view))
         src[:] = view
-        return block, _statefmt.place_cells_into(src, block.pos_end, buffer)
+        return block, _placed(src, block, buffer, fallback=view)
     chain_of(store, block)  # positions and depth
     full = _read_full(store, block, lambda n: memoryview(bytearray(n)), fingerprint)
     if _needs_placing(full):
-        return block, _statefmt.place_cells_into(full, block.pos_end, buffer)
+        return block, _placed(full, block, buffer, fallback=None)
     out = buffer(len(full))
     out[:] = full
     return block, out
+
+
+def _placed(state: memoryview, block: Block, buffer: Callable[[int], memoryview],
+            fallback: Optional[memoryview]) -> memoryview:
+    """``state`` with its window cells placed, written into ``buffer``; if the layout cannot be
+    placed, the state as stored (``fallback``, or a copy in ``buffer``), with a warning: the restore
+    then works but may not be byte-exact for every query length (receipts still hash the logits)."""
+    try:
+        return _statefmt.place_cells_into(state, block.pos_end, buffer)
+    except _statefmt.StateLayoutError as exc:  # raised before ``buffer`` is touched
+        log.warning("block %s: window cells not placed (%s); restoring the state as stored",
+                    block.short_id, exc)
+    if fallback is not None:
+        return fallback
+    out = buffer(len(state))
+    out[:] = state
+    return out
 
 
 def _needs_placing(state: memoryview) -> bool:
