@@ -272,8 +272,10 @@ class RederiveReport(BaseModel):
         return self.stored_size == self.derived_size and self.first_difference is None
 
 
-def _compare_rederived(mem: "Memory", block: Block, stored: memoryview) -> RederiveReport:
-    """Prefill ``block.tokens`` in a clean context and compare the captured state with ``stored``."""
+def _compare_rederived(mem: "Memory", block: Block, stored: memoryview,
+                       segs: Optional[list[list[int]]] = None) -> RederiveReport:
+    """Prefill ``block.tokens`` (or, for a chain, each of ``segs`` in its own call) in a clean context
+    and compare the captured state with ``stored``."""
     import time
 
     import numpy as np
@@ -283,16 +285,17 @@ def _compare_rederived(mem: "Memory", block: Block, stored: memoryview) -> Reder
 
     t0 = time.perf_counter()
     eng = mem.engine
-    if block.parent is not None or block.pos_start != 0:
+    if segs is None and (block.parent is not None or block.pos_start != 0):
         raise ConfigError(f"block {block.short_id} continues block {str(block.parent)[:12]}: it cannot "
-                          "be re-derived alone; re-derive its root block instead")
+                          "be re-derived alone; re-derive it from a store that holds its chain")
     err = incompatibility(block, eng.fingerprint)
     if err is not None:
         raise err
     with eng.lock:
         eng.reset()
         try:
-            eng.prefill(block.tokens)
+            for seg in (segs if segs is not None else [block.tokens]):
+                eng.prefill(seg)
             derived = eng.capture()
             a = np.frombuffer(stored, dtype=np.uint8)
             b = np.frombuffer(derived, dtype=np.uint8)
@@ -313,11 +316,18 @@ def rederive(mem: "Memory", block_id: str) -> RederiveReport:
     the text it claims and no hidden state. A block whose state was swapped for another text's, with
     its digests rewritten to match, passes every digest check and fails here.
 
-    Only root blocks (``pos_start == 0``, no parent) can be re-derived alone.
+    A chained block is re-derived as its chain: every block from the root prefilled in its own call
+    (the sequential fresh reference of :mod:`graftmem._chain`), compared with the full state the store
+    rebuilds from the parent and the delta.
     """
+    from ._chain import full_state, segments
+
     block = mem.store.get(block_id)
-    _, stored = mem.store.read_state(block.id, lambda n: memoryview(bytearray(n)))
-    return _compare_rederived(mem, block, stored)
+    if block.parent is None:
+        _, stored = mem.store.read_state(block.id, lambda n: memoryview(bytearray(n)))
+        return _compare_rederived(mem, block, stored)
+    return _compare_rederived(mem, block, memoryview(full_state(mem.store, block)),
+                              segs=segments(mem.store, block))
 
 
 def rederive_file(mem: "Memory", block: Block, path: Path) -> None:
