@@ -42,7 +42,7 @@ class EngineConfig(_Strict):
     n_ctx: int = Field(8192, ge=64)
     n_batch: int = Field(512, ge=1)
     n_ubatch: int = Field(512, ge=1)
-    n_threads: Optional[int] = Field(None, ge=1, description="None: all cores")
+    n_threads: Optional[int] = Field(None, ge=1, description="None: every core this process may use (its CPU affinity)")
     type_k: KVType = "f16"
     type_v: KVType = "f16"
     flash_attn: bool = True

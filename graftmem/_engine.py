@@ -106,6 +106,16 @@ def _cpu_features() -> str:
     return " ".join(info.split())
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's or taskset's cpuset), not
+    the host's count: more llama.cpp threads than usable cores makes every decode wait on a thread
+    that is not running."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
 class Engine:
     """One llama.cpp model and context under a pinned configuration (see :class:`EngineConfig`).
 
@@ -132,7 +142,7 @@ class Engine:
         self._model = C.llama_model_load_from_file(str(self.model_path).encode(), mparams)
         if not self._model:
             raise EngineError(f"llama.cpp could not load {self.model_path}")
-        threads = self.config.n_threads or os.cpu_count() or 1
+        threads = self.config.n_threads or usable_cores()
         self.n_threads = threads
         cp = C.llama_context_default_params()
         cp.n_ctx = self.config.n_ctx

