@@ -344,8 +344,35 @@ CREATE TABLE IF NOT EXISTS passages (
     rowid INTEGER PRIMARY KEY, block_id TEXT NOT NULL, document TEXT NOT NULL, page INTEGER NOT NULL,
     idx INTEGER NOT NULL, char_start INTEGER NOT NULL, char_end INTEGER NOT NULL,
     token_start INTEGER NOT NULL, text TEXT NOT NULL, embedder TEXT NOT NULL, vec BLOB NOT NULL,
-    UNIQUE (document, page, idx, embedder));
+    UNIQUE (block_id, idx, embedder));
 """
+
+# Passages are keyed by the page's block: the same text learned by another engine or with another
+# window is another plan (other pages, other block ids) under the same document id. Version 0 keyed
+# them by (document, page), so a second engine's pages found the first one's passages, embedded
+# nothing, and could not be routed to. _migrate rebuilds such a table, keeping rowids.
+_PASSAGES_V1 = _SCHEMA[_SCHEMA.index("CREATE TABLE IF NOT EXISTS passages"):]
+_USER_VERSION = 1
+
+
+def _migrate(db: sqlite3.Connection) -> None:
+    if db.execute("PRAGMA user_version").fetchone()[0] >= _USER_VERSION:
+        return
+    db.execute("BEGIN IMMEDIATE")
+    try:  # re-read inside the write lock: another process may have migrated meanwhile
+        if db.execute("PRAGMA user_version").fetchone()[0] < _USER_VERSION:
+            sql = db.execute("SELECT sql FROM sqlite_master WHERE name='passages'").fetchone()
+            if sql is not None and "UNIQUE (block_id, idx, embedder)" not in sql[0]:
+                db.execute("ALTER TABLE passages RENAME TO passages_v0")
+                db.execute(_PASSAGES_V1)
+                db.execute("INSERT OR IGNORE INTO passages SELECT * FROM passages_v0")
+                db.execute("DROP TABLE passages_v0")
+                log.info("page index: passages re-keyed by page block (schema version %d)", _USER_VERSION)
+            db.execute(f"PRAGMA user_version={_USER_VERSION}")
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
 
 
 class PageIndex:
@@ -371,6 +398,7 @@ class PageIndex:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        _migrate(self._db)
         self._router: "Router | None" = None
         self._loaded_rowid = 0
 
@@ -389,10 +417,10 @@ class PageIndex:
                 (plan.document, fp_digest, plan.name, len(plan.text), plan.n_tokens, len(plan.pages),
                  plan.window, plan.overlap, time.time()))
 
-    def has_passages(self, document: str, page: int) -> bool:
+    def has_passages(self, block_id: str) -> bool:
         with self._lock:
-            return self._db.execute("SELECT 1 FROM passages WHERE document=? AND page=? AND embedder=? LIMIT 1",
-                                    (document, page, self.embedder_id)).fetchone() is not None
+            return self._db.execute("SELECT 1 FROM passages WHERE block_id=? AND embedder=? LIMIT 1",
+                                    (block_id, self.embedder_id)).fetchone() is not None
 
     def add_page(self, plan: DocumentPlan, page: Page, block_id: str, fp_digest: str,
                  embed: bool) -> int:
@@ -407,7 +435,7 @@ class PageIndex:
                                   page.char_end, page.token_start, page.n_tokens))
                 if vecs is not None:
                     self._db.executemany(
-                        "INSERT OR REPLACE INTO passages (block_id, document, page, idx, char_start, char_end, "
+                        "INSERT OR IGNORE INTO passages (block_id, document, page, idx, char_start, char_end, "
                         "token_start, text, embedder, vec) VALUES (?,?,?,?,?,?,?,?,?,?)",
                         [(block_id, plan.document, page.page, k, s, e, t, texts[k], self.embedder_id,
                           vecs[k].tobytes()) for k, (s, e, t) in enumerate(page.passages)])
@@ -565,7 +593,7 @@ def learn_pages(mem: "Memory", plan: DocumentPlan, pages: Optional[Sequence[int]
                     eng.reset()
                 learned += 1
                 prefilled += page.n_tokens
-            need = not index.has_passages(plan.document, page.page)
+            need = not index.has_passages(bid)
             embedded += index.add_page(plan, page, bid, fpd, embed=need)
     finally:
         if bar is not None:

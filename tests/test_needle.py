@@ -130,6 +130,56 @@ def test_pages_indexed_and_routed(dmem):
     assert len(dmem.get_all(kind=PAGE_KIND)) == rep.pages
 
 
+def test_same_document_under_two_engines(dmem, smol, minilm):
+    """One text learned by Gemma and then by SmolLM2 in the same store (same document id, other pages
+    and block ids): each engine routes to its own page, and the first engine's index is untouched."""
+    text = _document()
+    task = "How many sacks of barley does the copper mill at Dunmere grind each week?"
+    dmem.learn_document(text, document="town", window=256, overlap=32, progress=False)
+    before = dmem.recall_document(task, document="town", max_tokens=4, min_score=0.0)
+    with Memory(engine=smol, home=dmem.store.home, embedder=minilm) as other:
+        rep = other.learn_document(text, document="town", window=200, overlap=16, progress=False)
+        assert rep.complete and rep.passages_embedded > 0  # its own pages get their own passages
+        a = other.recall_document(task, document="town", max_tokens=4, min_score=0.0)
+        assert FACTS[1] in other.get(a.page.block_id).text
+        assert other.get(a.page.block_id).fingerprint.model_name == "smollm2"
+    after = dmem.recall_document(task, document="town", max_tokens=4, min_score=0.0)
+    assert after.page == before.page and FACTS[1] in dmem.get(after.page.block_id).text
+
+
+def test_page_index_migrates_passages_keyed_by_page(tmp_path, minilm):
+    """A page index written before passages were keyed by block (schema version 0) is rebuilt on open:
+    same rows and rowids, the new key, version 1; a second open changes nothing."""
+    from graftmem._pager import PageIndex
+
+    path = tmp_path / "pages" / "index.sqlite"
+    path.parent.mkdir()
+    db = sqlite3.connect(path)
+    db.executescript("""
+        CREATE TABLE passages (
+            rowid INTEGER PRIMARY KEY, block_id TEXT NOT NULL, document TEXT NOT NULL, page INTEGER NOT NULL,
+            idx INTEGER NOT NULL, char_start INTEGER NOT NULL, char_end INTEGER NOT NULL,
+            token_start INTEGER NOT NULL, text TEXT NOT NULL, embedder TEXT NOT NULL, vec BLOB NOT NULL,
+            UNIQUE (document, page, idx, embedder));
+        INSERT INTO passages VALUES (7, 'b1', 'doc', 0, 0, 0, 10, 0, 'first', 'e', x'00');
+        INSERT INTO passages VALUES (9, 'b1', 'doc', 0, 1, 10, 20, 3, 'second', 'e', x'01');
+    """)
+    db.commit()
+    db.close()
+    PageIndex(tmp_path, minilm).close()
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA user_version").fetchone()[0] == 1
+    assert "UNIQUE (block_id, idx, embedder)" in db.execute(
+        "SELECT sql FROM sqlite_master WHERE name='passages'").fetchone()[0]
+    assert db.execute("SELECT rowid, text FROM passages ORDER BY rowid").fetchall() == [(7, "first"), (9, "second")]
+    # the same (document, page, idx) under another page block is now a row of its own
+    db.execute("INSERT INTO passages VALUES (10, 'b2', 'doc', 0, 0, 0, 12, 0, 'other plan', 'e', x'02')")
+    db.commit()
+    db.close()
+    PageIndex(tmp_path, minilm).close()
+    assert sqlite3.connect(path).execute("SELECT COUNT(*) FROM passages").fetchone()[0] == 3
+
+
 def test_recall_document_without_pages_is_a_clear_error(dmem):
     with pytest.raises(BlockNotFound, match="learn_document"):
         dmem.recall_document("anything at all?")
