@@ -32,7 +32,7 @@ from ._errors import (BlockCorrupted, BlockNotFound, ConfigError, IncompatibleBl
                       StoreFull, StoreLocked)
 from ._format import HEADER, TRAILER_LEN, parse_header, parse_manifest, state_digest, write_block
 
-__all__ = ["Store", "default_home"]
+__all__ = ["Store", "default_home", "read_block_file"]
 
 log = logging.getLogger("graftmem")
 SUFFIX = ".gmb"
@@ -105,6 +105,32 @@ def _read_head(f: BinaryIO, where: str, expect_id: str) -> tuple[Block, int, int
     if block.id != expect_id or block.state_size != slen:
         raise BlockCorrupted(f"{where}: manifest id/size do not match the file", path=where)
     return block, soff, slen
+
+
+def read_block_file(path: Path, buffer: Callable[[int], memoryview], *, expect_id: str,
+                    fingerprint: Optional[Fingerprint] = None) -> tuple[Block, memoryview]:
+    """Read the state of the block file at ``path`` into ``buffer(n)`` and check it (see
+    :meth:`Store.read_state`); also for files not in a store yet, such as a staged import."""
+    where = str(path)
+    with open(path, "rb", buffering=0) as f:
+        block, soff, slen = _read_head(f, where, expect_id)
+        if fingerprint is not None:
+            err = incompatibility(block, fingerprint)
+            if err is not None:
+                raise err
+        view = buffer(slen)
+        f.seek(soff)
+        got = 0
+        while got < slen:
+            n = f.readinto(view[got:])
+            if not n:
+                raise BlockCorrupted(f"{where}: truncated state ({got} of {slen} bytes)", path=where)
+            got += n
+    actual = state_digest(view)
+    if actual != block.state_digest:
+        raise BlockCorrupted(f"{where}: state digest mismatch: expected {block.state_digest}, "
+                             f"actual {actual}", path=where, expected=block.state_digest, actual=actual)
+    return block, view
 
 
 class Store:
@@ -405,28 +431,8 @@ class Store:
         """
         bid = self.resolve(block_id)
         path = self.path_of(bid)
-        where = str(path)
         try:
-            f = open(path, "rb", buffering=0)
+            return read_block_file(path, buffer, expect_id=bid, fingerprint=fingerprint)
         except FileNotFoundError as exc:
             raise BlockNotFound(f"block {bid[:12]} is indexed but its file {path} is missing; "
                                 "run `graftmem doctor` to reconcile") from exc
-        with f:
-            block, soff, slen = _read_head(f, where, bid)
-            if fingerprint is not None:
-                err = incompatibility(block, fingerprint)
-                if err is not None:
-                    raise err
-            view = buffer(slen)
-            f.seek(soff)
-            got = 0
-            while got < slen:
-                n = f.readinto(view[got:])
-                if not n:
-                    raise BlockCorrupted(f"{where}: truncated state ({got} of {slen} bytes)", path=where)
-                got += n
-        actual = state_digest(view)
-        if actual != block.state_digest:
-            raise BlockCorrupted(f"{where}: state digest mismatch: expected {block.state_digest}, "
-                                 f"actual {actual}", path=where, expected=block.state_digest, actual=actual)
-        return block, view

@@ -323,9 +323,6 @@ def rederive(mem: "Memory", block_id: str) -> RederiveReport:
     from ._chain import full_state, segments
 
     block = mem.store.get(block_id)
-    if block.parent is None:
-        _, stored = mem.store.read_state(block.id, lambda n: memoryview(bytearray(n)))
-        return _compare_rederived(mem, block, stored)
     return _compare_rederived(mem, block, memoryview(full_state(mem.store, block)),
                               segs=segments(mem.store, block))
 
@@ -333,20 +330,9 @@ def rederive(mem: "Memory", block_id: str) -> RederiveReport:
 def rederive_file(mem: "Memory", block: Block, path: Path) -> None:
     """Re-derive a block from a (checked) block file that is not in the store yet, such as a staged
     import; raise :class:`BlockCorrupted` if its state is not what its tokens produce."""
-    from ._format import HEADER, parse_header
+    from ._store import read_block_file
 
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        _, soff, slen = parse_header(f.read(HEADER.size), where=str(path), file_size=size)
-        buf = bytearray(slen)
-        f.seek(soff)
-        view = memoryview(buf)
-        got = 0
-        while got < slen:
-            n = f.readinto(view[got:])
-            if not n:
-                raise BlockCorrupted(f"{path}: truncated state", path=str(path))
-            got += n
+    _, view = read_block_file(path, lambda n: memoryview(bytearray(n)), expect_id=block.id)
     rep = _compare_rederived(mem, block, view)
     if not rep.ok:
         raise BlockCorrupted(f"block {block.short_id} ({block.name!r}): its state is not what its "
