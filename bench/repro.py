@@ -27,6 +27,7 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,60 +168,68 @@ def position_rows(samples: int, offsets: list[int], reuse: bool, threads: int = 
 
 
 # ----------------------------------------------------------------------------- rows read or absent
+def _from_file(pid: str, what: str, paper: str, built: bool, built_by: str, data: dict | None, bench: str,
+               measured: Callable[[dict], Row]) -> Row:
+    """A row read from a bench's result file, or what is missing: the code, or the file."""
+    if not built:
+        return Row(pid, what, paper, "not built yet", "-")
+    if data is None:
+        return Row(pid, what, paper, f"built ({built_by}); no result file: run {bench}", bench)
+    return measured(data)
+
+
+def _needle_row(needle: dict, needle_file: str) -> Row:
+    a = needle.get("ask", {})
+    return Row("4.4", f"needle retrieval ({needle.get('tokens', '?'):,} tokens, {needle.get('model')})",
+               "7/7 needles to depth 2.82M; 87.1x the window",
+               f"{a.get('found')}/{a.get('asked')} needles; {a.get('store_blocks')} blocks, "
+               f"{a.get('store_tokens', 0):,} tokens behind a {a.get('window')}-token window "
+               f"({a.get('store_tokens', 0) / max(1, a.get('window') or 1):.1f}x), deepest needle at "
+               f"{max((q['depth'] for q in a.get('questions', [])), default=0):,} tokens, restore median "
+               f"{a.get('restore_fit', {}).get('median_restore_ms', 0):.1f} ms at every depth",
+               f"read from bench/results/{needle_file} (`{needle.get('command', 'bench/needle.py')}`)")
+
+
+def _flywheel_row(fly: dict) -> Row:
+    t = fly.get("totals", {})
+    return Row("4.6", f"recurrence: recurring problems from the cache ({fly.get('model', '?')})",
+               "8/8 in 61 decode tokens vs 0/8 in 401,026 (best-of-5): 6,574x fewer tokens",
+               f"{t.get('run2_verified')}/{fly.get('n_problems')} from the cache in {t.get('run2_tokens')} "
+               f"decode tokens vs base best-of-5 {t.get('base_solved')}/{fly.get('n_problems')} in "
+               f"{t.get('base_tokens')} tokens: {t.get('token_ratio', 0):.1f}x fewer tokens",
+               f"read from bench/results/flywheel.json (`{fly.get('command', 'bench/flywheel.py')}`)")
+
+
+def _routing_row(routing: dict) -> Row:
+    acc = routing.get("accuracy", {})
+    gvt = routing.get("graft_vs_text", {})
+    return Row("4.12", f"in-library routing ({acc.get('manuals')} manuals, {acc.get('phrasings')} phrasings)",
+               "15/15 (Wilson 95% CI 79.6-100%)",
+               f"top-1 {100 * acc.get('top1', 0):.1f}%, top-3 {100 * acc.get('top3', 0):.1f}%; graft vs text "
+               f"answers identical: {gvt.get('all_identical')}, "
+               + ", ".join(f"recall {run['speedup']:.1f}x faster at max_tokens={run['max_tokens']}"
+                           for run in gvt.get("runs", [])),
+               f"read from bench/results/routing.json (`{routing.get('command', 'bench/routing.py')}`)")
+
+
 def other_rows() -> list[Row]:
-    rows = []
     # the largest complete store measured, else the small one
     needle_file = "needle_1m.json"
     needle = _json(needle_file)
     if needle is None or needle.get("ask", {}).get("stored_document_fraction") != 1.0:
         needle_file = "needle_16k.json"
         needle = _json(needle_file)
-    if not _has("graftmem._pager"):
-        rows.append(Row("4.4", "needle retrieval behind a fixed window", "7/7 needles to depth 2.82M",
-                        "not built yet", "-"))
-    elif needle is None:
-        rows.append(Row("4.4", "needle retrieval behind a fixed window", "7/7 needles to depth 2.82M",
-                        "built (graftmem._pager); no result file: run bench/needle.py", "bench/needle.py"))
-    else:
-        a = needle.get("ask", {})
-        rows.append(Row("4.4", f"needle retrieval ({needle.get('tokens', '?'):,} tokens, {needle.get('model')})",
-                        "7/7 needles to depth 2.82M; 87.1x the window",
-                        f"{a.get('found')}/{a.get('asked')} needles; {a.get('store_blocks')} blocks, "
-                        f"{a.get('store_tokens', 0):,} tokens behind a {a.get('window')}-token window "
-                        f"({a.get('store_tokens', 0) / max(1, a.get('window') or 1):.1f}x), deepest needle at "
-                        f"{max((q['depth'] for q in a.get('questions', [])), default=0):,} tokens, restore median "
-                        f"{a.get('restore_fit', {}).get('median_restore_ms', 0):.1f} ms at every depth",
-                        f"read from bench/results/{needle_file} (`{needle.get('command', 'bench/needle.py')}`)"))
-    fly = _json("flywheel.json")
-    if not _has("graftmem._flywheel"):
-        rows.append(Row("4.6", "recurrence token ratio", "6,574x fewer tokens, 8/8 vs 0/8", "not built yet", "-"))
-    elif fly is None:
-        rows.append(Row("4.6", "recurrence token ratio", "6,574x fewer tokens, 8/8 vs 0/8",
-                        "built (graftmem._flywheel); no result file yet: run bench/flywheel.py", "bench/flywheel.py"))
-    else:
-        t = fly.get("totals", {})
-        rows.append(Row("4.6", f"recurrence: recurring problems from the cache ({fly.get('model', '?')})",
-                        "8/8 in 61 decode tokens vs 0/8 in 401,026 (best-of-5): 6,574x fewer tokens",
-                        f"{t.get('run2_verified')}/{fly.get('n_problems')} from the cache in {t.get('run2_tokens')} "
-                        f"decode tokens vs base best-of-5 {t.get('base_solved')}/{fly.get('n_problems')} in "
-                        f"{t.get('base_tokens')} tokens: {t.get('token_ratio', 0):.1f}x fewer tokens",
-                        f"read from bench/results/flywheel.json (`{fly.get('command', 'bench/flywheel.py')}`)"))
-    routing = _json("routing.json")
-    if not hasattr(Memory, "recall"):
-        rows.append(Row("4.12", "in-library routing", "15/15", "not built yet", "-"))
-    elif routing is None:
-        rows.append(Row("4.12", "in-library routing", "15/15 (Wilson 95% CI 79.6-100%)",
-                        "built (Memory.recall); no result file: run bench/routing.py", "bench/routing.py"))
-    else:
-        acc = routing.get("accuracy", {})
-        gvt = routing.get("graft_vs_text", {})
-        rows.append(Row("4.12", f"in-library routing ({acc.get('manuals')} manuals, {acc.get('phrasings')} phrasings)",
-                        "15/15 (Wilson 95% CI 79.6-100%)",
-                        f"top-1 {100 * acc.get('top1', 0):.1f}%, top-3 {100 * acc.get('top3', 0):.1f}%; graft vs text "
-                        f"answers identical: {gvt.get('all_identical')}, "
-                        + ", ".join(f"recall {run['speedup']:.1f}x faster at max_tokens={run['max_tokens']}"
-                                    for run in gvt.get("runs", [])),
-                        f"read from bench/results/routing.json (`{routing.get('command', 'bench/routing.py')}`)"))
+    rows = [
+        _from_file("4.4", "needle retrieval behind a fixed window", "7/7 needles to depth 2.82M",
+                   _has("graftmem._pager"), "graftmem._pager", needle, "bench/needle.py",
+                   lambda d: _needle_row(d, needle_file)),
+        _from_file("4.6", "recurrence token ratio", "6,574x fewer tokens, 8/8 vs 0/8",
+                   _has("graftmem._flywheel"), "graftmem._flywheel", _json("flywheel.json"), "bench/flywheel.py",
+                   _flywheel_row),
+        _from_file("4.12", "in-library routing", "15/15 (Wilson 95% CI 79.6-100%)",
+                   hasattr(Memory, "recall"), "Memory.recall", _json("routing.json"), "bench/routing.py",
+                   _routing_row),
+    ]
     rows.append(Row("4.10", "another accelerator architecture (B200 replay)", "0/50 flips, 10/10 SHA-equal",
                     "not testable here: CPU only (byte-exactness is claimed within one configuration)", "-"))
     rows.append(Row("4.5/4.7/4.9", "smarter (AIME), transfer, 31B scale-up", "80.0% -> 93.3%; 5/7; 7/7",
