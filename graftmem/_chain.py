@@ -93,9 +93,8 @@ def _read_full(store: "Store", block: Block, buffer: Callable[[int], memoryview]
 def full_state(store: "Store", block: Block, *, fingerprint: Optional[Fingerprint] = None) -> bytes:
     """The per-sequence state a full capture after the chain's prefill holds (a delta rebuilt), as
     new bytes; every digest checked. This is what provenance checks compare, byte for byte."""
-    if block.parent is None:
-        return bytes(store.read_state(block.id, lambda n: memoryview(bytearray(n)), fingerprint=fingerprint)[1])
-    chain_of(store, block)
+    if block.parent is not None:
+        chain_of(store, block)  # positions and depth
     return bytes(_read_full(store, block, lambda n: memoryview(bytearray(n)), fingerprint))
 
 

@@ -374,7 +374,8 @@ class Memory:
                            check=self._rederive_check() if rederive else None)
 
     def rederive(self, block_id: str) -> "RederiveReport":
-        """Re-prefill the block's own tokens and compare the state with the stored bytes."""
+        """Re-prefill the block's own tokens (a chained block: its whole chain, call by call) and compare
+        the state with the stored bytes."""
         self._check()
         from ._trust import rederive
 

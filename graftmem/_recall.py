@@ -121,12 +121,9 @@ def _seam(mem: "Memory", block: Block, continuation: str) -> tuple[list[int], bo
 def _reread(mem: "Memory", block: Block) -> list[list[int]]:
     """The block's text tokenized again, one list per prefill call: the chain root first for a
     chained block (its fresh reference is a sequential prefill, see :mod:`graftmem._chain`)."""
-    eng = mem.engine
-    if block.parent is None:
-        return [eng.tokenize(block.text)]
     from ._chain import chain_of
 
-    return [eng.tokenize(b.text, add_special=b.parent is None) for b in chain_of(mem.store, block)]
+    return [mem.engine.tokenize(b.text, add_special=b.parent is None) for b in chain_of(mem.store, block)]
 
 
 def answer_text_way(mem: "Memory", block: Block, continuation: str, *, max_tokens: int) -> Recall:
