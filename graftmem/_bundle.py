@@ -46,7 +46,7 @@ from ._blocks import FORMAT_VERSION, Block, Fingerprint, block_id_for
 from ._errors import (BlockCorrupted, BlockNotFound, BundleRejected, ConfigError, IncompatibleBlock,
                       StoreError, StoreFull)
 from ._format import HEADER, TRAILER_LEN, parse_header, parse_manifest
-from ._store import Store, fsync_path, incompatibility, pid_alive
+from ._store import Store, atomic_file, fsync_path, incompatibility, pid_alive
 from ._trust import Signature, SigningKey, TrustPolicy, TrustResult
 
 __all__ = ["BundleEntry", "BundleManifest", "BlockChecker", "ExportReport", "TransferReport",
@@ -466,12 +466,11 @@ def export(store: Store, path: str | os.PathLike[str], block_ids: Optional[Itera
     mbytes = manifest.model_dump_json(indent=1).encode()
     sig = sign_key.sign(SIGN_DOMAIN, mbytes) if sign_key is not None else None
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     now = time.time()
     bar = _progress(manifest.total_bytes, f"export {path.name}", progress)
     written = 0
     try:
-        with open(tmp, "xb") as out:
+        with atomic_file(path) as out:
             def small(name: str, data: bytes) -> None:
                 out.write(_tar_header(name, len(data), now) + data + _pad(len(data)))
 
@@ -505,15 +504,8 @@ def export(store: Store, path: str | os.PathLike[str], block_ids: Optional[Itera
                 out.write(_pad(entry.file_size))
                 written += entry.file_size
             out.write(b"\0" * (2 * _TAR_BLOCK))
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-        fsync_path(path.parent)
-    except BaseException as exc:
-        tmp.unlink(missing_ok=True)
-        if isinstance(exc, OSError):
-            raise StoreError(f"cannot write the bundle {path}: {exc}") from exc
-        raise
+    except OSError as exc:
+        raise StoreError(f"cannot write the bundle {path}: {exc}") from exc
     finally:
         if bar:
             bar.close()

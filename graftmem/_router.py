@@ -437,15 +437,12 @@ class Router:
                      keys=np.asarray(self._keys, dtype="U16"))
             data = buf.getvalue()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        from ._store import atomic_file
+
         try:
-            with open(tmp, "wb") as f:
+            with atomic_file(self.path) as f:
                 f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
         except OSError as exc:  # the index is a cache: failing to persist it costs a re-embed later
-            tmp.unlink(missing_ok=True)
             log.warning("could not write the routing index %s: %s", self.path, exc)
 
     def _load(self) -> None:

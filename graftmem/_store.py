@@ -32,7 +32,7 @@ from ._errors import (BlockCorrupted, BlockNotFound, ConfigError, IncompatibleBl
                       StoreFull, StoreLocked)
 from ._format import HEADER, TRAILER_LEN, parse_header, parse_manifest, state_digest, write_block
 
-__all__ = ["Store", "default_home", "read_block_file"]
+__all__ = ["Store", "default_home", "read_block_file", "atomic_file"]
 
 log = logging.getLogger("graftmem")
 SUFFIX = ".gmb"
@@ -70,6 +70,24 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path, tmp: Optional[Path] = None) -> Iterator[BinaryIO]:
+    """A new file for ``path``, all or nothing: written to ``tmp`` (default: a hidden name beside it),
+    fsync'ed, renamed over ``path``, its directory fsync'ed. On any error the temp file is removed and
+    ``path`` still holds its old content (or nothing); the error propagates for the caller to name."""
+    tmp = tmp or path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with open(tmp, "xb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_path(path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def pid_alive(pid: int) -> bool:
@@ -321,16 +339,12 @@ class Store:
         The caller holds the lock. At every instant the final path holds a whole old or new file."""
         path = self.path_of(block.id)
         path.parent.mkdir(exist_ok=True)
+        # temp name: reconcile() parses the writer's pid from it to clean up after killed writers
         tmp = path.parent / f".{block.id}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
-            with open(tmp, "xb") as f:
+            with atomic_file(path, tmp) as f:
                 size = write_block(f, block, state)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            fsync_path(path.parent)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise StoreFull(f"disk full while writing block {block.short_id} to {self.home}; "
                                 "nothing was written: free space and learn again") from exc

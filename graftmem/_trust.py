@@ -214,10 +214,11 @@ class TrustPolicy(BaseModel):
             raise ConfigError(f"the trust policy {path} does not parse: {exc}; fix or delete it") from exc
 
     def save(self, home: str | os.PathLike[str]) -> Path:
+        from ._store import atomic_file
+
         path = Path(home) / POLICY_FILE
-        tmp = path.with_name(f".{POLICY_FILE}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.model_dump(), indent=2) + "\n")
-        os.replace(tmp, path)
+        with atomic_file(path) as f:
+            f.write((json.dumps(self.model_dump(), indent=2) + "\n").encode())
         return path
 
     def trust(self, key: PublicKey | str) -> "TrustPolicy":
