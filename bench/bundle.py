@@ -36,9 +36,9 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
 from graftmem import EngineConfig, Memory  # noqa: E402
-from graftmem._bundle import export, import_bundle  # noqa: E402
-from graftmem._server import pull  # noqa: E402
-from graftmem._store import Store, fsync_path  # noqa: E402
+from graftmem.share import export, import_bundle  # noqa: E402
+from graftmem.share import pull  # noqa: E402
+from graftmem.store import Store, fsync_path  # noqa: E402
 from tests.conftest import long_text  # noqa: E402
 
 TARGET = 0.70

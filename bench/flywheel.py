@@ -38,8 +38,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from graftmem import ExactMatch, Flywheel, Gate, Memory  # noqa: E402
-from graftmem._flywheel import literals  # noqa: E402
-from graftmem._verifiers import normalize_answer  # noqa: E402
+from graftmem.memory import literals  # noqa: E402
+from graftmem.memory import normalize_answer  # noqa: E402
 
 from problems import EASY, answers, problem_set, variants  # noqa: E402
 from solver import make_solver  # noqa: E402
@@ -114,10 +114,10 @@ def phase_recur(args) -> dict:
             rows.append({"problem": p["problem"], "source": sol.source, "method": sol.method,
                          "answer": sol.answer, "verified": sol.verified, "tokens": sol.tokens_decoded,
                          "wall_s": sol.wall_s, "sha": sol.receipt.first_logits_sha256 if sol.receipt else None,
-                         "router_loaded": mem._router is not None})  # noqa: SLF001
+                         "router_loaded": mem.router_loaded})
             print(f"  run2 {p['family']:10} {sol.source:8} {sol.answer!s:>6} {sol.tokens_decoded} tok "
                   f"{sol.wall_s * 1e3:.0f} ms", flush=True)
-        router_loaded_after_recurrences = mem._router is not None  # noqa: SLF001
+        router_loaded_after_recurrences = mem.router_loaded
         for v in variants():
             sub, score = fw.try_transfer(v["problem"], "substitution")
             ada, _ = fw.try_transfer(v["problem"], "adaptation")

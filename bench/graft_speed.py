@@ -32,8 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from graftmem import EngineConfig, Memory  # noqa: E402
-from graftmem._engine import logits_sha256  # noqa: E402
-from graftmem._chain import load_state  # noqa: E402
+from graftmem.core import logits_sha256  # noqa: E402
+from graftmem.store import load_state  # noqa: E402
 from tests.conftest import long_text  # noqa: E402
 
 QUESTION = "\nQuestion: according to the manual, what should the agent do first?\nAnswer:"

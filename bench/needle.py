@@ -40,9 +40,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from graftmem import EngineConfig, Memory  # noqa: E402
-from graftmem._engine import Engine, logits_sha256  # noqa: E402
-from graftmem._pager import learn_pages, page_index, plan_document  # noqa: E402
-from graftmem._chain import load_state  # noqa: E402
+from graftmem.core import Engine, logits_sha256  # noqa: E402
+from graftmem.memory import learn_pages, plan_document  # noqa: E402
+from graftmem.store import load_state  # noqa: E402
 
 # ----------------------------------------------------------------------------- corpus
 _SUBJ = ["the harbor master", "a young cartographer", "the old miller", "the night watchman", "a traveling tinker",
@@ -197,7 +197,7 @@ def build(args: argparse.Namespace) -> dict:
         chunk = max(1, args.chunk)
         reports = []
         for s in range(0, len(order), chunk):
-            rep = learn_pages(mem, plan, order[s:s + chunk], progress=args.progress)
+            rep = learn_pages(mem.engine, mem.store, mem.pages, plan, order[s:s + chunk], progress=args.progress)
             reports.append(rep)
             done_tokens += rep.tokens_prefilled
             st = mem.stats()
@@ -242,7 +242,7 @@ def ask(args: argparse.Namespace) -> dict:
         needles = meta["needles"]
         document = meta["document"]
         fpd = mem.fingerprint.digest()
-        index = page_index(mem)
+        index = mem.pages
         stored = {p.page: p for p in index.pages(document, fpd)}
         st = mem.stats()
         n_ctx = eng.n_ctx

@@ -1,6 +1,6 @@
 """Composition and position, measured: what is exact and what drifts (paper 4.2 and 4.8).
 
-For each model, over the same N sample queries (graftmem._verify.sample_queries), first-step logits
+For each model, over the same N sample queries (graftmem.memory.exactness.sample_queries), first-step logits
 of each condition are compared with a fresh prefill (SHA-256 equality, KL(fresh || other) median,
 p99 and max, argmax flips):
 
@@ -37,9 +37,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from graftmem import EngineConfig, Memory  # noqa: E402
-from graftmem import _statefmt  # noqa: E402
-from graftmem._engine import Engine, logits_sha256  # noqa: E402
-from graftmem._verify import kl_divergence, sample_queries  # noqa: E402
+from graftmem.core import join_states  # noqa: E402
+from graftmem.core import Engine, logits_sha256  # noqa: E402
+from graftmem.memory import kl_divergence, sample_queries  # noqa: E402
 from tests.conftest import long_text  # noqa: E402
 
 #: the paper's figures (PAPER.md, 4.1 / 4.2 / 4.8), for the side-by-side columns
@@ -120,7 +120,7 @@ def run_model(model: str, samples: int, words: int, offsets: list[int], threads:
         eng.reset_at(na)
         eng.prefill(b)
         sb = bytes(eng.capture())
-        stitched = _statefmt.join(sa, sb)
+        stitched = join_states(sa, sb)
         out["conditions"]["stitch"] = compare(ref, graft_each(stitched, na + nb))
         _progress(model, "stitch", t0)
 
@@ -144,10 +144,10 @@ def run_model(model: str, samples: int, words: int, offsets: list[int], threads:
         root = mem.learn(long_text(words, 31), name="A")
         child = mem.learn(" " + long_text(words, 32), parent=root.id, name="B")
         assert root.tokens == a and child.tokens == b
-        from graftmem._verify import graft_logits
+        from graftmem.memory import graft_logits
 
         with eng.lock:
-            chain = [graft_logits(mem, child.id, q) for q in qtoks]
+            chain = [graft_logits(mem.engine, mem.store, child.id, q) for q in qtoks]
             one = []
             eng.reset()
             eng.prefill(a + b)  # one call: micro-batch boundaries differ from learning A then B

@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from graftmem import EngineConfig, Memory  # noqa: E402
-from graftmem._engine import Engine, logits_sha256  # noqa: E402
-from graftmem._verify import graft_logits, sample_queries  # noqa: E402
+from graftmem.core import Engine, logits_sha256  # noqa: E402
+from graftmem.memory import graft_logits, sample_queries  # noqa: E402
 from tests.conftest import long_text  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -79,7 +79,7 @@ def exactness_rows(engines: dict[str, Engine], samples: int) -> list[Row]:
 
 
 def portability_rows(engines: dict[str, Engine], n_blocks: int) -> list[Row]:
-    if not _has("graftmem._bundle", "export"):
+    if not _has("graftmem.share.bundle", "export"):
         return [Row("4.11", "portability: blocks copied to another store", "8/8 equal", "not built yet", "-")]
     rows = []
     for name, eng in engines.items():
@@ -88,11 +88,11 @@ def portability_rows(engines: dict[str, Engine], n_blocks: int) -> list[Row]:
             q = eng.tokenize(sample_queries(1)[0], add_special=False)
             with Memory(engine=eng, home=src_home) as src:
                 blocks = [src.learn(long_text(40 + 7 * i, 50 + i), name=f"b{i}") for i in range(n_blocks)]
-                want = {b.id: logits_sha256(graft_logits(src, b.id, q)) for b in blocks}
+                want = {b.id: logits_sha256(graft_logits(src.engine, src.store, b.id, q)) for b in blocks}
                 src.export(Path(tmp) / "bundle.gmbundle")
             with Memory(engine=eng, home=dst_home) as dst:
                 rep = dst.import_bundle(Path(tmp) / "bundle.gmbundle")
-                got = {bid: logits_sha256(graft_logits(dst, bid, q)) for bid in want}
+                got = {bid: logits_sha256(graft_logits(dst.engine, dst.store, bid, q)) for bid in want}
         eq = sum(want[k] == got[k] for k in want)
         rows.append(Row("4.11", f"bundle to another store, graft there ({eng.model_name})",
                         "8/8 blocks work, destination SHA-256 = source",
@@ -117,7 +117,7 @@ def speed_rows(engines: dict[str, Engine], words: int) -> list[Row]:
                     eng.logits()
                     cold.append(time.perf_counter() - t0)
                     t0 = time.perf_counter()
-                    graft_logits(mem, b.id, one)
+                    graft_logits(mem.engine, mem.store, b.id, one)
                     graft.append(time.perf_counter() - t0)
                     eng.reset()
         c, g = min(cold), min(graft)
@@ -221,10 +221,10 @@ def other_rows() -> list[Row]:
         needle = _json(needle_file)
     rows = [
         _from_file("4.4", "needle retrieval behind a fixed window", "7/7 needles to depth 2.82M",
-                   _has("graftmem._pager"), "graftmem._pager", needle, "bench/needle.py",
+                   _has("graftmem.memory.pager"), "graftmem.memory.pager", needle, "bench/needle.py",
                    lambda d: _needle_row(d, needle_file)),
         _from_file("4.6", "recurrence token ratio", "6,574x fewer tokens, 8/8 vs 0/8",
-                   _has("graftmem._flywheel"), "graftmem._flywheel", _json("flywheel.json"), "bench/flywheel.py",
+                   _has("graftmem.memory.flywheel"), "graftmem.memory.flywheel", _json("flywheel.json"), "bench/flywheel.py",
                    _flywheel_row),
         _from_file("4.12", "in-library routing", "15/15 (Wilson 95% CI 79.6-100%)",
                    hasattr(Memory, "recall"), "Memory.recall", _json("routing.json"), "bench/routing.py",

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import numpy as np  # noqa: E402
 
 from graftmem import Memory  # noqa: E402
-from graftmem._router import DEFAULT_MIN_SCORE, Router, SentenceTransformerEmbedder  # noqa: E402
+from graftmem.memory import DEFAULT_MIN_SCORE, Router, SentenceTransformerEmbedder  # noqa: E402
 from routing_set import LABELLED, MANUALS, OFF_TOPIC  # noqa: E402
 
 
@@ -229,7 +229,7 @@ def main() -> int:
         # the 10k index (free-standing: synthetic entries, embedded texts, plus the 12 real manuals)
         n = args.synthetic
         t0 = time.perf_counter()
-        from graftmem._router import route_text
+        from graftmem.memory import route_text
 
         r10 = Router(emb)
         r10.add_vectors([f"syn{i}" for i in range(n)],

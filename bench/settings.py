@@ -19,8 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from graftmem import EngineConfig  # noqa: E402
-from graftmem._engine import Engine, logits_sha256  # noqa: E402
-from graftmem._format import state_digest  # noqa: E402
+from graftmem.core import Engine, logits_sha256  # noqa: E402
+from graftmem.core import state_digest  # noqa: E402
 from tests.conftest import long_text  # noqa: E402
 
 VARIANTS: dict[str, dict] = {

@@ -3,28 +3,27 @@
 Learn a text once (its KV state goes to disk as a block); later graft the block into a fresh
 llama.cpp context at its own positions and prefill only the query. The logits are byte-identical
 to a fresh prefill of the same text, and :meth:`Memory.verify` proves it.
+
+This module is the public API. The layers below it (``graftmem.core``, ``graftmem.store``,
+``graftmem.memory``, ``graftmem.share``, ``graftmem.server``) export documented names for advanced use;
+their modules are private. docs/architecture.md explains the layering.
 """
 
-from ._blocks import (Block, EngineConfig, Exactness, Fingerprint, Recall, Receipt, SampleResult,
-                      StoreStats, VerificationRecord, VerifyReport)
-from ._errors import (AccessDenied, BlockCorrupted, BlockNotFound, BlockRejected, BundleRejected,
-                      ClosedError, ConfigError, EngineError, GraftmemError, IncompatibleBlock,
-                      ModelNotFound, StoreError, StoreFull, StoreLocked, TransferError,
-                      UntrustedBundle)
-from ._async import AsyncMemory
-from ._blocks import SearchHit
-from ._bundle import BundleManifest, ExportReport, TransferReport
-from ._memory import Memory
-from ._server import BlockServer
-from ._trust import PublicKey, RederiveReport, SigningKey, TrustPolicy
-from ._router import Embedder, SentenceTransformerEmbedder
-from ._pager import DocumentAnswer, DocumentReport, PageInfo, PassageHit
-from ._flywheel import Attempt, Flywheel, Gate, GateReport, Solution, SolverOutput
-from ._verifiers import (CallableVerifier, Candidate, ExactMatch, ProgramRun, ProgramVerifier, Verdict,
-                         Verifier, run_program)
-from ._models import MODELS, resolve_model
-
-__version__ = "0.1.0"
+from .api import AsyncMemory, Memory
+from .core import (Block, Engine, EngineConfig, Exactness, Fingerprint, Recall, Receipt, SampleResult, Sampling,
+                   SearchHit, StoreStats, VerificationRecord, VerifyReport, logits_sha256)
+from .core.errors import (AccessDenied, BlockCorrupted, BlockNotFound, BlockRejected, BundleRejected,
+                          ClosedError, ConfigError, EngineError, GraftmemError, IncompatibleBlock,
+                          ModelNotFound, StoreError, StoreFull, StoreLocked, TransferError,
+                          UntrustedBundle)
+from .core.models import MODELS, resolve_model
+from .core.version import __version__
+from .memory import (Attempt, CallableVerifier, Candidate, DocumentAnswer, DocumentReport, Embedder, ExactMatch,
+                     Flywheel, Gate, GateReport, PageInfo, PassageHit, ProgramRun, ProgramVerifier, RederiveReport,
+                     SentenceTransformerEmbedder, Solution, SolverOutput, Verdict, Verifier, run_program)
+from .server import BlockServer
+from .share import BundleManifest, ExportReport, PublicKey, SigningKey, TransferReport, TrustPolicy
+from .store import Store
 
 __all__ = [
     "AccessDenied",
@@ -44,6 +43,7 @@ __all__ = [
     "DocumentAnswer",
     "DocumentReport",
     "Embedder",
+    "Engine",
     "EngineConfig",
     "EngineError",
     "ExactMatch",
@@ -67,11 +67,13 @@ __all__ = [
     "Receipt",
     "RederiveReport",
     "SampleResult",
+    "Sampling",
     "SearchHit",
     "SentenceTransformerEmbedder",
     "SigningKey",
     "Solution",
     "SolverOutput",
+    "Store",
     "StoreError",
     "StoreFull",
     "StoreLocked",
@@ -85,6 +87,7 @@ __all__ = [
     "Verifier",
     "VerifyReport",
     "__version__",
+    "logits_sha256",
     "resolve_model",
     "run_program",
 ]

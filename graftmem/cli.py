@@ -51,7 +51,7 @@ def cmd_learn(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from ._store import Store
+    from .store import Store
 
     store = Store(args.home)
     try:
@@ -68,7 +68,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from ._store import Store
+    from .store import Store
 
     store = Store(args.home)
     try:
@@ -189,13 +189,13 @@ def _rederive(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------- sharing (bundles, HTTP, trust)
 def _home(args: argparse.Namespace) -> Path:
-    from ._store import default_home
+    from .store import default_home
 
     return Path(args.home).expanduser() if args.home else default_home()
 
 
 def _policy(args: argparse.Namespace):
-    from ._trust import PublicKey, TrustPolicy
+    from .share import PublicKey, TrustPolicy
 
     pol = TrustPolicy.load(_home(args))
     if args.require_signature:
@@ -206,7 +206,7 @@ def _policy(args: argparse.Namespace):
 
 
 def _sign_key(args: argparse.Namespace):
-    from ._trust import SigningKey
+    from .share import SigningKey
 
     return SigningKey.load(args.sign) if args.sign else None
 
@@ -221,8 +221,8 @@ def _transfer_text(verb: str, rep: Any) -> str:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from ._bundle import export
-    from ._store import Store
+    from .share import export
+    from .store import Store
 
     store = Store(args.home)
     try:
@@ -254,12 +254,12 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    from ._server import push
-    from ._store import Store
+    from .share import push
+    from .store import Store
 
     token = args.token or os.environ.get("GRAFTMEM_PUSH_TOKEN")
     if not token:
-        from ._errors import ConfigError
+        from . import ConfigError
 
         raise ConfigError("push needs the server's token: --token or $GRAFTMEM_PUSH_TOKEN")
     store = Store(args.home)
@@ -273,7 +273,7 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ._server import BlockServer
+    from .server import BlockServer
 
     token = args.push_token or os.environ.get("GRAFTMEM_PUSH_TOKEN")
     mem = _memory(args) if token else None  # accepting pushes needs this engine's fingerprint
@@ -297,7 +297,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
-    from ._trust import SigningKey
+    from .share import SigningKey
 
     key = SigningKey.generate()
     pub = key.save(args.path)
@@ -308,7 +308,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
-    from ._store import Store
+    from .store import Store
 
     store = Store(args.home)
     try:
@@ -321,25 +321,26 @@ def cmd_delete(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from ._store import Store
+    from .store import Store
 
     store = Store(args.home)
     try:
-        s = store.summary()
+        st = store.stats()
     finally:
         store.close()
-    s["home"] = str(store.home)
+    s = {"blocks": st.blocks, "tokens": st.tokens, "bytes": st.bytes_on_disk, "kinds": st.kinds, "home": st.home}
     _out(args, s, "\n".join(f"{k:<8} {v}" for k, v in s.items()))
     return 0
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from ._store import Store
+    from .store import Store
 
     store = Store(args.home)
     try:
         fixed = store.reconcile()
-        summary = store.summary()
+        st = store.stats()
+        summary = {"blocks": st.blocks, "tokens": st.tokens, "bytes": st.bytes_on_disk, "kinds": st.kinds}
         bad = []
         for b in store.list():
             try:
@@ -565,7 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from ._errors import GraftmemError
+    from . import GraftmemError
 
     args = build_parser().parse_args(argv)
     try:

@@ -11,7 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from graftmem import Memory  # noqa: E402
-from graftmem._engine import Engine  # noqa: E402
+from graftmem.core.engine import Engine  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

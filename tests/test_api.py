@@ -7,7 +7,7 @@ import pytest
 import graftmem
 from graftmem import (BlockNotFound, ClosedError, ConfigError, EngineConfig, Memory, ModelNotFound,
                       resolve_model)
-from graftmem._blocks import block_id_for
+from graftmem.core.blocks import block_id_for
 
 
 def test_all_is_sorted_and_importable():
@@ -89,7 +89,7 @@ def test_default_threads_follow_cpu_affinity():
     if not hasattr(os, "sched_setaffinity"):
         pytest.skip("no CPU affinity on this platform")
     code = ("import os; os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]}); "
-            "from graftmem._engine import usable_cores; print(usable_cores(), os.cpu_count())")
+            "from graftmem.core.engine import usable_cores; print(usable_cores(), os.cpu_count())")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert proc.returncode == 0, proc.stderr

@@ -16,12 +16,13 @@ import pytest
 
 from graftmem import (BlockCorrupted, BundleRejected, IncompatibleBlock, Memory, UntrustedBundle,
                       BlockNotFound)
-from graftmem._blocks import block_id_for
-from graftmem._bundle import (MANIFEST_NAME, SIGNATURE_NAME, BundleManifest, foreign_store,
-                              import_bundle)
-from graftmem._format import state_digest
-from graftmem._store import Store
-from graftmem._trust import SigningKey, TrustPolicy
+from graftmem.core.blocks import block_id_for
+from graftmem.share.admission import foreign_store
+from graftmem.share.bundle import import_bundle
+from graftmem.share.manifest import MANIFEST_NAME, SIGNATURE_NAME, BundleManifest
+from graftmem.core.format import state_digest
+from graftmem.store.local import Store
+from graftmem.share.trust import SigningKey, TrustPolicy
 
 from .conftest import long_text
 
@@ -78,7 +79,7 @@ def forge(store: Store, block_id: str, *, fingerprint=None, state: bytes | None 
           state_digest_override: str | None = None) -> str:
     """Rewrite a block self-consistently (valid header, trailer and digests, as an attacker would):
     another fingerprint (and so another id), and/or other state bytes. Returns the new id."""
-    from graftmem._format import write_block
+    from graftmem.core.format import write_block
 
     buf = bytearray()
     old, view = store.read_state(block_id, lambda n: memoryview(buf.extend(b"\0" * n) or buf)[:n])
@@ -377,7 +378,7 @@ def test_signatures_and_the_trust_policy(source, mem, tmp_path):
 
 
 def test_key_files_round_trip(tmp_path):
-    from graftmem._trust import PublicKey
+    from graftmem.share.trust import PublicKey
 
     key = SigningKey.generate()
     pub = key.save(tmp_path / "k")
@@ -418,8 +419,8 @@ def test_rederive_a_chained_block(engine, request, tmp_path):
     """A chain re-derived as its sequential prefill (root, then each child in its own call) equals the
     full state the store rebuilds from parent + delta; the same comparison with another child text
     differs, so the check compares real bytes."""
-    from graftmem._chain import full_state
-    from graftmem._trust import _compare_rederived
+    from graftmem.store.chain import full_state
+    from graftmem.memory.rederive import compare_rederived
 
     eng = request.getfixturevalue(engine)
     with Memory(engine=eng, home=tmp_path / "s") as m:
@@ -430,7 +431,7 @@ def test_rederive_a_chained_block(engine, request, tmp_path):
         assert rep.ok and rep.stored_digest == rep.derived_digest
         assert rep.n_tokens == child.n_tokens and rep.stored_size == child.restored_size
         other = eng.tokenize(" " + long_text(60, seed=9), add_special=False)
-        bad = _compare_rederived(m, child, memoryview(full_state(m.store, child)),
+        bad = compare_rederived(m.engine, child, memoryview(full_state(m.store, child)),
                                  segs=[list(root.tokens), other])
         assert not bad.ok
 

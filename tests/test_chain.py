@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from graftmem import BlockCorrupted, BlockNotFound, ConfigError
-from graftmem._blocks import block_id_for
-from graftmem._chain import full_state, full_tokens, segments
-from graftmem._engine import logits_sha256
+from graftmem.core.blocks import block_id_for
+from graftmem.store.chain import full_state, full_tokens, segments
+from graftmem.core.engine import logits_sha256
 from graftmem import _statefmt as sf
 
 from .conftest import long_text
@@ -71,7 +71,7 @@ def test_chain_is_exact_and_stored_as_delta(request, fixture, words):
         assert _rebuilt(m, b) == full
 
     # the graft == fresh sequential prefill, SHA-256 of the logits (the query cells trimmed between
-    # samples, which leaves exactly the cells a fresh prefill leaves: graftmem._verify)
+    # samples, which leaves exactly the cells a fresh prefill leaves: graftmem.memory.exactness)
     want = []
     with eng.lock:
         eng.reset()

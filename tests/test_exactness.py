@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from graftmem import EngineConfig
-from graftmem._engine import Engine, logits_sha256
-from graftmem._verify import kl_divergence, sample_queries
+from graftmem.core.engine import Engine, logits_sha256
+from graftmem.memory.exactness import kl_divergence, sample_queries
 
 from .conftest import long_text
 

@@ -15,7 +15,7 @@ import pytest
 
 from graftmem import (CallableVerifier, Candidate, ConfigError, ExactMatch, Flywheel, Gate, ProgramVerifier,
                       SolverOutput, Verdict, run_program)
-from graftmem._flywheel import extract_answer, extract_program, literals, substitute_literals
+from graftmem.memory.flywheel import extract_answer, extract_program, literals, substitute_literals
 
 PROBLEM = "What is 17 * 23?"
 
@@ -25,7 +25,7 @@ def smol1():
     """SmolLM2 with ONE thread: on a shared, oversubscribed CPU, llama.cpp's two spinning threads
     decoded 40x slower than one (0.3 vs 14 tokens/s measured), and these tests decode."""
     from graftmem import EngineConfig
-    from graftmem._engine import Engine
+    from graftmem.core.engine import Engine
 
     with Engine("smollm2", EngineConfig(n_threads=1)) as e:
         yield e
@@ -174,7 +174,7 @@ _CHILD = textwrap.dedent("""
         print(json.dumps({"source": sol.source, "answer": sol.answer, "tokens": sol.tokens_decoded,
                           "sha": sol.receipt.first_logits_sha256 if sol.receipt else None,
                           "respaced": [respaced.source, respaced.answer],
-                          "router_loaded": mem._router is not None}))
+                          "router_loaded": mem.router_loaded}))
 """)
 
 

@@ -7,7 +7,7 @@ import io
 import pytest
 
 from graftmem import BlockCorrupted
-from graftmem._format import (ALIGN, HEADER, TRAILER_LEN, parse_header, parse_manifest,
+from graftmem.core.format import (ALIGN, HEADER, TRAILER_LEN, parse_header, parse_manifest,
                               state_digest, write_block)
 
 

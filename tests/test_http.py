@@ -14,9 +14,10 @@ import pytest
 
 from graftmem import (AccessDenied, BlockCorrupted, BundleRejected, IncompatibleBlock, Memory,
                       TransferError, UntrustedBundle)
-from graftmem._bundle import listing
-from graftmem._server import SIGNATURE_HEADER, BlockServer, _Handler
-from graftmem._trust import SigningKey, TrustPolicy
+from graftmem.share.manifest import listing
+from graftmem.server.blocks import BlockServer, _Handler
+from graftmem.share.client import SIGNATURE_HEADER
+from graftmem.share.trust import SigningKey, TrustPolicy
 
 from .conftest import long_text
 from .test_bundle import QUERY, REPO, forge, other_model, state_of
@@ -289,7 +290,7 @@ def test_two_pulls_of_one_block_do_not_interleave(source, mem, served):
     """A pull that finds the block's part file locked by another pull refuses instead of mixing bytes."""
     import fcntl
 
-    from graftmem._server import fetch_listing
+    from graftmem.share.client import fetch_listing
 
     with httpx.Client() as c:
         man, _, _ = fetch_listing(c, served.url, TrustPolicy())

@@ -1,4 +1,4 @@
-"""Long documents through one fixed window (graftmem._pager): pages, passage routing, resumable builds,
+"""Long documents through one fixed window (graftmem.memory.pager): pages, passage routing, resumable builds,
 one-page exact grafts, a context that never grows, and the needle bench at a small size."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from graftmem import BlockNotFound, ConfigError, Memory, SentenceTransformerEmbedder
-from graftmem._engine import logits_sha256
-from graftmem._pager import PAGE_KIND, page_index, plan_document, read_source
+from graftmem.core.engine import logits_sha256
+from graftmem.memory.pager import PAGE_KIND, plan_document, read_source
 
 from .conftest import long_text
 
@@ -105,7 +105,7 @@ def test_pages_indexed_and_routed(dmem):
     pages = dmem.get_all(kind=PAGE_KIND)
     assert len(pages) == rep.pages
     assert sorted(b.metadata["page"] for b in pages) == list(range(rep.pages))
-    idx = page_index(dmem)
+    idx = dmem.pages
     assert len(idx) >= rep.pages  # several passages per page
     text = _document()
     for fact, task, want in [
@@ -150,7 +150,7 @@ def test_same_document_under_two_engines(dmem, smol, minilm):
 def test_page_index_migrates_passages_keyed_by_page(tmp_path, minilm):
     """A page index written before passages were keyed by block (schema version 0) is rebuilt on open:
     same rows and rowids, the new key, version 1; a second open changes nothing."""
-    from graftmem._pager import PageIndex
+    from graftmem.memory.pager import PageIndex
 
     path = tmp_path / "pages" / "index.sqlite"
     path.parent.mkdir()
@@ -259,7 +259,7 @@ def test_resume_after_a_killed_build(dmem, tmp_path):
     assert complete in ([], [(0,)])  # the killed build did not claim to be done
 
     # dmem opened the same home before the child wrote; a new Memory reconciles with the files
-    with Memory(engine=dmem.engine, home=home, embedder=dmem._embedder) as m2:  # noqa: SLF001
+    with Memory(engine=dmem.engine, home=home, embedder=dmem.embedder) as m2:
         rep = m2.learn_document(_document(), document="town", window=256, overlap=32, progress=False)
         assert rep.complete
         assert rep.pages_skipped >= killed_with and rep.pages_learned == rep.pages - rep.pages_skipped

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from graftmem import ConfigError, Memory, SentenceTransformerEmbedder
-from graftmem._prompt import CHATML, GEMMA, detect_format, split_ids
+from graftmem.core.prompt import CHATML, GEMMA, detect_format, split_ids
 from graftmem.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,15 +159,15 @@ def test_cli_learn_search_recall_reindex(tmp_path, capsys):
 
 
 def test_chained_block_graft_equals_text_way(cmem):
-    from graftmem._recall import answer_graft_way, answer_text_way
+    from graftmem.memory.recall import answer_graft_way, answer_text_way
 
     root = cmem.learn("You are the support desk of Northwind. Answer in one line.\n", name="desk")
     child = cmem.learn("Tickets: reply with TK- and the customer's number.\n", name="tickets",
                        parent=root.id, when_to_use="opening a ticket")
     assert child.parent == root.id and child.pos_start == root.n_tokens
     for task in ("Customer 7312 needs a ticket. Code:", " leading space", "\nnewline first"):
-        g = answer_graft_way(cmem, child, task, max_tokens=6)
-        t = answer_text_way(cmem, child, task, max_tokens=6)
+        g = answer_graft_way(cmem.engine, cmem.store, child, task, max_tokens=6)
+        t = answer_text_way(cmem.engine, cmem.store, child, task, max_tokens=6)
         assert g.receipt.first_logits_sha256 == t.receipt.first_logits_sha256 and g.tokens == t.tokens
         assert t.receipt.tokens_prefilled == root.n_tokens + child.n_tokens + g.receipt.tokens_prefilled
         assert g.receipt.exact == t.receipt.exact

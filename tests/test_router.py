@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from graftmem import AsyncMemory, ConfigError, Embedder, Memory, SearchHit, SentenceTransformerEmbedder
-from graftmem._router import DEFAULT_MIN_SCORE, Router, normalize_task, route_text
+from graftmem.memory.router import DEFAULT_MIN_SCORE, Router, normalize_task, route_text
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,7 @@ import pytest
 
 from graftmem import (BlockCorrupted, BlockNotFound, EngineConfig, IncompatibleBlock, Memory,
                       StoreFull)
-from graftmem._store import Store
+from graftmem.store.local import Store
 
 from .conftest import long_text
 

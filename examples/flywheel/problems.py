@@ -3,7 +3,7 @@ held-out variant per family with new numbers (the transfer set). Answers are com
 Python, so they are known exactly; they are what the ExactMatch verifier compares with.
 
 Each family also has a *reference program*: what the stand-in solver (solver.py) emits. Problems avoid
-apostrophes so that quoted strings are unambiguous literals (see graftmem._flywheel.literals).
+apostrophes so that quoted strings are unambiguous literals (see graftmem.memory.flywheel.literals).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from graftmem import SolverOutput
-from graftmem._flywheel import literals
+from graftmem.memory import literals
 
 from problems import FAMILIES, program
 

@@ -3,7 +3,7 @@ recurrence from its block in a few decode tokens (the paper's "Galahad" loop, se
 
 Order of work in :meth:`Flywheel.solve`:
 
-1. **cache**: an exact lookup (the problem's normalized text, :func:`graftmem._router.normalize_task`,
+1. **cache**: an exact lookup (the problem's normalized text, :func:`graftmem.memory.router.normalize_task`,
    recorded in the block's metadata) finds a verified block for a *recurring* problem. The block is
    grafted and the model decodes the answer after it (``Answer:`` is the last thing prefilled, so a
    few tokens suffice). No embedding model is loaded on this path.
@@ -41,19 +41,21 @@ import time
 import tokenize
 from collections import Counter
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional, Protocol, Sequence, Union
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from ._blocks import Block, Receipt
-from ._errors import BlockNotFound, ConfigError
-from ._router import DEFAULT_MIN_SCORE, normalize_task
-from ._verifiers import Candidate, Verdict, Verifier, call_with_timeout, normalize_answer, run_program
+from ..core.blocks import Block, Fingerprint, Recall, Receipt, SearchHit
+from ..core.decode import Sampling, decode
+from ..core.errors import BlockNotFound, ConfigError
+from ..core.prompt import detect_format
+from .checks import Candidate, Verdict, Verifier, call_with_timeout, normalize_answer, run_program
+from .router import DEFAULT_MIN_SCORE, normalize_task
 
 if TYPE_CHECKING:
-    from ._memory import Memory
-    from ._prompt import ChatFormat
+    from ..core.engine import Engine
+    from ..core.prompt import ChatFormat
 
 __all__ = ["Flywheel", "Solution", "Attempt", "Gate", "GateReport", "SolverOutput", "extract_answer",
            "extract_program", "literals", "substitute_literals", "SOLUTION_KIND"]
@@ -281,11 +283,38 @@ def block_text(problem: str, program: Optional[str], answer: str, verifier: str,
 
 
 # ---------------------------------------------------------------------------------- the flywheel
+class MemoryLike(Protocol):
+    """What the flywheel needs of a memory: the verbs of :class:`graftmem.Memory` it calls.
+
+    The flywheel is an application of the memory's public verbs (learn a verified solution, search,
+    graft one block), so it is typed against them rather than against the facade class, which sits in
+    a layer above this one.
+    """
+
+    @property
+    def engine(self) -> "Engine": ...
+
+    @property
+    def fingerprint(self) -> Fingerprint: ...
+
+    def learn(self, text: str, *, name: Optional[str] = ..., kind: str = ...,
+              metadata: Optional[Mapping[str, Any]] = ..., when_to_use: Optional[str] = ...,
+              chat: bool = ...) -> Block: ...
+
+    def ask(self, block_id: str, query: str, *, max_tokens: int = ...) -> Recall: ...
+
+    def get(self, block_id: str) -> Block: ...
+
+    def get_all(self, *, kind: Optional[str] = ...) -> list[Block]: ...
+
+    def search(self, task: str, *, top_k: int = ...) -> list[SearchHit]: ...
+
+
 class Flywheel:
     """Solve, verify, deposit; answer recurrences from blocks. See the module docstring.
 
     ``memory`` provides the engine, the store and the router; ``verifier`` decides (see
-    :mod:`graftmem._verifiers`); ``solver(problem, budget_tokens)`` is the application's stronger
+    :mod:`graftmem.memory.checks`); ``solver(problem, budget_tokens)`` is the application's stronger
     solver, called when the model alone fails. ``budget`` caps the tokens the model decodes live per
     problem (gate samples included). ``gate=None`` turns the do-no-harm gate off (for measuring it).
     ``transfer`` orders the transfer methods tried on a routed block; ``min_score`` is the routing
@@ -293,7 +322,7 @@ class Flywheel:
     the model answers alone, ``verify_timeout_s`` bounds any verifier call.
     """
 
-    def __init__(self, memory: "Memory", verifier: Verifier, *, solver: Optional[Solver] = None,
+    def __init__(self, memory: MemoryLike, verifier: Verifier, *, solver: Optional[Solver] = None,
                  budget: int = 512, gate: Optional[Gate] = Gate(), samples: Optional[int] = None,
                  transfer: Sequence[Literal["substitution", "adaptation"]] = ("substitution", "adaptation"),
                  min_score: float = DEFAULT_MIN_SCORE, max_answer_tokens: int = 12, max_program_tokens: int = 96,
@@ -307,8 +336,6 @@ class Flywheel:
         bad = [t for t in transfer if t not in ("substitution", "adaptation")]
         if bad:
             raise ConfigError(f"unknown transfer method(s) {bad}; use 'substitution' and/or 'adaptation'")
-        from ._prompt import detect_format
-
         fmt = detect_format(memory.engine)
         if fmt is None:
             raise ConfigError(f"model {memory.fingerprint.model_name!r} has no chat template graftmem knows; "
@@ -582,25 +609,23 @@ class Flywheel:
         out: list[tuple[Optional[str], int]] = []
         greedy_lp = 0.0
         total = 0
-        with eng.lock:
-            eng.reset()
-            try:
-                eng.prefill(ptok)
-                first = eng.logits()
-                for i in range(g.samples):
-                    n_max = min(g.max_tokens, budget - total)
-                    if n_max < 1:
-                        break
-                    if i:
-                        eng.trim(len(ptok))
-                    rng = np.random.default_rng([g.seed, i])
-                    toks, lp = self._decode(first, n_max, 0.0 if i == 0 else g.temperature, rng)
-                    total += len(toks)
-                    if i == 0:
-                        greedy_lp = lp / max(1, len(toks))
-                    out.append((extract_answer(eng.detokenize(toks)), len(toks)))
-            finally:
-                eng.reset()
+        with eng.session():
+            eng.prefill(ptok)
+            first = eng.logits()
+            for i in range(g.samples):
+                n_max = min(g.max_tokens, budget - total)
+                if n_max < 1:
+                    break
+                if i:
+                    eng.trim(len(ptok))
+                rng = np.random.default_rng([g.seed, i])
+                dec = decode(eng, n_max, first_logits=first, rng=rng,
+                             sampling=Sampling(temperature=0.0 if i == 0 else g.temperature))
+                toks = dec.tokens
+                total += len(toks)
+                if i == 0:  # the end-of-generation token's log-probability counts too
+                    greedy_lp = (dec.logprob + (dec.stop_logprob or 0.0)) / max(1, len(toks))
+                out.append((extract_answer(eng.detokenize(toks)), len(toks)))
         answers = [a for a, _ in out]
         norm = [normalize_answer(a) for a in answers]
         counts = Counter(x for x in norm if x is not None)
@@ -610,32 +635,6 @@ class Flywheel:
                          confident=bool(majority is not None and agreement >= g.agree and len(out) == g.samples),
                          tokens=total, ms=(time.perf_counter() - t0) * 1e3)
         return rep, out
-
-    def _decode(self, first: np.ndarray, n_max: int, temperature: float,
-                rng: np.random.Generator) -> tuple[list[int], float]:
-        eng = self.mem.engine
-        logits = first
-        toks: list[int] = []
-        lp = 0.0
-        for _ in range(n_max):
-            x = logits.astype(np.float64)
-            if temperature > 0:
-                z = x / temperature
-                p = np.exp(z - z.max())
-                p /= p.sum()
-                tok = int(rng.choice(len(p), p=p))
-            else:
-                tok = int(np.argmax(x))
-            m = x.max()
-            lp += float(x[tok] - m - np.log(np.exp(x - m).sum()))
-            if eng.is_eog(tok):
-                break
-            toks.append(tok)
-            if len(toks) == n_max or eng.n_past >= eng.n_ctx:
-                break
-            eng.prefill([tok])
-            logits = eng.logits()
-        return toks, lp
 
     # ------------------------------------------------------------------ deposit
     def _deposit(self, problem: str, att: Attempt) -> Optional[str]:

@@ -40,11 +40,11 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, runtime_che
 
 import numpy as np
 
-from ._errors import ConfigError, StoreError
+from ..core.errors import ConfigError, StoreError
 
 if TYPE_CHECKING:
-    from ._blocks import Block
-    from ._store import Store
+    from ..core.blocks import Block
+    from ..store.local import Store
 
 __all__ = ["Embedder", "SentenceTransformerEmbedder", "Router", "route_text", "normalize_task",
            "minilm_path", "INDEX_VERSION", "DEFAULT_MIN_SCORE"]
@@ -251,7 +251,7 @@ def _faiss() -> Any:
 
 def block_route_text(block: "Block") -> str:
     """The route text of a stored block (chat blocks contribute their manual, not the template)."""
-    from ._prompt import FORMATS
+    from ..core.prompt import FORMATS
 
     body = block.text
     fmt = FORMATS.get(str(block.metadata.get("chat_format", "")))
@@ -331,7 +331,7 @@ class Router:
 
     def add_blocks(self, blocks: Sequence["Block"], *, persist: bool = True) -> None:
         """Embed blocks (name, when_to_use, start of text), add them, and write the index file.
-        Document pages are left out: they are routed per passage by :mod:`graftmem._pager`."""
+        Document pages are left out: they are routed per passage by :mod:`graftmem.memory.pager`."""
         blocks = [b for b in blocks if b.kind != PAGE_KIND]
         if not blocks:
             return
@@ -437,7 +437,7 @@ class Router:
                      keys=np.asarray(self._keys, dtype="U16"))
             data = buf.getvalue()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        from ._store import atomic_file
+        from ..store.local import atomic_file
 
         try:
             with atomic_file(self.path) as f:

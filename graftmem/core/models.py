@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._errors import ModelNotFound
+from .errors import ModelNotFound
 
 __all__ = ["ModelSpec", "MODELS", "DEFAULT_MODEL", "resolve_model"]
 

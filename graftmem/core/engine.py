@@ -1,5 +1,5 @@
 """The only module that imports ``llama_cpp``: load, tokenize, prefill, capture, restore, logits,
-generate, fingerprint, exactness probe. Every llama.cpp failure becomes an :class:`EngineError`.
+fingerprint, exactness probe. Every llama.cpp failure becomes an :class:`EngineError`.
 
 Why the low-level API and not ``llama_cpp.Llama``: ``Llama`` keeps an ``n_ctx x n_vocab`` scores
 array, re-evaluates prompts through its own cache logic and saves state with ``save_state`` (which
@@ -17,6 +17,7 @@ docs/exactness.md for the measurements on Gemma 3).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -24,16 +25,16 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
 import llama_cpp
 from llama_cpp import llama_cpp as C
 
-from ._blocks import FORMAT_VERSION, EngineConfig, Exactness, Fingerprint
-from ._errors import ClosedError, ConfigError, EngineError
-from ._models import resolve_model
+from .blocks import FORMAT_VERSION, EngineConfig, Exactness, Fingerprint
+from .errors import ClosedError, ConfigError, EngineError
+from .models import resolve_model
 
 __all__ = ["Engine", "logits_sha256"]
 
@@ -231,6 +232,24 @@ class Engine:
         return bool(C.llama_vocab_is_eog(self._vocab, token))
 
     # ----------------------------------------------------------------- compute
+    @contextlib.contextmanager
+    def session(self) -> Iterator["Engine"]:
+        """Hold the context for one unit of work that starts and ends on an empty cache.
+
+        The lock serializes threads; the reset before makes the work start at cell 0 whatever the
+        previous holder left; the reset after (in ``finally``, so also on an error or a refused graft)
+        leaves no state of this work for the next holder to see. Every caller that prefills, grafts or
+        decodes goes through here instead of copying the discipline.
+        """
+        with self._lock:
+            if self._n_past:  # a clear costs a memset of the whole cache: skip it when already empty
+                self.reset()
+            try:
+                yield self
+            finally:
+                if not self._closed:
+                    self.reset()
+
     @property
     def n_past(self) -> int:
         """Number of positions currently held by sequence 0."""
@@ -318,22 +337,6 @@ class Engine:
                 raise EngineError("no logits available: evaluate at least one token first")
             return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).astype(np.float32, copy=True)
 
-    def generate(self, max_tokens: int, *, first_logits: Optional[np.ndarray] = None) -> list[int]:
-        """Greedy decoding from the current logits, stopping at end-of-generation or max_tokens."""
-        out: list[int] = []
-        with self._lock:
-            logits = self.logits() if first_logits is None else first_logits
-            for _ in range(max_tokens):
-                tok = int(np.argmax(logits))
-                if self.is_eog(tok):
-                    break
-                out.append(tok)
-                if len(out) == max_tokens or self._n_past >= self.n_ctx:
-                    break
-                self.prefill([tok])
-                logits = self.logits()
-        return out
-
     # ----------------------------------------------------------------- state
     def buffer(self, size: int) -> memoryview:
         """A writable view of ``size`` bytes of the engine's reusable state buffer.
@@ -401,8 +404,7 @@ class Engine:
         text = " ".join(words[(i * 7) % len(words)] for i in range(n))
         tokens = self.tokenize(text)[:n]
         query = self.tokenize(" and then", add_special=False)
-        with self._lock:
-            self.reset()
+        with self.session():
             self.prefill(tokens)
             state = bytes(self.capture())
             self.prefill(query)
@@ -410,7 +412,6 @@ class Engine:
             self.restore(memoryview(bytearray(state)), len(tokens))
             self.prefill(query)
             graft = logits_sha256(self.logits())
-            self.reset()
         if fresh != graft:
             return Exactness(exact=False, probe_tokens=len(tokens), reason=(
                 f"load-time probe: graft logits {graft[:16]} != fresh prefill {fresh[:16]} "

@@ -24,14 +24,16 @@ from typing import TYPE_CHECKING, Literal, Sequence
 
 import numpy as np
 
-from ._blocks import SampleResult, VerifyReport
-from ._engine import logits_sha256
-from ._errors import EngineError
+from ..core.blocks import SampleResult, VerifyReport
+from ..core.engine import logits_sha256
+from ..core.errors import ConfigError, EngineError
+from ..store.chain import load_state, segments
 
 if TYPE_CHECKING:
-    from ._memory import Memory
+    from ..core.engine import Engine
+    from ..store.local import Store
 
-__all__ = ["sample_queries", "kl_divergence", "verify_block"]
+__all__ = ["sample_queries", "kl_divergence", "graft_logits", "verify_block", "graft_in_new_process"]
 
 _WORDS = ("what when where which how why explain list name give the first last step rule value "
           "code answer because therefore next then total number page line word").split()
@@ -63,22 +65,24 @@ def kl_divergence(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
     return float(max(0.0, (np.exp(lp) * (lp - lq)).sum()))
 
 
-def graft_logits(mem: "Memory", block_id: str, query_tokens: Sequence[int]) -> np.ndarray:
-    eng = mem.engine
-    from ._chain import load_state
+def graft_logits(engine: "Engine", store: "Store", block_id: str, query_tokens: Sequence[int]) -> np.ndarray:
+    """Logits after grafting ``block_id`` and prefilling ``query_tokens`` (the cache is left as is:
+    callers inside a session reset it; a standalone call gets its own session)."""
+    with engine.session():
+        block, view = load_state(store, block_id, engine.buffer, fingerprint=engine.fingerprint)
+        engine.restore(view, block.pos_end)
+        engine.prefill(query_tokens)
+        return engine.logits()
 
-    with eng.lock:
-        block, view = load_state(mem.store, block_id, eng.buffer, fingerprint=eng.fingerprint)
-        eng.restore(view, block.pos_end)
-        eng.prefill(query_tokens)
-        return eng.logits()
 
-
-def verify_block(mem: "Memory", block_id: str, *, samples: int = 50,
+def verify_block(engine: "Engine", store: "Store", block_id: str, *, samples: int = 50,
                  fresh: Literal["auto", "reprefill", "trim"] = "auto",
                  cross_process: bool = True, floor_samples: int = 2) -> VerifyReport:
-    block = mem.get(block_id)
-    eng = mem.engine
+    """Prove graft == fresh prefill on ``samples`` queries (see the module doc)."""
+    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
+        raise ConfigError(f"samples must be an integer >= 1, got {samples!r}: a verification of 0 queries proves nothing")
+    block = store.get(block_id)
+    eng = engine
     queries = sample_queries(samples)
     qtoks = [eng.tokenize(q, add_special=False) for q in queries]
     if fresh == "auto":
@@ -87,16 +91,14 @@ def verify_block(mem: "Memory", block_id: str, *, samples: int = 50,
     fresh_logits: list[np.ndarray] = []
     floor_eq = 0
     floor_n = min(floor_samples, samples)
-    from ._chain import segments
-
-    segs = segments(mem.store, block)  # a chained block: each block of the chain in its own call
+    segs = segments(store, block)  # a chained block: each block of the chain in its own call
 
     def prefill_fresh() -> None:
         eng.reset()
         for seg in segs:
             eng.prefill(seg)
 
-    with eng.lock:
+    with eng.session():
         for i, q in enumerate(qtoks):
             if fresh == "reprefill" or i == 0:
                 prefill_fresh()
@@ -110,17 +112,16 @@ def verify_block(mem: "Memory", block_id: str, *, samples: int = 50,
                 eng.prefill(q)
                 floor_eq += logits_sha256(eng.logits()) == logits_sha256(lf)
         for i, (q, lf) in enumerate(zip(queries, fresh_logits)):
-            lg = graft_logits(mem, block.id, qtoks[i])
+            lg = graft_logits(eng, store, block.id, qtoks[i])
             sf, sg = logits_sha256(lf), logits_sha256(lg)
             rows.append(SampleResult(
                 query=q, n_query_tokens=len(qtoks[i]), graft_sha256=sg, fresh_sha256=sf,
                 sha_equal=sf == sg, kl=kl_divergence(lf, lg),
                 argmax_equal=int(np.argmax(lf)) == int(np.argmax(lg))))
-        eng.reset()
     xproc = None
     if cross_process:
         n_x = min(samples, 5)
-        shas = graft_in_new_process(mem, block.id, queries[:n_x])
+        shas = graft_in_new_process(eng, store, block.id, queries[:n_x])
         xproc = all(s == r.fresh_sha256 for s, r in zip(shas, rows[:n_x])) and len(shas) == n_x
     kls = [r.kl for r in rows]
     return VerifyReport(
@@ -131,11 +132,11 @@ def verify_block(mem: "Memory", block_id: str, *, samples: int = 50,
         exact_engine=eng.exactness.exact, rows=rows)
 
 
-def graft_in_new_process(mem: "Memory", block_id: str, queries: list[str]) -> list[str]:
+def graft_in_new_process(engine: "Engine", store: "Store", block_id: str, queries: list[str]) -> list[str]:
     """Graft ``block_id`` in a fresh interpreter on the same store; return its logits SHA-256s."""
-    spec = {"home": str(mem.store.home), "model": str(mem.engine.model_path),
-            "config": mem.engine.config.model_dump(), "block": block_id, "queries": queries}
-    proc = subprocess.run([sys.executable, "-m", "graftmem._child"], input=json.dumps(spec),
+    spec = {"home": str(store.home), "model": str(engine.model_path),
+            "config": engine.config.model_dump(), "block": block_id, "queries": queries}
+    proc = subprocess.run([sys.executable, "-m", "graftmem.memory.child"], input=json.dumps(spec),
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     if proc.returncode != 0:

@@ -4,7 +4,7 @@ A child block C of a parent P holds C's own tokens (tokenized without BOS) at po
 ``[P.pos_end, P.pos_end + len(C.tokens))``; its id hashes P's id, so the same text on another parent
 is another block. Learning C grafts P (every digest checked), prefills C's tokens and captures the
 full per-sequence state. That state is stored as a *delta*: only C's new cells plus, per cache
-section, how many of P's cells it keeps (:mod:`graftmem._statefmt`). Before a delta is written,
+section, how many of P's cells it keeps (:mod:`graftmem.core.statefmt`). Before a delta is written,
 ``merge(P's full state, delta)`` is compared byte for byte with the captured state; if the layout
 cannot be split, or the merge differs, the full state is stored instead and the log says why.
 
@@ -23,14 +23,13 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Callable, Optional
 
-from ._blocks import Block, Fingerprint
-from ._errors import BlockCorrupted, ConfigError
-from ._format import state_digest
-from . import _statefmt
-
+from ..core.blocks import Block, Fingerprint
+from ..core.errors import BlockCorrupted, ConfigError
+from ..core.format import state_digest
+from ..core import statefmt as _statefmt
 if TYPE_CHECKING:
-    from ._engine import Engine
-    from ._store import Store
+    from ..core.engine import Engine
+    from .local import Store
 
 __all__ = ["chain_of", "segments", "full_tokens", "full_state", "load_state", "make_delta", "capture_child", "MAX_DEPTH"]
 
@@ -106,7 +105,7 @@ def load_state(store: "Store", block_id: str, buffer: Callable[[int], memoryview
     bytes and this block's delta are read with their digests checked, merged, and the merged bytes
     checked against ``full_state_digest``, all before anything is returned (so before llama.cpp).
     A chained state whose window cache was trimmed is then padded with masked placeholder cells
-    (:func:`graftmem._statefmt.place_cells`) so that a restore keeps every cell at its fresh index;
+    (:func:`graftmem.core.statefmt.place_cells`) so that a restore keeps every cell at its fresh index;
     without that, Gemma 3 grafts differ from a fresh prefill for 1-token and >= 64-token queries.
     """
     block = store.get(block_id)

@@ -9,7 +9,7 @@ however large the store grows. This is the paper's "needle in store" setting (88
 behind a 32k window), at the sizes our small models and this CPU allow.
 
 Why passages. A page holds thousands of tokens; one embedding of a whole page (or of its start, which
-is what :class:`graftmem._router.Router` embeds for a block) cannot say which page holds one sentence.
+is what :class:`graftmem.memory.router.Router` embeds for a block) cannot say which page holds one sentence.
 Each page is therefore cut into passages of a few sentences; every passage gets its own MiniLM
 vector, and a passage maps back to its page. A question routes to the best passage, and the page of
 that passage is the one grafted. The passage index is a small SQLite file (``home/pages/index.sqlite``)
@@ -39,7 +39,6 @@ import re
 import sqlite3
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence, Union
@@ -47,14 +46,17 @@ from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence, Union
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from ._blocks import Block, Recall, block_id_for
-from ._errors import BlockNotFound, ConfigError, StoreError
-from ._format import state_digest
+from ..core.blocks import Recall, block_id_for
+from ..core.errors import BlockNotFound, ConfigError, StoreError
+from ..core.progress import progress_bar
+from .learn import prefill_and_store
+from .recall import answer_graft_way
+from .router import DEFAULT_MIN_SCORE, Router, embedder_id
 
 if TYPE_CHECKING:
-    from ._engine import Engine
-    from ._memory import Memory
-    from ._router import Embedder, Router
+    from ..core.engine import Engine
+    from ..store.local import Store
+    from .router import Embedder
 
 __all__ = ["Page", "DocumentPlan", "PageInfo", "PassageHit", "DocumentReport", "DocumentAnswer",
            "PageIndex", "plan_document", "learn_pages", "learn_document", "recall_document",
@@ -378,14 +380,12 @@ def _migrate(db: sqlite3.Connection) -> None:
 class PageIndex:
     """Documents, pages and passage vectors of one store, in ``home/pages/index.sqlite``.
 
-    Search uses a free-standing :class:`graftmem._router.Router` (exact inner product over normalized
+    Search uses a free-standing :class:`graftmem.memory.router.Router` (exact inner product over normalized
     MiniLM vectors) loaded from the SQLite rows and topped up incrementally when rows are added, by
     this process or another one.
     """
 
     def __init__(self, home: Path, embedder: "Embedder") -> None:
-        from ._router import embedder_id
-
         self.path = Path(home) / "pages" / "index.sqlite"
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -479,8 +479,6 @@ class PageIndex:
 
     def _refresh(self) -> "Router":
         """Load passage vectors added since the last call into the in-memory router."""
-        from ._router import Router
-
         with self._lock:
             if self._router is None:
                 self._router = Router(self.embedder)
@@ -524,27 +522,8 @@ class PageIndex:
             k = min(n, k * 4)
 
 
-_indexes: "weakref.WeakKeyDictionary[Memory, PageIndex]" = weakref.WeakKeyDictionary()
-_indexes_lock = threading.Lock()
-
-
-def page_index(mem: "Memory") -> PageIndex:
-    """The page index of a Memory's store, opened once per Memory (with the Memory's embedder)."""
-    with _indexes_lock:
-        idx = _indexes.get(mem)
-        if idx is None:
-            if mem._embedder is None:  # noqa: SLF001 - the same lazily created embedder as the router's
-                from ._router import SentenceTransformerEmbedder
-
-                mem._embedder = SentenceTransformerEmbedder()  # noqa: SLF001
-            idx = PageIndex(mem.store.home, mem._embedder)  # noqa: SLF001
-            _indexes[mem] = idx
-            weakref.finalize(mem, idx.close)
-        return idx
-
-
 # --------------------------------------------------------------------------- building
-def learn_pages(mem: "Memory", plan: DocumentPlan, pages: Optional[Sequence[int]] = None, *,
+def learn_pages(engine: "Engine", store: "Store", index: PageIndex, plan: DocumentPlan, pages: Optional[Sequence[int]] = None, *,
                 progress: bool = True) -> DocumentReport:
     """Prefill and store the pages of ``plan`` (all, or the page numbers in ``pages``, in that order).
 
@@ -552,10 +531,8 @@ def learn_pages(mem: "Memory", plan: DocumentPlan, pages: Optional[Sequence[int]
     missing from the index (a build killed between the two writes) are embedded again without a
     prefill. Safe to interrupt at any point and to rerun.
     """
-    eng = mem.engine
-    fp = eng.fingerprint
+    fp = engine.fingerprint
     fpd = fp.digest()
-    index = page_index(mem)
     index.start_document(plan, fpd)
     numbers = list(range(len(plan.pages))) if pages is None else [int(i) for i in pages]
     bad = [i for i in numbers if not 0 <= i < len(plan.pages)]
@@ -564,33 +541,22 @@ def learn_pages(mem: "Memory", plan: DocumentPlan, pages: Optional[Sequence[int]
     todo = [plan.pages[i] for i in numbers]
     learned = skipped = embedded = prefilled = 0
     t0 = time.perf_counter()
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=sum(p.n_tokens for p in todo), desc=f"learn {plan.name}", unit="tok",
-                   dynamic_ncols=True)
+    bar = progress_bar(sum(p.n_tokens for p in todo), f"learn {plan.name}", progress, leave=True)
     try:
         for page in todo:
             bid = block_id_for(fp, page.tokens)
-            if mem.store.contains(bid):
+            if store.contains(bid):
                 skipped += 1
                 if bar is not None:
                     bar.update(page.n_tokens)
             else:
-                with eng.lock:
-                    eng.reset()
-                    eng.prefill(page.tokens, progress=bar.update if bar is not None else None)
-                    state = eng.capture()
-                    block = Block(
-                        id=bid, name=f"{plan.name} p{page.page}", kind=PAGE_KIND, text=page.text,
-                        tokens=page.tokens, n_tokens=page.n_tokens, fingerprint=fp, state_size=len(state),
-                        state_digest=state_digest(state), metadata={
-                            "document": plan.document, "document_name": plan.name, "page": page.page,
-                            "char_start": page.char_start, "char_end": page.char_end,
-                            "token_start": page.token_start, "window": plan.window, "overlap": plan.overlap})
-                    mem.store.put(block, state)
-                    eng.reset()
+                prefill_and_store(
+                    engine, store, block_id=bid, tokens=page.tokens, text=page.text,
+                    name=f"{plan.name} p{page.page}", kind=PAGE_KIND, metadata={
+                        "document": plan.document, "document_name": plan.name, "page": page.page,
+                        "char_start": page.char_start, "char_end": page.char_end,
+                        "token_start": page.token_start, "window": plan.window, "overlap": plan.overlap},
+                    progress=bar.update if bar is not None else None)
                 learned += 1
                 prefilled += page.n_tokens
             need = not index.has_passages(bid)
@@ -608,19 +574,19 @@ def learn_pages(mem: "Memory", plan: DocumentPlan, pages: Optional[Sequence[int]
                           complete=complete)
 
 
-def learn_document(mem: "Memory", source: Source, *, document: Optional[str] = None,
+def learn_document(engine: "Engine", store: "Store", index: PageIndex, source: Source, *, document: Optional[str] = None,
                    name: Optional[str] = None, window: Optional[int] = None,
                    overlap: int = DEFAULT_OVERLAP, progress: bool = True) -> DocumentReport:
     """Cut a document into pages that fit the window, store each page as a block and index its passages."""
     text = read_source(source)
     if name is None and isinstance(source, (os.PathLike, str)) and text is not source:
         name = Path(source).name  # type: ignore[arg-type]
-    plan = plan_document(mem.engine, text, window=window, overlap=overlap, document=document, name=name)
-    return learn_pages(mem, plan, progress=progress)
+    plan = plan_document(engine, text, window=window, overlap=overlap, document=document, name=name)
+    return learn_pages(engine, store, index, plan, progress=progress)
 
 
 # --------------------------------------------------------------------------- asking
-def recall_document(mem: "Memory", task: str, *, prompt: Optional[str] = None,
+def recall_document(engine: "Engine", store: "Store", index: PageIndex, task: str, *, prompt: Optional[str] = None,
                     document: Optional[str] = None, max_tokens: int = 32,
                     min_score: Optional[float] = None) -> DocumentAnswer:
     """Route ``task`` to the passage that answers it, graft ONLY that passage's page, prefill the
@@ -628,31 +594,27 @@ def recall_document(mem: "Memory", task: str, *, prompt: Optional[str] = None,
 
     The context holds one page and the prompt, whatever the size of the store.
     """
-    from ._recall import answer_graft_way
-    from ._router import DEFAULT_MIN_SCORE
-
     if not isinstance(task, str) or not task.strip():
         raise ConfigError("the task is empty: give the question to route")
     threshold = DEFAULT_MIN_SCORE if min_score is None else float(min_score)
-    index = page_index(mem)
-    fpd = mem.fingerprint.digest()
+    fpd = engine.fingerprint.digest()
     hits = index.search(task, 8, fp_digest=fpd, document=document)
     if not hits:
         where = f"document {document!r}" if document else "this store"
-        raise BlockNotFound(f"no page of {where} was learned by this engine ({mem.fingerprint.model_name}); "
+        raise BlockNotFound(f"no page of {where} was learned by this engine ({engine.fingerprint.model_name}); "
                             "learn it with learn_document first")
     if hits[0].score < threshold:
         raise BlockNotFound(f"no passage matched this task: the best one (page {hits[0].page.page} of "
                             f"{hits[0].page.document}) scored {hits[0].score:.3f}, below min_score {threshold:.2f}")
     for n, top in enumerate(hits):
         try:
-            block = mem.store.get(top.page.block_id)
+            block = store.get(top.page.block_id)
             break
         except BlockNotFound:  # deleted by another process since it was indexed: take the next page
             continue
     else:
         raise BlockNotFound("every page that matched this task has been deleted from the store")
     hits = hits[n:]
-    r = answer_graft_way(mem, block, prompt if prompt is not None else "\n\n" + task, max_tokens=max_tokens)
+    r = answer_graft_way(engine, store, block, prompt if prompt is not None else "\n\n" + task, max_tokens=max_tokens)
     return DocumentAnswer(text=r.text, page=top.page, passage=top, runner_up=hits[1] if len(hits) > 1 else None,
                           recall=r.model_copy(update={"score": top.score}))

@@ -27,10 +27,10 @@ import time
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator, Optional
 
-from ._blocks import Block, Fingerprint
-from ._errors import (BlockCorrupted, BlockNotFound, ConfigError, IncompatibleBlock, StoreError,
+from ..core.blocks import Block, Fingerprint, StoreStats
+from ..core.errors import (BlockCorrupted, BlockNotFound, ConfigError, IncompatibleBlock, StoreError,
                       StoreFull, StoreLocked)
-from ._format import HEADER, TRAILER_LEN, parse_header, parse_manifest, state_digest, write_block
+from ..core.format import HEADER, TRAILER_LEN, parse_header, parse_manifest, state_digest, write_block
 
 __all__ = ["Store", "default_home", "read_block_file", "atomic_file"]
 
@@ -296,12 +296,14 @@ class Store:
             rows = self._db.execute(q, (kind,) if kind else ()).fetchall()
         return [Block.model_validate_json(r[0]) for r in rows]
 
-    def summary(self) -> dict[str, object]:
+    def stats(self) -> StoreStats:
+        """Counts and sizes from the index (no file is opened)."""
         with self._tlock:
             n, toks, size = self._db.execute(
                 "SELECT COUNT(*), COALESCE(SUM(n_tokens),0), COALESCE(SUM(file_size),0) FROM blocks").fetchone()
             kinds = dict(self._db.execute("SELECT kind, COUNT(*) FROM blocks GROUP BY kind").fetchall())
-        return {"blocks": n, "tokens": toks, "bytes": size, "kinds": kinds}
+        return StoreStats(home=str(self.home), blocks=int(n), tokens=int(toks), bytes_on_disk=int(size),
+                          bytes_per_token=size / toks if toks else 0.0, kinds={str(k): int(v) for k, v in kinds.items()})
 
     def data_version(self) -> int:
         """A number that changes whenever *another* connection (process) commits to the index.

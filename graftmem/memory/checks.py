@@ -1,6 +1,6 @@
 """Verifiers: the external check that decides whether a solution may become a block.
 
-The flywheel (:mod:`graftmem._flywheel`) deposits a block only when a verifier says yes, so a
+The flywheel (:mod:`graftmem.memory.flywheel`) deposits a block only when a verifier says yes, so a
 verifier's failure modes matter more than its happy path. The rule here is one-sided: anything other
 than a clean "yes" (a wrong answer, an exception, a timeout, a program that crashes, runs out of memory
 or prints nothing) is **not verified**. No verifier in this module can turn an error into a yes.
@@ -48,7 +48,7 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Union, runtime_ch
 
 from pydantic import BaseModel, ConfigDict
 
-from ._errors import ConfigError
+from ..core.errors import ConfigError
 
 __all__ = ["Candidate", "Verdict", "Verifier", "ExactMatch", "ProgramVerifier", "CallableVerifier",
            "ProgramRun", "run_program", "normalize_answer", "network_isolation"]
@@ -122,11 +122,11 @@ def _verdict(ok: bool, reason: str, name: str, t0: float) -> Verdict:
 # ---------------------------------------------------------------------------------- exact match
 class ExactMatch:
     """Compare with a known answer. ``answers`` maps problems to answers (looked up by the problem's
-    normalized text, see :func:`graftmem._router.normalize_task`) or is a function returning the
+    normalized text, see :func:`graftmem.memory.router.normalize_task`) or is a function returning the
     answer for a problem (None: unknown). An unknown problem is *not verified*."""
 
     def __init__(self, answers: Union[Mapping[str, Any], Callable[[str], Any]], *, name: str = "exact-match") -> None:
-        from ._router import normalize_task
+        from .router import normalize_task
 
         self.name = name
         self._norm = normalize_task

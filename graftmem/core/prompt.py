@@ -27,10 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from ._errors import ConfigError
+from .errors import ConfigError
 
 if TYPE_CHECKING:
-    from ._engine import Engine
+    from .engine import Engine
 
 __all__ = ["ChatFormat", "CHATML", "GEMMA", "FORMATS", "detect_format", "format_named", "split_ids"]
 

@@ -142,7 +142,7 @@ class Block(_Strict):
     verification: Optional[VerificationRecord] = None
     #: ``"full"``: the file holds the whole per-sequence state. ``"delta"`` (chained blocks only): the
     #: file holds only this block's new cells and the full state is rebuilt from the parent's (see
-    #: :mod:`graftmem._statefmt`); ``state_size``/``state_digest`` then describe the stored delta and
+    #: :mod:`graftmem.core.statefmt`); ``state_size``/``state_digest`` then describe the stored delta and
     #: ``full_state_size``/``full_state_digest`` the rebuilt state, checked before it is grafted.
     storage: Literal["full", "delta"] = "full"
     full_state_size: Optional[int] = None

@@ -30,8 +30,8 @@ from typing import BinaryIO
 
 import blake3
 
-from ._blocks import FORMAT_VERSION, Block
-from ._errors import BlockCorrupted
+from .blocks import FORMAT_VERSION, Block
+from .errors import BlockCorrupted
 
 __all__ = ["MAGIC", "HEADER", "ALIGN", "state_digest", "encode_prefix", "trailer_digest",
            "parse_header", "parse_manifest", "layout", "TRAILER_LEN", "write_block"]

@@ -29,18 +29,13 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Optional
+from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ._blocks import Block
-from ._errors import BlockCorrupted, ConfigError, UntrustedBundle
+from ..core.errors import ConfigError, UntrustedBundle
 
-if TYPE_CHECKING:
-    from ._memory import Memory
-
-__all__ = ["PublicKey", "SigningKey", "Signature", "TrustPolicy", "TrustResult", "POLICY_FILE",
-           "RederiveReport", "rederive", "rederive_file"]
+__all__ = ["PublicKey", "SigningKey", "Signature", "TrustPolicy", "TrustResult", "POLICY_FILE"]
 
 POLICY_FILE = "trust.json"
 _PUB_TAG = "graftmem-ed25519"
@@ -214,7 +209,7 @@ class TrustPolicy(BaseModel):
             raise ConfigError(f"the trust policy {path} does not parse: {exc}; fix or delete it") from exc
 
     def save(self, home: str | os.PathLike[str]) -> Path:
-        from ._store import atomic_file
+        from ..store.local import atomic_file
 
         path = Path(home) / POLICY_FILE
         with atomic_file(path) as f:
@@ -251,93 +246,3 @@ class TrustPolicy(BaseModel):
             raise UntrustedBundle(f"{what} is signed by key {pk.key_id}, which the trust policy does not "
                                   "list: add it with `--trust KEY.pub` if you trust its owner")
         return TrustResult(signer=pk.key_id, trusted=trusted)
-
-
-# ---------------------------------------------------------------------------------------- provenance
-class RederiveReport(BaseModel):
-    """Stored state vs the state re-derived from the block's own tokens, byte for byte."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    block_id: str
-    n_tokens: int
-    stored_digest: str
-    derived_digest: str
-    stored_size: int
-    derived_size: int
-    first_difference: Optional[int] = None
-    seconds: float
-
-    @property
-    def ok(self) -> bool:
-        return self.stored_size == self.derived_size and self.first_difference is None
-
-
-def _compare_rederived(mem: "Memory", block: Block, stored: memoryview,
-                       segs: Optional[list[list[int]]] = None) -> RederiveReport:
-    """Prefill ``block.tokens`` (or, for a chain, each of ``segs`` in its own call) in a clean context
-    and compare the captured state with ``stored``."""
-    import time
-
-    import numpy as np
-
-    from ._format import state_digest
-    from ._store import incompatibility
-
-    t0 = time.perf_counter()
-    eng = mem.engine
-    if segs is None and (block.parent is not None or block.pos_start != 0):
-        raise ConfigError(f"block {block.short_id} continues block {str(block.parent)[:12]}: it cannot "
-                          "be re-derived alone; re-derive it from a store that holds its chain")
-    err = incompatibility(block, eng.fingerprint)
-    if err is not None:
-        raise err
-    with eng.lock:
-        eng.reset()
-        try:
-            for seg in (segs if segs is not None else [block.tokens]):
-                eng.prefill(seg)
-            derived = eng.capture()
-            a = np.frombuffer(stored, dtype=np.uint8)
-            b = np.frombuffer(derived, dtype=np.uint8)
-            n = min(len(a), len(b))
-            diff = np.flatnonzero(a[:n] != b[:n])
-            first = int(diff[0]) if len(diff) else (n if len(a) != len(b) else None)
-            ddig = state_digest(derived)
-        finally:
-            eng.reset()
-    return RederiveReport(block_id=block.id, n_tokens=block.n_tokens, stored_digest=state_digest(stored),
-                          derived_digest=ddig, stored_size=len(a), derived_size=len(b),
-                          first_difference=first, seconds=time.perf_counter() - t0)
-
-
-def rederive(mem: "Memory", block_id: str) -> RederiveReport:
-    """Prefill the block's stored tokens in a clean context and compare the captured state with the
-    stored state bytes (read through the digest check): equal bytes prove the block holds exactly
-    the text it claims and no hidden state. A block whose state was swapped for another text's, with
-    its digests rewritten to match, passes every digest check and fails here.
-
-    A chained block is re-derived as its chain: every block from the root prefilled in its own call
-    (the sequential fresh reference of :mod:`graftmem._chain`), compared with the full state the store
-    rebuilds from the parent and the delta.
-    """
-    from ._chain import full_state, segments
-
-    block = mem.store.get(block_id)
-    return _compare_rederived(mem, block, memoryview(full_state(mem.store, block)),
-                              segs=segments(mem.store, block))
-
-
-def rederive_file(mem: "Memory", block: Block, path: Path) -> None:
-    """Re-derive a block from a (checked) block file that is not in the store yet, such as a staged
-    import; raise :class:`BlockCorrupted` if its state is not what its tokens produce."""
-    from ._store import read_block_file
-
-    _, view = read_block_file(path, lambda n: memoryview(bytearray(n)), expect_id=block.id)
-    rep = _compare_rederived(mem, block, view)
-    if not rep.ok:
-        raise BlockCorrupted(f"block {block.short_id} ({block.name!r}): its state is not what its "
-                             f"{block.n_tokens} tokens produce (first difference at byte "
-                             f"{rep.first_difference:,}): it holds something other than its text; "
-                             "refusing it", path=str(path), expected=rep.derived_digest,
-                             actual=rep.stored_digest)

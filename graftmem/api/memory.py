@@ -1,0 +1,338 @@
+"""Memory: the thin coordinator an application holds. It owns one engine and one store and turns
+the verbs (learn, ask, get, delete, verify, stats) into engine and store calls. No llama.cpp here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional
+
+from ..core.blocks import Block, EngineConfig, Exactness, Fingerprint, Recall, SearchHit, StoreStats, VerificationRecord, VerifyReport
+from ..core.decode import Sampling
+from ..core.engine import Engine
+from ..core.errors import ClosedError, ConfigError
+from ..memory import answer as _answer
+from ..memory import exactness as _exactness
+from ..memory import learn as _learn
+from ..memory import pager as _pager
+from ..memory import recall as _recall
+from ..memory.rederive import RederiveReport, rederive as _rederive, rederive_file
+from ..memory.router import Embedder, Router, SentenceTransformerEmbedder
+from ..server.blocks import BlockServer
+from ..share import bundle as _bundle
+from ..share import client as _client
+from ..share.admission import BlockCheck
+from ..share.manifest import ExportReport, TransferReport
+from ..share.trust import SigningKey, TrustPolicy
+from ..store.local import Store
+
+if TYPE_CHECKING:
+    from ..memory.pager import DocumentAnswer, DocumentReport, PageIndex, Source
+
+__all__ = ["Memory"]
+
+log = logging.getLogger("graftmem")
+
+
+class Memory:
+    """An agent memory made of verified KV-cache blocks.
+
+    Example::
+
+        with Memory() as mem:
+            block = mem.learn("Refunds: always ask for the order number first.", name="refunds")
+            print(mem.ask(block.id, "\nQ: what do I ask first?\nA:").text)
+
+    ``model`` is a short name (``"smollm2"``, ``"gemma3-270m"``) or a GGUF path; ``home`` the store
+    directory (default ``$GRAFTMEM_HOME`` or the user data dir); ``config`` an :class:`EngineConfig`
+    or a dict of its fields (unknown keys are an error). ``engine`` shares an already loaded
+    :class:`Engine` between stores (the Memory then does not close it); ``embedder`` replaces the
+    packaged MiniLM for routing.
+
+    The Memory owns its resources (engine, store, embedder, router, page index) and exposes them as
+    properties; every verb hands them explicitly to the feature that does the work
+    (:mod:`graftmem.memory`, :mod:`graftmem.share`), so the features never reach into this object.
+    """
+
+    def __init__(self, model: str | os.PathLike[str] | None = None, *,
+                 home: str | os.PathLike[str] | None = None,
+                 config: EngineConfig | Mapping[str, Any] | None = None,
+                 engine: Engine | None = None, embedder: Embedder | None = None) -> None:
+        if engine is not None and (model is not None or config is not None):
+            raise ConfigError("pass either engine= or model=/config=, not both")
+        if config is not None and not isinstance(config, EngineConfig):
+            try:
+                config = EngineConfig(**dict(config))
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"invalid engine config: {exc}") from exc
+        self._store = Store(home)
+        self._owns_engine = engine is None
+        try:
+            self._engine = engine if engine is not None else Engine(model, config)
+        except BaseException:
+            self._store.close()
+            raise
+        self._closed = False
+        # routing loads torch and MiniLM (seconds): created on the first recall/search, never by learn/ask
+        self._embedder = embedder
+        self._router: Optional[Router] = None
+        self._pages: "Optional[PageIndex]" = None
+        self._lazy_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Release the engine (when this Memory loaded it), the page index and the store. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            if self._pages is not None:
+                self._pages.close()
+            if self._owns_engine:
+                self._engine.close()
+            self._store.close()
+
+    def __enter__(self) -> "Memory":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check(self) -> None:
+        if self._closed:
+            raise ClosedError("this Memory is closed; open a new one")
+
+    # ------------------------------------------------------------------ resources
+    @property
+    def engine(self) -> Engine:
+        """The llama.cpp engine (model + context) every graft and prefill runs in."""
+        return self._engine
+
+    @property
+    def store(self) -> Store:
+        """The block store (``home``) this memory learns into and grafts from."""
+        return self._store
+
+    @property
+    def fingerprint(self) -> Fingerprint:
+        """The engine's identity; blocks of another fingerprint are never grafted here."""
+        return self._engine.fingerprint
+
+    @property
+    def exactness(self) -> Exactness:
+        """Whether grafts in this engine configuration are byte-exact (static rule + load-time probe)."""
+        return self._engine.exactness
+
+    @property
+    def router_loaded(self) -> bool:
+        """Whether the router (torch + MiniLM) has been loaded; ``learn`` and ``ask`` never load it."""
+        return self._router is not None
+
+    @property
+    def embedder(self) -> Embedder:
+        """The text embedder of routing (the packaged MiniLM unless one was given), loaded on first use."""
+        self._check()
+        with self._lazy_lock:
+            if self._embedder is None:
+                self._embedder = SentenceTransformerEmbedder()
+            return self._embedder
+
+    @property
+    def router(self) -> Router:
+        """The routing index over this store's blocks, created (and synced with the store) on first use."""
+        self._check()
+        embedder = self.embedder
+        with self._lazy_lock:
+            if self._router is None:
+                self._router = Router(embedder, self._store)
+            return self._router
+
+    @property
+    def pages(self) -> "PageIndex":
+        """The passage index of long documents (:meth:`learn_document`), opened on first use."""
+        self._check()
+        embedder = self.embedder
+        with self._lazy_lock:
+            if self._pages is None:
+                self._pages = _pager.PageIndex(self._store.home, embedder)
+            return self._pages
+
+    # ------------------------------------------------------------------ learn
+    def learn(self, text: str, *, name: Optional[str] = None, kind: str = "manual",
+              metadata: Optional[Mapping[str, Any]] = None, progress: bool = False,
+              when_to_use: Optional[str] = None, chat: bool = False,
+              parent: Optional[str] = None) -> Block:
+        """Prefill ``text`` once and store its KV state as a block (deduplicated by content).
+
+        ``parent`` (a block id) chains the text on that block: the parent is grafted, ``text`` is
+        tokenized without BOS and prefilled at positions ``parent.pos_end..``, and the child is
+        stored as a delta (its new cells only) when the state layout allows; grafting the child
+        equals a fresh sequential prefill of every text of the chain, byte for byte. A shared system
+        prompt learned once with many manuals chained on it is the intended use.
+
+        ``when_to_use`` describes the tasks this block serves; the router embeds it with the name and
+        the start of the text. ``chat=True`` stores the text as a complete chat turn of the model's
+        template (see :mod:`graftmem.core.prompt`), so that :meth:`recall` can append a task as the next
+        turn and still match a fresh prefill of the whole prompt token for token.
+        """
+        self._check()
+        block, changed = _learn.learn(self._engine, self._store, text, name=name, kind=kind, metadata=metadata,
+                                  progress=progress, when_to_use=when_to_use, chat=chat, parent=parent)
+        if self._router is not None and changed:
+            self._router.add_blocks([block])
+        return block
+
+    add = learn
+
+    # ------------------------------------------------------------------ ask
+    def ask(self, block_id: str, query: str, *, max_tokens: int = 64,
+            sampling: Optional[Sampling] = None) -> Recall:
+        """Graft the block at its own positions, prefill ``query``, and answer (greedily by default)."""
+        self._check()
+        return _answer.ask(self._engine, self._store, self._store.get(block_id), query, max_tokens=max_tokens,
+                           sampling=sampling or Sampling())
+
+    # ------------------------------------------------------------------ routing
+    def search(self, task: str, *, top_k: int = 5) -> list[SearchHit]:
+        """Rank this engine's blocks for ``task`` (best first) without restoring anything."""
+        self._check()
+        return _recall.search(self.router, self._store, self.fingerprint.digest(), task, top_k=top_k)
+
+    def recall(self, task: str, *, max_tokens: int = 64, min_score: Optional[float] = None,
+               mode: Literal["graft", "text"] = "graft", sampling: Optional[Sampling] = None) -> Recall:
+        """Route ``task`` to ONE block, graft it, prefill the task, answer.
+
+        Below ``min_score`` (default :data:`graftmem.memory.router.DEFAULT_MIN_SCORE`) nothing is grafted:
+        ``block`` is None and the text says so. ``mode="text"`` answers the same prompt the old way
+        (prefill the block's text, no graft), for comparisons; the answers are identical.
+        """
+        self._check()
+        return _recall.recall(self._engine, self._store, self.router, task, max_tokens=max_tokens,
+                              min_score=min_score, mode=mode, sampling=sampling or Sampling())
+
+    def reindex(self) -> int:
+        """Rebuild the routing index from the store (every block embedded again); returns its size."""
+        self._check()
+        return self.router.rebuild()
+
+    # ------------------------------------------------------------------ long documents
+    def learn_document(self, source: "Source", *, document: Optional[str] = None, name: Optional[str] = None,
+                       window: Optional[int] = None, overlap: Optional[int] = None,
+                       progress: bool = True) -> "DocumentReport":
+        """Cut a long document (a path, a text or an iterable of texts) into pages that fit the window,
+        prefill and store each page as a block of kind ``page`` and index its passages for routing.
+
+        Resumable: pages already stored are skipped, so a rerun after a crash or Ctrl-C continues
+        where the build stopped. ``window`` defaults to ``n_ctx - 256`` tokens (room for the question).
+        """
+        self._check()
+        return _pager.learn_document(self._engine, self._store, self.pages, source, document=document, name=name,
+                                     window=window, overlap=_pager.DEFAULT_OVERLAP if overlap is None else overlap,
+                                     progress=progress)
+
+    def recall_document(self, task: str, *, prompt: Optional[str] = None, document: Optional[str] = None,
+                        max_tokens: int = 32, min_score: Optional[float] = None) -> "DocumentAnswer":
+        """Route ``task`` to the passage that answers it, graft ONLY its page and answer after ``prompt``
+        (default: a blank line and the task); the answer says which page and where in the document."""
+        self._check()
+        return _pager.recall_document(self._engine, self._store, self.pages, task, prompt=prompt,
+                                      document=document, max_tokens=max_tokens, min_score=min_score)
+
+    # ------------------------------------------------------------------ store verbs
+    def get(self, block_id: str) -> Block:
+        """The block with this id (or unique id prefix); :class:`BlockNotFound` otherwise."""
+        self._check()
+        return self._store.get(block_id)
+
+    def get_all(self, *, kind: Optional[str] = None) -> list[Block]:
+        """Every block in the store (of ``kind``), whatever engine made it."""
+        self._check()
+        return self._store.list(kind=kind)
+
+    def delete(self, block_id: str, *, cascade: bool = False) -> list[str]:
+        """Delete a block; return the ids deleted. A block with chained children is refused
+        (:class:`ConfigError`) unless ``cascade=True``, which deletes its descendants too."""
+        self._check()
+        bid = self._store.resolve(block_id)
+        gone = self._store.delete(bid, cascade=cascade)
+        if self._router is not None:
+            self._router.remove(gone)
+        return gone
+
+    def stats(self) -> StoreStats:
+        """Counts and sizes of the store: blocks, tokens, bytes on disk, bytes per token, kinds."""
+        self._check()
+        return self._store.stats()
+
+    # ------------------------------------------------------------------ verification
+    def verify(self, block_id: str, *, samples: int = 50, cross_process: bool = True,
+               record: bool = True) -> VerifyReport:
+        """Prove graft == fresh prefill for ``samples`` queries (see :mod:`graftmem.memory.exactness`)."""
+        self._check()
+        report = _exactness.verify_block(self._engine, self._store, block_id, samples=samples,
+                                         cross_process=cross_process)
+        if record:
+            block = self._store.get(report.block_id)
+            rec = VerificationRecord(samples=report.samples, sha_equal=report.sha_equal,
+                                     max_kl=report.max_kl, argmax_agree=report.argmax_agree,
+                                     ok=report.ok)
+            self._store.set_manifest(block.model_copy(update={"verification": rec}))
+        return report
+
+    def rederive(self, block_id: str) -> RederiveReport:
+        """Re-prefill the block's own tokens (a chained block: its whole chain, call by call) and compare
+        the state with the stored bytes."""
+        self._check()
+        return _rederive(self._engine, self._store, block_id)
+
+    # ------------------------------------------------------------------ sharing
+    def _rederive_check(self) -> BlockCheck:
+        """A staged-block check that re-derives the block here (import, pull, a served push)."""
+        return lambda block, path: rederive_file(self._engine, block, path)
+
+    def export(self, path: str | os.PathLike[str], block_ids: Optional[list[str]] = None, *,
+               kind: Optional[str] = None, where: Optional[Callable[[Block], bool]] = None,
+               sign_key: Optional[SigningKey] = None, progress: bool = False) -> ExportReport:
+        """Write blocks (by id or prefix, else all, narrowed by ``kind`` and the ``where`` filter)
+        to one bundle file that another machine can import."""
+        self._check()
+        return _bundle.export(self._store, path, block_ids, kind=kind, where=where, sign_key=sign_key,
+                              progress=progress)
+
+    def import_bundle(self, path: str | os.PathLike[str], *, incompatible: str = "refuse",
+                      policy: Optional[TrustPolicy] = None, rederive: bool = False,
+                      progress: bool = False) -> TransferReport:
+        """Import a bundle, every digest checked, all or nothing; blocks of another engine are refused
+        (or kept apart / skipped). ``policy`` defaults to ``<home>/trust.json``. ``rederive`` also
+        re-prefills every new block's text and refuses the bundle unless the state bytes are equal."""
+        self._check()
+        return _bundle.import_bundle(self._store, path, fingerprint=self.fingerprint, policy=policy,
+                                     incompatible=incompatible, progress=progress,  # type: ignore[arg-type]
+                                     check=self._rederive_check() if rederive else None)
+
+    def pull(self, url: str, block_ids: Optional[list[str]] = None, *, kind: Optional[str] = None,
+             incompatible: str = "refuse", policy: Optional[TrustPolicy] = None,
+             rederive: bool = False, progress: bool = False) -> TransferReport:
+        """Copy blocks from a ``graftmem serve`` at ``url``: checked as they arrive, resumable;
+        ``rederive`` as for :meth:`import_bundle`."""
+        self._check()
+        return _client.pull(self._store, url, block_ids, fingerprint=self.fingerprint, kind=kind,
+                            incompatible=incompatible, policy=policy, progress=progress,  # type: ignore[arg-type]
+                            check=self._rederive_check() if rederive else None)
+
+    def push(self, url: str, block_ids: Optional[list[str]] = None, *, token: str,
+             kind: Optional[str] = None, sign_key: Optional[SigningKey] = None,
+             progress: bool = False) -> TransferReport:
+        """Send blocks to a ``graftmem serve`` that accepts pushes (it imports them all or nothing)."""
+        self._check()
+        return _client.push(self._store, url, block_ids, token=token, kind=kind, sign_key=sign_key,
+                            progress=progress)
+
+    def serve(self, *, host: str = "127.0.0.1", port: int = 0, push_token: Optional[str] = None,
+              sign_key: Optional[SigningKey] = None, rederive: bool = False) -> BlockServer:
+        """An HTTP server over this store (call ``.start()`` or use it as a context manager);
+        ``rederive`` re-derives every pushed block before accepting it."""
+        self._check()
+        return BlockServer(self._store, host=host, port=port, push_token=push_token,
+                           fingerprint=self.fingerprint, sign_key=sign_key,
+                           check=self._rederive_check() if rederive else None)

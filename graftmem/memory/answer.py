@@ -1,0 +1,75 @@
+"""The one tail every answer shares: put the block's tokens in the context, prefill the task, decode.
+
+:func:`ask` (graft: restore the saved KV state, what :meth:`graftmem.Memory.ask` runs) and the text way
+of :func:`graftmem.memory.recall.recall` (re-prefill the block's text) differ only in how the block's
+tokens get into the context. Keeping the rest in one place keeps their timings and receipts comparable,
+which is the point of running both: the receipts' logits hashes must be equal, and the times must mean
+the same thing (``restore_ms`` is only the graft; ``prefill_ms`` is everything prefilled).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Callable
+
+from ..core.blocks import Block, Recall, Receipt
+from ..core.decode import GREEDY, Sampling, decode
+from ..core.engine import Engine, logits_sha256
+from ..core.errors import ConfigError
+from ..store.chain import load_state
+from ..store.local import incompatibility
+
+if TYPE_CHECKING:
+    from ..store.local import Store
+
+__all__ = ["answer", "ask", "graft"]
+
+
+def answer(eng: Engine, block: Block, qtok: list[int], setup: Callable[[], int], *, graft: bool,
+           max_tokens: int, exact: bool = True, sampling: Sampling = GREEDY) -> Recall:
+    """Run ``setup`` (returns how many tokens it put in the context), prefill ``qtok``, decode.
+
+    ``graft`` says whether ``setup`` restored saved state (timed as ``restore_ms``, counted as
+    ``tokens_restored``) or prefilled (timed and counted with the task's prefill). ``exact`` is ANDed with
+    the engine's own exactness, for callers that know the prompt's seam is not clean.
+    """
+    with eng.session():
+        t0 = time.perf_counter()
+        n_setup = setup()
+        t1 = time.perf_counter()
+        eng.prefill(qtok)
+        first = eng.logits()
+        t2 = time.perf_counter()
+        out = decode(eng, max_tokens, first_logits=first, sampling=sampling).tokens
+        t3 = time.perf_counter()
+    receipt = Receipt(
+        block_id=block.id, tokens_restored=n_setup if graft else 0,
+        tokens_prefilled=len(qtok) + (0 if graft else n_setup),
+        restore_ms=(t1 - t0) * 1e3 if graft else 0.0, prefill_ms=(t2 - (t1 if graft else t0)) * 1e3,
+        decode_ms=(t3 - t2) * 1e3, decode_tokens=len(out), first_logits_sha256=logits_sha256(first),
+        exact=eng.exactness.exact and exact)
+    return Recall(text=eng.detokenize(out), tokens=out, block=block, receipt=receipt)
+
+
+def graft(eng: Engine, store: "Store", block: Block) -> int:
+    """Restore ``block`` (its whole chain) as sequence 0 at its own positions; return its end position.
+
+    Digests are checked, a chain is merged, window-trimmed cells are put back at their fresh indices
+    (:func:`graftmem.store.chain.load_state`). Call inside an :meth:`Engine.session`.
+    """
+    _, view = load_state(store, block.id, eng.buffer, fingerprint=eng.fingerprint)
+    eng.restore(view, block.pos_end)
+    return block.pos_end
+
+
+def ask(eng: Engine, store: "Store", block: Block, query: str, *, max_tokens: int = 64,
+        sampling: Sampling = GREEDY) -> Recall:
+    """Graft ``block`` at its own positions, prefill ``query``, and answer (greedily by default)."""
+    err = incompatibility(block, eng.fingerprint)
+    if err is not None:
+        raise err
+    qtok = eng.tokenize(query, add_special=False)
+    if not qtok:
+        raise ConfigError("the query is empty")
+    return answer(eng, block, qtok, lambda: graft(eng, store, block), graft=True, max_tokens=max_tokens,
+                  sampling=sampling)

@@ -1,0 +1,124 @@
+"""The one learn path: prefill a text (or graft its parent and prefill the rest), capture the state,
+write it as a block. :meth:`graftmem.Memory.learn` and the pager's page builds both end here, so a
+block is written one way whatever feature made it.
+
+:func:`learn` is the whole verb (labels, chat turn, dedup, chaining); :func:`prefill_and_store` the
+part the pager shares (tokens already cut, no labels to prepare).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+
+from ..core.blocks import Block, block_id_for
+from ..core.errors import ConfigError
+from ..core.format import state_digest
+from ..core.progress import progress_bar
+from ..core.prompt import FORMATS, detect_format
+from ..store.chain import capture_child
+from ..store.local import incompatibility
+
+if TYPE_CHECKING:
+    from ..core.engine import Engine
+    from ..store.local import Store
+
+__all__ = ["learn", "prefill_and_store", "prepare_labels", "learned_again", "default_name"]
+
+log = logging.getLogger("graftmem")
+
+
+def default_name(text: str) -> str:
+    """A block's name when none is given: the start of its text on one line."""
+    first = " ".join(text.strip().split())[:48]
+    return first or hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def prepare_labels(engine: "Engine", text: str, name: Optional[str], metadata: Optional[Mapping[str, Any]],
+                   when_to_use: Optional[str], chat: bool) -> tuple[str, Optional[str], dict[str, Any]]:
+    """The text, name and metadata stored for ``when_to_use`` / ``chat`` (the chat turn wraps the text)."""
+    meta = dict(metadata or {})
+    if when_to_use is not None:
+        if not isinstance(when_to_use, str) or not when_to_use.strip():
+            raise ConfigError("when_to_use must be a non-empty description of the tasks this block serves")
+        meta["when_to_use"] = when_to_use.strip()
+    if chat:
+        fmt = detect_format(engine)
+        if fmt is None:
+            raise ConfigError(f"model {engine.fingerprint.model_name!r} has none of the chat templates graftmem "
+                              f"knows ({', '.join(sorted(FORMATS))}); learn with chat=False")
+        name = name or default_name(text)
+        meta["chat_format"] = fmt.name
+        text = fmt.prefix(text)
+    return text, name, meta
+
+
+def learned_again(store: "Store", block: Block, metadata: Optional[Mapping[str, Any]]) -> Block:
+    """A text learned twice is one block; a new ``when_to_use`` replaces the old one in its manifest."""
+    wtu = (metadata or {}).get("when_to_use")
+    if wtu is None or block.metadata.get("when_to_use") == wtu:
+        return block
+    updated = block.model_copy(update={"metadata": {**block.metadata, "when_to_use": wtu}})
+    store.set_manifest(updated)
+    log.info("block %s: when_to_use updated", block.short_id)
+    return updated
+
+
+def prefill_and_store(engine: "Engine", store: "Store", *, block_id: str, tokens: Sequence[int], text: str,
+                      name: str, kind: str, metadata: Mapping[str, Any], parent: Optional[Block] = None,
+                      progress: Optional[Callable[[int], None]] = None) -> Block:
+    """Prefill ``tokens`` in a clean context (after grafting ``parent``, stored then as a delta), capture
+    the state and put the block in ``store``; returns the stored block."""
+    with engine.session():
+        if parent is not None:
+            state, fields = capture_child(store, engine, parent, list(tokens), progress=progress)
+        else:
+            engine.prefill(tokens, progress=progress)
+            state = engine.capture()
+            fields = {"state_size": len(state), "state_digest": state_digest(state)}
+        block = Block(id=block_id, name=name, kind=kind, text=text, tokens=list(tokens), n_tokens=len(tokens),
+                      fingerprint=engine.fingerprint, metadata=dict(metadata), **fields)
+        stored = store.put(block, state)
+    log.info("learned block %s (%d tokens, %d state bytes)", stored.short_id, len(tokens), len(state))
+    return stored
+
+
+def learn(engine: "Engine", store: "Store", text: str, *, name: Optional[str] = None, kind: str = "manual",
+          metadata: Optional[Mapping[str, Any]] = None, progress: bool = False,
+          when_to_use: Optional[str] = None, chat: bool = False, parent: Optional[str] = None) -> tuple[Block, bool]:
+    """Learn ``text`` as a block (see :meth:`graftmem.Memory.learn`); returns it and whether it changed
+    (a new block, or new labels on a block learned before), which tells the caller to re-route it."""
+    if not text:
+        raise ConfigError("cannot learn an empty text")
+    if chat or when_to_use is not None:
+        text, name, metadata = prepare_labels(engine, text, name, metadata, when_to_use, chat)
+    pblock = None
+    if parent is not None:
+        if chat:
+            raise ConfigError("chat=True cannot be chained on a parent block: learn the chat turn as a root")
+        pblock = store.get(parent)
+        err = incompatibility(pblock, engine.fingerprint)
+        if err is not None:
+            raise err
+    tokens = engine.tokenize(text, add_special=pblock is None)
+    if not tokens:
+        raise ConfigError("the text has no tokens")
+    start = pblock.pos_end if pblock is not None else 0
+    if start + len(tokens) >= engine.n_ctx:
+        raise ConfigError(f"text is {len(tokens)} tokens after {start} positions, the engine's n_ctx "
+                          f"is {engine.n_ctx}: raise n_ctx or split the text")
+    bid = block_id_for(engine.fingerprint, tokens, pblock.id if pblock is not None else None)
+    if store.contains(bid):
+        existing = store.get(bid)
+        again = learned_again(store, existing, metadata)
+        return again, again is not existing
+    bar = progress_bar(len(tokens), f"learn {name or bid[:12]}", progress, min_total=1024)
+    try:
+        stored = prefill_and_store(engine, store, block_id=bid, tokens=tokens, text=text,
+                                   name=name or default_name(text), kind=kind, metadata=metadata or {},
+                                   parent=pblock, progress=bar.update if bar else None)
+    finally:
+        if bar:
+            bar.close()
+    return stored, True

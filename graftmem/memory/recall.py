@@ -1,0 +1,157 @@
+"""recall and search: route a task to ONE block, graft it, prefill only the task, answer.
+
+Kept out of :mod:`graftmem.api.memory` so that ``Memory`` stays a thin coordinator, and so that a
+``learn``/``ask`` user never imports the router (torch, faiss, MiniLM cost seconds to load).
+
+Two answer paths over the same prompt, ``block.text + continuation``:
+
+* ``graft``: restore the block's KV state at its own positions (:meth:`Memory.ask`), prefill the
+  continuation only;
+* ``text``: the way without graftmem: tokenize the block's text again and prefill it, then the task.
+
+Both hash the first-step logits, so any caller can see that they agree byte for byte; they do only when
+the seam between block and continuation does not merge tokens (:func:`graftmem.core.prompt.split_ids`),
+which chat blocks guarantee and raw blocks may not: a merging seam is reported as ``receipt.exact=False``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Literal, Optional
+
+from ..core.blocks import Block, Recall, Receipt, SearchHit
+from ..core.decode import GREEDY, Sampling
+from ..core.errors import BlockNotFound, ConfigError
+from ..core.prompt import FORMATS, split_ids
+from ..store.chain import chain_of
+from .answer import answer, ask
+from .router import DEFAULT_MIN_SCORE
+
+if TYPE_CHECKING:
+    from ..core.engine import Engine
+    from ..store.local import Store
+    from .router import Router
+
+__all__ = ["search", "recall", "continuation_for", "answer_graft_way", "answer_text_way"]
+
+log = logging.getLogger("graftmem")
+
+
+def continuation_for(block: Block, task: str) -> str:
+    """What is prefilled after the block: the task as the next chat turn, or as is for raw blocks."""
+    fmt = FORMATS.get(str(block.metadata.get("chat_format", "")))
+    return fmt.continuation(task) if fmt is not None else task
+
+
+def _check_task(task: str) -> None:
+    if not isinstance(task, str) or not task.strip():
+        raise ConfigError("the task is empty: give the text of the task to route")
+
+
+def search(router: "Router", store: "Store", fp_digest: str, task: str, *, top_k: int = 5) -> list[SearchHit]:
+    """Rank the blocks of the engine with fingerprint digest ``fp_digest`` for ``task``, best first."""
+    _check_task(task)
+    hits = router.search(task, top_k, fingerprint_digest=fp_digest)
+    out = []
+    for bid, score in hits:
+        try:
+            b = store.get(bid)
+        except BlockNotFound:  # deleted since the last sync, by another connection: drop it
+            router.remove([bid])
+            continue
+        out.append(SearchHit(block_id=bid, name=b.name, score=score, kind=b.kind, n_tokens=b.n_tokens,
+                             when_to_use=b.metadata.get("when_to_use")))
+    return out
+
+
+def _no_match(engine: "Engine", store: "Store", top: Optional[tuple[str, float]], min_score: float) -> Recall:
+    name = "(deleted)"
+    if top is not None:
+        try:
+            name = store.get(top[0]).name
+        except BlockNotFound:
+            pass
+    if top is None:
+        text = ("no block matched this task: the store has no block learned by this engine "
+                f"({engine.fingerprint.model_name}); nothing was grafted")
+    else:
+        text = (f"no block matched this task: the best candidate {name!r} ({top[0][:12]}) scored "
+                f"{top[1]:.3f}, below min_score {min_score:.2f}; nothing was grafted")
+    receipt = Receipt(block_id=None, tokens_restored=0, tokens_prefilled=0, restore_ms=0.0, prefill_ms=0.0,
+                      decode_ms=0.0, decode_tokens=0, first_logits_sha256="", exact=engine.exactness.exact)
+    return Recall(text=text, tokens=[], block=None, receipt=receipt,
+                  score=top[1] if top else None, runner_up=top[0] if top else None,
+                  runner_up_score=top[1] if top else None)
+
+
+def _seam(engine: "Engine", block: Block, continuation: str) -> tuple[list[int], bool]:
+    """The continuation's ids and whether the block/continuation seam tokenizes like the joined text."""
+    return split_ids(engine, block.tokens, block.text, continuation, add_special=block.parent is None)
+
+
+def answer_text_way(engine: "Engine", store: "Store", block: Block, continuation: str, *, max_tokens: int,
+                    sampling: Sampling = GREEDY) -> Recall:
+    """The baseline without graftmem: tokenize the block's text again and prefill it, then the task.
+
+    Two prefill calls (manual, then task), like the graft path: llama.cpp's CPU kernels are not
+    invariant to how a prompt is cut into decode calls, so one call over the joined prompt gives logits
+    that differ slightly (measured KL ~0.005, same argmax: docs/routing.md). The token ids are the
+    joined prompt's (checked), so this is the fresh prefill the graft must equal byte for byte. A
+    chained block is re-read as its chain, the root first, one prefill call per block.
+    """
+    qtok, clean = _seam(engine, block, continuation)
+    segs = [engine.tokenize(b.text, add_special=b.parent is None) for b in chain_of(store, block)]
+
+    def reread() -> int:
+        engine.reset()
+        for seg in segs:
+            engine.prefill(seg)
+        return sum(len(s) for s in segs)
+
+    return answer(engine, block, qtok, reread, graft=False, max_tokens=max_tokens, exact=clean,
+                  sampling=sampling)
+
+
+def answer_graft_way(engine: "Engine", store: "Store", block: Block, continuation: str, *, max_tokens: int,
+                     sampling: Sampling = GREEDY) -> Recall:
+    _, clean = _seam(engine, block, continuation)
+    if not clean:
+        log.warning("block %s: the task's first tokens merge with the block's last ones; the graft "
+                    "matches a prefill of the same token ids, not of the joined string (receipt.exact=False)",
+                    block.short_id)
+    r = ask(engine, store, block, continuation, max_tokens=max_tokens, sampling=sampling)
+    if clean:
+        return r
+    return r.model_copy(update={"receipt": r.receipt.model_copy(update={"exact": False})})
+
+
+def recall(engine: "Engine", store: "Store", router: "Router", task: str, *, max_tokens: int = 64,
+           min_score: Optional[float] = None, mode: Literal["graft", "text"] = "graft",
+           sampling: Sampling = GREEDY) -> Recall:
+    """Route ``task`` to ONE block of this engine, answer it the ``mode`` way (see the module doc)."""
+    _check_task(task)
+    if mode not in ("graft", "text"):
+        raise ConfigError(f"mode must be 'graft' or 'text', got {mode!r}")
+    if max_tokens < 1:
+        raise ConfigError(f"max_tokens must be at least 1, got {max_tokens}")
+    threshold = DEFAULT_MIN_SCORE if min_score is None else float(min_score)
+    way = answer_graft_way if mode == "graft" else answer_text_way
+    fpd = engine.fingerprint.digest()
+    for attempt in (1, 2):
+        hits = router.search(task, 2, fingerprint_digest=fpd)
+        top = hits[0] if hits else None
+        if top is None or top[1] < threshold:
+            log.info("recall: no block above min_score %.2f (best %s)", threshold, top)
+            return _no_match(engine, store, top, threshold)
+        try:
+            block = store.get(top[0])
+            r = way(engine, store, block, continuation_for(block, task), max_tokens=max_tokens, sampling=sampling)
+            break
+        except BlockNotFound:
+            # another process deleted the block after the last sync: forget it and route again
+            if attempt == 2:
+                raise
+            router.remove([top[0]])
+    runner = hits[1] if len(hits) > 1 else None
+    return r.model_copy(update={"score": top[1], "runner_up": runner[0] if runner else None,
+                                "runner_up_score": runner[1] if runner else None})

@@ -1,0 +1,20 @@
+"""Share: moving blocks between stores. One streaming checker (:mod:`.manifest`), one admission path
+for import, pull and push (:mod:`.admission`), bundle files (:mod:`.bundle`), keys, signatures and the
+trust policy (:mod:`.trust`), and the HTTP client (:mod:`.client`).
+
+Public: the functions the CLI and benches call without loading a model (export, push), and the models
+they return.
+"""
+
+from .admission import Admission, AdmissionPlan, Staging
+from .bundle import export, import_bundle, import_stream
+from .client import LISTING_DOMAIN, SIGNATURE_HEADER, fetch_listing, pull, push
+from .manifest import (MANIFEST_NAME, SIGNATURE_NAME, BlockChecker, BundleEntry, BundleManifest, ExportReport,
+                       TransferReport, listing, select)
+from .trust import PublicKey, Signature, SigningKey, TrustPolicy, TrustResult
+
+__all__ = sorted([
+    "Admission", "AdmissionPlan", "Staging", "export", "import_bundle", "import_stream", "LISTING_DOMAIN",
+    "SIGNATURE_HEADER", "fetch_listing", "pull", "push", "MANIFEST_NAME", "SIGNATURE_NAME", "BlockChecker",
+    "BundleEntry", "BundleManifest", "ExportReport", "TransferReport", "listing", "select", "PublicKey",
+    "Signature", "SigningKey", "TrustPolicy", "TrustResult"])

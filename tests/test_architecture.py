@@ -1,0 +1,178 @@
+"""The layering rules of docs/architecture.md, checked on the source (no import is executed).
+
+Every ``import``/``from ... import`` in the package is read with :mod:`ast`, those inside functions
+and under ``if TYPE_CHECKING:`` included, because a type-only import is still a dependency a reader
+has to follow. The rules:
+
+* imports go downward only: core <- store <- memory <- share <- server <- api <- cli / facade;
+* no cycle between modules, whatever the layers;
+* ``llama_cpp`` is imported by ``graftmem.core.engine`` alone;
+* the CLI, the examples and the benches use the public API only: ``graftmem`` and the layer packages'
+  documented names, never a private module or an underscored name.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "graftmem"
+LAYERS = ["core", "store", "memory", "share", "server", "api"]
+TOP = len(LAYERS)  # graftmem/__init__.py, __main__.py, cli.py
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer_of(mod: str) -> int:
+    parts = mod.split(".")
+    if len(parts) >= 2 and parts[1] in LAYERS:
+        return LAYERS.index(parts[1])
+    return TOP
+
+
+def imports_of(path: Path) -> list[tuple[str, int]]:
+    """(absolute module imported, line) for every import in the file, at any depth."""
+    mod = module_name(path)
+    is_pkg = path.name == "__init__.py"
+    here = mod.split(".") if is_pkg else mod.split(".")[:-1]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[:len(here) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if node.module is None or target in ("graftmem",) or target.endswith((".core", ".store", ".memory", ".share", ".server", ".api")):
+                # "from . import x" / "from ..core import engine": the names may be submodules
+                for a in node.names:
+                    sub = f"{target}.{a.name}"
+                    out.append((sub if (ROOT / (sub.replace('.', '/') + '.py')).exists()
+                                or (ROOT / sub.replace('.', '/')).is_dir() else target, node.lineno))
+            else:
+                out.append((target, node.lineno))
+    return out
+
+
+def package_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PKG.rglob("*.py")}
+
+
+def internal_graph() -> dict[str, set[str]]:
+    mods = package_modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for m, p in mods.items():
+        for target, _ in imports_of(p):
+            if target.startswith("graftmem"):
+                # resolve to the deepest known module
+                t = target
+                while t and t not in mods:
+                    t = t.rpartition(".")[0]
+                if t and t != m:
+                    graph[m].add(t)
+    return graph
+
+
+def test_imports_go_downward_only():
+    bad = []
+    for m, p in package_modules().items():
+        for target, line in imports_of(p):
+            if not target.startswith("graftmem"):
+                continue
+            if layer_of(target) > layer_of(m):
+                bad.append(f"{p.relative_to(ROOT)}:{line} ({LAYERS[layer_of(m)] if layer_of(m) < TOP else 'top'}) "
+                           f"imports {target} ({LAYERS[layer_of(target)] if layer_of(target) < TOP else 'top'})")
+    assert not bad, "upward imports:\n" + "\n".join(bad)
+
+
+def test_no_import_cycles():
+    graph = internal_graph()
+    # a layer package's __init__ re-exports its modules; an edge from a module to its own package's
+    # __init__ would be a cycle through the facade, which is exactly what we forbid
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(n: str) -> None:
+        state[n] = 1
+        stack.append(n)
+        for t in sorted(graph[n]):
+            if state.get(t) == 1:
+                cycles.append(" -> ".join(stack[stack.index(t):] + [t]))
+            elif t not in state:
+                visit(t)
+        stack.pop()
+        state[n] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n)
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_llama_cpp_is_imported_in_one_module():
+    users = sorted({module_name(p) for p in PKG.rglob("*.py")
+                    for target, _ in imports_of(p) if target.split(".")[0] == "llama_cpp"})
+    assert users == ["graftmem.core.engine"]
+
+
+#: the modules whose names are public: the facade, the CLI and each layer package's documented exports
+PUBLIC_MODULES = {"graftmem", "graftmem.cli", *(f"graftmem.{layer}" for layer in LAYERS)}
+
+
+def _private_uses(path: Path) -> list[str]:
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("graftmem"):
+            if node.module not in PUBLIC_MODULES:
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno} from {node.module} (a private module)")
+            bad += [f"{path.relative_to(ROOT)}:{node.lineno} {node.module}.{a.name}"
+                    for a in node.names if a.name.startswith("_") and a.name != "__version__"]
+        elif isinstance(node, ast.Import):
+            bad += [f"{path.relative_to(ROOT)}:{node.lineno} import {a.name}" for a in node.names
+                    if a.name.startswith("graftmem") and a.name not in PUBLIC_MODULES]
+        elif isinstance(node, ast.ImportFrom) and node.level and path.parent == PKG:
+            mod = node.module or ""
+            if mod.startswith("_") or any(a.name.startswith("_") and a.name != "__version__" for a in node.names):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno} from .{mod}")
+    return bad
+
+
+@pytest.mark.parametrize("where", ["graftmem/cli.py", "bench", "examples"])
+def test_cli_examples_and_benches_use_the_public_api(where: str):
+    target = ROOT / where
+    files = [target] if target.is_file() else sorted(target.rglob("*.py"))
+    assert files
+    bad = [b for f in files for b in _private_uses(f)]
+    assert not bad, "private names used:\n" + "\n".join(bad)
+
+
+def test_the_cli_imports_only_the_facade():
+    """cli.py may import ``graftmem`` (or its layer packages' documented names), never a module."""
+    mods = [t for t, _ in imports_of(PKG / "cli.py") if t.startswith("graftmem")]
+    assert mods and all(m.count(".") <= 1 for m in mods), mods
+
+
+def test_layer_checker_sees_upward_and_type_only_imports(tmp_path):
+    """The checker itself: an upward import under TYPE_CHECKING and inside a function is found."""
+    src = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..api.memory import Memory\n"
+           "def f():\n    from ..server import blocks\n")
+    fake = PKG / "core" / "_arch_probe_tmp.py"
+    fake.write_text(src)
+    try:
+        found = [t for t, _ in imports_of(fake)]
+        assert "graftmem.api.memory" in found and "graftmem.server.blocks" in found
+        assert all(layer_of(t) > layer_of("graftmem.core._arch_probe_tmp") for t in found if t.startswith("graftmem"))
+    finally:
+        fake.unlink()
