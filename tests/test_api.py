@@ -17,9 +17,11 @@ def test_all_is_sorted_and_importable():
 
 
 def test_learn_ask_get_delete_stats(mem):
-    b = mem.learn("Codes: the refund ticket code is RF followed by the order digits.",
-                  name="codes", kind="manual", metadata={"team": "support"})
-    assert b.name == "codes" and b.metadata == {"team": "support"} and b.tokens[:1] == [b.tokens[0]]
+    text = "Codes: the refund ticket code is RF followed by the order digits."
+    b = mem.learn(text, name="codes", kind="manual", metadata={"team": "support"})
+    assert b.name == "codes" and b.metadata == {"team": "support"} and b.text == text
+    assert b.tokens == mem.engine.tokenize(text)  # the stored ids are the text's own
+    assert mem.engine.detokenize(b.tokens) == text
     assert b.n_tokens == len(b.tokens) and b.pos_start == 0 and b.pos_end == b.n_tokens
     assert b.id == block_id_for(mem.fingerprint, b.tokens)
     r = mem.ask(b.id, "\nOrder 42 gets ticket code", max_tokens=6)
@@ -70,7 +72,7 @@ def test_closed_memory_refuses(smol, tmp_path):
 
 
 def test_uninstalled_model_package_gives_the_pip_command(monkeypatch):
-    from graftmem import _models
+    from graftmem.core import models as _models
 
     spec = _models.ModelSpec(name="tiny", package="tiny-gguf-pkg", module="tiny_gguf_pkg_not_installed",
                              filename="tiny.gguf")

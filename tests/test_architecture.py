@@ -176,3 +176,22 @@ def test_layer_checker_sees_upward_and_type_only_imports(tmp_path):
         assert all(layer_of(t) > layer_of("graftmem.core._arch_probe_tmp") for t in found if t.startswith("graftmem"))
     finally:
         fake.unlink()
+
+
+def test_async_memory_offers_every_memory_verb_with_the_same_signature():
+    import inspect
+
+    from graftmem import AsyncMemory, Memory
+
+    verbs = [n for n, f in inspect.getmembers(Memory, inspect.isfunction) if not n.startswith("_")]
+    assert {"learn", "recall", "search", "ask", "learn_document", "recall_document", "export",
+            "import_bundle", "pull", "push", "rederive", "verify"} <= set(verbs)
+    for name in verbs:
+        if name == "close":
+            assert inspect.iscoroutinefunction(AsyncMemory.aclose)
+            continue
+        amethod = getattr(AsyncMemory, name, None)
+        assert amethod is not None, f"AsyncMemory lacks {name}"
+        assert inspect.iscoroutinefunction(amethod), name
+        assert inspect.signature(amethod) == inspect.signature(getattr(Memory, name)), name
+        assert amethod.__doc__ == getattr(Memory, name).__doc__, name

