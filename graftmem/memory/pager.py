@@ -49,6 +49,7 @@ from pydantic import BaseModel, ConfigDict
 from ..core.blocks import Recall, block_id_for
 from ..core.errors import BlockNotFound, ConfigError, StoreError
 from ..core.progress import progress_bar
+from ..store.home import Home
 from .learn import prefill_and_store
 from .recall import answer_graft_way
 from .router import DEFAULT_MIN_SCORE, Router, embedder_id
@@ -386,7 +387,7 @@ class PageIndex:
     """
 
     def __init__(self, home: Path, embedder: "Embedder") -> None:
-        self.path = Path(home) / "pages" / "index.sqlite"
+        self.path = Home(Path(home)).pages_index
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

@@ -288,7 +288,7 @@ class Router:
         self._cache: "OrderedDict[tuple[str, int, str], list[tuple[str, float]]]" = OrderedDict()
         self._cache_size = cache_size
         self.generation = 0  #: bumped on every change of the entries; invalidates the exact-lookup cache
-        self.path = store.home / "router" / "index.npz" if store is not None else None
+        self.path = store.layout.router_index if store is not None else None
         if store is not None:
             self._load()
             self.sync(force=True)

@@ -29,6 +29,7 @@ from typing import Callable, Literal, Mapping, Optional
 
 from ..core.blocks import Block, Fingerprint
 from ..core.errors import BlockCorrupted, BundleRejected, ConfigError, IncompatibleBlock, StoreError, StoreFull
+from ..store.home import Home
 from ..store.local import Store, fsync_path, incompatibility, pid_alive
 from .manifest import BundleEntry
 
@@ -50,10 +51,8 @@ class Staging:
     """A private directory inside the store home (same filesystem, so moves are renames), removed on
     exit; directories left by dead processes are removed the next time one is made."""
 
-    ROOT = ".staging"
-
     def __init__(self, home: Path) -> None:
-        root = home / self.ROOT
+        root = Home(home).staging
         root.mkdir(parents=True, exist_ok=True)
         for old in root.iterdir():
             try:
@@ -87,7 +86,7 @@ def foreign_store(store: Store, fp_digest: str) -> Store:
     """The store that keeps blocks of another fingerprint apart: ``<home>/foreign/<digest[:16]>``.
     The main store never indexes it, so its blocks can never be grafted here; export it from there to
     a machine whose engine matches."""
-    return Store(store.home / "foreign" / fp_digest[:16], lock_timeout=store.lock_timeout)
+    return Store(store.layout.foreign(fp_digest), lock_timeout=store.lock_timeout)
 
 
 def disk_error(store: Store, exc: OSError, doing: str) -> StoreError:

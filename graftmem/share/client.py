@@ -216,7 +216,7 @@ def pull(store: Store, url: str, block_ids: Optional[Iterable[str]] = None, *,
             entries = [e for e in entries if e.kind == kind]
         plan = admission.plan(entries, man.fingerprints, available={e.id: e for e in man.blocks})
         todo = plan.todo
-        incoming = store.home / ".incoming"
+        incoming = store.layout.incoming
         incoming.mkdir(exist_ok=True)
         bar = progress_bar(sum(e.file_size for e in todo), f"pull {urlsplit(url).netloc}", progress, unit="B")
         got: list[tuple[Block, Path]] = []

@@ -34,10 +34,12 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..core.errors import ConfigError, UntrustedBundle
+from ..store.home import Home
+from ..store.local import atomic_file
 
 __all__ = ["PublicKey", "SigningKey", "Signature", "TrustPolicy", "TrustResult", "POLICY_FILE"]
 
-POLICY_FILE = "trust.json"
+POLICY_FILE = Home(Path(".")).trust_policy.name
 _PUB_TAG = "graftmem-ed25519"
 _PRIV_TAG = "graftmem-ed25519-private"
 
@@ -196,7 +198,7 @@ class TrustPolicy(BaseModel):
     @classmethod
     def load(cls, home: str | os.PathLike[str]) -> "TrustPolicy":
         """The policy in ``<home>/trust.json``, or the default (signatures optional) if there is none."""
-        path = Path(home) / POLICY_FILE
+        path = Home(Path(home)).trust_policy
         try:
             raw = path.read_text()
         except FileNotFoundError:
@@ -209,9 +211,7 @@ class TrustPolicy(BaseModel):
             raise ConfigError(f"the trust policy {path} does not parse: {exc}; fix or delete it") from exc
 
     def save(self, home: str | os.PathLike[str]) -> Path:
-        from ..store.local import atomic_file
-
-        path = Path(home) / POLICY_FILE
+        path = Home(Path(home)).trust_policy
         with atomic_file(path) as f:
             f.write((json.dumps(self.model_dump(), indent=2) + "\n").encode())
         return path

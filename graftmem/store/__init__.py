@@ -7,7 +7,8 @@ chain into an engine buffer with every digest checked) and the chain helpers.
 """
 
 from .chain import chain_of, full_state, full_tokens, load_state, segments
+from .home import Home
 from .local import Store, atomic_file, default_home, fsync_path, read_block_file
 
-__all__ = ["Store", "atomic_file", "chain_of", "default_home", "fsync_path", "full_state", "full_tokens",
+__all__ = ["Home", "Store", "atomic_file", "chain_of", "default_home", "fsync_path", "full_state", "full_tokens",
            "load_state", "read_block_file", "segments"]

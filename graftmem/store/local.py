@@ -1,10 +1,4 @@
-"""The block store: the only code that touches paths.
-
-Layout under the home directory::
-
-    blocks/<id[:2]>/<id>.gmb     block files (see _format), content-addressed, immutable
-    index.sqlite                 the index (SQLite, WAL): one row per block with its manifest
-    lock                         an flock(2) file that serializes mutations across processes
+"""The local block store: block files in a directory, an index, a lock (paths from :mod:`.home`).
 
 Durability rules (the opposite of each LMCache failure): block files are written to a temp file,
 fsync'ed, renamed into place and the directory fsync'ed; the index is a transactional SQLite database;
@@ -30,12 +24,13 @@ from typing import BinaryIO, Callable, Iterator, Optional
 from ..core.blocks import Block, Fingerprint, StoreStats
 from ..core.errors import (BlockCorrupted, BlockNotFound, ConfigError, IncompatibleBlock, StoreError,
                       StoreFull, StoreLocked)
+from .home import BLOCK_SUFFIX, Home
 from ..core.format import HEADER, TRAILER_LEN, parse_header, parse_manifest, state_digest, write_block
 
 __all__ = ["Store", "default_home", "read_block_file", "atomic_file"]
 
 log = logging.getLogger("graftmem")
-SUFFIX = ".gmb"
+SUFFIX = BLOCK_SUFFIX
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS blocks (
@@ -156,14 +151,15 @@ class Store:
 
     def __init__(self, home: str | os.PathLike[str] | None = None, *, lock_timeout: float = 30.0) -> None:
         self.home = Path(home).expanduser() if home is not None else default_home()
+        self.layout = Home(self.home)  #: every path under the home
         self.lock_timeout = lock_timeout
         try:
-            (self.home / "blocks").mkdir(parents=True, exist_ok=True)
+            self.layout.blocks.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StoreError(f"cannot create the store at {self.home}: {exc}") from exc
         self._tlock = threading.RLock()
         self._lock_depth = 0
-        self._db = sqlite3.connect(self.home / "index.sqlite", timeout=lock_timeout,
+        self._db = sqlite3.connect(self.layout.index, timeout=lock_timeout,
                                    check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
@@ -189,7 +185,7 @@ class Store:
                 finally:
                     self._lock_depth -= 1
                 return
-            fd = os.open(self.home / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(self.layout.lock, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 deadline = time.monotonic() + self.lock_timeout
                 while True:
@@ -209,11 +205,11 @@ class Store:
 
     # ------------------------------------------------------------------ paths
     def path_of(self, block_id: str) -> Path:
-        return self.home / "blocks" / block_id[:2] / f"{block_id}{SUFFIX}"
+        return self.layout.block(block_id)
 
     def _files(self) -> dict[str, Path]:
         out: dict[str, Path] = {}
-        for sub in (self.home / "blocks").iterdir():
+        for sub in self.layout.blocks.iterdir():
             if sub.is_dir():
                 for p in sub.iterdir():
                     if p.suffix == SUFFIX and not p.name.startswith("."):
@@ -232,7 +228,7 @@ class Store:
         remove temp files left by dead writers. Runs on every open; cheap (one directory walk)."""
         added = dropped = cleaned = 0
         with self.lock():
-            for sub in (self.home / "blocks").iterdir():
+            for sub in self.layout.blocks.iterdir():
                 if not sub.is_dir():
                     continue
                 for p in sub.glob(".*.tmp"):
