@@ -10,8 +10,8 @@ their modules are private. docs/architecture.md explains the layering.
 """
 
 from .api import AsyncMemory, Memory
-from .core import (Block, Engine, EngineConfig, Exactness, Fingerprint, Recall, Receipt, SampleResult, Sampling,
-                   SearchHit, StoreStats, VerificationRecord, VerifyReport, logits_sha256)
+from .core import (Block, Engine, EngineConfig, Exactness, Fingerprint, HistoryEvent, Recall, Receipt, SampleResult,
+                   Sampling, Scope, SearchHit, StoreStats, VerificationRecord, VerifyReport, logits_sha256)
 from .core.errors import (AccessDenied, BlockCorrupted, BlockNotFound, BlockRejected, BundleRejected,
                           ClosedError, ConfigError, EngineError, GraftmemError, IncompatibleBlock,
                           ModelNotFound, StoreError, StoreFull, StoreLocked, TransferError,
@@ -54,6 +54,7 @@ __all__ = [
     "Gate",
     "GateReport",
     "GraftmemError",
+    "HistoryEvent",
     "IncompatibleBlock",
     "MODELS",
     "Memory",
@@ -68,6 +69,7 @@ __all__ = [
     "RederiveReport",
     "SampleResult",
     "Sampling",
+    "Scope",
     "SearchHit",
     "SentenceTransformerEmbedder",
     "SigningKey",

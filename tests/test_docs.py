@@ -73,7 +73,7 @@ def test_quickstart_page_snippet_runs(tmp_path):
     """The first Python block of docs/quickstart.md, run as the page says (save it, run it)."""
     lines = _run_first_python_block("docs/quickstart.md", tmp_path).stdout.splitlines()
     assert lines[0].endswith("  dates") and lines[2].startswith("dates "), lines  # routed to the date manual
-    assert lines[-1].startswith("None no block matched"), lines                   # refused, nothing grafted
+    assert lines[-1].startswith("False '' no block matched"), lines               # refused, nothing grafted
 
 
 @pytest.mark.slow

@@ -117,7 +117,8 @@ def test_below_min_score_nothing_is_grafted(rmem):
     ids = _learn_all(rmem)
     for task in OFF_TOPIC:
         r = rmem.recall(task, max_tokens=4)
-        assert r.block is None and r.tokens == [] and "no block matched" in r.text
+        assert r.block is None and r.tokens == [] and r.text == "" and not r.matched
+        assert "no block matched" in r.reason and "below min_score" in r.reason
         assert r.receipt.block_id is None and r.receipt.tokens_restored == 0
         assert r.score is not None and r.score < DEFAULT_MIN_SCORE and r.runner_up in ids.values()
     # an in-domain task is refused too when the bar is above its score, and grafted below it

@@ -7,14 +7,17 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional, Sequence
 
-from ..core.blocks import Block, EngineConfig, Exactness, Fingerprint, Recall, SearchHit, StoreStats, VerificationRecord, VerifyReport
+from ..core.blocks import (Block, EngineConfig, Exactness, Fingerprint, HistoryEvent, Recall, Scope, SearchHit,
+                           StoreStats, VerificationRecord, VerifyReport)
 from ..core.decode import Sampling
 from ..core.engine import Engine
-from ..core.errors import ClosedError, ConfigError
+from ..core.errors import BlockNotFound, ClosedError, ConfigError
+from ..core.prompt import detect_format
 from ..memory.answer import ask as ask_block
 from ..memory.exactness import verify_block
+from ..memory.learn import default_name
 from ..memory.learn import learn as learn_text
 from ..memory.pager import DEFAULT_OVERLAP, PageIndex, learn_document, recall_document
 from ..memory.recall import recall as route_and_answer
@@ -29,6 +32,7 @@ from ..share.admission import BlockCheck
 from ..share.manifest import ExportReport, TransferReport
 from ..share.trust import SigningKey, TrustPolicy
 from ..store.local import Store
+from ..store.scopes import ScopeIndex
 
 if TYPE_CHECKING:
     from ..memory.pager import DocumentAnswer, DocumentReport, Source
@@ -36,6 +40,12 @@ if TYPE_CHECKING:
 __all__ = ["Memory"]
 
 log = logging.getLogger("graftmem")
+
+
+def _count(what: str, n: Any) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"{what} must be an integer >= 1, got {n!r}")
+    return n
 
 
 class Memory:
@@ -81,6 +91,7 @@ class Memory:
         self._embedder = embedder
         self._router: Optional[Router] = None
         self._pages: Optional[PageIndex] = None
+        self._scopes: Optional[ScopeIndex] = None
         self._lazy_lock = threading.Lock()
 
     # ------------------------------------------------------------------ lifecycle
@@ -90,6 +101,8 @@ class Memory:
             self._closed = True
             if self._pages is not None:
                 self._pages.close()
+            if self._scopes is not None:
+                self._scopes.close()
             if self._owns_engine:
                 self._engine.close()
             self._store.close()
@@ -150,6 +163,30 @@ class Memory:
             return self._router
 
     @property
+    def scopes(self) -> ScopeIndex:
+        """Who owns which block (user / agent / session) and each block's history, opened on first use."""
+        self._check()
+        with self._lazy_lock:
+            if self._scopes is None:
+                self._scopes = ScopeIndex(self._store.home, timeout=self._store.lock_timeout)
+            return self._scopes
+
+    def _filter(self, scope: Scope, filters: Optional[Mapping[str, Any]],
+                kind: Optional[str] = None) -> Optional[Callable[[Block], bool]]:
+        """A block predicate for a scope, metadata filters (exact values) and a kind; None if no filter."""
+        if filters is not None and not isinstance(filters, Mapping):
+            raise ConfigError(f"filters must be a mapping of metadata field -> value, got {type(filters).__name__}")
+        if scope.empty and not filters and kind is None:
+            return None
+        owned = None if scope.empty else self.scopes.blocks_of(scope)
+        want = dict(filters or {})
+
+        def allow(b: Block) -> bool:
+            return ((owned is None or b.id in owned) and (kind is None or b.kind == kind)
+                    and all(b.metadata.get(k) == v for k, v in want.items()))
+        return allow
+
+    @property
     def pages(self) -> PageIndex:
         """The passage index of long documents (:meth:`learn_document`), opened on first use."""
         self._check()
@@ -160,11 +197,17 @@ class Memory:
             return self._pages
 
     # ------------------------------------------------------------------ learn
-    def learn(self, text: str, *, name: Optional[str] = None, kind: str = "manual",
-              metadata: Optional[Mapping[str, Any]] = None, progress: bool = False,
-              when_to_use: Optional[str] = None, chat: bool = False,
-              parent: Optional[str] = None) -> Block:
+    def learn(self, text: "str | Sequence[Mapping[str, Any]]", *, name: Optional[str] = None,
+              kind: str = "manual", metadata: Optional[Mapping[str, Any]] = None, progress: bool = False,
+              when_to_use: Optional[str] = None, chat: bool = False, parent: Optional[str] = None,
+              user_id: Optional[str] = None, agent_id: Optional[str] = None,
+              session_id: Optional[str] = None) -> Block:
         """Prefill ``text`` once and store its KV state as a block (deduplicated by content).
+
+        ``text`` may also be a list of chat messages (``[{"role": "user", "content": "I like tea"}]``,
+        the shape the OpenAI API and mem0 use): they are rendered with the model's chat template and
+        stored as a chat block, so that :meth:`recall` continues the conversation with the task as the
+        next user turn.
 
         ``parent`` (a block id) chains the text on that block: the parent is grafted, ``text`` is
         tokenized without BOS and prefilled at positions ``parent.pos_end..``, and the child is
@@ -176,13 +219,40 @@ class Memory:
         the start of the text. ``chat=True`` stores the text as a complete chat turn of the model's
         template (see :mod:`graftmem.core.prompt`), so that :meth:`recall` can append a task as the next
         turn and still match a fresh prefill of the whole prompt token for token.
+
+        ``user_id``, ``agent_id`` and ``session_id`` scope the block: :meth:`get_all`, :meth:`search`
+        and :meth:`recall` given a scope see only the blocks learned in it. The same text learned in two
+        scopes is one block (one prefill) owned by both.
         """
         self._check()
+        scope = Scope(user_id=user_id, agent_id=agent_id, session_id=session_id)
+        if not isinstance(text, str):
+            text, name, metadata = self._render_messages(text, name, metadata, chat)
         block, changed = learn_text(self._engine, self._store, text, name=name, kind=kind, metadata=metadata,
-                                  progress=progress, when_to_use=when_to_use, chat=chat, parent=parent)
+                                    progress=progress, when_to_use=when_to_use, chat=chat, parent=parent)
         if self._router is not None and changed:
             self._router.add_blocks([block])
+        if not scope.empty:
+            self.scopes.add(block.id, scope)
+        if changed or not scope.empty:
+            self.scopes.record(block.id, "learned" if changed else "learned_again",
+                               {"name": block.name, "kind": block.kind, **scope.model_dump(exclude_none=True)})
         return block
+
+    def _render_messages(self, messages: Any, name: Optional[str], metadata: Optional[Mapping[str, Any]],
+                         chat: bool) -> tuple[str, Optional[str], dict[str, Any]]:
+        if isinstance(messages, (bytes, bytearray)) or not isinstance(messages, Sequence) or not messages:
+            raise ConfigError("learn() takes a text or a non-empty list of chat messages "
+                              f"([{{'role': 'user', 'content': '...'}}]), got {type(messages).__name__}")
+        if chat:
+            raise ConfigError("chat=True wraps a text in a chat turn; messages are chat turns already")
+        fmt = detect_format(self._engine)
+        if fmt is None:
+            raise ConfigError(f"model {self.fingerprint.model_name!r} has no chat template graftmem knows; "
+                              "learn the conversation as a text")
+        text = fmt.render(messages)
+        last_user = next((m["content"] for m in reversed(messages) if m.get("role") == "user"), text)
+        return text, name or default_name(last_user), {**dict(metadata or {}), "chat_format": fmt.name}
 
     add = learn
 
@@ -195,13 +265,24 @@ class Memory:
                            sampling=sampling or Sampling())
 
     # ------------------------------------------------------------------ routing
-    def search(self, task: str, *, top_k: int = 5) -> list[SearchHit]:
-        """Rank this engine's blocks for ``task`` (best first) without restoring anything."""
+    def search(self, task: str, *, top_k: int = 5, limit: Optional[int] = None,
+               filters: Optional[Mapping[str, Any]] = None, kind: Optional[str] = None,
+               user_id: Optional[str] = None, agent_id: Optional[str] = None,
+               session_id: Optional[str] = None) -> list[SearchHit]:
+        """Rank this engine's blocks for ``task`` (best first) without restoring anything.
+
+        ``limit`` is another name for ``top_k`` (mem0's). ``filters`` keeps blocks whose metadata has
+        each given value; ``kind`` and the scope (``user_id``, ``agent_id``, ``session_id``) narrow too.
+        """
         self._check()
-        return route_search(self.router, self._store, self.fingerprint.digest(), task, top_k=top_k)
+        top_k = _count("top_k" if limit is None else "limit", top_k if limit is None else limit)
+        allow = self._filter(Scope(user_id=user_id, agent_id=agent_id, session_id=session_id), filters, kind)
+        return route_search(self.router, self._store, self.fingerprint.digest(), task, top_k=top_k, allow=allow)
 
     def recall(self, task: str, *, max_tokens: int = 64, min_score: Optional[float] = None,
-               mode: Literal["graft", "text"] = "graft", sampling: Optional[Sampling] = None) -> Recall:
+               mode: Literal["graft", "text"] = "graft", sampling: Optional[Sampling] = None,
+               filters: Optional[Mapping[str, Any]] = None, user_id: Optional[str] = None,
+               agent_id: Optional[str] = None, session_id: Optional[str] = None) -> Recall:
         """Route ``task`` to ONE block, graft it, prefill the task, answer.
 
         Below ``min_score`` (default :data:`graftmem.memory.router.DEFAULT_MIN_SCORE`) nothing is grafted:
@@ -209,8 +290,9 @@ class Memory:
         (prefill the block's text, no graft), for comparisons; the answers are identical.
         """
         self._check()
+        allow = self._filter(Scope(user_id=user_id, agent_id=agent_id, session_id=session_id), filters)
         return route_and_answer(self._engine, self._store, self.router, task, max_tokens=max_tokens,
-                              min_score=min_score, mode=mode, sampling=sampling or Sampling())
+                                min_score=min_score, mode=mode, sampling=sampling or Sampling(), allow=allow)
 
     def reindex(self) -> int:
         """Rebuild the routing index from the store (every block embedded again); returns its size."""
@@ -246,10 +328,14 @@ class Memory:
         self._check()
         return self._store.get(block_id)
 
-    def get_all(self, *, kind: Optional[str] = None) -> list[Block]:
-        """Every block in the store (of ``kind``), whatever engine made it."""
+    def get_all(self, *, kind: Optional[str] = None, filters: Optional[Mapping[str, Any]] = None,
+                user_id: Optional[str] = None, agent_id: Optional[str] = None,
+                session_id: Optional[str] = None) -> list[Block]:
+        """Every block in the store (of ``kind``, with the ``filters`` metadata values, in the scope),
+        whatever engine made it."""
         self._check()
-        return self._store.list(kind=kind)
+        allow = self._filter(Scope(user_id=user_id, agent_id=agent_id, session_id=session_id), filters)
+        return [b for b in self._store.list(kind=kind) if allow is None or allow(b)]
 
     def delete(self, block_id: str, *, cascade: bool = False) -> list[str]:
         """Delete a block; return the ids deleted. A block with chained children is refused
@@ -259,6 +345,32 @@ class Memory:
         gone = self._store.delete(bid, cascade=cascade)
         if self._router is not None:
             self._router.remove(gone)
+        for g in gone:
+            self.scopes.remove(g)
+            self.scopes.record(g, "deleted", {"cascade_from": bid} if g != bid else {})
+        return gone
+
+    def history(self, block_id: str) -> list[HistoryEvent]:
+        """What happened to a block, oldest first: learned (and by whom), learned again, verified,
+        deleted. Works for deleted blocks too (by full id)."""
+        self._check()
+        try:
+            bid = self._store.resolve(block_id)
+        except BlockNotFound:
+            bid = block_id
+        return self.scopes.history(bid)
+
+    def reset(self) -> list[str]:
+        """Delete every block of the store (all engines, all scopes); returns the ids deleted.
+        The history is kept, so :meth:`history` still says what was there."""
+        self._check()
+        gone: list[str] = []
+        for b in self._store.list():
+            if self._store.contains(b.id) and b.parent is None:
+                gone += self.delete(b.id, cascade=True)
+        for b in self._store.list():  # children whose root was missing
+            gone += self.delete(b.id, cascade=True)
+        self.scopes.reset()
         return gone
 
     def stats(self) -> StoreStats:
@@ -279,6 +391,7 @@ class Memory:
                                      max_kl=report.max_kl, argmax_agree=report.argmax_agree,
                                      ok=report.ok)
             self._store.set_manifest(block.model_copy(update={"verification": rec}))
+            self.scopes.record(block.id, "verified", rec.model_dump())
         return report
 
     def rederive(self, block_id: str) -> RederiveReport:

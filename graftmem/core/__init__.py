@@ -7,8 +7,8 @@ restore, logits, :meth:`Engine.session`), :func:`decode` and :class:`Sampling` (
 and the error tree (also re-exported by :mod:`graftmem`).
 """
 
-from .blocks import (FORMAT_VERSION, Block, EngineConfig, Exactness, Fingerprint, Recall, Receipt, SampleResult,
-                     SearchHit, StoreStats, VerificationRecord, VerifyReport, block_id_for)
+from .blocks import (FORMAT_VERSION, Block, EngineConfig, Exactness, Fingerprint, HistoryEvent, Recall, Receipt,
+                     SampleResult, Scope, SearchHit, StoreStats, VerificationRecord, VerifyReport, block_id_for)
 from .decode import Decoded, Sampling, decode
 from .engine import Engine, logits_sha256, usable_cores
 from .errors import *  # noqa: F401,F403 - the error tree, one name per class
@@ -21,7 +21,7 @@ from .prompt import CHATML, FORMATS, GEMMA, ChatFormat, detect_format, split_ids
 from .version import __version__
 
 __all__ = sorted([
-    "FORMAT_VERSION", "Block", "EngineConfig", "Exactness", "Fingerprint", "Recall", "Receipt", "SampleResult",
+    "FORMAT_VERSION", "Block", "HistoryEvent", "Scope", "EngineConfig", "Exactness", "Fingerprint", "Recall", "Receipt", "SampleResult",
     "SearchHit", "StoreStats", "VerificationRecord", "VerifyReport", "block_id_for", "Decoded", "Sampling",
     "decode", "Engine", "logits_sha256", "usable_cores", "state_digest", "DEFAULT_MODEL", "MODELS",
     "resolve_model", "progress_bar", "join_states", "CHATML", "FORMATS", "GEMMA", "ChatFormat", "detect_format", "split_ids",

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 __all__ = [
     "FORMAT_VERSION", "KVType", "EngineConfig", "Fingerprint", "Exactness", "Block",
     "VerificationRecord", "Receipt", "Recall", "SampleResult", "VerifyReport", "StoreStats",
-    "block_id_for", "SearchHit",
+    "block_id_for", "SearchHit", "Scope", "HistoryEvent",
 ]
 
 #: Version of the block file layout and of the state payload convention (per-sequence state of seq 0).
@@ -177,7 +177,12 @@ class Receipt(_Strict):
 
 
 class Recall(_Strict):
-    """The answer to a query over a grafted block, with its receipt."""
+    """The answer to a query over a grafted block, with its receipt.
+
+    ``matched`` is False when routing found no block above ``min_score``: then nothing was grafted,
+    ``text`` is empty (an agent that returns ``r.text`` never shows its user a diagnostic) and ``reason``
+    says why, naming the best candidate and, when blocks of other engines are in the store, what differs.
+    """
 
     text: str
     tokens: list[int]
@@ -186,6 +191,32 @@ class Recall(_Strict):
     score: Optional[float] = None
     runner_up: Optional[str] = None
     runner_up_score: Optional[float] = None
+    matched: bool = True
+    reason: Optional[str] = None
+    finish_reason: Optional[str] = None  #: "stop" (end of generation) or "length" (max_tokens / context)
+
+
+class Scope(_Strict):
+    """Who a block belongs to: any of a user, an agent, a session (None = not scoped on that field)."""
+
+    user_id: Optional[str] = None
+    agent_id: Optional[str] = None
+    session_id: Optional[str] = None
+
+    @property
+    def empty(self) -> bool:
+        return self.user_id is None and self.agent_id is None and self.session_id is None
+
+
+class HistoryEvent(_Strict):
+    """One thing that happened to a block: ``learned``, ``learned_again``, ``labels_updated``,
+    ``verified``, ``scope_added``, ``forgotten`` (for one scope), ``deleted``."""
+
+    seq: int
+    block_id: str
+    event: str
+    at: float  #: seconds since the epoch
+    details: dict[str, Any] = Field(default_factory=dict)
 
 
 class SampleResult(_Strict):

@@ -25,7 +25,7 @@ checked too; a recall whose seam does merge is reported with ``receipt.exact = F
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from .errors import ConfigError
 
@@ -50,6 +50,28 @@ class ChatFormat:
     task_head: str
     task_tail: str
     probe: str
+    turn_open: str = ""        #: a turn's header, with ``{role}`` for the role name
+    turn_close: str = ""       #: a turn's end
+    roles: tuple[tuple[str, str], ...] = ()  #: OpenAI role -> this template's role
+
+    def turn(self, role: str, content: str) -> str:
+        """One complete turn of ``role`` (an OpenAI role: system, user, assistant, tool)."""
+        mapped = dict(self.roles).get(role)
+        if mapped is None:
+            raise ConfigError(f"role {role!r} is not one of {', '.join(r for r, _ in self.roles)}")
+        return f"{self.turn_open.format(role=mapped)}{content}{self.turn_close}"
+
+    def render(self, messages: Sequence[Mapping[str, Any]], *, generation_prompt: bool = False) -> str:
+        """Chat messages (``[{"role": ..., "content": ...}]``) as this template's text; with
+        ``generation_prompt`` the header of the assistant's turn follows, ready for decoding."""
+        parts = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ConfigError(f"message {i} must be a mapping with string 'role' and 'content', got {m!r:.80}")
+            parts.append(self.turn(m["role"], m["content"]))
+        if generation_prompt:
+            parts.append(self.turn_open.format(role=dict(self.roles)["assistant"]))
+        return "".join(parts)
 
     def prefix(self, manual: str) -> str:
         return f"{self.block_head}{manual}{self.block_tail}"
@@ -70,6 +92,8 @@ CHATML = ChatFormat(
     block_head="<|im_start|>system\n", block_tail="<|im_end|>\n",
     task_head="<|im_start|>user\n", task_tail="<|im_end|>\n<|im_start|>assistant\n",
     probe="<|im_start|>",
+    turn_open="<|im_start|>{role}\n", turn_close="<|im_end|>\n",
+    roles=(("system", "system"), ("user", "user"), ("assistant", "assistant"), ("tool", "tool")),
 )
 
 #: Gemma 3 has no system role (its own template folds the system text into the first user turn);
@@ -79,6 +103,9 @@ GEMMA = ChatFormat(
     block_head="<start_of_turn>user\n", block_tail="<end_of_turn>\n",
     task_head="<start_of_turn>user\n", task_tail="<end_of_turn>\n<start_of_turn>model\n",
     probe="<start_of_turn>",
+    turn_open="<start_of_turn>{role}\n", turn_close="<end_of_turn>\n",
+    # Gemma's own template has no system or tool role: their text is a user turn
+    roles=(("system", "user"), ("user", "user"), ("assistant", "model"), ("tool", "user")),
 )
 
 FORMATS: dict[str, ChatFormat] = {f.name: f for f in (CHATML, GEMMA)}

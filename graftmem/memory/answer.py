@@ -40,7 +40,8 @@ def answer(eng: Engine, block: Block, qtok: list[int], setup: Callable[[], int],
         eng.prefill(qtok)
         first = eng.logits()
         t2 = time.perf_counter()
-        out = decode(eng, max_tokens, first_logits=first, sampling=sampling).tokens
+        dec = decode(eng, max_tokens, first_logits=first, sampling=sampling)
+        out = dec.tokens
         t3 = time.perf_counter()
     receipt = Receipt(
         block_id=block.id, tokens_restored=n_setup if graft else 0,
@@ -48,7 +49,8 @@ def answer(eng: Engine, block: Block, qtok: list[int], setup: Callable[[], int],
         restore_ms=(t1 - t0) * 1e3 if graft else 0.0, prefill_ms=(t2 - (t1 if graft else t0)) * 1e3,
         decode_ms=(t3 - t2) * 1e3, decode_tokens=len(out), first_logits_sha256=logits_sha256(first),
         exact=eng.exactness.exact and exact)
-    return Recall(text=eng.detokenize(out), tokens=out, block=block, receipt=receipt)
+    return Recall(text=eng.detokenize(out), tokens=out, block=block, receipt=receipt,
+                  finish_reason=dec.finish_reason)
 
 
 def graft(eng: Engine, store: "Store", block: Block) -> int:

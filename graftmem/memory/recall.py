@@ -17,9 +17,9 @@ which chat blocks guarantee and raw blocks may not: a merging seam is reported a
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Literal, Optional
+from typing import TYPE_CHECKING, Callable, Literal, Optional
 
-from ..core.blocks import Block, Recall, Receipt, SearchHit
+from ..core.blocks import Block, Fingerprint, Recall, Receipt, SearchHit
 from ..core.decode import GREEDY, Sampling
 from ..core.errors import BlockNotFound, ConfigError
 from ..core.prompt import FORMATS, split_ids
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from ..store.local import Store
     from .router import Router
 
-__all__ = ["search", "recall", "continuation_for", "answer_graft_way", "answer_text_way"]
+__all__ = ["search", "recall", "continuation_for", "answer_graft_way", "answer_text_way", "other_engines_hint"]
 
 log = logging.getLogger("graftmem")
 
@@ -48,10 +48,37 @@ def _check_task(task: str) -> None:
         raise ConfigError("the task is empty: give the text of the task to route")
 
 
-def search(router: "Router", store: "Store", fp_digest: str, task: str, *, top_k: int = 5) -> list[SearchHit]:
-    """Rank the blocks of the engine with fingerprint digest ``fp_digest`` for ``task``, best first."""
+#: how many routed candidates are read when a filter narrows them (scopes, metadata): the router ranks
+#: every block of the engine exactly, so this bounds only the work after ranking
+FILTERED_CANDIDATES = 1024
+
+BlockFilter = Callable[[Block], bool]
+
+
+def _routed(router: "Router", store: "Store", task: str, k: int, fp_digest: str,
+            allow: Optional[BlockFilter]) -> list[tuple[str, float]]:
+    """The top ``k`` (id, score) of the router, keeping only blocks that ``allow`` accepts."""
+    if allow is None:
+        return router.search(task, k, fingerprint_digest=fp_digest)
+    out = []
+    for bid, score in router.search(task, FILTERED_CANDIDATES, fingerprint_digest=fp_digest):
+        try:
+            ok = allow(store.get(bid))
+        except BlockNotFound:
+            continue
+        if ok:
+            out.append((bid, score))
+            if len(out) == k:
+                break
+    return out
+
+
+def search(router: "Router", store: "Store", fp_digest: str, task: str, *, top_k: int = 5,
+           allow: Optional[BlockFilter] = None) -> list[SearchHit]:
+    """Rank the blocks of the engine with fingerprint digest ``fp_digest`` for ``task``, best first;
+    ``allow`` keeps only the blocks it accepts (a user's scope, a metadata filter)."""
     _check_task(task)
-    hits = router.search(task, top_k, fingerprint_digest=fp_digest)
+    hits = _routed(router, store, task, top_k, fp_digest, allow)
     out = []
     for bid, score in hits:
         try:
@@ -64,6 +91,20 @@ def search(router: "Router", store: "Store", fp_digest: str, task: str, *, top_k
     return out
 
 
+def other_engines_hint(store: "Store", fingerprint: Fingerprint) -> Optional[str]:
+    """Why blocks may look missing: how many blocks of this store another engine configuration made,
+    and what differs (e.g. after a change of n_ctx, an upgrade of llama-cpp-python, another CPU)."""
+    local = fingerprint.digest()
+    others = [b for b in store.list() if b.fingerprint.digest() != local]
+    if not others:
+        return None
+    diff = others[0].fingerprint.diff(fingerprint)
+    what = ", ".join(f"{k} {theirs!r} there vs {ours!r} here" for k, (theirs, ours) in list(diff.items())[:3])
+    return (f"{len(others)} block(s) in {store.home} were learned by another engine configuration ({what}) "
+            "and are invisible to this one: open the Memory with the same model and config, or learn them "
+            "again here")
+
+
 def _no_match(engine: "Engine", store: "Store", top: Optional[tuple[str, float]], min_score: float) -> Recall:
     name = "(deleted)"
     if top is not None:
@@ -72,14 +113,17 @@ def _no_match(engine: "Engine", store: "Store", top: Optional[tuple[str, float]]
         except BlockNotFound:
             pass
     if top is None:
-        text = ("no block matched this task: the store has no block learned by this engine "
-                f"({engine.fingerprint.model_name}); nothing was grafted")
+        reason = ("no block matched this task: the store has no block learned by this engine "
+                  f"({engine.fingerprint.model_name}); nothing was grafted")
     else:
-        text = (f"no block matched this task: the best candidate {name!r} ({top[0][:12]}) scored "
-                f"{top[1]:.3f}, below min_score {min_score:.2f}; nothing was grafted")
+        reason = (f"no block matched this task: the best candidate {name!r} ({top[0][:12]}) scored "
+                  f"{top[1]:.3f}, below min_score {min_score:.2f}; nothing was grafted")
+    hint = other_engines_hint(store, engine.fingerprint)
+    if hint:
+        reason += f". {hint}"
     receipt = Receipt(block_id=None, tokens_restored=0, tokens_prefilled=0, restore_ms=0.0, prefill_ms=0.0,
                       decode_ms=0.0, decode_tokens=0, first_logits_sha256="", exact=engine.exactness.exact)
-    return Recall(text=text, tokens=[], block=None, receipt=receipt,
+    return Recall(text="", tokens=[], block=None, receipt=receipt, matched=False, reason=reason,
                   score=top[1] if top else None, runner_up=top[0] if top else None,
                   runner_up_score=top[1] if top else None)
 
@@ -127,7 +171,7 @@ def answer_graft_way(engine: "Engine", store: "Store", block: Block, continuatio
 
 def recall(engine: "Engine", store: "Store", router: "Router", task: str, *, max_tokens: int = 64,
            min_score: Optional[float] = None, mode: Literal["graft", "text"] = "graft",
-           sampling: Sampling = GREEDY) -> Recall:
+           sampling: Sampling = GREEDY, allow: Optional[BlockFilter] = None) -> Recall:
     """Route ``task`` to ONE block of this engine, answer it the ``mode`` way (see the module doc)."""
     _check_task(task)
     if mode not in ("graft", "text"):
@@ -138,7 +182,7 @@ def recall(engine: "Engine", store: "Store", router: "Router", task: str, *, max
     way = answer_graft_way if mode == "graft" else answer_text_way
     fpd = engine.fingerprint.digest()
     for attempt in (1, 2):
-        hits = router.search(task, 2, fingerprint_digest=fpd)
+        hits = _routed(router, store, task, 2, fpd, allow)
         top = hits[0] if hits else None
         if top is None or top[1] < threshold:
             log.info("recall: no block above min_score %.2f (best %s)", threshold, top)

@@ -4,6 +4,7 @@
 
     blocks/<id[:2]>/<id>.gmb     block files (see graftmem.core.format), content-addressed, immutable
     index.sqlite                 the block index (SQLite, WAL): one row per block with its manifest
+    scopes.sqlite                who a block belongs to (user / agent / session) and its history
     lock                         an flock(2) file that serializes mutations across processes
     router/index.npz             the routing index (embeddings of each block's route text)
     pages/index.sqlite           documents, pages and passage vectors of long documents
@@ -42,6 +43,10 @@ class Home:
     @property
     def index(self) -> Path:
         return self.root / "index.sqlite"
+
+    @property
+    def scopes(self) -> Path:
+        return self.root / "scopes.sqlite"
 
     @property
     def lock(self) -> Path:

@@ -1,0 +1,141 @@
+"""Who a block belongs to, and what happened to it: the scope and history tables of a home.
+
+A block is content-addressed: two users who learn the same text share one block (one prefill, one
+file). Ownership is therefore a relation, not a field of the block: a row (block, user, agent, session)
+per owner, so that ``get_all(user_id="alice")`` lists exactly what alice learned even when bob learned
+the same text, and forgetting a block for alice leaves it to bob. The history is an append-only log of
+what was done to each block (learned, learned again, labels changed, verified, deleted), the
+``history()`` verb that agent developers know from mem0.
+
+Kept in its own SQLite file (``scopes.sqlite``) beside the block index: the block index is rebuilt from
+the block files when they disagree, and scopes are not in the block files (they are not content).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional
+
+from ..core.blocks import HistoryEvent, Scope
+from ..core.errors import StoreError, StoreFull
+from .home import Home
+
+__all__ = ["ScopeIndex"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS scopes (
+    block_id   TEXT NOT NULL,
+    user_id    TEXT NOT NULL DEFAULT '',
+    agent_id   TEXT NOT NULL DEFAULT '',
+    session_id TEXT NOT NULL DEFAULT '',
+    added_at   REAL NOT NULL,
+    PRIMARY KEY (block_id, user_id, agent_id, session_id)
+);
+CREATE INDEX IF NOT EXISTS scopes_user ON scopes(user_id);
+CREATE TABLE IF NOT EXISTS history (
+    seq      INTEGER PRIMARY KEY AUTOINCREMENT,
+    block_id TEXT NOT NULL,
+    event    TEXT NOT NULL,
+    at       REAL NOT NULL,
+    details  TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS history_block ON history(block_id);
+"""
+
+
+class ScopeIndex:
+    """Scopes and history of the blocks of the home at ``root``; safe for threads and processes."""
+
+    def __init__(self, root: Path, *, timeout: float = 30.0, read_only: bool = False) -> None:
+        self.path = Home(root).scopes
+        self._lock = threading.Lock()
+        try:
+            if read_only:
+                uri = f"file:{self.path}?mode=ro"
+                self._db = sqlite3.connect(uri, uri=True, timeout=timeout, check_same_thread=False,
+                                           isolation_level=None)
+            else:
+                self._db = sqlite3.connect(self.path, timeout=timeout, check_same_thread=False,
+                                           isolation_level=None)
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.executescript(_SCHEMA)
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open the scope index {self.path}: {exc}") from exc
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _write(self, sql: str, rows: Iterable[tuple[Any, ...]]) -> None:
+        try:
+            with self._lock:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    self._db.executemany(sql, list(rows))
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+        except sqlite3.OperationalError as exc:
+            if "full" in str(exc).lower():
+                raise StoreFull(f"disk full while writing {self.path}: free space and retry") from exc
+            raise StoreError(f"cannot write {self.path}: {exc}") from exc
+
+    # ------------------------------------------------------------------ scopes
+    def add(self, block_id: str, scope: Scope) -> None:
+        """Record that ``scope`` owns ``block_id`` (idempotent). An empty scope records nothing."""
+        if scope.empty:
+            return
+        self._write("INSERT OR IGNORE INTO scopes VALUES (?, ?, ?, ?, ?)",
+                    [(block_id, scope.user_id or "", scope.agent_id or "", scope.session_id or "", time.time())])
+
+    def remove(self, block_id: str, scope: Optional[Scope] = None) -> int:
+        """Forget ``block_id`` for ``scope`` (every field given must match), or for everyone; returns the
+        number of owners left."""
+        if scope is None or scope.empty:
+            self._write("DELETE FROM scopes WHERE block_id = ?", [(block_id,)])
+        else:
+            where, args = self._where(scope)
+            self._write(f"DELETE FROM scopes WHERE block_id = ? AND {where}", [(block_id, *args)])
+        return len(self.owners(block_id))
+
+    @staticmethod
+    def _where(scope: Scope) -> tuple[str, list[str]]:
+        conds, args = [], []
+        for col in ("user_id", "agent_id", "session_id"):
+            val = getattr(scope, col)
+            if val is not None:
+                conds.append(f"{col} = ?")
+                args.append(val)
+        return " AND ".join(conds) or "1", args
+
+    def blocks_of(self, scope: Scope) -> set[str]:
+        """The ids of the blocks owned within ``scope`` (each given field must match)."""
+        where, args = self._where(scope)
+        with self._lock:
+            return {r[0] for r in self._db.execute(f"SELECT DISTINCT block_id FROM scopes WHERE {where}", args)}
+
+    def owners(self, block_id: str) -> list[Scope]:
+        with self._lock:
+            rows = self._db.execute("SELECT user_id, agent_id, session_id FROM scopes WHERE block_id = ? "
+                                    "ORDER BY added_at", (block_id,)).fetchall()
+        return [Scope(user_id=u or None, agent_id=a or None, session_id=s or None) for u, a, s in rows]
+
+    # ------------------------------------------------------------------ history
+    def record(self, block_id: str, event: str, details: Optional[Mapping[str, Any]] = None) -> None:
+        self._write("INSERT INTO history (block_id, event, at, details) VALUES (?, ?, ?, ?)",
+                    [(block_id, event, time.time(), json.dumps(dict(details or {}), default=str, sort_keys=True))])
+
+    def history(self, block_id: str) -> list[HistoryEvent]:
+        with self._lock:
+            rows = self._db.execute("SELECT seq, event, at, details FROM history WHERE block_id = ? ORDER BY seq",
+                                    (block_id,)).fetchall()
+        return [HistoryEvent(seq=seq, block_id=block_id, event=ev, at=at, details=json.loads(d))
+                for seq, ev, at, d in rows]
+
+    def reset(self) -> None:
+        self._write("DELETE FROM scopes", [()])
