@@ -25,11 +25,34 @@ def _out(args: argparse.Namespace, data: Any, text: str) -> None:
         print(text)
 
 
+def _config(args: argparse.Namespace) -> Optional[dict]:
+    from . import ConfigError
+
+    if not args.config:
+        return None
+    try:
+        config = json.loads(args.config)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--config is not JSON ({exc.msg} at character {exc.pos}); "
+                          'give an object such as \'{"n_ctx": 4096}\'') from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"--config must be a JSON object such as '{{\"n_ctx\": 4096}}', got {args.config!r}")
+    return config
+
+
 def _memory(args: argparse.Namespace):
     from . import Memory
 
-    config = json.loads(args.config) if args.config else None
-    return Memory(args.model, home=args.home, config=config)
+    return Memory(args.model, home=args.home, config=_config(args))
+
+
+def _size(n: float) -> str:
+    """Bytes for people: 2015268 -> '1.9 MiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
@@ -39,14 +62,20 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def cmd_learn(args: argparse.Namespace) -> int:
+    from datetime import datetime, timezone
+
     text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text(encoding="utf-8")
+    started = datetime.now(timezone.utc)
     with _memory(args) as mem:
         block = mem.learn(text, name=args.name or (None if args.file == "-" else Path(args.file).stem),
                           kind=args.kind, progress=not args.json, when_to_use=args.when_to_use,
                           chat=args.chat, parent=args.parent)
+    already = block.created_at < started  # content-addressed: the same text is the same block
     _out(args, {"id": block.id, "name": block.name, "n_tokens": block.n_tokens,
-                "state_size": block.state_size},
-         f"learned {block.short_id}  {block.name}  {block.n_tokens} tokens  {block.state_size:,} state bytes")
+                "state_size": block.state_size, "already_stored": already},
+         f"{'already stored' if already else 'learned'} {block.short_id}  {block.name}  "
+         f"{block.n_tokens} tokens  {_size(block.state_size)} of state"
+         + ("  (nothing prefilled)" if already else ""))
     return 0
 
 
@@ -92,13 +121,20 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
+    from .memory import continuation_for
+
     with _memory(args) as mem:
-        r = mem.ask(args.id, args.question, max_tokens=args.max_tokens)
+        block = mem.get(args.id)
+        # a chat block holds complete turns: the question becomes the next user turn (--raw: as given)
+        query = args.question if args.raw else continuation_for(block, args.question)
+        r = mem.ask(block.id, query, max_tokens=args.max_tokens)
     rc = r.receipt
-    _out(args, r, f"{r.text}\n\n-- block {rc.block_id[:12] if rc.block_id else '-'}: {rc.tokens_restored} "
-                  f"tokens restored in {rc.restore_ms:.1f} ms, {rc.tokens_prefilled} prefilled, "
-                  f"{rc.decode_tokens} decoded; first logits sha256 {rc.first_logits_sha256[:16]}… "
-                  f"exact={rc.exact}")
+    _out(args, r, f"{r.text}\n\n-- {rc}")
+    if not r.tokens:
+        print(f"note: the model ended its answer at once (0 tokens); "
+              f"{'ask without --raw, or ' if args.raw and 'chat_format' in block.metadata else ''}"
+              "phrase the question as the text's continuation", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -129,9 +165,11 @@ def cmd_recall(args: argparse.Namespace) -> int:
         route = f"routed to {r.block.name!r} ({r.block.short_id}) score {r.score:.3f}"
         if r.runner_up and r.runner_up_score is not None:
             route += f", runner-up {r.runner_up[:12]} {r.runner_up_score:.3f}"
-    _out(args, r, f"{r.text}\n\n-- {route}; {rc.tokens_restored} tokens restored in {rc.restore_ms:.1f} ms, "
-                  f"{rc.tokens_prefilled} prefilled, {rc.decode_tokens} decoded; exact={rc.exact}")
-    return 0 if r.block is not None else 1
+    if not r.matched:
+        _out(args, r, f"nothing grafted: {r.reason}")
+        return 1
+    _out(args, r, f"{r.text}\n\n-- {route}; {rc}")
+    return 0
 
 
 def cmd_learn_document(args: argparse.Namespace) -> int:
@@ -157,12 +195,16 @@ def cmd_recall_document(args: argparse.Namespace) -> int:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
+    from .memory import other_engines_hint
+
     with _memory(args) as mem:
         hits = mem.search(args.task, top_k=args.top_k)
+        hint = None if hits else other_engines_hint(mem.store, mem.fingerprint)
     rows = [[i + 1, f"{h.score:.3f}", h.block_id[:12], h.n_tokens, h.name[:40], (h.when_to_use or "")[:50]]
             for i, h in enumerate(hits)]
     _out(args, [h.model_dump() for h in hits],
-         _table(rows, ["#", "score", "id", "tokens", "name", "when to use"]) if rows else "(no blocks)")
+         _table(rows, ["#", "score", "id", "tokens", "name", "when to use"]) if rows
+         else "(no blocks learned by this engine)" + (f"\nnote: {hint}" if hint else ""))
     return 0
 
 
@@ -328,8 +370,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
         st = store.stats()
     finally:
         store.close()
-    s = {"blocks": st.blocks, "tokens": st.tokens, "bytes": st.bytes_on_disk, "kinds": st.kinds, "home": st.home}
-    _out(args, s, "\n".join(f"{k:<8} {v}" for k, v in s.items()))
+    kinds = ", ".join(f"{k} {v}" for k, v in sorted(st.kinds.items())) or "-"
+    _out(args, st, "\n".join([
+        f"home     {st.home}", f"blocks   {st.blocks:,} ({kinds})", f"tokens   {st.tokens:,}",
+        f"on disk  {_size(st.bytes_on_disk)} ({_size(st.bytes_per_token)} per token)"]))
     return 0
 
 
@@ -451,16 +495,39 @@ def cmd_solve(args: argparse.Namespace) -> int:
     return 0 if sol.verified else 1
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Help that shows each option's default when it has a meaningful one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("%(default)" not in text and action.default not in (None, False, argparse.SUPPRESS)
+                and action.option_strings and "default" not in text):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _global_options(p: argparse.ArgumentParser, default: Any) -> None:
+    def d(value: Any) -> Any:
+        return argparse.SUPPRESS if default is argparse.SUPPRESS else value
+
+    p.add_argument("--home", default=d(None), help="store directory (default: $GRAFTMEM_HOME or the user data dir)")
+    p.add_argument("--model", default=d(None), help="model short name (smollm2, gemma3-270m) or GGUF path "
+                                                    "(default: smollm2)")
+    p.add_argument("--config", default=d(None), help='engine config as JSON, e.g. \'{"n_ctx": 4096}\'')
+    p.add_argument("--json", action="store_true", default=d(False), help="print machine-readable JSON")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="graftmem", description="Agent memory made of verified, byte-exact KV-cache blocks.")
-    p.add_argument("--home", default=None, help="store directory (default: $GRAFTMEM_HOME or the user data dir)")
-    p.add_argument("--model", default=None, help="model short name (smollm2, gemma3-270m) or GGUF path")
-    p.add_argument("--config", default=None, help='engine config as JSON, e.g. \'{"n_ctx": 4096}\'')
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p = argparse.ArgumentParser(prog="graftmem", description="Agent memory made of verified, byte-exact KV-cache blocks.",
+                                formatter_class=_HelpFormatter)
+    _global_options(p, None)
+    # the same options after the subcommand (`graftmem ls --json`): SUPPRESS keeps a value given before it
+    after = argparse.ArgumentParser(add_help=False)
+    _global_options(after, argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help, description=help)
+        sp = sub.add_parser(name, help=help, description=help, parents=[after], formatter_class=_HelpFormatter)
         sp.set_defaults(func=fn)
         return sp
 
@@ -476,10 +543,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--kind")
     sp = add("show", cmd_show, "show one block's manifest")
     sp.add_argument("id")
-    sp = add("ask", cmd_ask, "graft a block and answer a question after it")
+    sp = add("ask", cmd_ask, "graft a block and answer a question after it (exit 1 on an empty answer)")
     sp.add_argument("id")
     sp.add_argument("question")
     sp.add_argument("--max-tokens", type=int, default=64)
+    sp.add_argument("--raw", action="store_true",
+                    help="prefill the question as given, even after a chat block (default: as the next user turn)")
     sp = add("verify", cmd_verify, "prove graft == fresh prefill, byte for byte (exit 1 on any mismatch)")
     sp.add_argument("id")
     sp.add_argument("--samples", type=int, default=50)
@@ -562,6 +631,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("doctor", cmd_doctor, "model, fingerprint, exactness probe, store location and health")
     sp = add("demo", cmd_demo, "learn, recall and verify on the default model (the README's first command)")
     sp.add_argument("--samples", type=int, default=20)
+    for sp in sub.choices.values():  # options without a help text still show their default
+        for action in sp._actions:
+            if action.help is None and action.option_strings and action.default not in (None, False):
+                action.help = "(default: %(default)s)"
     return p
 
 

@@ -74,11 +74,8 @@ class Memory:
                  engine: Engine | None = None, embedder: Embedder | None = None) -> None:
         if engine is not None and (model is not None or config is not None):
             raise ConfigError("pass either engine= or model=/config=, not both")
-        if config is not None and not isinstance(config, EngineConfig):
-            try:
-                config = EngineConfig(**dict(config))
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(f"invalid engine config: {exc}") from exc
+        if config is not None:
+            config = EngineConfig.coerce(config)  # a typo fails here, before the store is opened
         self._store = Store(home)
         self._owns_engine = engine is None
         try:

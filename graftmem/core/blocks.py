@@ -10,10 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 from datetime import datetime, timezone
-from typing import Any, ClassVar, Literal, Optional
+from typing import Any, ClassVar, Literal, Mapping, Optional
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import ConfigError
 
 __all__ = [
     "FORMAT_VERSION", "KVType", "EngineConfig", "Fingerprint", "Exactness", "Block",
@@ -48,6 +50,32 @@ class EngineConfig(_Strict):
     flash_attn: bool = True
     swa_full: bool = True
     probe: bool = Field(True, description="run the graft-vs-fresh exactness probe at load time")
+
+    @classmethod
+    def coerce(cls, config: "EngineConfig | Mapping[str, Any] | None") -> "EngineConfig":
+        """An EngineConfig from a config, a mapping of its fields, or None (the defaults), with one
+        readable :class:`ConfigError` naming every bad field (no validator internals, no URLs)."""
+        if config is None:
+            return cls()
+        if isinstance(config, cls):
+            return config
+        if not isinstance(config, Mapping):
+            raise ConfigError(f"the engine config must be a mapping of field -> value (a JSON object), "
+                              f"got {type(config).__name__}; fields: {', '.join(cls.model_fields)}")
+        try:
+            return cls(**dict(config))
+        except ValidationError as exc:
+            problems = []
+            for err in exc.errors():
+                field = ".".join(str(x) for x in err["loc"]) or "config"
+                if err["type"] == "extra_forbidden":
+                    problems.append(f"unknown field {field!r}")
+                else:
+                    problems.append(f"{field}: {err['msg']} (got {err.get('input')!r})")
+            raise ConfigError(f"invalid engine config: {'; '.join(problems)}; fields: "
+                              f"{', '.join(cls.model_fields)}") from None
+        except TypeError as exc:
+            raise ConfigError(f"invalid engine config: {exc}") from None
 
 
 class Fingerprint(_Strict):
@@ -174,6 +202,14 @@ class Receipt(_Strict):
     decode_tokens: int
     first_logits_sha256: str
     exact: bool
+
+    def __str__(self) -> str:
+        """One readable line, rounded: what a person wants from ``print(answer.receipt)``."""
+        if self.block_id is None:
+            return f"nothing grafted; exact={self.exact}"
+        return (f"block {self.block_id[:12]}: {self.tokens_restored} tokens restored in {self.restore_ms:.1f} ms, "
+                f"{self.tokens_prefilled} prefilled in {self.prefill_ms:.1f} ms, {self.decode_tokens} decoded in "
+                f"{self.decode_ms:.1f} ms; first logits sha256 {self.first_logits_sha256[:16]}…; exact={self.exact}")
 
 
 class Recall(_Strict):

@@ -125,12 +125,7 @@ class Engine:
 
     def __init__(self, model: str | os.PathLike[str] | None = None,
                  config: EngineConfig | Mapping[str, Any] | None = None) -> None:
-        if config is not None and not isinstance(config, EngineConfig):
-            try:
-                config = EngineConfig(**dict(config))
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(f"invalid engine config: {exc}") from exc
-        self.config = config or EngineConfig()
+        self.config = EngineConfig.coerce(config)
         self.model_name, self.model_path = resolve_model(model)
         if self.config.n_ubatch > self.config.n_batch:
             raise ConfigError(f"n_ubatch={self.config.n_ubatch} must not exceed n_batch={self.config.n_batch}")

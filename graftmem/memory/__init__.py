@@ -14,7 +14,7 @@ from .flywheel import (Attempt, Flywheel, Gate, GateReport, Solution, SolverOutp
 from .learn import prefill_and_store
 from .pager import (PAGE_KIND, DocumentAnswer, DocumentPlan, DocumentReport, PageIndex, PageInfo, PassageHit,
                     learn_pages, plan_document, read_source, recall_document)
-from .recall import answer_graft_way, answer_text_way, continuation_for
+from .recall import answer_graft_way, answer_text_way, continuation_for, other_engines_hint
 from .rederive import RederiveReport, compare_rederived, rederive, rederive_file
 from .router import DEFAULT_MIN_SCORE, Embedder, Router, SentenceTransformerEmbedder, normalize_task, route_text
 
@@ -25,5 +25,5 @@ __all__ = sorted([
     "extract_program", "literals", "substitute_literals", "prefill_and_store", "PAGE_KIND",
     "DocumentAnswer", "DocumentPlan", "DocumentReport", "PageIndex", "PageInfo", "PassageHit", "learn_pages",
     "plan_document", "read_source", "recall_document", "answer_graft_way", "answer_text_way",
-    "continuation_for", "RederiveReport", "compare_rederived", "rederive", "rederive_file",
+    "continuation_for", "other_engines_hint", "RederiveReport", "compare_rederived", "rederive", "rederive_file",
     "DEFAULT_MIN_SCORE", "Embedder", "Router", "SentenceTransformerEmbedder", "normalize_task", "route_text"])
