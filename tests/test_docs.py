@@ -53,19 +53,47 @@ def test_quickstart_example_runs(tmp_path):
     assert "byte-exact: True (10/10 SHA-equal, max KL 0.0)" in proc.stdout, proc.stdout[-2000:]
 
 
-def _run_first_python_block(page: str, tmp_path) -> subprocess.CompletedProcess:
-    """Save the page's first Python block as a script and run it as a new user would (home in tmp)."""
+def python_blocks(page: str) -> list[str]:
+    """The ```python blocks of a page, except those right after a ``<!-- docs-test: skip (why) -->`` line."""
     import re
 
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), flags=re.S)
-    assert blocks, f"{page} has a python example"
+    text = (ROOT / page).read_text()
+    return [m.group(2) for m in re.finditer(r"(<!-- docs-test: skip[^>]*-->\n)?```python\n(.*?)```", text, flags=re.S)
+            if not m.group(1)]
+
+
+def _run_block(code: str, tmp_path) -> subprocess.CompletedProcess:
+    """Save a block as a script and run it as a new user would (home and cwd in tmp)."""
     script = tmp_path / "snippet.py"
-    script.write_text(blocks[0])
+    script.write_text(code)
     env = {**os.environ, "GRAFTMEM_HOME": str(tmp_path / "home"), "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path,
                           env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc
+
+
+def _run_first_python_block(page: str, tmp_path) -> subprocess.CompletedProcess:
+    blocks = python_blocks(page)
+    assert blocks, f"{page} has a python example"
+    return _run_block(blocks[0], tmp_path)
+
+
+PAGES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))
+#: (page, index) of every block not already run (with its output checked) by a test below
+EVERY_BLOCK = [(page, i) for page in PAGES for i, _ in enumerate(python_blocks(page))
+               if (page, i) not in {("README.md", 0), ("docs/quickstart.md", 0)}]
+
+
+def test_every_page_block_is_found():
+    """The docs test sees the blocks of every page (the old test ran only each page's first block)."""
+    assert len(EVERY_BLOCK) >= 7 and {p for p, _ in EVERY_BLOCK} >= {"docs/bundles.md", "docs/routing.md"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page, index", EVERY_BLOCK, ids=[f"{p}#{i}" for p, i in EVERY_BLOCK])
+def test_every_python_block_runs(page, index, tmp_path):
+    _run_block(python_blocks(page)[index], tmp_path)
 
 
 @pytest.mark.slow
