@@ -411,14 +411,23 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if ex.exact and not bad else 1
 
 
-DEMO_MANUAL = """You are the support desk of Northwind Outfitters.
-Refund procedure:
-1. Ask for the order number. Order numbers look like NW-12345.
-2. Check that the purchase is less than 30 days old.
-3. If it is, answer: REFUND APPROVED, and give the ticket code RF-<order digits>.
-4. If it is older, answer: REFUND DECLINED, and offer store credit.
-Shipping questions go to the logistics team at extension 4410.
-"""
+#: The refund manual as a short conversation: the rules, then three worked cases. SmolLM2-135M is a very
+#: small model; with the rules alone it apologises instead of following them, with worked cases in its
+#: own chat template it answers the demo task the way the manual says (checked by tests/test_cli.py).
+DEMO_MANUAL = [
+    {"role": "system", "content": "You are the refund desk of Northwind Outfitters. A purchase less than "
+                                  "30 days old is refunded: reply REFUND APPROVED and the ticket code RF- "
+                                  "followed by the order digits. Older purchases: reply REFUND DECLINED and "
+                                  "offer store credit."},
+    {"role": "user", "content": "My order NW-31552 arrived 3 days ago and I want a refund."},
+    {"role": "assistant", "content": "REFUND APPROVED. Ticket code: RF-31552."},
+    {"role": "user", "content": "My order NW-77810 arrived 95 days ago and I want a refund."},
+    {"role": "assistant", "content": "REFUND DECLINED. I can offer you store credit."},
+    {"role": "user", "content": "My order NW-60213 arrived 12 days ago and I want a refund."},
+    {"role": "assistant", "content": "REFUND APPROVED. Ticket code: RF-60213."},
+]
+#: what the manual says the answer to DEMO_TASK is
+DEMO_EXPECTED = "REFUND APPROVED. Ticket code: RF-20417."
 
 
 DEMO_DATES = """Date style guide:
@@ -426,7 +435,7 @@ Write every date as YYYY-MM-DD. For example, March 7, 2024 is written 2024-03-07
 Never write the month as a word and never put the day first.
 """
 
-DEMO_TASK = "My order NW-20417 arrived 5 days ago and I want a refund."
+DEMO_TASK = "My order NW-20417 arrived 5 days ago and I want a refund."  # 5 days: the manual approves it
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -442,15 +451,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     with _memory(args) as mem:
         print(f"engine: {mem.fingerprint.model_name}, exact={mem.exactness.exact} ({mem.exactness.reason})")
         print(f"store:  {home}")
-        block = mem.learn(DEMO_MANUAL, name="refund-manual", chat=True,
-                          when_to_use="a customer asks for a refund or about shipping")
+        block = mem.learn(DEMO_MANUAL, name="refund-manual",
+                          when_to_use="a customer asks for a refund of an order")
         mem.learn(DEMO_DATES, name="date-format", chat=True, when_to_use="write or convert a calendar date")
         print(f"learn:  2 manuals; refund-manual = block {block.short_id}, {block.n_tokens} tokens, "
               f"{block.state_size:,} state bytes ({time.perf_counter() - t0:.1f} s including model load)")
         print(f"task:   {DEMO_TASK!r}")
         if importlib.util.find_spec("sentence_transformers") is None:
             print("route:  skipped (install graftmem[router] for recall); grafting refund-manual by id")
-            r = mem.ask(block.id, "\nCustomer: " + DEMO_TASK + "\nAgent:", max_tokens=40)
+            from .memory import continuation_for
+
+            r = mem.ask(block.id, continuation_for(block, DEMO_TASK), max_tokens=40)
             text_way = None
         else:
             r = mem.recall(DEMO_TASK, max_tokens=40)
@@ -461,6 +472,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"recall: grafted {rc.tokens_restored} tokens in {rc.restore_ms:.1f} ms, prefilled "
               f"{rc.tokens_prefilled} task tokens in {rc.prefill_ms:.0f} ms, decoded {rc.decode_tokens}")
         print(f"answer: {r.text.strip()!r}")
+        print(f"manual: {DEMO_EXPECTED!r} is what the manual says: "
+              f"{'followed' if r.text.strip() == DEMO_EXPECTED else 'NOT followed (a 135M model)'}")
         if text_way is not None:
             tc = text_way.receipt
             same = text_way.text == r.text and tc.first_logits_sha256 == rc.first_logits_sha256

@@ -77,6 +77,7 @@ def test_demo_learns_recalls_and_verifies(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert "route:  -> refund-manual" in out, out
+    assert "answer: 'REFUND APPROVED. Ticket code: RF-20417.'" in out, out  # what the manual says
     assert "answer and logits identical: yes" in out, out
     assert "verify: SHA-256 equal 4/4" in out and "OK: the graft is byte-exact" in out, out
 
