@@ -46,6 +46,19 @@ def _memory(args: argparse.Namespace):
     return Memory(args.model, home=args.home, config=_config(args))
 
 
+def _sampling(args: argparse.Namespace):
+    from . import Sampling
+
+    return Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+
+
+def _sampling_options(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--temperature", type=float, default=0.0,
+                    help="0 decodes greedily (the mode exactness is proved in); above 0 samples")
+    sp.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability mass")
+    sp.add_argument("--seed", type=int, default=None, help="seed of the sampler, for a reproducible answer")
+
+
 def _size(n: float) -> str:
     """Bytes for people: 2015268 -> '1.9 MiB'."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -127,7 +140,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
         block = mem.get(args.id)
         # a chat block holds complete turns: the question becomes the next user turn (--raw: as given)
         query = args.question if args.raw else continuation_for(block, args.question)
-        r = mem.ask(block.id, query, max_tokens=args.max_tokens)
+        r = mem.ask(block.id, query, max_tokens=args.max_tokens, sampling=_sampling(args))
     rc = r.receipt
     _out(args, r, f"{r.text}\n\n-- {rc}")
     if not r.tokens:
@@ -158,7 +171,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_recall(args: argparse.Namespace) -> int:
     with _memory(args) as mem:
-        r = mem.recall(args.task, max_tokens=args.max_tokens, min_score=args.min_score)
+        r = mem.recall(args.task, max_tokens=args.max_tokens, min_score=args.min_score, sampling=_sampling(args))
     rc = r.receipt
     route = "nothing grafted"
     if r.block is not None and r.score is not None:
@@ -562,6 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--max-tokens", type=int, default=64)
     sp.add_argument("--raw", action="store_true",
                     help="prefill the question as given, even after a chat block (default: as the next user turn)")
+    _sampling_options(sp)
     sp = add("verify", cmd_verify, "prove graft == fresh prefill, byte for byte (exit 1 on any mismatch)")
     sp.add_argument("id")
     sp.add_argument("--samples", type=int, default=50)
@@ -572,6 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("task")
     sp.add_argument("--max-tokens", type=int, default=64)
     sp.add_argument("--min-score", type=float, default=None, help="refuse to graft below this cosine score")
+    _sampling_options(sp)
     sp = add("search", cmd_search, "rank the blocks for a task without grafting anything")
     sp.add_argument("task")
     sp.add_argument("--top-k", type=int, default=5)

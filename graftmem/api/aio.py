@@ -31,11 +31,11 @@ _NOT_ASYNC = {"close"}
 class AsyncMemory:
     """An asyncio facade over one :class:`Memory` (constructed with the same arguments, or given one).
 
-    Example::
-
-        async with AsyncMemory() as mem:
-            await mem.learn(manual, name="refunds", when_to_use="refund requests", chat=True)
-            r = await mem.recall("Customer NW-20417 wants a refund")
+    ```python
+    async with AsyncMemory() as mem:
+        await mem.learn(manual, name="refunds", when_to_use="refund requests", chat=True)
+        r = await mem.recall("Customer NW-20417 wants a refund")
+    ```
 
     Every public method of :class:`Memory` (``learn``, ``recall``, ``search``, ``ask``, ``learn_document``,
     ``export``, ``pull``, ...) is available as a coroutine with the same signature.

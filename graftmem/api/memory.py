@@ -51,11 +51,11 @@ def _count(what: str, n: Any) -> int:
 class Memory:
     """An agent memory made of verified KV-cache blocks.
 
-    Example::
-
-        with Memory() as mem:
-            block = mem.learn("Refunds: always ask for the order number first.", name="refunds")
-            print(mem.ask(block.id, "\nQ: what do I ask first?\nA:").text)
+    ```python
+    with Memory() as mem:
+        block = mem.learn("Refunds: always ask for the order number first.", name="refunds")
+        print(mem.ask(block.id, "\\nQ: what do I ask first?\\nA:").text)
+    ```
 
     ``model`` is a short name (``"smollm2"``, ``"gemma3-270m"``) or a GGUF path; ``home`` the store
     directory (default ``$GRAFTMEM_HOME`` or the user data dir); ``config`` an :class:`EngineConfig`
