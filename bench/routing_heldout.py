@@ -232,10 +232,6 @@ DOC_NEEDLES_HELDOUT = {
     ],
 }
 
-#: the small CI subset of the held-out task set (tests/test_router.py): the first phrasing of each
-#: of the 18 manuals
-CI_HELDOUT = [HELDOUT[i] for i in range(0, len(HELDOUT), 3)]
-
 assert len(EXTRA_MANUALS) == 6 and len({m.name for m in ALL_MANUALS}) == 18
 assert {w for _, w in HELDOUT} == {m.name for m in ALL_MANUALS}
 assert all(sum(w == m.name for _, w in HELDOUT) == 3 for m in ALL_MANUALS)
