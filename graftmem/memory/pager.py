@@ -52,7 +52,7 @@ from ..core.progress import progress_bar
 from ..store.home import Home
 from .learn import prefill_and_store
 from .recall import answer_graft_way
-from .router import DEFAULT_MIN_SCORE, LEX_WEIGHT, Router, embedder_id
+from .router import LEX_WEIGHT, Router, embedder_id
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Page", "DocumentPlan", "PageInfo", "PassageHit", "DocumentReport", "DocumentAnswer",
            "PageIndex", "plan_document", "learn_pages", "learn_document", "recall_document",
-           "DEFAULT_RESERVE", "DEFAULT_OVERLAP", "PAGE_KIND"]
+           "DEFAULT_RESERVE", "DEFAULT_OVERLAP", "DEFAULT_PAGE_MIN_SCORE", "PAGE_KIND"]
 
 log = logging.getLogger("graftmem")
 
@@ -70,6 +70,12 @@ PAGE_KIND = "page"
 DEFAULT_RESERVE = 256
 #: tokens repeated at the start of the next page, so a sentence cut by a page end is whole in one page
 DEFAULT_OVERLAP = 64
+#: passage score (cosine + LEX_WEIGHT * lexical coverage) below which recall_document grafts nothing.
+#: Not the block router's threshold: a passage is scored on its own text, without a name or a
+#: when_to_use, and a one-sentence answer in a passage of unrelated text scores lower than a manual.
+#: On the tuning needles (bench/routing.py: 4 in stdlib docstrings, 5 in the synthetic corpus) the right
+#: passages scored 0.33 or more, off-topic questions over the docstrings at most 0.23.
+DEFAULT_PAGE_MIN_SCORE = 0.30
 #: characters a passage grows to before a new one starts (MiniLM reads at most 256 word pieces)
 PASSAGE_CHARS = 480
 
@@ -602,7 +608,7 @@ def recall_document(engine: "Engine", store: "Store", index: PageIndex, task: st
     """
     if not isinstance(task, str) or not task.strip():
         raise ConfigError("the task is empty: give the question to route")
-    threshold = DEFAULT_MIN_SCORE if min_score is None else float(min_score)
+    threshold = DEFAULT_PAGE_MIN_SCORE if min_score is None else float(min_score)
     fpd = engine.fingerprint.digest()
     hits = index.search(task, 8, fp_digest=fpd, document=document)
     if not hits:
