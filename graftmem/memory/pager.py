@@ -73,8 +73,9 @@ DEFAULT_OVERLAP = 64
 #: passage score (cosine + LEX_WEIGHT * lexical coverage) below which recall_document grafts nothing.
 #: Not the block router's threshold: a passage is scored on its own text, without a name or a
 #: when_to_use, and a one-sentence answer in a passage of unrelated text scores lower than a manual.
-#: On the tuning needles (bench/routing.py: 4 in stdlib docstrings, 5 in the synthetic corpus) the right
-#: passages scored 0.33 or more, off-topic questions over the docstrings at most 0.23.
+#: On the tuning needles (bench/routing.py --quality-only: 4 in stdlib docstrings) the right passages
+#: scored 0.33 or more, off-topic questions over those docstrings at most 0.23. Over the synthetic
+#: corpus of bench/needle.py (word salad) off-topic questions reach 0.45, its needles 0.95 or more.
 DEFAULT_PAGE_MIN_SCORE = 0.30
 #: characters a passage grows to before a new one starts (MiniLM reads at most 256 word pieces)
 PASSAGE_CHARS = 480
