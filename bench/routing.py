@@ -1,7 +1,20 @@
-"""Routing benchmark: accuracy, the min_score trade-off, route latency at 100 and 10,000 blocks, and
-recall with graft vs the text way on a ~1,000-token manual.
+"""Routing benchmark: accuracy (tuning and held-out sets, dense vs hybrid), passage routing in real
+prose, the min_score trade-off, route latency at 100 and 10,000 blocks, and recall with graft vs the
+text way on a ~1,000-token manual.
 
     python bench/routing.py [--reps 3] [--synthetic 10000] [--home DIR] [--out bench/results/routing.json]
+    python bench/routing.py --quality-only      # sections 0 and 0b only (no LLM prefill; a few minutes)
+
+0. **Quality, tuning vs held-out** (free-standing routers over the manuals' texts, no store): top-1 on
+   the tuning set (bench/routing_set.py: 72 phrasings, 12 manuals) and on the HELD-OUT set
+   (bench/routing_heldout.py: 54 phrasings over 18 manuals, written before the router changed, never
+   tuned on), for three routers: dense v1 (one route-text vector per block, as index version 1),
+   dense + passages, and hybrid (the default: dense mix + lexical coverage); the off-topic tasks of
+   each set refused at DEFAULT_MIN_SCORE.
+0b. **Passage routing in real prose**: needles in the docstrings of stdlib modules (a tuning set and a
+   held-out set, bench/routing_heldout.py) and in bench/needle.py's synthetic corpus; pages planned
+   with Gemma 3's tokenizer and indexed (not prefilled); the page of the top passage must hold the
+   needle; cosine only vs hybrid.
 
 1. **Accuracy**: 12 manuals learned for real (SmolLM2, chat blocks, with `when_to_use`), 72 labelled
    task phrasings (bench/routing_set.py); top-1 and top-3 accuracy through ``Memory.search``.
@@ -36,8 +49,16 @@ sys.path.insert(0, str(ROOT / "bench"))
 import numpy as np  # noqa: E402
 
 from graftmem import Memory  # noqa: E402
-from graftmem.memory import DEFAULT_MIN_SCORE, Router, SentenceTransformerEmbedder  # noqa: E402
+from graftmem.memory import (DEFAULT_MIN_SCORE, DEFAULT_PAGE_MIN_SCORE, LEX_WEIGHT, ROUTE_WEIGHT,  # noqa: E402
+                             PageIndex, Router, SentenceTransformerEmbedder, plan_document)
+from routing_heldout import (ALL_MANUALS, DOC_NEEDLES_HELDOUT, DOC_NEEDLES_TUNE, HELDOUT,  # noqa: E402
+                             HELDOUT_OFF_TOPIC, docstring_document, insert_needles)
 from routing_set import LABELLED, MANUALS, OFF_TOPIC  # noqa: E402
+
+#: the routers compared in section 0: (label, Router keyword arguments)
+VARIANTS = [("dense v1 (route text only)", {"lex_weight": 0.0, "passages": False}),
+            ("dense + passages", {"lex_weight": 0.0}),
+            ("hybrid (default)", {})]
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -103,7 +124,7 @@ def accuracy_and_sweep(mem: Memory, ids: dict[str, str]) -> dict:
     misses = [{"task": t, "want": w, "got": g, "score": round(s, 3)}
               for (t, w), g, s, ok in zip(LABELLED, top1s, tops, correct) if not ok]
     sweep = []
-    for th in [round(x, 3) for x in np.arange(0.0, 0.501, 0.025)]:
+    for th in sorted({round(x, 3) for x in np.arange(0.0, 0.601, 0.025)} | {DEFAULT_MIN_SCORE}):
         right = sum(ok and s >= th for ok, s in zip(correct, tops))
         wrong = sum((not ok) and s >= th for ok, s in zip(correct, tops))
         refused = sum(s < th for s in tops)
@@ -118,6 +139,98 @@ def accuracy_and_sweep(mem: Memory, ids: dict[str, str]) -> dict:
             "off_topic_top_score": {"max": max(off_scores), "p95": pct(off_scores, 95),
                                     "median": pct(off_scores, 50)},
             "sweep": sweep}
+
+
+def free_router(emb, manuals, **kw) -> Router:
+    r = Router(emb, **kw)
+    r.add_documents([m.name for m in manuals], [(m.name, m.when_to_use, m.manual) for m in manuals])
+    return r
+
+
+def set_quality(r: Router, labelled: list[tuple[str, str]], off_topic: list[str]) -> dict:
+    ranked = [(r.search(t, 3, use_cache=False), w) for t, w in labelled]
+    off = [r.search(t, 1, use_cache=False)[0][1] for t in off_topic]
+    right = [h[0][0] == w for h, w in ranked]
+    return {"n": len(labelled), "top1": sum(right), "top3": sum(w in [i for i, _ in h] for h, w in ranked),
+            "right_and_kept": sum(ok and h[0][1] >= DEFAULT_MIN_SCORE for ok, (h, _) in zip(right, ranked)),
+            "off_topic": len(off), "off_topic_refused": sum(s < DEFAULT_MIN_SCORE for s in off),
+            "off_topic_max": max(off),
+            "misses": [{"task": t, "want": w, "got": h[0][0], "score": round(h[0][1], 3)}
+                       for (h, w), (t, _) in zip(ranked, labelled) if h[0][0] != w]}
+
+
+def quality(emb) -> dict:
+    """Section 0: the three routers on the tuning set and on the held-out set."""
+    out = {}
+    for label, kw in VARIANTS:
+        out[label] = {"tuning": set_quality(free_router(emb, MANUALS, **kw), LABELLED, OFF_TOPIC),
+                      "heldout": set_quality(free_router(emb, ALL_MANUALS, **kw), HELDOUT, HELDOUT_OFF_TOPIC)}
+    return out
+
+
+def page_quality(emb, window: int = 1024) -> dict:
+    """Section 0b: passage routing on needle sets in real prose and in the synthetic corpus."""
+    import needle as needle_bench
+    from graftmem.core import Engine
+
+    out = {}
+    with Engine("gemma3-270m") as eng:
+        synth_text, synth = needle_bench.make_corpus(eng, 16_000, 7, 0)
+        sets = [("docstrings, tuning", *insert_needles(docstring_document(DOC_NEEDLES_TUNE["modules"]),
+                                                      DOC_NEEDLES_TUNE["needles"])),
+                ("docstrings, HELD-OUT", *insert_needles(docstring_document(DOC_NEEDLES_HELDOUT["modules"]),
+                                                        DOC_NEEDLES_HELDOUT["needles"])),
+                ("synthetic (bench/needle.py)", synth_text,
+                 [{**nd, "question": needle_bench.question(nd["name"])[0]} for nd in synth])]
+        for label, text, needles in sets:
+            plan = plan_document(eng, text, window=window, document="d")
+            home = Path(tempfile.mkdtemp(prefix="graftmem-page-quality-"))
+            hybrid = PageIndex(home, emb)
+            hybrid.start_document(plan, "fp")
+            t0 = time.perf_counter()
+            for page in plan.pages:
+                hybrid.add_page(plan, page, f"b{page.page}", "fp", embed=True)
+            build_s = time.perf_counter() - t0
+            row = {"tokens": plan.n_tokens, "pages": len(plan.pages), "passages": len(hybrid),
+                   "needles": len(needles), "index_build_s": build_s}
+            for name, index in (("cosine only", PageIndex(home, emb, lex_weight=0.0)), ("hybrid", hybrid)):
+                hits = [(index.search(nd["question"], 1, fp_digest="fp")[0], nd) for nd in needles]
+                ok = [h.page.page in plan.pages_holding(nd["char_start"], nd["char_end"]) for h, nd in hits]
+                row[name] = {"routed": sum(ok), "scores": [round(h.score, 3) for h, _ in hits],
+                             "above_page_min_score": sum(o and h.score >= DEFAULT_PAGE_MIN_SCORE
+                                                         for o, (h, _) in zip(ok, hits)),
+                             "misses": [nd["question"] for o, (_, nd) in zip(ok, hits) if not o]}
+                row[name]["off_topic_top"] = round(max(index.search(t, 1, fp_digest="fp")[0].score
+                                                       for t in OFF_TOPIC), 3)
+                index.close()
+            out[label] = row
+    return out
+
+
+def print_quality(q: dict, pq: dict) -> None:
+    print(f"\n## Routing quality (top-1; off-topic refused at min_score {DEFAULT_MIN_SCORE}; lex_weight "
+          f"{LEX_WEIGHT}, route_weight {ROUTE_WEIGHT})")
+    rows = []
+    for label, r in q.items():
+        t, h = r["tuning"], r["heldout"]
+        rows.append([label, f"{t['top1']}/{t['n']}", f"{t['off_topic_refused']}/{t['off_topic']}",
+                     f"{h['top1']}/{h['n']} ({h['top1'] / h['n'] * 100:.1f}%)", f"{h['top3']}/{h['n']}",
+                     f"{h['right_and_kept']}/{h['n']}", f"{h['off_topic_refused']}/{h['off_topic']}"])
+    print(table(rows, ["router", "tuning top-1", "tuning off-topic refused", "HELD-OUT top-1",
+                       "held-out top-3", "held-out right & >= min_score", "held-out off-topic refused"]))
+    for m in q["hybrid (default)"]["heldout"]["misses"]:
+        print(f"   held-out miss: {m['task']!r} -> {m['got']} ({m['score']}), want {m['want']}")
+    print(f"\n## Passage routing (page of the top passage holds the needle; page min_score "
+          f"{DEFAULT_PAGE_MIN_SCORE})")
+    print(table([[label, r["tokens"], r["pages"], r["passages"], f"{r['cosine only']['routed']}/{r['needles']}",
+                  f"{r['hybrid']['routed']}/{r['needles']}", f"{r['hybrid']['above_page_min_score']}/{r['needles']}",
+                  r["cosine only"]["off_topic_top"], r["hybrid"]["off_topic_top"]] for label, r in pq.items()],
+                ["needle set", "tokens", "pages", "passages", "cosine only", "hybrid", "hybrid >= min_score",
+                 "off-topic max (cos)", "off-topic max (hyb)"]))
+    for label, r in pq.items():
+        for name in ("cosine only", "hybrid"):
+            for m in r[name]["misses"]:
+                print(f"   {label}, {name} miss: {m!r}")
 
 
 def latency(fn, tasks: list[str], reps: int) -> list[float]:
@@ -185,6 +298,8 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "routing.json"))
     ap.add_argument("--threads", type=int, default=1,
                     help="llama.cpp threads (1: robust on a shared, oversubscribed CPU; both paths use the same)")
+    ap.add_argument("--quality-only", action="store_true",
+                    help="only sections 0 and 0b (routing quality; no learning, no recall)")
     ap.add_argument("--home", default=None, help="store to (re)use; learning is skipped for blocks already "
                                                  "there (default: a fresh temp dir)")
     args = ap.parse_args()
@@ -193,6 +308,17 @@ def main() -> int:
                              "load_avg_start": os.getloadavg()[0], "llama_threads": args.threads}}
     emb = SentenceTransformerEmbedder()
     tasks = [t for t, _ in LABELLED]
+    t0 = time.perf_counter()
+    res["quality"] = quality(emb)
+    res["page_quality"] = page_quality(emb)
+    print(f"quality sections in {time.perf_counter() - t0:.0f} s")
+    print_quality(res["quality"], res["page_quality"])
+    if args.quality_only:
+        out = Path(args.out).with_name(Path(args.out).stem + "_quality.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=2, default=float))
+        print(f"wrote {out}")
+        return 0
 
     home = args.home or tempfile.mkdtemp(prefix="graftmem-routing-bench-")
     with Memory("smollm2", home=home, embedder=emb, config={"n_threads": args.threads}) as mem:
@@ -229,22 +355,19 @@ def main() -> int:
         # the 10k index (free-standing: synthetic entries, embedded texts, plus the 12 real manuals)
         n = args.synthetic
         t0 = time.perf_counter()
-        from graftmem.memory import route_text
 
         r10 = Router(emb)
-        r10.add_vectors([f"syn{i}" for i in range(n)],
-                        emb.embed_batch([route_text(nm, w, t) for nm, w, t in filler_blocks(n)]))
-        r10.add_vectors([m.name for m in MANUALS],
-                        emb.embed_batch([route_text(m.name, m.when_to_use, m.manual) for m in MANUALS]))
+        r10.add_documents([f"syn{i}" for i in range(n)], filler_blocks(n))
+        r10.add_documents([m.name for m in MANUALS], [(m.name, m.when_to_use, m.manual) for m in MANUALS])
         build_s = time.perf_counter() - t0
-        print(f"built the {len(r10):,}-entry index in {build_s:.1f} s")
+        print(f"built the {len(r10):,}-entry index ({r10.n_rows:,} dense rows) in {build_s:.1f} s")
 
         router = mem.router
         digest = mem.fingerprint.digest()
         router.search("warm up again", 2, fingerprint_digest=digest, use_cache=False)
         assert len(router) == 100
         # interleaved, so that both sizes see the same load on this shared machine
-        lat100, lat10k, idx100, idx10k = [], [], [], []
+        lat100, lat10k, idx100, idx10k, lex10k = [], [], [], [], []
         for _ in range(args.reps):
             for t in tasks:
                 for rt, kw, out in ((router, {"fingerprint_digest": digest}, lat100), (r10, {}, lat10k)):
@@ -256,9 +379,13 @@ def main() -> int:
                     t0 = time.perf_counter()
                     rt._index.search(q, 2)
                     out.append((time.perf_counter() - t0) * 1e3)
+                t0 = time.perf_counter()
+                r10._lex.coverage(t)
+                lex10k.append((time.perf_counter() - t0) * 1e3)
         acc10k = sum(r10.search(t, 1, use_cache=False)[0][0] == w for t, w in LABELLED) / len(LABELLED)
         res["latency_10k"] = {"entries": len(r10), "build_s": build_s, "route": summary(lat10k),
-                              "faiss_search_only": summary(idx10k), "top1_with_synthetic_distractors": acc10k}
+                              "faiss_search_only": summary(idx10k), "lexical_coverage_only": summary(lex10k),
+                              "dense_rows": r10.n_rows, "top1_with_synthetic_distractors": acc10k}
         for t in tasks:  # fill the exact-lookup memory, then time only hits
             router.search(t, 2, fingerprint_digest=digest)
         cached = latency(lambda t: router.search(t, 2, fingerprint_digest=digest), tasks, args.reps)
@@ -315,6 +442,7 @@ def main() -> int:
         [f"{len(r10):,} (synthetic)", f"{l2['route']['p50_ms']:.1f}", f"{l2['route']['p95_ms']:.1f}", f"{acc10k * 100:.1f}%"],
         ["(faiss search alone, 100)", f"{l1['faiss_search_only']['p50_ms']:.3f}", f"{l1['faiss_search_only']['p95_ms']:.3f}", "-"],
         [f"(faiss search alone, {len(r10):,})", f"{l2['faiss_search_only']['p50_ms']:.3f}", f"{l2['faiss_search_only']['p95_ms']:.3f}", "-"],
+        [f"(lexical coverage alone, {len(r10):,})", f"{l2['lexical_coverage_only']['p50_ms']:.3f}", f"{l2['lexical_coverage_only']['p95_ms']:.3f}", "-"],
     ], ["blocks", "p50 ms", "p95 ms", "top-1"]))
     gv = res["graft_vs_text"]
     for run in gv["runs"]:

