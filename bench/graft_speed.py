@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import pickle
+import signal
 import statistics
 import sys
 import tempfile
@@ -367,6 +368,7 @@ def main() -> None:
                     help="lengths at which the pickle peer runs (it prefills the block once more)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "graft_speed.json"))
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run atexit: stop the llama-server it started
     if args.markdown:
         print(markdown(json.loads(Path(args.markdown).read_text())))
         return

@@ -15,6 +15,7 @@ The build runs at ``nice -n 10`` with ``-j2`` (the bench machines are shared); o
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -128,6 +129,7 @@ class LlamaServer:
         self.log = slot_dir / "server.log"
         self._logf = open(self.log, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._logf, stderr=subprocess.STDOUT)
+        atexit.register(self.close)  # never leave a server behind, also when the bench is stopped
         self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=600.0)
         deadline = time.monotonic() + startup_s
         while True:
