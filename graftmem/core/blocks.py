@@ -202,6 +202,14 @@ class Receipt(_Strict):
     decode_tokens: int
     first_logits_sha256: str
     exact: bool
+    # Where a recall's time went (milliseconds; None where the phase did not run or was not timed).
+    # ``restore_ms`` is their sum for the graft steps (read + check + place + set_data), plus the
+    # small bookkeeping between them; ``prefill_ms`` is the task's prefill and ``decode_ms`` the decode.
+    route_ms: Optional[float] = None  #: routing the task to a block (embedding + vector search)
+    read_ms: Optional[float] = None  #: reading the block file(s) into the engine's buffer
+    check_ms: Optional[float] = None  #: header, trailer, fingerprint and state digest checks
+    place_ms: Optional[float] = None  #: sliding-window cells put back at their fresh indices (Gemma)
+    set_data_ms: Optional[float] = None  #: clearing the cache and ``llama_state_seq_set_data``
 
     def __str__(self) -> str:
         """One readable line, rounded: what a person wants from ``print(answer.receipt)``."""

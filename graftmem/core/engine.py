@@ -357,14 +357,23 @@ class Engine:
             return view
 
     def restore(self, state: memoryview, n_tokens: int) -> float:
-        """Clear the cache and graft ``state`` as sequence 0; return the llama call's milliseconds."""
+        """Clear the cache and graft ``state`` as sequence 0; return the milliseconds of the clear and
+        the llama call.
+
+        The clear empties the cells' metadata only (``data=False``): zeroing the whole KV buffer is a
+        memset of every layer's K and V (94 MB for SmolLM2 at n_ctx 4096, ~2 ms) that changes nothing
+        a graft computes: the restored cells are overwritten, and the cells left with stale bytes are
+        empty, hence masked, and the flash-attention kernel skips masked cells (measured byte-exact:
+        tests/test_speed_paths.py grafts after a longer block left its bytes behind).
+        :meth:`reset` still zeroes the data, so a session ends with nothing of its work left behind.
+        """
         with self._lock:
             self._check()
-            C.llama_memory_clear(C.llama_get_memory(self._ctx), True)
+            t0 = time.perf_counter()
+            C.llama_memory_clear(C.llama_get_memory(self._ctx), False)
             self._n_past = 0
             size = len(state)
             arr = (ctypes.c_uint8 * size).from_buffer(state)
-            t0 = time.perf_counter()
             ok = C.llama_state_seq_set_data(self._ctx, arr, size, 0)
             ms = (time.perf_counter() - t0) * 1e3
             del arr

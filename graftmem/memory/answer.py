@@ -10,7 +10,7 @@ the same thing (``restore_ms`` is only the graft; ``prefill_ms`` is everything p
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Optional
 
 from ..core.blocks import Block, Recall, Receipt
 from ..core.decode import GREEDY, Sampling, decode
@@ -24,14 +24,20 @@ if TYPE_CHECKING:
 
 __all__ = ["answer", "ask", "graft"]
 
+#: the receipt's phase fields that ``setup`` may fill (Receipt.read_ms ...)
+_PHASES = ("route_ms", "read_ms", "check_ms", "place_ms", "set_data_ms")
+
 
 def answer(eng: Engine, block: Block, qtok: list[int], setup: Callable[[], int], *, graft: bool,
-           max_tokens: int, exact: bool = True, sampling: Sampling = GREEDY) -> Recall:
+           max_tokens: int, exact: bool = True, sampling: Sampling = GREEDY,
+           phases: Optional[dict[str, float]] = None) -> Recall:
     """Run ``setup`` (returns how many tokens it put in the context), prefill ``qtok``, decode.
 
     ``graft`` says whether ``setup`` restored saved state (timed as ``restore_ms``, counted as
     ``tokens_restored``) or prefilled (timed and counted with the task's prefill). ``exact`` is ANDed with
-    the engine's own exactness, for callers that know the prompt's seam is not clean.
+    the engine's own exactness, for callers that know the prompt's seam is not clean. ``phases`` is a
+    dict that ``setup`` fills while it runs (``read_ms``, ``check_ms``, ``place_ms``, ``set_data_ms``,
+    see :func:`graft`); its entries go into the receipt's breakdown.
     """
     with eng.session():
         t0 = time.perf_counter()
@@ -48,19 +54,22 @@ def answer(eng: Engine, block: Block, qtok: list[int], setup: Callable[[], int],
         tokens_prefilled=len(qtok) + (0 if graft else n_setup),
         restore_ms=(t1 - t0) * 1e3 if graft else 0.0, prefill_ms=(t2 - (t1 if graft else t0)) * 1e3,
         decode_ms=(t3 - t2) * 1e3, decode_tokens=len(out), first_logits_sha256=logits_sha256(first),
-        exact=eng.exactness.exact and exact)
+        exact=eng.exactness.exact and exact, **{k: v for k, v in (phases or {}).items() if k in _PHASES})
     return Recall(text=eng.detokenize(out), tokens=out, block=block, receipt=receipt,
                   finish_reason=dec.finish_reason)
 
 
-def graft(eng: Engine, store: "Store", block: Block) -> int:
+def graft(eng: Engine, store: "Store", block: Block, timings: Optional[dict[str, float]] = None) -> int:
     """Restore ``block`` (its whole chain) as sequence 0 at its own positions; return its end position.
 
     Digests are checked, a chain is merged, window-trimmed cells are put back at their fresh indices
-    (:func:`graftmem.store.chain.load_state`). Call inside an :meth:`Engine.session`.
+    (:func:`graftmem.store.chain.load_state`). Call inside an :meth:`Engine.session`. ``timings``, if
+    given, gets the phases' milliseconds (``read_ms``, ``check_ms``, ``place_ms``, ``set_data_ms``).
     """
-    _, view = load_state(store, block.id, eng.buffer, fingerprint=eng.fingerprint)
-    eng.restore(view, block.pos_end)
+    _, view = load_state(store, block.id, eng.buffer, fingerprint=eng.fingerprint, timings=timings)
+    ms = eng.restore(view, block.pos_end)
+    if timings is not None:
+        timings["set_data_ms"] = timings.get("set_data_ms", 0.0) + ms
     return block.pos_end
 
 
@@ -73,5 +82,6 @@ def ask(eng: Engine, store: "Store", block: Block, query: str, *, max_tokens: in
     qtok = eng.tokenize(query, add_special=False)
     if not qtok:
         raise ConfigError("the query is empty")
-    return answer(eng, block, qtok, lambda: graft(eng, store, block), graft=True, max_tokens=max_tokens,
-                  sampling=sampling)
+    phases: dict[str, float] = {}
+    return answer(eng, block, qtok, lambda: graft(eng, store, block, phases), graft=True,
+                  max_tokens=max_tokens, sampling=sampling, phases=phases)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Callable, Optional
 
 from ..core.blocks import Block, Fingerprint
@@ -66,22 +67,28 @@ def full_tokens(store: "Store", block: Block) -> list[int]:
 
 
 def _read_full(store: "Store", block: Block, buffer: Callable[[int], memoryview],
-               fingerprint: Optional[Fingerprint]) -> memoryview:
+               fingerprint: Optional[Fingerprint], timings: Optional[dict[str, float]] = None) -> memoryview:
     """The full state of ``block`` in ``buffer``; every stored digest on the chain checked."""
     if block.storage == "full":
-        return store.read_state(block.id, buffer, fingerprint=fingerprint)[1]
+        return store.read_state(block.id, buffer, fingerprint=fingerprint, timings=timings)[1]
     if block.parent is None or block.full_state_size is None or block.full_state_digest is None:
         raise BlockCorrupted(f"block {block.short_id} is stored as a delta without a parent or full digest")
     parent = store.get(block.parent)
-    pstate = _read_full(store, parent, lambda n: memoryview(bytearray(n)), fingerprint)
-    _, delta = store.read_state(block.id, lambda n: memoryview(bytearray(n)), fingerprint=fingerprint)
+    pstate = _read_full(store, parent, lambda n: memoryview(bytearray(n)), fingerprint, timings)
+    _, delta = store.read_state(block.id, lambda n: memoryview(bytearray(n)), fingerprint=fingerprint,
+                                timings=timings)
+    t0 = time.perf_counter()
     out = buffer(block.full_state_size)
     try:
         _statefmt.merge(pstate, delta, out)
     except _statefmt.StateLayoutError as exc:
         raise BlockCorrupted(f"block {block.short_id}: its delta does not merge with parent "
                              f"{parent.short_id}: {exc}") from exc
+    t1 = time.perf_counter()
     actual = state_digest(out)
+    if timings is not None:  # the merge counts as placing cells, its digest as a check
+        timings["place_ms"] = timings.get("place_ms", 0.0) + (t1 - t0) * 1e3
+        timings["check_ms"] = timings.get("check_ms", 0.0) + (time.perf_counter() - t1) * 1e3
     if actual != block.full_state_digest:
         raise BlockCorrupted(f"block {block.short_id}: rebuilt state digest mismatch: expected "
                              f"{block.full_state_digest}, actual {actual}",
@@ -98,7 +105,8 @@ def full_state(store: "Store", block: Block, *, fingerprint: Optional[Fingerprin
 
 
 def load_state(store: "Store", block_id: str, buffer: Callable[[int], memoryview], *,
-               fingerprint: Optional[Fingerprint] = None) -> tuple[Block, memoryview]:
+               fingerprint: Optional[Fingerprint] = None,
+               timings: Optional[dict[str, float]] = None) -> tuple[Block, memoryview]:
     """Read (and for a delta, rebuild) a block's full state into ``buffer``; check everything first.
 
     For a root block this is :meth:`Store.read_state`. For a chained block, each ancestor's stored
@@ -107,24 +115,50 @@ def load_state(store: "Store", block_id: str, buffer: Callable[[int], memoryview
     A chained state whose window cache was trimmed is then padded with masked placeholder cells
     (:func:`graftmem.core.statefmt.place_cells`) so that a restore keeps every cell at its fresh index;
     without that, Gemma 3 grafts differ from a fresh prefill for 1-token and >= 64-token queries.
+
+    ``timings`` (optional) gets ``read_ms``, ``check_ms`` and ``place_ms`` added: where the time went
+    (:class:`graftmem.Receipt`).
     """
     block = store.get(block_id)
     if block.parent is None:
-        block, view = store.read_state(block.id, buffer, fingerprint=fingerprint)
-        # a root block of a sliding-window model past its window: same placement fix. The bytes were
-        # read into ``buffer``, which the placed state is written to: move them to scratch first
-        if not _needs_placing(view):
-            return block, view
-        src = _scratch(len(view))
-        src[:] = view
-        return block, _placed(src, block, buffer, fallback=view)
+        placing = _PLACING.get(block.fingerprint.model_sha256, False)
+        if placing:
+            # this model's roots needed placing before: read into scratch and place straight into
+            # ``buffer`` (no copy of the stored bytes); a root that turns out not to need it is copied
+            block, src = store.read_state(block.id, _scratch, fingerprint=fingerprint, timings=timings)
+        else:
+            block, src = store.read_state(block.id, buffer, fingerprint=fingerprint, timings=timings)
+        t0 = time.perf_counter()
+        try:
+            if not _needs_placing(src):
+                if not placing:
+                    return block, src
+                out = buffer(len(src))
+                out[:] = src
+                return block, out
+            if not placing:
+                # first placed root of this model: the bytes sit in ``buffer``, which the placed
+                # state is written to: move them to scratch (once; later roots read into scratch)
+                _PLACING[block.fingerprint.model_sha256] = True
+                scratch = _scratch(len(src))
+                scratch[:] = src
+                return block, _placed(scratch, block, buffer, fallback=src)
+            return block, _placed(src, block, buffer, fallback=None)
+        finally:
+            if timings is not None:
+                timings["place_ms"] = timings.get("place_ms", 0.0) + (time.perf_counter() - t0) * 1e3
     chain_of(store, block)  # positions and depth
-    full = _read_full(store, block, lambda n: memoryview(bytearray(n)), fingerprint)
-    if _needs_placing(full):
-        return block, _placed(full, block, buffer, fallback=None)
-    out = buffer(len(full))
-    out[:] = full
-    return block, out
+    full = _read_full(store, block, lambda n: memoryview(bytearray(n)), fingerprint, timings)
+    t0 = time.perf_counter()
+    try:
+        if _needs_placing(full):
+            return block, _placed(full, block, buffer, fallback=None)
+        out = buffer(len(full))
+        out[:] = full
+        return block, out
+    finally:
+        if timings is not None:
+            timings["place_ms"] = timings.get("place_ms", 0.0) + (time.perf_counter() - t0) * 1e3
 
 
 def _placed(state: memoryview, block: Block, buffer: Callable[[int], memoryview],
@@ -152,6 +186,8 @@ def _needs_placing(state: memoryview) -> bool:
 
 
 _local = threading.local()
+#: models (GGUF SHA-256) whose root blocks needed their window cells placed: read those into scratch
+_PLACING: dict[str, bool] = {}
 
 
 def _scratch(n: int) -> memoryview:

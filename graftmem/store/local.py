@@ -121,28 +121,60 @@ def _read_head(f: BinaryIO, where: str, expect_id: str) -> tuple[Block, int, int
 
 
 def read_block_file(path: Path, buffer: Callable[[int], memoryview], *, expect_id: str,
-                    fingerprint: Optional[Fingerprint] = None) -> tuple[Block, memoryview]:
+                    fingerprint: Optional[Fingerprint] = None,
+                    timings: Optional[dict[str, float]] = None) -> tuple[Block, memoryview]:
     """Read the state of the block file at ``path`` into ``buffer(n)`` and check it (see
-    :meth:`Store.read_state`); also for files not in a store yet, such as a staged import."""
+    :meth:`Store.read_state`); also for files not in a store yet, such as a staged import.
+
+    The first read of a file version in this process checks the state's BLAKE3 digest and remembers
+    the xxh3-128 of the checked bytes; later reads of the same version (same inode, size, mtime and
+    ctime) check that xxh3-128 while reading instead (:mod:`graftmem.store.verified`, docs/format.md:
+    what each digest defends against). Either way a changed byte is refused before it is returned.
+    ``timings``, if given, gets ``read_ms`` and ``check_ms`` added (accumulated over chained reads).
+    """
+    from . import verified  # local import: keeps this change inside the reader
+
     where = str(path)
+    t0 = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
         block, soff, slen = _read_head(f, where, expect_id)
         if fingerprint is not None:
             err = incompatibility(block, fingerprint)
             if err is not None:
                 raise err
+        key = verified.file_version(f.fileno(), block.state_digest)
+        known = verified.recall(key)
         view = buffer(slen)
+        t1 = time.perf_counter()
         f.seek(soff)
-        got = 0
-        while got < slen:
-            n = f.readinto(view[got:])
-            if not n:
-                raise BlockCorrupted(f"{where}: truncated state ({got} of {slen} bytes)", path=where)
-            got += n
-    actual = state_digest(view)
-    if actual != block.state_digest:
-        raise BlockCorrupted(f"{where}: state digest mismatch: expected {block.state_digest}, "
-                             f"actual {actual}", path=where, expected=block.state_digest, actual=actual)
+        if known is not None:  # this version passed BLAKE3 before: xxh3-128 while reading
+            got, seen = verified.read_hashed(f, view)
+        else:
+            got = 0
+            while got < slen:
+                n = f.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+        if got < slen:
+            raise BlockCorrupted(f"{where}: truncated state ({got} of {slen} bytes)", path=where)
+    t2 = time.perf_counter()
+    if known is not None:
+        if seen != known:
+            verified.forget(key)
+            raise BlockCorrupted(f"{where}: state changed since it was verified: xxh3-128 expected "
+                                 f"{known.hex()}, actual {seen.hex()}", path=where,
+                                 expected=known.hex(), actual=seen.hex())
+    else:
+        actual = state_digest(view)
+        if actual != block.state_digest:
+            raise BlockCorrupted(f"{where}: state digest mismatch: expected {block.state_digest}, "
+                                 f"actual {actual}", path=where, expected=block.state_digest, actual=actual)
+        verified.remember(key, verified.checksum(view))
+    if timings is not None:
+        t3 = time.perf_counter()
+        timings["read_ms"] = timings.get("read_ms", 0.0) + (t2 - t1) * 1e3
+        timings["check_ms"] = timings.get("check_ms", 0.0) + ((t1 - t0) + (t3 - t2)) * 1e3
     return block, view
 
 
@@ -435,16 +467,19 @@ class Store:
             return _read_head(f, str(path), path.stem)[0]
 
     def read_state(self, block_id: str, buffer: Callable[[int], memoryview], *,
-                   fingerprint: Optional[Fingerprint] = None) -> tuple[Block, memoryview]:
+                   fingerprint: Optional[Fingerprint] = None,
+                   timings: Optional[dict[str, float]] = None) -> tuple[Block, memoryview]:
         """Read a block's state into ``buffer(n)`` and check it; raise before anything is returned.
 
         Checks, in order: header and size (truncation), trailer over header+manifest, manifest id,
-        fingerprint (if given), then the BLAKE3 digest of the state bytes.
+        fingerprint (if given), then the BLAKE3 digest of the state bytes (or, for a file version
+        already verified in this process, the xxh3-128 of the verified bytes: :func:`read_block_file`).
+        ``timings`` (optional) gets ``read_ms`` / ``check_ms`` added.
         """
         bid = self.resolve(block_id)
         path = self.path_of(bid)
         try:
-            return read_block_file(path, buffer, expect_id=bid, fingerprint=fingerprint)
+            return read_block_file(path, buffer, expect_id=bid, fingerprint=fingerprint, timings=timings)
         except FileNotFoundError as exc:
             raise BlockNotFound(f"block {bid[:12]} is indexed but its file {path} is missing; "
                                 "run `graftmem doctor` to reconcile") from exc

@@ -1,0 +1,122 @@
+"""The fast restore paths keep the contract: byte-exact grafts, and a flipped byte always refused.
+
+One test per fast path (docs/benchmarks.md, graft speed):
+
+* ``Engine.restore`` clears the cache without zeroing it: a graft over cells that still hold another
+  block's bytes must equal a fresh prefill in a zeroed cache, byte for byte;
+* a file version verified once (BLAKE3) is checked with xxh3-128 on later reads: a flip made through
+  the file system (new ctime) goes back to BLAKE3, and a flip the file's stat cannot see is caught by
+  xxh3-128;
+* Gemma's root blocks past the window are read into scratch and placed straight into the engine buffer
+  once the model is known to need placing: exact, and a flipped byte is refused on that path too;
+* the receipt's per-phase breakdown is filled.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from graftmem import BlockCorrupted
+from graftmem.core.engine import logits_sha256
+from graftmem.memory.answer import graft
+from graftmem.store import chain as _chain
+from graftmem.store import verified
+
+from .conftest import long_text
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def _fresh(eng, tokens: list[int], query: list[int]) -> str:
+    eng.reset()  # zeroes the whole cache: the reference never sees stale bytes
+    eng.prefill(tokens)
+    eng.prefill(query)
+    out = logits_sha256(eng.logits())
+    eng.reset()
+    return out
+
+
+@pytest.mark.parametrize("query", ["\n", "\nQuestion: " + " ".join(["which step comes first"] * 14) + "?"])
+def test_graft_over_stale_cells_equals_fresh(mem, smol, query):
+    """restore() clears with data=False: a longer block grafted first leaves its K/V bytes in the cells
+    after the short block; the short block's graft + query must still equal a fresh prefill."""
+    long_b = mem.learn(long_text(700, seed=71), name="long")
+    short_b = mem.learn(long_text(150, seed=72), name="short")
+    assert long_b.n_tokens > short_b.n_tokens + 200
+    q = smol.tokenize(query, add_special=False)
+    with smol.session():
+        graft(smol, mem.store, long_b)
+        graft(smol, mem.store, short_b)  # cells past short_b + q still hold long_b's bytes
+        smol.prefill(q)
+        grafted = logits_sha256(smol.logits())
+    assert grafted == _fresh(smol, short_b.tokens, q)
+
+
+def test_flip_after_a_verified_read_goes_back_to_blake3(mem):
+    block = mem.learn(long_text(120, seed=5), name="hot")
+    path = mem.store.path_of(block.id)
+    mem.ask(block.id, "\nQ:", max_tokens=1)
+    mem.ask(block.id, "\nQ:", max_tokens=1)  # the second read took the xxh3-128 path
+    with open(path, "rb") as f:
+        assert verified.recall(verified.file_version(f.fileno(), block.state_digest)) is not None
+    _flip(path, path.stat().st_size - 32 - 777)  # inside the state: changes ctime
+    with pytest.raises(BlockCorrupted, match="state digest mismatch") as ei:
+        mem.ask(block.id, "\nQ:", max_tokens=1)
+    assert ei.value.expected == block.state_digest
+
+
+def test_flip_invisible_to_stat_is_refused_by_xxh3(mem):
+    """A change the file's stat does not show (a bit flipped on the medium or in the page cache):
+    simulated by moving the verified entry to the flipped file's new version key."""
+    block = mem.learn(long_text(120, seed=6), name="bitrot")
+    path = mem.store.path_of(block.id)
+    mem.ask(block.id, "\nQ:", max_tokens=1)
+    with open(path, "rb") as f:
+        old_key = verified.file_version(f.fileno(), block.state_digest)
+    known = verified.recall(old_key)
+    assert known is not None
+    _flip(path, path.stat().st_size - 32 - 4097)
+    with open(path, "rb") as f:
+        new_key = verified.file_version(f.fileno(), block.state_digest)
+    assert new_key != old_key
+    verified.forget(old_key)
+    verified.remember(new_key, known)  # as if the stat had not changed
+    with pytest.raises(BlockCorrupted, match="changed since it was verified"):
+        mem.ask(block.id, "\nQ:", max_tokens=1)
+    assert verified.recall(new_key) is None  # forgotten: the next read checks BLAKE3 again
+    with pytest.raises(BlockCorrupted, match="state digest mismatch"):
+        mem.ask(block.id, "\nQ:", max_tokens=1)
+
+
+def test_gemma_root_placed_from_scratch_is_exact_and_refuses_a_flip(gmem, gemma):
+    block = gmem.learn(long_text(560, seed=77), name="gemma-scratch")
+    assert block.n_tokens > gemma.n_swa + 64
+    q = gemma.tokenize(" the", add_special=False)
+    fresh = _fresh(gemma, block.tokens, q)
+    for _ in range(2):  # the first read learns that this model places cells; the second reads into scratch
+        r = gmem.ask(block.id, " the", max_tokens=1)
+        assert r.receipt.first_logits_sha256 == fresh
+        assert r.receipt.place_ms is not None and r.receipt.place_ms > 0
+    assert _chain._PLACING.get(block.fingerprint.model_sha256) is True
+    path = gmem.store.path_of(block.id)
+    _flip(path, path.stat().st_size - 32 - 3000)
+    with pytest.raises(BlockCorrupted):
+        gmem.ask(block.id, " the", max_tokens=1)
+
+
+def test_receipt_breaks_the_restore_down(mem):
+    block = mem.learn(long_text(200, seed=8), name="phases")
+    rc = mem.ask(block.id, "\nQ:", max_tokens=2).receipt
+    parts = [rc.read_ms, rc.check_ms, rc.set_data_ms]
+    assert all(p is not None and p > 0 for p in parts)
+    assert rc.place_ms is not None  # measured (a dense model has nothing to place: ~0)
+    assert sum(parts) + rc.place_ms <= rc.restore_ms
+    assert rc.route_ms is None  # asked directly, not routed
