@@ -38,7 +38,8 @@ import time
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator, Optional
 
-from ..core.blocks import PROVENANCE_LOCAL, PROVENANCE_UNVERIFIED, Block, Fingerprint, StoreStats
+from ..core.blocks import (PROVENANCE_LOCAL, PROVENANCE_UNVERIFIED, Block, Fingerprint, StoreStats,
+                           provenance_is_trusted)
 from ..core.errors import (BlockCorrupted, BlockNotFound, ConfigError, IncompatibleBlock, StoreError,
                            StoreFull, StoreLocked, StoreReadOnly)
 from .home import BLOCK_SUFFIX, Home
@@ -661,6 +662,7 @@ class Store:
         before calling."""
         self._writable("import blocks")
         moved: list[tuple[Block, Path]] = []
+        replaced: set[str] = set()  # an unverified block overwritten by its proved copy: not undone
         with self.lock():
             try:
                 self._db.execute("BEGIN IMMEDIATE")
@@ -668,7 +670,11 @@ class Store:
                     for block, src in files:
                         dst = self.path_of(block.id)
                         if dst.exists() and self.contains(block.id):
-                            continue
+                            # present: kept, unless it is unverified and this copy was proved here
+                            if not (provenance_is_trusted(block.provenance)
+                                    and self.provenance(block.id) == PROVENANCE_UNVERIFIED):
+                                continue
+                            replaced.add(block.id)
                         dst.parent.mkdir(exist_ok=True)
                         self._insert(block, os.stat(src).st_size, block.provenance or PROVENANCE_UNVERIFIED,
                                      bool(block.labels_trusted))
@@ -689,8 +695,9 @@ class Store:
                         self._db.execute("ROLLBACK")
                     raise
             except BaseException as exc:
-                for _, dst in moved:
-                    dst.unlink(missing_ok=True)
+                for b, dst in moved:
+                    if b.id not in replaced:
+                        dst.unlink(missing_ok=True)
                 if isinstance(exc, sqlite3.Error):
                     raise _sql_error(exc, self.home, "importing blocks") from exc
                 raise
