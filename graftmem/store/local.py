@@ -76,6 +76,8 @@ _COLUMNS = ("id, name, kind, n_tokens, state_size, file_size, created_at, fp_dig
 TEMP_MAX_AGE = 3600.0
 _BLOCK_NAME = re.compile(r"([0-9a-f]{64})\.gmb")
 _SQLITE_FULL = 13
+_SQLITE_CORRUPT = 11
+_SQLITE_NOTADB = 26
 _READONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
@@ -244,6 +246,7 @@ class Store:
                 raise StoreError(f"cannot create the store at {self.home}: {exc}") from exc
         self._tlock = threading.RLock()
         self._lock_depth = 0
+        self._index_set_aside = False
         self._db = self._open_index()
         self.reconcile()
 
@@ -258,9 +261,15 @@ class Store:
                 db.executescript(_SCHEMA)
                 self._migrate(db)
                 return db
-            except sqlite3.Error as exc:
+            except sqlite3.DatabaseError as exc:
                 if db is not None:
                     db.close()
+                code = getattr(exc, "sqlite_errorcode", None)
+                if code in (_SQLITE_CORRUPT, _SQLITE_NOTADB) and not self._index_set_aside:
+                    # the files are the truth: set the damaged index aside and rebuild it from them
+                    # (every block unverified: the provenance it recorded is lost with it)
+                    self._set_index_aside(f"{exc}")
+                    return self._open_index()
                 err = _sql_error(exc, self.home, "opening the index")
                 if not isinstance(err, StoreReadOnly):
                     raise err from exc
@@ -280,6 +289,19 @@ class Store:
         db.executescript(_SCHEMA)
         self._migrate(db)
         return db
+
+    def _set_index_aside(self, why: str) -> None:
+        self._index_set_aside = True
+        q = self.layout.quarantine
+        stamp = f"{time.strftime('%Y%m%dT%H%M%S')}.{secrets.token_hex(3)}"
+        q.mkdir(parents=True, exist_ok=True)
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            src = self.layout.index.with_name(self.layout.index.name + suffix)
+            if os.path.lexists(src):
+                os.rename(src, q / f"{src.name}.{stamp}")
+        log.warning("store %s: the index could not be read (%s); moved it to %s and rebuilt it from the "
+                    "block files (every block now unverified: re-derive or learn them again)", self.home,
+                    why, q)
 
     def _migrate(self, db: sqlite3.Connection) -> None:
         have = {r[1] for r in db.execute("PRAGMA table_info(blocks)")}
