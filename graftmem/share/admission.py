@@ -266,28 +266,35 @@ class Admission:
         where its parent ends, and (when a tokenizer was given) the text is exactly what gives the
         stored tokens. Raises :class:`BundleRejected` naming the block; nothing is moved in."""
         staged = {b.id: b for b, _ in arrived}
+        for b, p in arrived:
+            try:
+                self._bind_one(b, staged)
+            except BundleRejected:
+                p.unlink(missing_ok=True)  # intact bytes, refused content: not kept to resume
+                raise
+
+    def _bind_one(self, b: Block, staged: Mapping[str, Block]) -> None:
         tokenize = self.check.tokenize if isinstance(self.check, Vetting) else None
         local = self.fingerprint.digest()
-        for b, _ in arrived:
-            if b.parent is None:
-                if b.pos_start != 0:
-                    raise BundleRejected(f"{self.where}: root block {b.short_id} ({b.name!r}) claims to start at "
-                                         f"position {b.pos_start}; a root starts at 0: refusing the transfer")
-            else:
-                parent = self._parent_of(b, staged)
-                if b.pos_start != parent.pos_end:
-                    raise BundleRejected(f"{self.where}: block {b.short_id} ({b.name!r}) claims to start at "
-                                         f"position {b.pos_start}, its parent {parent.short_id} ends at "
-                                         f"{parent.pos_end}: refusing the transfer")
-            if tokenize is not None and b.fingerprint.digest() == local:
-                got = tokenize(b)
-                if list(got) != list(b.tokens):
-                    first = next((i for i, (x, y) in enumerate(zip(got, b.tokens)) if x != y),
-                                 min(len(got), len(b.tokens)))
-                    raise BundleRejected(
-                        f"{self.where}: block {b.short_id} ({b.name!r}): its text does not tokenize to its "
-                        f"{b.n_tokens} stored tokens (they differ from token {first}): the text is a label "
-                        "that does not belong to the state; refusing the transfer")
+        if b.parent is None:
+            if b.pos_start != 0:
+                raise BundleRejected(f"{self.where}: root block {b.short_id} ({b.name!r}) claims to start at "
+                                     f"position {b.pos_start}; a root starts at 0: refusing the transfer")
+        else:
+            parent = self._parent_of(b, staged)
+            if b.pos_start != parent.pos_end:
+                raise BundleRejected(f"{self.where}: block {b.short_id} ({b.name!r}) claims to start at "
+                                     f"position {b.pos_start}, its parent {parent.short_id} ends at "
+                                     f"{parent.pos_end}: refusing the transfer")
+        if tokenize is not None and b.fingerprint.digest() == local:
+            got = tokenize(b)
+            if list(got) != list(b.tokens):
+                first = next((i for i, (x, y) in enumerate(zip(got, b.tokens)) if x != y),
+                             min(len(got), len(b.tokens)))
+                raise BundleRejected(
+                    f"{self.where}: block {b.short_id} ({b.name!r}): its text does not tokenize to its "
+                    f"{b.n_tokens} stored tokens (they differ from token {first}): the text is a label "
+                    "that does not belong to the state; refusing the transfer")
 
     def _full_states(self, mine: list[tuple[Block, Path]]):
         """Yield ``(block, path, full state, segments)`` for each block, parents first; a staged child's
