@@ -77,6 +77,7 @@ TEMP_MAX_AGE = 3600.0
 _BLOCK_NAME = re.compile(r"([0-9a-f]{64})\.gmb")
 _SQLITE_FULL = 13
 _SQLITE_CORRUPT = 11
+_SQLITE_IOERR = 10
 _SQLITE_NOTADB = 26
 _READONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 
@@ -166,12 +167,21 @@ def open_regular(path: Path) -> BinaryIO:
 
 def _sql_error(exc: sqlite3.Error, home: Path, doing: str) -> StoreError:
     """Our error for a SQLite failure: a full disk (SQLITE_FULL) is :class:`StoreFull`."""
-    code = getattr(exc, "sqlite_errorcode", None)
+    code = (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF
     if code == _SQLITE_FULL or "full" in str(exc).lower():
         return StoreFull(f"disk full while {doing} in {home}; nothing was written: free space and retry")
     if "readonly" in str(exc).lower() or "read-only" in str(exc).lower():
         return StoreReadOnly(f"the index of {home} is read-only ({exc}) while {doing}")
     return StoreError(f"the index of {home} failed while {doing}: {exc}")
+
+
+def _disk_full(path: Path, slack: int = 256 << 10) -> bool:
+    """Whether the file system holding ``path`` has (almost) no space left for this user."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < slack
 
 
 def _os_error(exc: OSError, home: Path, doing: str) -> StoreError:
@@ -247,6 +257,7 @@ class Store:
         self._tlock = threading.RLock()
         self._lock_depth = 0
         self._index_set_aside = False
+        self._full = False
         self._db = self._open_index()
         self.reconcile()
 
@@ -264,18 +275,24 @@ class Store:
             except sqlite3.DatabaseError as exc:
                 if db is not None:
                     db.close()
-                code = getattr(exc, "sqlite_errorcode", None)
+                code = (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF  # primary code of an extended one
                 if code in (_SQLITE_CORRUPT, _SQLITE_NOTADB) and not self._index_set_aside:
                     # the files are the truth: set the damaged index aside and rebuild it from them
                     # (every block unverified: the provenance it recorded is lost with it)
                     self._set_index_aside(f"{exc}")
                     return self._open_index()
                 err = _sql_error(exc, self.home, "opening the index")
-                if not isinstance(err, StoreReadOnly):
+                if code in (_SQLITE_IOERR, _SQLITE_FULL) and _disk_full(self.home):
+                    # SQLite cannot even create its WAL index on a full disk: open read-only, so that
+                    # reading still works; writes raise StoreFull (not a raw disk I/O error)
+                    err = StoreFull(f"disk full: the index of {self.home} cannot be opened for writing")
+                    self._full = True
+                elif not isinstance(err, StoreReadOnly):
                     raise err from exc
                 self.read_only = True
-        log.warning("the store at %s is not writable: opened read-only (listing, reading, asking and "
-                    "verifying work; learning and importing do not)", self.home)
+        log.warning("the store at %s is not writable%s: opened read-only (listing, reading, asking and "
+                    "verifying work; learning and importing do not)", self.home,
+                    " (disk full)" if self._full else "")
         db = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
         if self.layout.index.is_file():
             try:
@@ -316,6 +333,9 @@ class Store:
             self._db.close()
 
     def _writable(self, doing: str) -> None:
+        if self._full:
+            raise StoreFull(f"disk full: the store at {self.home} was opened read-only because its index "
+                            f"could not be opened for writing (cannot {doing}); free space and reopen it")
         if self.read_only:
             raise StoreReadOnly(f"the store at {self.home} is read-only (cannot {doing}): open a writable "
                                 "home, or copy it somewhere writable")
