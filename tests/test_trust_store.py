@@ -98,6 +98,9 @@ def test_junk_entries_are_quarantined_and_the_store_keeps_working(mem, tmp_path,
         assert not os.path.lexists(p), f"{what} left in blocks/"
     assert len(list((home / "quarantine").iterdir())) == len(junk) + 1
     assert sum("quarantine" in r.getMessage() or "moved" in r.getMessage() for r in caplog.records) >= len(junk)
+    # doctor (which reads every block file) reports a healthy store after the quarantine
+    assert main(["--home", str(home), "--config", '{"probe": false}', "--json", "doctor"]) in (0, 1)
+    assert '"unreadable_blocks": []' in capsys.readouterr().out
     # and the store still works: reopened, grafting and learning as before
     with Memory(engine=mem.engine, home=home) as m:
         m.ask(child.id, QUERY, max_tokens=1)
