@@ -508,7 +508,8 @@ class Store:
         if added or dropped or moved:
             log.info("store %s reconciled: %d added (unverified), %d dropped, %d entries removed or "
                      "quarantined", self.home, added, dropped, moved)
-        return {"added": added, "dropped": dropped, "temp_removed": moved, "quarantined": moved}
+        # temp files removed and entries quarantined are counted together ("set aside")
+        return {"added": added, "dropped": dropped, "set_aside": moved}
 
     def resolve(self, block_id: str) -> str:
         """Full id for an id or a unique prefix of at least 4 hex characters."""
