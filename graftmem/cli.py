@@ -68,6 +68,39 @@ def _size(n: float) -> str:
     return f"{n} B"
 
 
+def _read_text(path: str) -> str:
+    """A text file (or ``-``: stdin) as UTF-8; anything else is a clear error, not a traceback."""
+    from . import ConfigError
+
+    where = "stdin" if path == "-" else path
+    data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{where} is not UTF-8 text (byte {exc.start} is {data[exc.start:exc.start + 1]!r}); "
+                          "learn text files only, converted first if needed (e.g. iconv -f latin1 -t utf-8)") from None
+
+
+def _port(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port: give 1..65535, or 0 for a free one")
+    return port
+
+
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is not allowed: give 1 or more")
+    return n
+
+
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
@@ -77,7 +110,7 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 def cmd_learn(args: argparse.Namespace) -> int:
     from datetime import datetime, timezone
 
-    text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text(encoding="utf-8")
+    text = _read_text(args.file)
     started = datetime.now(timezone.utc)
     with _memory(args) as mem:
         block = mem.learn(text, name=args.name or (None if args.file == "-" else Path(args.file).stem),
@@ -102,11 +135,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
         store.close()
     rows = [[b.short_id, b.kind, b.n_tokens, f"{b.state_size:,}", b.fingerprint.model_name,
              "yes" if b.verification and b.verification.ok else ("NO" if b.verification else "-"),
-             b.name[:40]] for b in blocks]
-    _out(args, [b.model_dump(exclude={"tokens", "text"}) for b in blocks],
-         _table(rows, ["id", "kind", "tokens", "state bytes", "model", "verified", "name"])
+             b.provenance, _label(b.name[:40], b)] for b in blocks]
+    _out(args, [b.model_dump(exclude={"tokens", "text"}) | {"provenance": b.provenance,
+                                                            "labels_trusted": b.labels_trusted} for b in blocks],
+         _table(rows, ["id", "kind", "tokens", "state bytes", "model", "verified", "provenance", "name"])
          if rows else "(no blocks)")
     return 0
+
+
+def _label(text: str, b: Any) -> str:
+    """A label as shown: marked when it came from elsewhere and no trusted signature covers it."""
+    return text if b.labels_trusted else f"{text} (unverified label)"
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -119,7 +158,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         store.close()
     fp = b.fingerprint
     text = "\n".join([
-        f"id           {b.id}", f"name         {b.name}", f"kind         {b.kind}",
+        f"id           {b.id}", f"name         {_label(b.name, b)}", f"kind         {b.kind}",
+        f"provenance   {b.provenance}",
         f"tokens       {b.n_tokens} (positions {b.pos_start}..{b.pos_end - 1})",
         f"state        {b.state_size:,} bytes  {b.state_digest}",
         f"model        {fp.model_name}  sha256 {fp.model_sha256[:16]}…",
@@ -129,7 +169,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         f"verified     {b.verification.model_dump_json() if b.verification else 'never'}",
         f"text         {b.text[:200]!r}{'…' if len(b.text) > 200 else ''}",
     ])
-    _out(args, b, text)
+    _out(args, b.model_dump(mode="json") | {"provenance": b.provenance, "labels_trusted": b.labels_trusted}, text)
     return 0
 
 
@@ -140,7 +180,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
         block = mem.get(args.id)
         # a chat block holds complete turns: the question becomes the next user turn (--raw: as given)
         query = args.question if args.raw else continuation_for(block, args.question)
-        r = mem.ask(block.id, query, max_tokens=args.max_tokens, sampling=_sampling(args))
+        r = mem.ask(block.id, query, max_tokens=args.max_tokens, sampling=_sampling(args),
+                    allow_unverified=args.allow_unverified)
     rc = r.receipt
     _out(args, r, f"{r.text}\n\n-- {rc}")
     if not r.tokens:
@@ -171,7 +212,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_recall(args: argparse.Namespace) -> int:
     with _memory(args) as mem:
-        r = mem.recall(args.task, max_tokens=args.max_tokens, min_score=args.min_score, sampling=_sampling(args))
+        r = mem.recall(args.task, max_tokens=args.max_tokens, min_score=args.min_score, sampling=_sampling(args),
+                       allow_unverified=args.allow_unverified)
     rc = r.receipt
     route = "nothing grafted"
     if r.block is not None and r.score is not None:
@@ -572,24 +614,28 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("ask", cmd_ask, "graft a block and answer a question after it (exit 1 on an empty answer)")
     sp.add_argument("id")
     sp.add_argument("question")
-    sp.add_argument("--max-tokens", type=int, default=64)
+    sp.add_argument("--max-tokens", type=_positive, default=64)
     sp.add_argument("--raw", action="store_true",
                     help="prefill the question as given, even after a chat block (default: as the next user turn)")
+    sp.add_argument("--allow-unverified", action="store_true",
+                    help="graft the block even if its provenance is unverified (see docs/security.md)")
     _sampling_options(sp)
     sp = add("verify", cmd_verify, "prove graft == fresh prefill, byte for byte (exit 1 on any mismatch)")
     sp.add_argument("id")
-    sp.add_argument("--samples", type=int, default=50)
+    sp.add_argument("--samples", type=_positive, default=50)
     sp.add_argument("--no-cross-process", action="store_true", help="skip the graft in a new process")
     sp.add_argument("--rederive", action="store_true",
                     help="instead: re-prefill the block's stored tokens and compare the state bytes")
     sp = add("recall", cmd_recall, "route a task to one block, graft it and answer (exit 1 if nothing matched)")
     sp.add_argument("task")
-    sp.add_argument("--max-tokens", type=int, default=64)
+    sp.add_argument("--max-tokens", type=_positive, default=64)
     sp.add_argument("--min-score", type=float, default=None, help="refuse to graft below this cosine score")
+    sp.add_argument("--allow-unverified", action="store_true",
+                    help="graft the routed block even if its provenance is unverified")
     _sampling_options(sp)
     sp = add("search", cmd_search, "rank the blocks for a task without grafting anything")
     sp.add_argument("task")
-    sp.add_argument("--top-k", type=int, default=5)
+    sp.add_argument("--top-k", type=_positive, default=5)
     add("reindex", cmd_reindex, "rebuild the routing index from the store")
     sp = add("learn-document", cmd_learn_document,
              "learn a long text file as pages that fit the window (resumable; exit 1 if incomplete)")
@@ -603,7 +649,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("task")
     sp.add_argument("--prompt", default=None, help="what to prefill after the page (default: a blank line + task)")
     sp.add_argument("--document", default=None, help="only this document's pages")
-    sp.add_argument("--max-tokens", type=int, default=32)
+    sp.add_argument("--max-tokens", type=_positive, default=32)
     sp.add_argument("--min-score", type=float, default=None, help="refuse to graft below this cosine score")
     sp = add("delete", cmd_delete, "delete a block (refused for a block with chained children unless --cascade)")
     sp.add_argument("id")
@@ -625,8 +671,10 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--require-signature", action="store_true",
                         help="refuse unsigned bundles and keys not trusted (also: trust.json in the home)")
         sp.add_argument("--trust", action="append", metavar="KEY.pub", help="trust this public key")
-        sp.add_argument("--rederive", action="store_true",
-                        help="also re-prefill each new block's text and refuse unless the state is equal")
+        sp.add_argument("--rederive", action=argparse.BooleanOptionalAction, default=True,
+                        help="re-prefill each new unsigned block here and refuse unless the state is equal "
+                             "(default); --no-rederive lands them unverified (never grafted without "
+                             "--allow-unverified, never routed)")
 
     sp = add("export", cmd_export, "write blocks (default all) to one bundle file")
     sp.add_argument("path")
@@ -638,11 +686,12 @@ def build_parser() -> argparse.ArgumentParser:
     trust_args(sp)
     sp = add("serve", cmd_serve, "serve the store over HTTP (read-only unless a push token is set)")
     sp.add_argument("--host", default="127.0.0.1")
-    sp.add_argument("--port", type=int, default=8765, help="0 picks a free port")
+    sp.add_argument("--port", type=_port, default=8765, help="0 picks a free port")
     sp.add_argument("--push-token", help="accept pushes with this token (or $GRAFTMEM_PUSH_TOKEN)")
     sp.add_argument("--sign", metavar="KEY", help="sign listings with this private key")
-    sp.add_argument("--rederive", action="store_true",
-                    help="re-prefill every pushed block's text and refuse it unless the state is equal")
+    sp.add_argument("--rederive", action=argparse.BooleanOptionalAction, default=True,
+                    help="re-prefill every pushed block not signed by a trusted key and refuse it unless "
+                         "the state is equal (default); --no-rederive lands them unverified")
     sp = add("pull", cmd_pull, "copy blocks from a graftmem server, checked as they arrive, resumable")
     sp.add_argument("url")
     sp.add_argument("ids", nargs="*", help="block ids or prefixes (default: all)")
@@ -658,7 +707,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("path")
     add("doctor", cmd_doctor, "model, fingerprint, exactness probe, store location and health")
     sp = add("demo", cmd_demo, "learn, recall and verify on the default model (the README's first command)")
-    sp.add_argument("--samples", type=int, default=20)
+    sp.add_argument("--samples", type=_positive, default=20)
     for sp in sub.choices.values():  # options without a help text still show their default
         for action in sp._actions:
             if action.help is None and action.option_strings and action.default not in (None, False):
@@ -675,7 +724,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except GraftmemError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, UnicodeError) as exc:  # bad input the API did not name: still one line
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

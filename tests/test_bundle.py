@@ -17,6 +17,7 @@ import pytest
 from graftmem import (BlockCorrupted, BundleRejected, IncompatibleBlock, Memory, UntrustedBundle,
                       BlockNotFound)
 from graftmem.core.blocks import block_id_for
+from graftmem.core.errors import UnverifiedBlock
 from graftmem.share.admission import foreign_store
 from graftmem.share.bundle import import_bundle
 from graftmem.share.manifest import MANIFEST_NAME, SIGNATURE_NAME, BundleManifest
@@ -402,7 +403,12 @@ def test_rederive_detects_state_swapped_for_another_text(smol, tmp_path):
         buf = bytearray()
         _, state_b = m.store.read_state(b.id, lambda n: memoryview(buf.extend(b"\0" * n) or buf)[:n])
         forge(m.store, a.id, state=bytes(state_b))
-        m.ask(a.id, QUERY, max_tokens=1)  # every digest check passes
+        # a file that appeared in the store without this store writing it is unverified: refused
+        # without consent, and with consent every digest check passes (digests cannot tell)
+        assert m.get(a.id).provenance == "unverified"
+        with pytest.raises(UnverifiedBlock):
+            m.ask(a.id, QUERY, max_tokens=1)
+        m.ask(a.id, QUERY, max_tokens=1, allow_unverified=True)
         rep = m.rederive(a.id)
         assert not rep.ok and rep.first_difference is not None
         assert rep.stored_digest == b.state_digest != rep.derived_digest
@@ -492,7 +498,13 @@ def test_import_with_rederive_refuses_a_forged_state(forged, mem, tmp_path):
     path = tmp_path / "forged.gmbundle"
     f.export(path)  # self-consistent: the exporter's own checks pass
     assert_refused(mem, path, BlockCorrupted, match="not what its .* tokens produce", rederive=True)
-    assert mem.import_bundle(path).added == [aid]  # digests alone cannot tell
+    # rederive is the default: the same refusal without asking for it
+    assert_refused(mem, path, BlockCorrupted, match="not what its .* tokens produce")
+    # opting out: digests alone cannot tell, so the block lands unverified and is not grafted
+    assert mem.import_bundle(path, rederive=False).added == [aid]
+    assert mem.get(aid).provenance == "unverified"
+    with pytest.raises(UnverifiedBlock):
+        mem.ask(aid, QUERY, max_tokens=1)
 
 
 def test_bundle_from_a_newer_graftmem_is_refused_plainly(bundle, mem):

@@ -263,7 +263,10 @@ def test_pull_with_rederive_refuses_a_forged_state(forged, mem):
         with pytest.raises(BlockCorrupted, match="not what its"):
             mem.pull(srv.url, rederive=True)
         assert state_of(mem)[1] == before[1] == []
-        assert mem.pull(srv.url).added == [aid]
+        with pytest.raises(BlockCorrupted, match="not what its"):  # the default re-derives too
+            mem.pull(srv.url)
+        assert mem.pull(srv.url, rederive=False).added == [aid]  # opted out: digests cannot tell
+        assert mem.get(aid).provenance == "unverified"
 
 
 class _HostileListing(_Handler):

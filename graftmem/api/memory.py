@@ -4,16 +4,19 @@ the verbs (learn, ask, get, delete, verify, stats) into engine and store calls. 
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Mapping, Optional, Sequence
 
 from ..core.blocks import (Block, EngineConfig, Exactness, Fingerprint, HistoryEvent, Recall, Scope, SearchHit,
                            StoreStats, VerificationRecord, VerifyReport)
 from ..core.decode import Sampling
 from ..core.engine import Engine
-from ..core.errors import BlockNotFound, ClosedError, ConfigError
+from ..core.blocks import PROVENANCE_REDERIVED, PROVENANCE_UNVERIFIED
+from ..core.errors import BlockNotFound, ClosedError, ConfigError, UnverifiedBlock
 from ..core.prompt import detect_format
 from ..memory.answer import ask as ask_block
 from ..memory.exactness import verify_block
@@ -22,13 +25,13 @@ from ..memory.learn import learn as learn_text
 from ..memory.pager import DEFAULT_OVERLAP, PageIndex, learn_document, recall_document
 from ..memory.recall import recall as route_and_answer
 from ..memory.recall import search as route_search
-from ..memory.rederive import RederiveReport, rederive as _rederive, rederive_file
+from ..memory.rederive import RederiveReport, rederive as _rederive, rederive_state
 from ..memory.router import Embedder, Router, SentenceTransformerEmbedder
 from ..server.blocks import BlockServer
 from ..share.bundle import export as export_bundle
 from ..share.bundle import import_bundle
 from ..share.client import pull, push
-from ..share.admission import BlockCheck
+from ..share.admission import Vetting
 from ..share.manifest import ExportReport, TransferReport
 from ..share.trust import SigningKey, TrustPolicy
 from ..store.local import Store
@@ -40,6 +43,103 @@ if TYPE_CHECKING:
 __all__ = ["Memory"]
 
 log = logging.getLogger("graftmem")
+
+#: The largest n_ctx llama.cpp can be asked for (its context parameters are 32-bit): a larger value
+#: would wrap around silently (2**32 + 128 ran with 256).
+MAX_N_CTX = 2**31 - 1
+_INCOMPATIBLE = ("refuse", "keep-apart", "skip")
+
+
+# ------------------------------------------------------------------ argument checks (before any work)
+def _scope(user_id: Any, agent_id: Any, session_id: Any) -> Scope:
+    """A checked :class:`Scope` (each id a non-empty str, or None)."""
+    for field, value in (("user_id", user_id), ("agent_id", agent_id), ("session_id", session_id)):
+        _text(field, value, optional=True)
+    return Scope(user_id=user_id, agent_id=agent_id, session_id=session_id)
+
+
+def _text(name: str, value: Any, *, optional: bool = False, empty: bool = False) -> None:
+    """A str that UTF-8 can encode (no lone surrogates), non-empty unless ``empty``."""
+    if value is None and optional:
+        return
+    if not isinstance(value, str):
+        raise ConfigError(f"{name} must be a str, got {type(value).__name__}"
+                          + (" (decode bytes first, e.g. data.decode('utf-8'))" if isinstance(value, (bytes, bytearray)) else ""))
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ConfigError(f"{name} is not valid Unicode: character {exc.start} is a lone surrogate "
+                          f"({value[exc.start]!r}); fix the text's decoding") from None
+    if not empty and not value.strip():
+        raise ConfigError(f"{name} must not be empty")
+
+
+def _int(name: str, value: Any, *, lo: int, hi: Optional[int] = None, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"{name} must be an int, got {type(value).__name__} {value!r:.40}")
+    if value < lo or (hi is not None and value > hi):
+        raise ConfigError(f"{name}={value} is out of range: give {lo}" + (f"..{hi}" if hi is not None else " or more"))
+
+
+def _flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {type(value).__name__} {value!r:.40}")
+
+
+def _score(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or not -1.0 <= value <= 1.0:
+        raise ConfigError(f"{name} must be a cosine score in [-1, 1], got {value!r:.40}")
+
+
+def _choice(name: str, value: Any, choices: Iterable[str]) -> None:
+    choices = tuple(choices)
+    if not isinstance(value, str) or value not in choices:
+        raise ConfigError(f"{name}={value!r:.40}: use one of {', '.join(map(repr, choices))}")
+
+
+def _ids(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{name} must be a list of block ids, got {type(value).__name__}")
+    for v in value:
+        _text(f"{name} item", v)
+
+
+def _metadata(value: Any) -> None:
+    """JSON-serialisable (it goes into the block file's manifest): checked before any prefill."""
+    if value is None:
+        return
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"metadata must be a mapping, got {type(value).__name__}")
+    for k in value:
+        if not isinstance(k, str):
+            raise ConfigError(f"metadata keys must be str, got {type(k).__name__} {k!r:.40}")
+    try:
+        json.dumps(dict(value), ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ConfigError(f"metadata must be JSON-serialisable (str, numbers, bools, None, lists, dicts; no "
+                          f"NaN, no lone surrogates): {exc}") from None
+
+
+def _path(name: str, value: Any) -> None:
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"{name} must be a path (str or os.PathLike), got {type(value).__name__}")
+    raw = os.fspath(value)
+    if not isinstance(raw, str):
+        raise ConfigError(f"{name} must be a str path, got {type(raw).__name__}")
+    _text(name, raw)
+
+
+def _instance(name: str, value: Any, cls: type, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, cls):
+        raise ConfigError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
 
 
 def _count(what: str, n: Any) -> int:
@@ -74,13 +174,27 @@ class Memory:
                  engine: Engine | None = None, embedder: Embedder | None = None) -> None:
         if engine is not None and (model is not None or config is not None):
             raise ConfigError("pass either engine= or model=/config=, not both")
+        if model is not None:
+            _path("model", model)
+        if home is not None:
+            _path("home", home)
+        _instance("engine", engine, Engine)
         if config is not None:
             config = EngineConfig.coerce(config)  # a typo fails here, before the store is opened
+        if config is not None and config.n_ctx > MAX_N_CTX:
+            raise ConfigError(f"n_ctx={config.n_ctx} is beyond what llama.cpp can address ({MAX_N_CTX}); "
+                              "give a context the model and memory allow (e.g. 8192)")
         self._store = Store(home)
         self._owns_engine = engine is None
         try:
             self._engine = engine if engine is not None else Engine(model, config)
+            if config is not None and engine is None and self._engine.n_ctx < config.n_ctx:
+                raise ConfigError(f"n_ctx={config.n_ctx} was asked for, llama.cpp gave "
+                                  f"{self._engine.n_ctx}: the model or llama.cpp cannot give that context; "
+                                  "ask for a smaller n_ctx")
         except BaseException:
+            if engine is None and getattr(self, "_engine", None) is not None:
+                self._engine.close()
             self._store.close()
             raise
         self._closed = False
@@ -220,11 +334,24 @@ class Memory:
         ``user_id``, ``agent_id`` and ``session_id`` scope the block: :meth:`get_all`, :meth:`search`
         and :meth:`recall` given a scope see only the blocks learned in it. The same text learned in two
         scopes is one block (one prefill) owned by both.
+
+        A text whose block is already here is not prefilled again, unless that block is
+        ``unverified`` (it came from elsewhere unchecked): then this engine's own prefill replaces it.
+        ``name``/``when_to_use`` given for a block whose labels came from elsewhere make them this
+        store's own (trusted, routed).
         """
         self._check()
-        scope = Scope(user_id=user_id, agent_id=agent_id, session_id=session_id)
-        if not isinstance(text, str):
+        scope = _scope(user_id, agent_id, session_id)
+        if not isinstance(text, (str, bytes, bytearray)):
             text, name, metadata = self._render_messages(text, name, metadata, chat)
+        _text("text", text)
+        _text("name", name, optional=True)
+        _text("kind", kind)
+        _metadata(metadata)
+        _flag("progress", progress)
+        _text("when_to_use", when_to_use, optional=True)
+        _flag("chat", chat)
+        _text("parent", parent, optional=True)
         block, changed = learn_text(self._engine, self._store, text, name=name, kind=kind, metadata=metadata,
                                     progress=progress, when_to_use=when_to_use, chat=chat, parent=parent)
         if self._router is not None and changed:
@@ -255,11 +382,46 @@ class Memory:
 
     # ------------------------------------------------------------------ ask
     def ask(self, block_id: str, query: str, *, max_tokens: int = 64,
-            sampling: Optional[Sampling] = None) -> Recall:
-        """Graft the block at its own positions, prefill ``query``, and answer (greedily by default)."""
+            sampling: Optional[Sampling] = None, allow_unverified: bool = False) -> Recall:
+        """Graft the block at its own positions, prefill ``query``, and answer (greedily by default).
+
+        A block (or an ancestor of a chained one) whose provenance is ``unverified`` is refused with
+        :class:`UnverifiedBlock` unless ``allow_unverified=True``: its state may not be its text's. The
+        receipt names the grafted block's provenance."""
         self._check()
-        return ask_block(self._engine, self._store, self._store.get(block_id), query, max_tokens=max_tokens,
-                           sampling=sampling or Sampling())
+        _text("block_id", block_id)
+        _text("query", query, empty=True)
+        if not query:
+            raise ConfigError("query must not be empty: the answer starts after at least one token")
+        _int("max_tokens", max_tokens, lo=1)
+        _instance("sampling", sampling, Sampling)
+        _flag("allow_unverified", allow_unverified)
+        block = self._store.get(block_id)
+        self._consent(block, allow_unverified)
+        return self._stamp(ask_block(self._engine, self._store, block, query, max_tokens=max_tokens,
+                                     sampling=sampling or Sampling()), block)
+
+    def _consent(self, block: Block, allow_unverified: bool) -> None:
+        """Refuse a block that nothing here vouches for (itself or an ancestor), unless allowed."""
+        if allow_unverified:
+            return
+        cur: Optional[Block] = block
+        while cur is not None:
+            if not cur.trusted:
+                what = "it" if cur.id == block.id else f"its ancestor {cur.short_id}"
+                raise UnverifiedBlock(
+                    f"block {block.short_id} ({block.name!r}): {what} is {cur.provenance or 'unverified'}: "
+                    "nothing here proved that its state is its text's (it arrived without re-derivation or "
+                    "a trusted signature). Re-derive it (Memory.rederive / `graftmem verify --rederive`), "
+                    "learn its text here, or pass allow_unverified=True")
+            cur = self._store.get(cur.parent) if cur.parent is not None else None
+
+    @staticmethod
+    def _stamp(r: Recall, block: Optional[Block]) -> Recall:
+        """The receipt with the grafted block's provenance."""
+        if block is None or r.block is None:
+            return r
+        return r.model_copy(update={"receipt": r.receipt.model_copy(update={"provenance": block.provenance})})
 
     # ------------------------------------------------------------------ routing
     def search(self, task: str, *, top_k: int = 5, limit: Optional[int] = None,
@@ -272,24 +434,41 @@ class Memory:
         each given value; ``kind`` and the scope (``user_id``, ``agent_id``, ``session_id``) narrow too.
         """
         self._check()
+        _text("task", task)
         top_k = _count("top_k" if limit is None else "limit", top_k if limit is None else limit)
-        allow = self._filter(Scope(user_id=user_id, agent_id=agent_id, session_id=session_id), filters, kind)
+        allow = self._filter(_scope(user_id, agent_id, session_id), filters, kind)
         return route_search(self.router, self._store, self.fingerprint.digest(), task, top_k=top_k, allow=allow)
 
     def recall(self, task: str, *, max_tokens: int = 64, min_score: Optional[float] = None,
                mode: Literal["graft", "text"] = "graft", sampling: Optional[Sampling] = None,
-               filters: Optional[Mapping[str, Any]] = None, user_id: Optional[str] = None,
-               agent_id: Optional[str] = None, session_id: Optional[str] = None) -> Recall:
+               allow_unverified: bool = False, filters: Optional[Mapping[str, Any]] = None,
+               user_id: Optional[str] = None, agent_id: Optional[str] = None,
+               session_id: Optional[str] = None) -> Recall:
         """Route ``task`` to ONE block, graft it, prefill the task, answer.
 
         Below ``min_score`` (default :data:`graftmem.memory.router.DEFAULT_MIN_SCORE`) nothing is grafted:
         ``block`` is None and the text says so. ``mode="text"`` answers the same prompt the old way
         (prefill the block's text, no graft), for comparisons; the answers are identical.
+
+        Routing only ever considers blocks whose provenance is not ``unverified`` and whose labels
+        were given here or signed by a trusted key (see docs/security.md); a routed block found
+        unverified meanwhile is refused unless ``allow_unverified=True``.
         """
         self._check()
-        allow = self._filter(Scope(user_id=user_id, agent_id=agent_id, session_id=session_id), filters)
-        return route_and_answer(self._engine, self._store, self.router, task, max_tokens=max_tokens,
-                                min_score=min_score, mode=mode, sampling=sampling or Sampling(), allow=allow)
+        _text("task", task)
+        _int("max_tokens", max_tokens, lo=1)
+        _score("min_score", min_score)
+        _choice("mode", mode, ("graft", "text"))
+        _instance("sampling", sampling, Sampling)
+        _flag("allow_unverified", allow_unverified)
+        allow = self._filter(_scope(user_id, agent_id, session_id), filters)
+        r = route_and_answer(self._engine, self._store, self.router, task, max_tokens=max_tokens,
+                             min_score=min_score, mode=mode, sampling=sampling or Sampling(), allow=allow)
+        if r.block is None:
+            return r
+        block = self._store.get(r.block.id)
+        self._consent(block, allow_unverified)
+        return self._stamp(r, block)
 
     def reindex(self) -> int:
         """Rebuild the routing index from the store (every block embedded again); returns its size."""
@@ -307,6 +486,15 @@ class Memory:
         where the build stopped. ``window`` defaults to ``n_ctx - 256`` tokens (room for the question).
         """
         self._check()
+        if isinstance(source, (bytes, bytearray)):
+            raise ConfigError("source must be a path, a str or an iterable of str; decode bytes first")
+        if isinstance(source, str):
+            _text("source", source)
+        _text("document", document, optional=True)
+        _text("name", name, optional=True)
+        _int("window", window, lo=16, optional=True)
+        _int("overlap", overlap, lo=0, optional=True)
+        _flag("progress", progress)
         return learn_document(self._engine, self._store, self.pages, source, document=document, name=name,
                                      window=window, overlap=DEFAULT_OVERLAP if overlap is None else overlap,
                                      progress=progress)
@@ -316,13 +504,20 @@ class Memory:
         """Route ``task`` to the passage that answers it, graft ONLY its page and answer after ``prompt``
         (default: a blank line and the task); the answer says which page and where in the document."""
         self._check()
+        _text("task", task)
+        _text("prompt", prompt, optional=True, empty=True)
+        _text("document", document, optional=True)
+        _int("max_tokens", max_tokens, lo=1)
+        _score("min_score", min_score)
         return recall_document(self._engine, self._store, self.pages, task, prompt=prompt,
                                       document=document, max_tokens=max_tokens, min_score=min_score)
 
     # ------------------------------------------------------------------ store verbs
     def get(self, block_id: str) -> Block:
-        """The block with this id (or unique id prefix); :class:`BlockNotFound` otherwise."""
+        """The block with this id (or unique id prefix); :class:`BlockNotFound` otherwise. Its
+        ``provenance`` says what this store knows of where its state came from."""
         self._check()
+        _text("block_id", block_id)
         return self._store.get(block_id)
 
     def get_all(self, *, kind: Optional[str] = None, filters: Optional[Mapping[str, Any]] = None,
@@ -331,13 +526,16 @@ class Memory:
         """Every block in the store (of ``kind``, with the ``filters`` metadata values, in the scope),
         whatever engine made it."""
         self._check()
-        allow = self._filter(Scope(user_id=user_id, agent_id=agent_id, session_id=session_id), filters)
+        _text("kind", kind, optional=True)
+        allow = self._filter(_scope(user_id, agent_id, session_id), filters)
         return [b for b in self._store.list(kind=kind) if allow is None or allow(b)]
 
     def delete(self, block_id: str, *, cascade: bool = False) -> list[str]:
         """Delete a block; return the ids deleted. A block with chained children is refused
         (:class:`ConfigError`) unless ``cascade=True``, which deletes its descendants too."""
         self._check()
+        _text("block_id", block_id)
+        _flag("cascade", cascade)
         bid = self._store.resolve(block_id)
         gone = self._store.delete(bid, cascade=cascade)
         if self._router is not None:
@@ -378,11 +576,16 @@ class Memory:
     # ------------------------------------------------------------------ verification
     def verify(self, block_id: str, *, samples: int = 50, cross_process: bool = True,
                record: bool = True) -> VerifyReport:
-        """Prove graft == fresh prefill for ``samples`` queries (see :mod:`graftmem.memory.exactness`)."""
+        """Prove graft == fresh prefill for ``samples`` queries (see :mod:`graftmem.memory.exactness`).
+        ``samples`` must be at least 1: zero samples prove nothing and are never recorded as verified."""
         self._check()
+        _text("block_id", block_id)
+        _int("samples", samples, lo=1, hi=10_000)
+        _flag("cross_process", cross_process)
+        _flag("record", record)
         report = verify_block(self._engine, self._store, block_id, samples=samples,
                                          cross_process=cross_process)
-        if record:
+        if record and not self._store.read_only:
             block = self._store.get(report.block_id)
             rec = VerificationRecord(samples=report.samples, sha_equal=report.sha_equal,
                                      max_kl=report.max_kl, argmax_agree=report.argmax_agree,
@@ -393,14 +596,35 @@ class Memory:
 
     def rederive(self, block_id: str) -> RederiveReport:
         """Re-prefill the block's own tokens (a chained block: its whole chain, call by call) and compare
-        the state with the stored bytes."""
+        the state with the stored bytes. An ``unverified`` block whose state proves equal becomes
+        ``rederived`` (grafted without consent from then on; its labels stay as they were)."""
         self._check()
-        return _rederive(self._engine, self._store, block_id)
+        _text("block_id", block_id)
+        rep = _rederive(self._engine, self._store, block_id)
+        if rep.ok and not self._store.read_only and self._store.provenance(rep.block_id) == PROVENANCE_UNVERIFIED:
+            self._store.set_provenance(rep.block_id, PROVENANCE_REDERIVED)
+        return rep
 
     # ------------------------------------------------------------------ sharing
-    def _rederive_check(self) -> BlockCheck:
-        """A staged-block check that re-derives the block here (import, pull, a served push)."""
-        return lambda block, path: rederive_file(self._engine, block, path)
+    def _vetting(self, rederive: bool, progress: bool = False) -> Vetting:
+        """The engine's checks for the admission of foreign blocks (import, pull, a served push): the
+        text must tokenize here to the stored tokens (always), and with ``rederive`` every new block
+        is re-prefilled here and its state compared byte for byte (else it lands ``unverified``)."""
+        eng = self._engine
+
+        def tokenize(block: Block) -> list[int]:
+            return eng.tokenize(block.text, add_special=block.parent is None)
+
+        def rederive_one(block: Block, state: memoryview, segs: list[list[int]]) -> None:
+            rederive_state(eng, block, state, segs)
+
+        return Vetting(tokenize=tokenize, rederive=rederive_one if rederive else None, progress=progress)
+
+    def _transfer_args(self, incompatible: Any, policy: Any, rederive: Any, progress: Any) -> None:
+        _choice("incompatible", incompatible, _INCOMPATIBLE)
+        _instance("policy", policy, TrustPolicy)
+        _flag("rederive", rederive)
+        _flag("progress", progress)
 
     def export(self, path: str | os.PathLike[str], block_ids: Optional[list[str]] = None, *,
                kind: Optional[str] = None, where: Optional[Callable[[Block], bool]] = None,
@@ -408,43 +632,78 @@ class Memory:
         """Write blocks (by id or prefix, else all, narrowed by ``kind`` and the ``where`` filter)
         to one bundle file that another machine can import."""
         self._check()
+        _path("path", path)
+        _ids("block_ids", block_ids)
+        _text("kind", kind, optional=True)
+        if where is not None and not callable(where):
+            raise ConfigError(f"where must be a callable(Block) -> bool, got {type(where).__name__}")
+        _instance("sign_key", sign_key, SigningKey)
+        _flag("progress", progress)
         return export_bundle(self._store, path, block_ids, kind=kind, where=where, sign_key=sign_key,
                               progress=progress)
 
     def import_bundle(self, path: str | os.PathLike[str], *, incompatible: str = "refuse",
-                      policy: Optional[TrustPolicy] = None, rederive: bool = False,
+                      policy: Optional[TrustPolicy] = None, rederive: bool = True,
                       progress: bool = False) -> TransferReport:
         """Import a bundle, every digest checked, all or nothing; blocks of another engine are refused
-        (or kept apart / skipped). ``policy`` defaults to ``<home>/trust.json``. ``rederive`` also
-        re-prefills every new block's text and refuses the bundle unless the state bytes are equal."""
+        (or kept apart / skipped). ``policy`` defaults to ``<home>/trust.json``.
+
+        Trust by default: each block's text must tokenize to its tokens and its positions must follow
+        its parent's; a bundle signed by a key the policy trusts lands as ``signed:<key>``; otherwise
+        every new block is re-prefilled here (one prefill per block, once per machine) and the bundle
+        is refused unless each state is byte-equal (``rederived``). ``rederive=False`` skips that
+        prefill: the blocks land ``unverified``, never grafted without ``allow_unverified=True``,
+        never routed, never deduplicated onto by ``learn``."""
         self._check()
+        _path("path", path)
+        self._transfer_args(incompatible, policy, rederive, progress)
         return import_bundle(self._store, path, fingerprint=self.fingerprint, policy=policy,
-                                     incompatible=incompatible, progress=progress,  # type: ignore[arg-type]
-                                     check=self._rederive_check() if rederive else None)
+                             incompatible=incompatible, progress=progress,  # type: ignore[arg-type]
+                             check=self._vetting(rederive, progress))
 
     def pull(self, url: str, block_ids: Optional[list[str]] = None, *, kind: Optional[str] = None,
              incompatible: str = "refuse", policy: Optional[TrustPolicy] = None,
-             rederive: bool = False, progress: bool = False) -> TransferReport:
+             rederive: bool = True, progress: bool = False) -> TransferReport:
         """Copy blocks from a ``graftmem serve`` at ``url``: checked as they arrive, resumable;
-        ``rederive`` as for :meth:`import_bundle`."""
+        provenance as for :meth:`import_bundle` (a listing signed by a trusted key: ``signed``; else
+        re-derived here by default, or ``unverified`` with ``rederive=False``)."""
         self._check()
+        _text("url", url)
+        _ids("block_ids", block_ids)
+        _text("kind", kind, optional=True)
+        self._transfer_args(incompatible, policy, rederive, progress)
         return pull(self._store, url, block_ids, fingerprint=self.fingerprint, kind=kind,
-                            incompatible=incompatible, policy=policy, progress=progress,  # type: ignore[arg-type]
-                            check=self._rederive_check() if rederive else None)
+                    incompatible=incompatible, policy=policy, progress=progress,  # type: ignore[arg-type]
+                    check=self._vetting(rederive, progress))
 
     def push(self, url: str, block_ids: Optional[list[str]] = None, *, token: str,
              kind: Optional[str] = None, sign_key: Optional[SigningKey] = None,
              progress: bool = False) -> TransferReport:
-        """Send blocks to a ``graftmem serve`` that accepts pushes (it imports them all or nothing)."""
+        """Send blocks to a ``graftmem serve`` that accepts pushes (it imports them all or nothing, and
+        re-derives them unless it trusts ``sign_key``)."""
         self._check()
+        _text("url", url)
+        _ids("block_ids", block_ids)
+        _text("token", token)
+        _text("kind", kind, optional=True)
+        _instance("sign_key", sign_key, SigningKey)
+        _flag("progress", progress)
         return push(self._store, url, block_ids, token=token, kind=kind, sign_key=sign_key,
                             progress=progress)
 
     def serve(self, *, host: str = "127.0.0.1", port: int = 0, push_token: Optional[str] = None,
-              sign_key: Optional[SigningKey] = None, rederive: bool = False) -> BlockServer:
-        """An HTTP server over this store (call ``.start()`` or use it as a context manager);
-        ``rederive`` re-derives every pushed block before accepting it."""
+              sign_key: Optional[SigningKey] = None, rederive: bool = True) -> BlockServer:
+        """An HTTP server over this store (call ``.start()`` or use it as a context manager).
+
+        Pushed blocks are admitted like an import: texts bound to tokens, positions checked, and
+        re-derived here before they are accepted unless the pushed bundle is signed by a key this
+        store's trust policy lists; ``rederive=False`` lands unsigned pushes ``unverified``."""
         self._check()
+        _text("host", host)
+        _int("port", port, lo=0, hi=65535)
+        _text("push_token", push_token, optional=True)
+        _instance("sign_key", sign_key, SigningKey)
+        _flag("rederive", rederive)
         return BlockServer(self._store, host=host, port=port, push_token=push_token,
                            fingerprint=self.fingerprint, sign_key=sign_key,
-                           check=self._rederive_check() if rederive else None)
+                           check=self._vetting(rederive))

@@ -13,14 +13,15 @@ from datetime import datetime, timezone
 from typing import Any, ClassVar, Literal, Mapping, Optional
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import ConfigError
 
 __all__ = [
     "FORMAT_VERSION", "KVType", "EngineConfig", "Fingerprint", "Exactness", "Block",
     "VerificationRecord", "Receipt", "Recall", "SampleResult", "VerifyReport", "StoreStats",
-    "block_id_for", "SearchHit", "Scope", "HistoryEvent",
+    "block_id_for", "SearchHit", "Scope", "HistoryEvent", "Provenance", "PROVENANCE_LOCAL",
+    "PROVENANCE_REDERIVED", "PROVENANCE_UNVERIFIED", "provenance_is_trusted",
 ]
 
 #: Version of the block file layout and of the state payload convention (per-sequence state of seq 0).
@@ -131,6 +132,22 @@ def block_id_for(fingerprint: Fingerprint, tokens: list[int] | np.ndarray, paren
     return h.hexdigest()
 
 
+#: Where a block's state came from, as THIS store knows it (local knowledge, never in the block file):
+#: ``local`` (prefilled here), ``rederived`` (re-prefilled here and compared byte for byte),
+#: ``signed:<key id>`` (a key of the trust policy signed the manifest that pins it), ``unverified``
+#: (nothing here vouches for it: digests only prove the bytes arrived as sent). See docs/security.md.
+Provenance = str
+PROVENANCE_LOCAL = "local"
+PROVENANCE_REDERIVED = "rederived"
+PROVENANCE_UNVERIFIED = "unverified"
+
+
+def provenance_is_trusted(provenance: Optional[str]) -> bool:
+    """Whether a block with this provenance may be grafted without the caller's explicit consent."""
+    return provenance is not None and (provenance in (PROVENANCE_LOCAL, PROVENANCE_REDERIVED)
+                                       or provenance.startswith("signed:"))
+
+
 def _now() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -175,6 +192,29 @@ class Block(_Strict):
     storage: Literal["full", "delta"] = "full"
     full_state_size: Optional[int] = None
     full_state_digest: Optional[str] = None
+    #: This store's knowledge of where the state came from (see :data:`Provenance`); filled in by the
+    #: store from its index, never read from or written to the block file (``exclude=True`` keeps the
+    #: file's manifest bytes identical; a manifest that carries the key is refused as forged).
+    provenance: Optional[str] = Field(None, exclude=True)
+    #: Whether the labels (``name``, ``metadata`` such as ``when_to_use``) were given here or are covered
+    #: by a trusted signature. Labels of a foreign, unsigned block are shown but never embedded for
+    #: routing: only its tokens (and the text they are checked against) are bound to its state.
+    labels_trusted: Optional[bool] = Field(None, exclude=True)
+
+    @field_validator("provenance", "labels_trusted", mode="before")
+    @classmethod
+    def _local_only(cls, v: Any) -> Any:
+        # set only by the store (model_copy skips validation); a value coming from parsed JSON is a
+        # manifest that tries to claim a provenance for itself
+        if v is not None:
+            raise ValueError("provenance and labels_trusted are local knowledge of a store; a block "
+                             "manifest may not carry them")
+        return v
+
+    @property
+    def trusted(self) -> bool:
+        """Whether its provenance lets it be grafted without ``allow_unverified=True``."""
+        return provenance_is_trusted(self.provenance)
 
     @property
     def short_id(self) -> str:
@@ -202,6 +242,8 @@ class Receipt(_Strict):
     decode_tokens: int
     first_logits_sha256: str
     exact: bool
+    #: provenance of the grafted block (see :data:`Provenance`), None when nothing was grafted
+    provenance: Optional[str] = None
     # Where a recall's time went (milliseconds; None where the phase did not run or was not timed).
     # ``restore_ms`` is their sum for the graft steps (read + check + place + set_data), plus the
     # small bookkeeping between them; ``prefill_ms`` is the task's prefill and ``decode_ms`` the decode.
@@ -217,7 +259,8 @@ class Receipt(_Strict):
             return f"nothing grafted; exact={self.exact}"
         return (f"block {self.block_id[:12]}: {self.tokens_restored} tokens restored in {self.restore_ms:.1f} ms, "
                 f"{self.tokens_prefilled} prefilled in {self.prefill_ms:.1f} ms, {self.decode_tokens} decoded in "
-                f"{self.decode_ms:.1f} ms; first logits sha256 {self.first_logits_sha256[:16]}…; exact={self.exact}")
+                f"{self.decode_ms:.1f} ms; first logits sha256 {self.first_logits_sha256[:16]}…; exact={self.exact}"
+                + (f"; provenance {self.provenance}" if self.provenance else ""))
 
 
 class Recall(_Strict):

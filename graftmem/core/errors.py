@@ -10,10 +10,12 @@
     ├── StoreError                     the store cannot be used as asked
     │   ├── BlockNotFound              no block with that id: list the store, check the id
     │   ├── StoreLocked                another process holds the store lock past the timeout: retry
-    │   └── StoreFull                  the disk is full: free space; nothing was half-written
+    │   ├── StoreFull                  the disk is full: free space; nothing was half-written
+    │   └── StoreReadOnly              the home is read-only: reading works, learning does not
     ├── BlockRejected                  a block exists but must not be grafted
     │   ├── BlockCorrupted             its bytes do not match their digest (flipped, truncated, tampered)
-    │   └── IncompatibleBlock          it was made by another engine fingerprint (model, n_ctx, KV type...)
+    │   ├── IncompatibleBlock          it was made by another engine fingerprint (model, n_ctx, KV type...)
+    │   └── UnverifiedBlock            nothing here vouches for its state: re-derive it or allow_unverified
     ├── BundleRejected                 a bundle or pushed upload is malformed or unsafe; nothing was written
     │   └── UntrustedBundle            unsigned, or signed by a key the trust policy does not list
     └── TransferError                  an HTTP transfer failed or was cut: retry (downloads resume)
@@ -41,8 +43,10 @@ __all__ = [
     "StoreError",
     "StoreFull",
     "StoreLocked",
+    "StoreReadOnly",
     "TransferError",
     "UntrustedBundle",
+    "UnverifiedBlock",
 ]
 
 
@@ -85,6 +89,11 @@ class StoreFull(StoreError):
     """The disk ran out of space during a write; the partial file was removed."""
 
 
+class StoreReadOnly(StoreError):
+    """The store's home cannot be written (a read-only mount, no write permission): it was opened
+    read-only, so listing, reading, asking and verifying work and every mutation raises this."""
+
+
 class BlockRejected(GraftmemError):
     """A block exists but must not reach llama.cpp."""
 
@@ -106,6 +115,12 @@ class IncompatibleBlock(BlockRejected):
     def __init__(self, message: str, *, fields: dict[str, tuple[object, object]] | None = None) -> None:
         super().__init__(message)
         self.fields = fields or {}
+
+
+class UnverifiedBlock(BlockRejected):
+    """The block's provenance is ``unverified`` (it arrived without re-derivation or a trusted
+    signature): grafting it could answer from a state that is not its text's. Re-derive it
+    (``Memory.rederive``) or pass ``allow_unverified=True``."""
 
 
 class BundleRejected(GraftmemError):

@@ -12,8 +12,8 @@ import hashlib
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
-from ..core.blocks import Block, block_id_for
-from ..core.errors import ConfigError
+from ..core.blocks import PROVENANCE_LOCAL, Block, block_id_for
+from ..core.errors import ConfigError, UnverifiedBlock
 from ..core.format import state_digest
 from ..core.progress import progress_bar
 from ..core.prompt import FORMATS, detect_format
@@ -54,22 +54,36 @@ def prepare_labels(engine: "Engine", text: str, name: Optional[str], metadata: O
     return text, name, meta
 
 
-def learned_again(store: "Store", block: Block, metadata: Optional[Mapping[str, Any]]) -> Block:
-    """A text learned twice is one block; a new ``when_to_use`` replaces the old one in its manifest."""
+def learned_again(store: "Store", block: Block, metadata: Optional[Mapping[str, Any]],
+                  name: Optional[str] = None) -> Block:
+    """A text learned twice is one block; a new ``when_to_use`` replaces the old one in its manifest.
+
+    Labels of a block that came from elsewhere (``labels_trusted`` False: shown, never routed) become
+    this store's own when the caller gives them here: ``name`` and ``when_to_use`` are written and
+    the labels are trusted from then on (the caller vouches for what they typed)."""
     wtu = (metadata or {}).get("when_to_use")
-    if wtu is None or block.metadata.get("when_to_use") == wtu:
+    adopt_labels = block.labels_trusted is False and (wtu is not None or name is not None)
+    if not adopt_labels and (wtu is None or block.metadata.get("when_to_use") == wtu):
         return block
-    updated = block.model_copy(update={"metadata": {**block.metadata, "when_to_use": wtu}})
+    update: dict[str, Any] = {}
+    if wtu is not None:
+        update["metadata"] = {**block.metadata, "when_to_use": wtu}
+    if adopt_labels and name is not None:
+        update["name"] = name
+    if adopt_labels:
+        update["labels_trusted"] = True
+    updated = block.model_copy(update=update)
     store.set_manifest(updated)
-    log.info("block %s: when_to_use updated", block.short_id)
-    return updated
+    log.info("block %s: labels updated%s", block.short_id, " and trusted" if adopt_labels else "")
+    return store.get(block.id)
 
 
 def prefill_and_store(engine: "Engine", store: "Store", *, block_id: str, tokens: Sequence[int], text: str,
                       name: str, kind: str, metadata: Mapping[str, Any], parent: Optional[Block] = None,
-                      progress: Optional[Callable[[int], None]] = None) -> Block:
+                      progress: Optional[Callable[[int], None]] = None, replace: bool = False) -> Block:
     """Prefill ``tokens`` in a clean context (after grafting ``parent``, stored then as a delta), capture
-    the state and put the block in ``store``; returns the stored block."""
+    the state and put the block in ``store`` as ``local``; returns the stored block. ``replace``
+    overwrites a block of the same id (an ``unverified`` one: this engine's own state replaces it)."""
     with engine.session():
         if parent is not None:
             state, fields = capture_child(store, engine, parent, list(tokens), progress=progress)
@@ -79,7 +93,7 @@ def prefill_and_store(engine: "Engine", store: "Store", *, block_id: str, tokens
             fields = {"state_size": len(state), "state_digest": state_digest(state)}
         block = Block(id=block_id, name=name, kind=kind, text=text, tokens=list(tokens), n_tokens=len(tokens),
                       fingerprint=engine.fingerprint, metadata=dict(metadata), **fields)
-        stored = store.put(block, state)
+        stored = store.put(block, state, replace=replace, provenance=PROVENANCE_LOCAL, labels_trusted=True)
     log.info("learned block %s (%d tokens, %d state bytes)", stored.short_id, len(tokens), len(state))
     return stored
 
@@ -101,6 +115,10 @@ def learn(engine: "Engine", store: "Store", text: str, *, name: Optional[str] = 
         err = incompatibility(pblock, engine.fingerprint)
         if err is not None:
             raise err
+        if not pblock.trusted:
+            raise UnverifiedBlock(f"block {pblock.short_id} ({pblock.name!r}) is {pblock.provenance}: a text "
+                                  "chained on it would be prefilled after a state nothing here vouches for; "
+                                  "re-derive it first (Memory.rederive) or learn its text here")
     tokens = engine.tokenize(text, add_special=pblock is None)
     if not tokens:
         raise ConfigError("the text has no tokens")
@@ -109,15 +127,22 @@ def learn(engine: "Engine", store: "Store", text: str, *, name: Optional[str] = 
         raise ConfigError(f"text is {len(tokens)} tokens after {start} positions, the engine's n_ctx "
                           f"is {engine.n_ctx}: raise n_ctx or split the text")
     bid = block_id_for(engine.fingerprint, tokens, pblock.id if pblock is not None else None)
+    replace = False
     if store.contains(bid):
         existing = store.get(bid)
-        again = learned_again(store, existing, metadata)
-        return again, again is not existing
+        if existing.trusted:
+            again = learned_again(store, existing, metadata, name)
+            return again, again is not existing
+        # never deduplicate onto an unverified block: its state may be another text's. This engine's
+        # own prefill replaces it (one prefill, the same cost as a re-derivation, and always right)
+        log.warning("block %s is %s: replacing its state with this engine's own prefill", existing.short_id,
+                    existing.provenance)
+        replace = True
     bar = progress_bar(len(tokens), f"learn {name or bid[:12]}", progress, min_total=1024)
     try:
         stored = prefill_and_store(engine, store, block_id=bid, tokens=tokens, text=text,
                                    name=name or default_name(text), kind=kind, metadata=metadata or {},
-                                   parent=pblock, progress=bar.update if bar else None)
+                                   parent=pblock, progress=bar.update if bar else None, replace=replace)
     finally:
         if bar:
             bar.close()

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from ..core.engine import Engine
     from ..store.local import Store
 
-__all__ = ["RederiveReport", "compare_rederived", "rederive", "rederive_file"]
+__all__ = ["RederiveReport", "compare_rederived", "rederive", "rederive_file", "rederive_state"]
 
 
 class RederiveReport(BaseModel):
@@ -100,3 +100,15 @@ def rederive_file(engine: "Engine", block: Block, path: Path) -> None:
                              f"{rep.first_difference:,}): it holds something other than its text; "
                              "refusing it", path=str(path), expected=rep.derived_digest,
                              actual=rep.stored_digest)
+
+
+def rederive_state(engine: "Engine", block: Block, state: memoryview, segs: list[list[int]]) -> None:
+    """The admission's re-derivation (:class:`graftmem.share.admission.Vetting`): prefill ``segs`` (the
+    chain's token ids, root first, each in its own call) and raise :class:`BlockCorrupted` unless the
+    captured state equals ``state`` (the block's full state) byte for byte."""
+    rep = compare_rederived(engine, block, state, segs=segs)
+    if not rep.ok:
+        raise BlockCorrupted(f"block {block.short_id} ({block.name!r}): its state is not what its "
+                             f"{block.n_tokens} tokens produce (first difference at byte "
+                             f"{rep.first_difference:,}): it holds something other than its text; "
+                             "refusing it", expected=rep.derived_digest, actual=rep.stored_digest)

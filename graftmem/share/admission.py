@@ -8,8 +8,15 @@ Whatever carried the bytes, a foreign block enters a store the same way, in two 
    and blocks of another engine are refused as a whole (``incompatible="refuse"``), kept apart under
    ``<home>/foreign/`` or skipped. The plan says which blocks' bytes to keep.
 2. :meth:`Admission.admit`, after every kept block has arrived and passed the streaming checker: the
-   caller's extra ``check`` (re-derivation) runs on each new compatible block, all files are fsynced,
-   then blocks of other engines move into their foreign stores and the rest into the store, all or none.
+   labels are bound to the content (positions always; the text must tokenize to the stored tokens
+   when the caller's :class:`Vetting` can tokenize), each new compatible block gets its provenance
+   (``signed:<key>`` when a trusted key signed the manifest that pins it, ``rederived`` when the
+   vetting re-prefilled it here and the state bytes are equal, else ``unverified``), all files are
+   fsynced, then blocks of other engines move into their foreign stores and the rest into the store,
+   all or none.
+
+share never runs the engine: the checks that need it (tokenize, prefill) come in a :class:`Vetting`
+that :class:`graftmem.Memory` builds. docs/security.md has the threat and the policy.
 
 Keeping it in one place means a fix to this security-critical path is made once; the carriers
 (:mod:`graftmem.share.bundle`, :mod:`graftmem.share.client`, the server's push route) only move bytes.
@@ -25,23 +32,50 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal, Mapping, Optional
+import time
+from typing import Callable, Literal, Mapping, Optional, Union
 
-from ..core.blocks import Block, Fingerprint
+from ..core import statefmt as _statefmt
+from ..core.blocks import PROVENANCE_REDERIVED, PROVENANCE_UNVERIFIED, Block, Fingerprint
 from ..core.errors import BlockCorrupted, BundleRejected, ConfigError, IncompatibleBlock, StoreError, StoreFull
+from ..core.format import state_digest
+from ..core.progress import progress_bar
+from ..store.chain import MAX_DEPTH, full_state, segments
 from ..store.home import Home
-from ..store.local import Store, fsync_path, incompatibility, pid_alive
+from ..store.local import TEMP_MAX_AGE, Store, fsync_path, incompatibility, pid_alive, read_block_file
 from .manifest import BundleEntry
+from .trust import TrustResult
 
 __all__ = ["Admission", "AdmissionPlan", "BlockCheck", "Incompatible", "DEFAULT_MAX_ENTRY_BYTES",
-           "Staging", "foreign_store", "fsync_all", "disk_error"]
+           "Staging", "Vetting", "foreign_store", "fsync_all", "disk_error"]
 
 log = logging.getLogger("graftmem")
 
 Incompatible = Literal["refuse", "keep-apart", "skip"]
+
+
+@dataclass(frozen=True)
+class Vetting:
+    """The engine's checks of foreign blocks, built by ``Memory`` (share never imports the engine).
+
+    ``tokenize(block)`` returns the token ids the block's text has in this engine (the same call
+    ``learn`` makes): a text that does not give the stored tokens is a spoofed label and the transfer
+    is refused. ``rederive(block, full_state, segments)`` re-prefills ``segments`` (the token ids of
+    every block of the chain, root first, each in its own call) and raises :class:`BlockCorrupted`
+    unless the captured state equals ``full_state`` byte for byte; None means "land unverified"
+    (the caller opted out). ``progress`` shows a bar over the tokens re-prefilled.
+    """
+
+    tokenize: Optional[Callable[[Block], list[int]]] = None
+    rederive: Optional[Callable[[Block, memoryview, list[list[int]]], None]] = None
+    progress: bool = False
+
+
 #: check(block, staged_path) on every new compatible block, after its bytes are checked and before
-#: anything is moved in; it raises to refuse the whole transfer (e.g. a re-derivation)
-BlockCheck = Callable[[Block, Path], None]
+#: anything is moved in; it raises to refuse the whole transfer and may return the provenance it
+#: proved (``"rederived"``); None lands the block ``unverified``. A :class:`Vetting` is the
+#: engine-backed check Memory passes (chains, label binding and provenance handled by the admission).
+BlockCheck = Union[Vetting, Callable[[Block, Path], Optional[str]]]
 #: Largest block file accepted in a bundle or a download unless the caller says otherwise (4 GiB:
 #: a 128k-token state of a small model; raise it for bigger models).
 DEFAULT_MAX_ENTRY_BYTES = 4 << 30
@@ -58,9 +92,16 @@ class Staging:
             try:
                 pid = int(old.name.split("-")[0])
             except ValueError:
+                pid = -1
+            try:  # by age too: a pid can be reused, a name can be junk
+                old_age = time.time() - old.lstat().st_mtime
+            except OSError:
                 continue
-            if pid != os.getpid() and not pid_alive(pid):
-                shutil.rmtree(old, ignore_errors=True)
+            if old_age > TEMP_MAX_AGE or (pid > 0 and pid != os.getpid() and not pid_alive(pid)):
+                if old.is_dir() and not old.is_symlink():
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    old.unlink(missing_ok=True)
         self.path = root / f"{os.getpid()}-{secrets.token_hex(6)}"
         self.path.mkdir()
 
@@ -141,6 +182,8 @@ class Admission:
     def __init__(self, store: Store, fingerprint: Fingerprint, *, where: str,
                  incompatible: Incompatible = "refuse", max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
                  check: Optional[BlockCheck] = None) -> None:
+        if not isinstance(max_entry_bytes, int) or isinstance(max_entry_bytes, bool) or max_entry_bytes < 1:
+            raise ConfigError(f"max_entry_bytes={max_entry_bytes!r}: give a positive number of bytes")
         if incompatible not in ("refuse", "keep-apart", "skip"):
             raise ConfigError(f"incompatible={incompatible!r}: use 'refuse', 'keep-apart' or 'skip'")
         self.store = store
@@ -184,8 +227,10 @@ class Admission:
                                     "them apart, or 'skip'", fields=err.fields if err else {})
         if self.incompatible == "skip":
             plan.skipped = [e.id for e in entries if e.id in plan.foreign]
-        plan.present = [e.id for e in entries
-                        if e.id not in plan.foreign and self.store.contains(e.id)]
+        # a block already here counts as present unless it is unverified: then its bytes are fetched
+        # again and, if this transfer proves them, they replace it (provenance only goes up)
+        plan.present = [e.id for e in entries if e.id not in plan.foreign and self.store.contains(e.id)
+                        and self.store.provenance(e.id) != PROVENANCE_UNVERIFIED]
         return plan
 
     def _with_ancestors(self, selected: list[BundleEntry], pool: Mapping[str, BundleEntry]) -> list[BundleEntry]:
@@ -207,22 +252,147 @@ class Admission:
         return list(out.values())
 
     # ------------------------------------------------------------------ 2. after every byte checked
-    def admit(self, plan: AdmissionPlan, arrived: list[tuple[Block, Path]]) -> tuple[list[str], list[str], list[str]]:
-        """Move the checked files in, all or none; returns (added, present, kept_apart) ids.
+    def _parent_of(self, b: Block, staged: Mapping[str, Block]) -> Block:
+        if b.parent in staged:
+            return staged[b.parent]
+        try:
+            return self.store.get(b.parent)  # type: ignore[arg-type]
+        except StoreError as exc:
+            raise BundleRejected(f"{self.where}: block {b.short_id} continues {str(b.parent)[:12]}, which "
+                                 "arrived neither with it nor is in this store") from exc
+
+    def bind_labels(self, arrived: list[tuple[Block, Path]]) -> None:
+        """Labels bound to content, before anything is moved in: a root starts at position 0, a child
+        where its parent ends, and (when a tokenizer was given) the text is exactly what gives the
+        stored tokens. Raises :class:`BundleRejected` naming the block; nothing is moved in."""
+        staged = {b.id: b for b, _ in arrived}
+        for b, p in arrived:
+            try:
+                self._bind_one(b, staged)
+            except BundleRejected:
+                p.unlink(missing_ok=True)  # intact bytes, refused content: not kept to resume
+                raise
+
+    def _bind_one(self, b: Block, staged: Mapping[str, Block]) -> None:
+        tokenize = self.check.tokenize if isinstance(self.check, Vetting) else None
+        local = self.fingerprint.digest()
+        if b.parent is None:
+            if b.pos_start != 0:
+                raise BundleRejected(f"{self.where}: root block {b.short_id} ({b.name!r}) claims to start at "
+                                     f"position {b.pos_start}; a root starts at 0: refusing the transfer")
+        else:
+            parent = self._parent_of(b, staged)
+            if b.pos_start != parent.pos_end:
+                raise BundleRejected(f"{self.where}: block {b.short_id} ({b.name!r}) claims to start at "
+                                     f"position {b.pos_start}, its parent {parent.short_id} ends at "
+                                     f"{parent.pos_end}: refusing the transfer")
+        if tokenize is not None and b.fingerprint.digest() == local:
+            got = tokenize(b)
+            if list(got) != list(b.tokens):
+                first = next((i for i, (x, y) in enumerate(zip(got, b.tokens)) if x != y),
+                             min(len(got), len(b.tokens)))
+                raise BundleRejected(
+                    f"{self.where}: block {b.short_id} ({b.name!r}): its text does not tokenize to its "
+                    f"{b.n_tokens} stored tokens (they differ from token {first}): the text is a label "
+                    "that does not belong to the state; refusing the transfer")
+
+    def _full_states(self, mine: list[tuple[Block, Path]]):
+        """Yield ``(block, path, full state, segments)`` for each block, parents first; a staged child's
+        delta is merged with its parent's full state (staged here or read from the store) and checked
+        against its ``full_state_digest``. Parents' states are kept only while a child needs them."""
+        staged = {b.id: b for b, _ in mine}
+        need = {b.parent for b, _ in mine if b.parent in staged}
+        fulls: dict[str, bytes] = {}
+        segs_of: dict[str, list[list[int]]] = {}
+        for b, p in mine:
+            _, view = read_block_file(p, lambda n: memoryview(bytearray(n)), expect_id=b.id)
+            if b.parent is None:
+                full: bytes | memoryview = view
+                segs = [list(b.tokens)]
+            else:
+                if b.parent in staged:
+                    pfull, psegs = fulls[b.parent], segs_of[b.parent]
+                else:
+                    parent = self.store.get(b.parent)
+                    pfull, psegs = full_state(self.store, parent), segments(self.store, parent)
+                if len(psegs) >= MAX_DEPTH:
+                    raise BundleRejected(f"{self.where}: block {b.short_id} is chained more than {MAX_DEPTH} deep")
+                segs = psegs + [list(b.tokens)]
+                if b.storage == "full":
+                    full = view
+                else:
+                    if b.full_state_digest is None or b.full_state_size is None:
+                        raise BlockCorrupted(f"{self.where}: block {b.short_id} is a delta without a full digest",
+                                             path=str(p))
+                    try:
+                        full = _statefmt.merge(pfull, view)
+                    except _statefmt.StateLayoutError as exc:
+                        raise BlockCorrupted(f"{self.where}: block {b.short_id}: its delta does not merge "
+                                             f"with its parent: {exc}", path=str(p)) from exc
+                    if state_digest(full) != b.full_state_digest:
+                        raise BlockCorrupted(f"{self.where}: block {b.short_id}: rebuilt state digest "
+                                             "mismatch", path=str(p))
+            if b.id in need:
+                fulls[b.id], segs_of[b.id] = bytes(full), segs
+            yield b, p, memoryview(full), segs
+
+    def vet(self, arrived: list[tuple[Block, Path]], trust: Optional[TrustResult]) -> list[tuple[Block, Path]]:
+        """Bind the labels, then give each block of this engine its provenance (see the module doc);
+        raises to refuse the whole transfer. Returns ``arrived`` with ``provenance`` and
+        ``labels_trusted`` set on each block."""
+        self.bind_labels(arrived)
+        local = self.fingerprint.digest()
+        signed = trust is not None and trust.trusted and trust.signer is not None
+        out: dict[str, Block] = {}
+        for b, _ in arrived:  # defaults: other engines' blocks, and this engine's before a proof
+            out[b.id] = b.model_copy(update={"provenance": f"signed:{trust.signer}" if signed  # type: ignore[union-attr]
+                                             else PROVENANCE_UNVERIFIED, "labels_trusted": signed})
+        mine = [(b, p) for b, p in arrived if b.fingerprint.digest() == local]
+        check = self.check
+        if signed or check is None or not mine:
+            return [(out[b.id], p) for b, p in arrived]
+        if isinstance(check, Vetting):
+            if check.rederive is not None:
+                bar = progress_bar(sum(b.pos_end for b, _ in mine), "re-derive", check.progress)
+                try:
+                    for b, p, full, segs in self._full_states(mine):
+                        try:
+                            check.rederive(b, full, segs)
+                        except BlockCorrupted:
+                            p.unlink(missing_ok=True)  # its bytes arrived intact but are not what they claim
+                            raise
+                        out[b.id] = out[b.id].model_copy(update={"provenance": PROVENANCE_REDERIVED})
+                        if bar:
+                            bar.update(b.pos_end)
+                finally:
+                    if bar:
+                        bar.close()
+        else:
+            for b, p in mine:
+                try:
+                    proved = check(b, p)
+                except BlockCorrupted:
+                    p.unlink(missing_ok=True)
+                    raise
+                if isinstance(proved, str):
+                    out[b.id] = out[b.id].model_copy(update={"provenance": proved})
+        return [(out[b.id], p) for b, p in arrived]
+
+    def admit(self, plan: AdmissionPlan, arrived: list[tuple[Block, Path]], *,
+              trust: Optional[TrustResult] = None) -> tuple[list[str], list[str], list[str]]:
+        """Vet (:meth:`vet`) and move the checked files in, all or none; returns (added, present,
+        kept_apart) ids. ``trust`` is what the trust policy said of the manifest or listing that pinned
+        these blocks (a trusted signer makes them ``signed:<key>`` without a re-derivation).
 
         ``arrived`` holds every kept block of ``plan`` with the path of its checked file, on the
         store's filesystem (staging or ``.incoming``), which the move consumes.
         """
+        order = {e.id: i for i, e in enumerate(plan.entries)}
+        arrived = sorted(arrived, key=lambda bp: order.get(bp[0].id, len(order)))  # parents first
+        arrived = self.vet(arrived, trust)
         local = self.fingerprint.digest()
         mine = [(b, p) for b, p in arrived if b.fingerprint.digest() == local]
         apart = [(b, p) for b, p in arrived if b.fingerprint.digest() != local]
-        if self.check is not None:
-            for b, p in mine:
-                try:
-                    self.check(b, p)
-                except BlockCorrupted:
-                    p.unlink(missing_ok=True)  # its bytes arrived intact but are not what they claim
-                    raise
         try:
             fsync_all([p for _, p in arrived])
             for digest in sorted({b.fingerprint.digest() for b, _ in apart}):

@@ -12,7 +12,10 @@ Layout: an uncompressed POSIX tar (readable with ``tar tvf``), written and read 
 
 The manifest pins each block by id, file size, ``state_digest`` (BLAKE3 of the state) and
 ``manifest_digest`` (the block file's trailer: BLAKE3 of its header and manifest), so a signature over
-the manifest covers every byte. Why a tar and not pickle or zip: no code runs on read, there is one
+the manifest covers every byte: the state, and every field of each block's manifest (text, tokens,
+name, kind, metadata such as ``when_to_use``, ``pos_start``, ``parent`` and through it the parent
+chain), since the trailer digest is checked against the announced ``manifest_digest`` before a block
+is admitted (tests/test_trust.py changes each field and watches the import refuse it). Why a tar and not pickle or zip: no code runs on read, there is one
 member header per file, and a plain ustar header is simple enough to check completely. Why our own
 reader rather than :meth:`tarfile.TarFile.extractall`: we accept only the exact names the manifest
 announces, only regular files, only the announced sizes, and we refuse everything else (absolute
@@ -40,7 +43,7 @@ from ..core.blocks import FORMAT_VERSION, Block, Fingerprint
 from ..core.errors import BlockCorrupted, BundleRejected, ConfigError, StoreError
 from ..core.progress import progress_bar
 from ..core.version import __version__
-from ..store.local import Store, atomic_file
+from ..store.local import Store, atomic_file, open_regular
 from .admission import DEFAULT_MAX_ENTRY_BYTES, Admission, BlockCheck, Incompatible, Staging, disk_error
 from .manifest import (BUNDLE_VERSION, CHUNK, MANIFEST_NAME, MAX_MANIFEST_BYTES, SIGN_DOMAIN, SIGNATURE_NAME,
                        BlockChecker, BundleManifest, ExportReport, TransferReport, listing, select)
@@ -194,7 +197,7 @@ def export(store: Store, path: str | os.PathLike[str], block_ids: Optional[Itera
                 src = store.path_of(entry.id)
                 checker = BlockChecker(entry.file_size, where=str(src), expect=entry)
                 out.write(_tar_header(f"blocks/{entry.id}.gmb", entry.file_size, now))
-                with open(src, "rb", buffering=0) as f:
+                with open_regular(src) as f:
                     # mapped, so the checker and the writer see the page cache: one copy per byte
                     size = os.fstat(f.fileno()).st_size
                     mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
@@ -352,7 +355,7 @@ def import_stream(store: Store, f: BinaryIO | mmap.mmap, *, where: str, fingerpr
                 raise BundleRejected(f"{where}: truncated bundle: {len(missing)} announced blocks are "
                                      f"missing (e.g. {sorted(missing)[0][:12]})")
             # 4. everything checked: the extra check, fsync, move in, all or none
-            added, present, apart = admission.admit(plan, arrived)
+            added, present, apart = admission.admit(plan, arrived, trust=trust)
     except OSError as exc:
         raise disk_error(store, exc, f"importing {where}") from exc
     finally:

@@ -28,7 +28,7 @@ from ..store.local import Store
 from .admission import DEFAULT_MAX_ENTRY_BYTES, Admission, BlockCheck, Incompatible, Staging, disk_error
 from .bundle import export
 from .manifest import CHUNK, MAX_MANIFEST_BYTES, BlockChecker, BundleEntry, BundleManifest, TransferReport, select
-from .trust import Signature, SigningKey, TrustPolicy
+from .trust import Signature, SigningKey, TrustPolicy, TrustResult
 
 __all__ = ["pull", "push", "fetch_listing", "SIGNATURE_HEADER", "LISTING_DOMAIN"]
 
@@ -229,7 +229,7 @@ def pull(store: Store, url: str, block_ids: Optional[Iterable[str]] = None, *,
         finally:
             if bar:
                 bar.close()
-    added, present, apart = admission.admit(plan, got)
+    added, present, apart = admission.admit(plan, got, trust=TrustResult(signer=signer, trusted=trusted))
     for _, p in got:  # parts of blocks that were already present
         p.unlink(missing_ok=True)
     log.info("pulled %d blocks from %s (%d already present)", len(added), url, len(present))

@@ -188,11 +188,12 @@ class BlockChecker:
             checks = {"id": (e.id, block.id), "state_digest": (e.state_digest, block.state_digest),
                       "manifest_digest": (e.manifest_digest, mdig),
                       "fingerprint": (e.fingerprint, block.fingerprint.digest()),
-                      "parent": (e.parent, block.parent)}
+                      "parent": (e.parent, block.parent), "name": (e.name, block.name),
+                      "kind": (e.kind, block.kind), "n_tokens": (e.n_tokens, block.n_tokens)}
             for field, (want, got) in checks.items():
                 if want != got:
-                    raise self._corrupt(f"{field} mismatch: the bundle/listing announced {want}, "
-                                        f"the block has {got}", expected=want, actual=got)
+                    raise self._corrupt(f"{field} mismatch: the bundle/listing announced {str(want)[:80]!r}, "
+                                        f"the block has {str(got)[:80]!r}", expected=str(want), actual=str(got))
         return block
 
 

@@ -12,6 +12,8 @@
     .staging/<pid>-<rand>/       private staging of an import or push (same filesystem: moves are renames)
     .incoming/<id>.<etag>.part   downloads of a pull, kept across interruptions to resume them
     foreign/<digest[:16]>/       a store of blocks of another engine fingerprint, never grafted here
+    quarantine/                  entries under blocks/ the store could not read (junk, FIFOs, links,
+                                 damaged unindexed files), moved aside on open with a log line
 
 A feature asks :class:`Home` for a path instead of joining strings, so that the layout is read in one
 file and an object-storage store can map the same names to keys.
@@ -71,6 +73,10 @@ class Home:
     @property
     def incoming(self) -> Path:
         return self.root / ".incoming"
+
+    @property
+    def quarantine(self) -> Path:
+        return self.root / "quarantine"
 
     def foreign(self, fp_digest: str) -> Path:
         return self.root / "foreign" / fp_digest[:16]
