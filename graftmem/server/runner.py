@@ -79,7 +79,6 @@ class ServerThread:
             threading.Event().wait(0.01)
         if not self._server.started:
             raise ConfigError(f"the server at {self.url} did not start (see the log)")
-        log.info("serving at %s", self.url)
         return self
 
     def serve_forever(self) -> None:
