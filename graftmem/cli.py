@@ -273,24 +273,44 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .server import BlockServer
+    """One long-running server: block sharing, and (unless --blocks-only) the OpenAI-compatible API
+    with the persistent prompt cache, on one socket."""
+    from .core import Engine
+    from .server import BlockServer, api_server
 
     token = args.push_token or os.environ.get("GRAFTMEM_PUSH_TOKEN")
-    mem = _memory(args) if token else None  # accepting pushes needs this engine's fingerprint
+    api_key = args.api_key or os.environ.get("GRAFTMEM_API_KEY")
+    api = not args.blocks_only
+    mem = _memory(args) if (token or api) else None  # the API and pushes need the engine
+    extra: list[Any] = []
     try:
-        srv = (mem.serve(host=args.host, port=args.port, push_token=token, sign_key=_sign_key(args),
-                         rederive=args.rederive)
-               if mem else BlockServer(_home(args), host=args.host, port=args.port,
-                                       sign_key=_sign_key(args)))
+        if api:
+            assert mem is not None
+            extra = [Engine(mem.engine.model_path, mem.engine.config) for _ in range(max(1, args.engines) - 1)]
+            srv = api_server(mem.store, [mem.engine, *extra], host=args.host, port=args.port, api_key=api_key,
+                             push_token=token, sign_key=_sign_key(args),
+                             check=mem._rederive_check() if args.rederive else None,  # noqa: SLF001
+                             max_queue=args.max_queue, min_prefix_tokens=args.min_prefix_tokens,
+                             sightings=args.sightings, learn=not args.no_learn)
+        elif mem:
+            srv = mem.serve(host=args.host, port=args.port, push_token=token, sign_key=_sign_key(args),
+                            rederive=args.rederive)
+        else:
+            srv = BlockServer(_home(args), host=args.host, port=args.port, sign_key=_sign_key(args),
+                              api_key=api_key)
         try:
-            print(f"serving {srv.store.home} at {srv.url} (pushes {'on' if token else 'off'}, "
-                  f"listings {'signed' if args.sign else 'unsigned'}); Ctrl-C stops", flush=True)
+            what = (f"OpenAI API at {srv.url}/v1 with {1 + len(extra)} engine(s), " if api else "")
+            print(f"serving {srv.store.home} at {srv.url} ({what}pushes {'on' if token else 'off'}, "
+                  f"listings {'signed' if args.sign else 'unsigned'}, "
+                  f"API key {'required' if api_key else 'off'}); Ctrl-C stops", flush=True)
             srv.serve_forever()
         except KeyboardInterrupt:
             pass
         finally:
             srv.close()
     finally:
+        for e in extra:
+            e.close()
         if mem:
             mem.close()
     return 0
@@ -539,8 +559,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("import", cmd_import, "import a bundle: every digest checked, all or nothing")
     sp.add_argument("path")
     trust_args(sp)
-    sp = add("serve", cmd_serve, "serve the store over HTTP (read-only unless a push token is set)")
+    sp = add("serve", cmd_serve, "one long-running server: the OpenAI-compatible API with a persistent, "
+             "verified prompt cache, and block sharing (read-only unless a push token is set)")
     sp.add_argument("--host", default="127.0.0.1")
+    sp.add_argument("--api-key", help="require this key on every request (or $GRAFTMEM_API_KEY)")
+    sp.add_argument("--blocks-only", action="store_true",
+                    help="serve block sharing only: no model is loaded, no OpenAI API")
+    sp.add_argument("--engines", type=int, default=1, help="engine contexts (requests decoded at once)")
+    sp.add_argument("--max-queue", type=int, default=16, help="requests that may wait; more get 429")
+    sp.add_argument("--min-prefix-tokens", type=int, default=256,
+                    help="learn a prompt prefix (up to the last message) of at least this many tokens...")
+    sp.add_argument("--sightings", type=int, default=2, help="...once it has been seen this many times")
+    sp.add_argument("--no-learn", action="store_true", help="graft stored prefixes but learn no new ones")
     sp.add_argument("--port", type=int, default=8765, help="0 picks a free port")
     sp.add_argument("--push-token", help="accept pushes with this token (or $GRAFTMEM_PUSH_TOKEN)")
     sp.add_argument("--sign", metavar="KEY", help="sign listings with this private key")

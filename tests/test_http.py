@@ -37,8 +37,8 @@ def test_round_trip_through_serve_in_another_process(source, mem):
     """`graftmem serve` runs in its own interpreter on store A; pull into B; graft on B gives the
     first-step logits SHA-256 recorded on A, and the block files are byte-identical."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "graftmem", "--home", str(source["mem"].store.home), "serve", "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-m", "graftmem", "--home", str(source["mem"].store.home), "serve", "--port", "0",
+         "--blocks-only"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         line = proc.stdout.readline()  # type: ignore[union-attr]
@@ -329,6 +329,8 @@ def test_cli_serve_with_a_push_token_accepts_pushes(source, tmp_path):
         rep = source["mem"].push(url, token=TOKEN)
         assert sorted(rep.added) == sorted([source["b1"].id, source["b2"].id])
         assert httpx.get(f"{url}/v1/info").json()["blocks"] == 2
+        assert "OpenAI API at" in line  # the CLI serves the OpenAI-compatible API on the same socket
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "smollm2"
     finally:
         proc.terminate()
         proc.wait(timeout=30)
