@@ -232,3 +232,24 @@ def test_langchain_chat_openai(smol, home):
             assert whole == streamed == direct and whole
     finally:
         store.close()
+
+
+def test_docs_agents_snippets_run(smol, home, capsys):
+    """Every Python snippet of docs/agents.md runs against a real server (only the URL replaced)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "agents.md").read_text()
+    snippets = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(snippets) >= 2
+    store = Store(home)
+    try:
+        with api_server(store, [smol]) as srv:
+            for code in snippets:
+                exec(compile(code.replace("http://127.0.0.1:8765", srv.url), "docs/agents.md", "exec"), {})
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[1] == "cached tokens: 0"
+        assert lines[0] and lines[0] == lines[2]  # streamed == not streamed
+        assert lines[3]
+    finally:
+        store.close()
