@@ -185,6 +185,9 @@ def test_eight_concurrent_clients_get_their_own_answers(smol, home):
                 for t in threads:
                     t.join(timeout=120)
                 assert [got.get(i) for i in range(8)] == alone
+                deadline = time.monotonic() + 10  # a streamed answer ends just before its engine is released
+                while srv.pool.in_use and time.monotonic() < deadline:
+                    time.sleep(0.02)
                 assert srv.pool.in_use == 0
         finally:
             store.close()
@@ -253,3 +256,66 @@ def test_docs_agents_snippets_run(smol, home, capsys):
         assert lines[3]
     finally:
         store.close()
+
+
+def test_streamed_logprobs_and_strict_bodies(smol, home):
+    """Streamed chunks carry the same tokens and log-probabilities as the whole answer; a JSON body over
+    the limit is a 413 and a body that stops arriving is a 408, both in OpenAI's shape."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from graftmem.server import Limits
+
+    store = Store(home)
+    try:
+        with api_server(store, [smol], learn=False, limits=Limits(max_body_bytes=4096, body_timeout=1.0)) as srv:
+            c = _client(srv)
+            whole = _ask(c, MESSAGES[-1:])
+            chunks = list(c.chat.completions.create(model="m", messages=MESSAGES[-1:], max_tokens=8, temperature=0,
+                                                    logprobs=True, top_logprobs=2, stream=True))
+            streamed = [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs])
+                        for ch in chunks if ch.choices and ch.choices[0].logprobs
+                        for t in ch.choices[0].logprobs.content]
+            assert streamed == _fingerprint(whole)[1]
+            assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == \
+                whole.choices[0].message.content
+            with pytest.raises(openai.APIStatusError) as e:
+                c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x" * 5000}])
+            assert e.value.status_code == 413 and e.value.body["code"] == "body_too_large"  # type: ignore[index]
+            u = urlsplit(srv.url)
+            with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 100\r\n\r\n{\"messages\"")  # ...and nothing more
+                t0 = time.monotonic()
+                reply = s.recv(4096)
+                assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive" in reply
+                assert time.monotonic() - t0 < 8
+    finally:
+        store.close()
+
+
+def test_auto_blocks_are_evicted_lru_leaf_first_and_user_blocks_never(smol, home):
+    def convo(topic: str) -> list[dict[str, str]]:
+        return [{"role": "system", "content": f"You answer questions about {topic}."},
+                {"role": "user", "content": f"Tell me about {topic}."},
+                {"role": "assistant", "content": "Gladly."},
+                {"role": "user", "content": "Go on."}]
+
+    with Memory(engine=smol, home=home) as m:
+        manual = m.learn("You answer questions about apples.", chat=True, name="user-learned")
+        with api_server(m.store, [smol], min_prefix_tokens=8, sightings=1, max_auto_bytes=None) as srv:
+            c = _client(srv)
+            _ask(c, convo("apples"), max_tokens=1)   # chained on the user's block: 2 auto blocks
+            _ask(c, convo("pears"), max_tokens=1)    # a chain of its own: 3 auto blocks
+            auto = {b.id: b for b in m.store.list(kind="auto")}
+            assert len(auto) == 5
+            apples_leaf = next(b for b in auto.values() if b.text.startswith("<|im_start|>assistant")
+                               and m.store.get(b.parent).parent == manual.id)
+            _ask(c, convo("pears"), max_tokens=1)    # pears used again: apples is the least recently used
+            cache = srv.cache
+            cache.max_auto_bytes = sum(b.state_size for b in auto.values()) - 1
+            assert cache.evict() == [apples_leaf.id]
+            cache.max_auto_bytes = 0
+            cache.evict()
+            assert [b.id for b in m.store.list()] == [manual.id]
+            assert _ask(c, convo("apples"), max_tokens=1).usage.prompt_tokens_details.cached_tokens == manual.n_tokens

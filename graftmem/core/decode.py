@@ -79,9 +79,10 @@ def _pick(x: np.ndarray, sampling: Sampling, rng: Optional[np.random.Generator])
     return int(gen.choice(len(p), p=p))
 
 
-#: ``on_token(token, logprob)`` after each generated token: ``None`` to go on, or the finish reason to
-#: stop with (a stop string was generated, the client went away); the token is kept either way.
-OnToken = Callable[[int, float], Optional[str]]
+#: ``on_token(token, logprob, top)`` after each generated token (``top``: its alternatives when
+#: ``top_logprobs`` is asked, else None): ``None`` to go on, or the finish reason to stop with (a stop
+#: string was generated, the client went away); the token is kept either way.
+OnToken = Callable[[int, float, Optional[list[tuple[int, float]]]], Optional[str]]
 
 
 def decode(engine: "Engine", max_tokens: int, *, first_logits: Optional[np.ndarray] = None,
@@ -118,9 +119,11 @@ def decode(engine: "Engine", max_tokens: int, *, first_logits: Optional[np.ndarr
                 lse = m + np.log(np.exp(x - m).sum())
                 best = np.argsort(-x, kind="stable")[:top_logprobs]
                 out.top.append([(int(t), float(x[t] - lse)) for t in best])
-            if on_token is not None and (reason := on_token(tok, lp)) is not None:
-                out.finish_reason = reason
-                break
+            if on_token is not None:
+                reason = on_token(tok, lp, out.top[-1] if out.top else None)
+                if reason is not None:
+                    out.finish_reason = reason
+                    break
             if len(out.tokens) == max_tokens or engine.n_past >= engine.n_ctx:
                 break
             engine.prefill([tok])

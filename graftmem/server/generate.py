@@ -57,11 +57,12 @@ class Result:
 
 
 def _entry(engine: "Engine", tok: int, lp: float, top: Optional[list[tuple[int, float]]]) -> dict[str, Any]:
-    piece = engine.detokenize([tok])
-    out: dict[str, Any] = {"token": piece, "logprob": lp, "bytes": list(piece.encode("utf-8"))}
-    out["top_logprobs"] = [{"token": (p := engine.detokenize([t])), "logprob": v, "bytes": list(p.encode("utf-8"))}
-                           for t, v in (top or [])]
-    return out
+    """One token of OpenAI's ``logprobs.content``: its text, log-probability, bytes and alternatives."""
+    def one(t: int, v: float) -> dict[str, Any]:
+        b = engine.piece(t)
+        return {"token": b.decode("utf-8", "replace"), "logprob": v, "bytes": list(b)}
+
+    return {**one(tok, lp), "top_logprobs": [one(t, v) for t, v in (top or [])]}
 
 
 def run_job(engine: "Engine", store: "Store", cache: Optional["PrefixCache"], job: Job) -> Result:
@@ -69,14 +70,18 @@ def run_job(engine: "Engine", store: "Store", cache: Optional["PrefixCache"], jo
     segs = job.segments
     n_prompt = sum(len(s) for s in segs)
     match = cache.lookup(segs) if cache is not None and job.use_cache else None
-    generated: list[int] = []
+    raw = bytearray()  # the answer's bytes: decoded only where complete (a character may span tokens)
     entries: list[dict[str, Any]] = []
-    state = {"emitted": 0, "stop_at": None, "sent_entries": 0}
-    hold = max((len(s) for s in job.stops), default=1) - 1
+    pending: list[dict[str, Any]] = []  # logprob entries not streamed yet
+    state: dict[str, Any] = {"emitted": 0, "stop_at": None}
+    hold = max((len(s) for s in job.stops), default=1) - 1  # text that may still become a stop string
 
-    def on_token(tok: int, lp: float) -> Optional[str]:
-        generated.append(tok)
-        text = engine.detokenize(generated)
+    def on_token(tok: int, lp: float, top: Optional[list[tuple[int, float]]]) -> Optional[str]:
+        raw.extend(engine.piece(tok))
+        if job.logprobs:
+            entries.append(_entry(engine, tok, lp, top))
+            pending.append(entries[-1])
+        text = raw.decode("utf-8", "replace")
         if job.stops:
             hits = [i for i in (text.find(s) for s in job.stops) if i >= 0]
             if hits:
@@ -85,7 +90,8 @@ def run_job(engine: "Engine", store: "Store", cache: Optional["PrefixCache"], jo
         if job.emit is not None:
             safe = min(len(text) - hold, len(text.rstrip("\ufffd")))
             if safe > state["emitted"]:
-                job.emit("delta", (text[state["emitted"]:safe], []))
+                job.emit("delta", (text[state["emitted"]:safe], pending[:]))
+                pending.clear()
                 state["emitted"] = safe
         if job.cancel.is_set():
             return "cancelled"
@@ -111,14 +117,11 @@ def run_job(engine: "Engine", store: "Store", cache: Optional["PrefixCache"], jo
         out = decode(engine, job.max_tokens, first_logits=first, sampling=job.sampling, on_token=on_token,
                      top_logprobs=job.top_logprobs if job.logprobs else 0)
         t3 = time.perf_counter()
-    text = engine.detokenize(out.tokens)
+    text = raw.decode("utf-8", "replace")
     if state["stop_at"] is not None:
         text = text[:state["stop_at"]]
-    if job.logprobs:
-        entries = [_entry(engine, t, lp, out.top[i] if out.top else None)
-                   for i, (t, lp) in enumerate(zip(out.tokens, out.logprobs))]
-    if job.emit is not None and len(text) > state["emitted"]:
-        job.emit("delta", (text[state["emitted"]:], []))
+    if job.emit is not None and (len(text) > state["emitted"] or pending):
+        job.emit("delta", (text[state["emitted"]:], pending[:]))
     receipt = {"block_id": block_id, "tokens_restored": restored, "tokens_prefilled": n_prompt - restored,
                "restore_ms": round((t1 - t0) * 1e3, 3) if block_id else 0.0,
                "prefill_ms": round((t2 - t1) * 1e3, 3), "decode_ms": round((t3 - t2) * 1e3, 3),

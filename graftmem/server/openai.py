@@ -154,13 +154,21 @@ class OpenAIRoutes:
     def _start(self, engine: Any, job: Job, loop: asyncio.AbstractEventLoop,
                done: "asyncio.Future[Result]") -> None:
         def work() -> None:
+            outcome: tuple[Optional[Result], Optional[BaseException]] = (None, None)
             try:
-                result = run_job(engine, self.store, self.cache, job)
-                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
+                outcome = (run_job(engine, self.store, self.cache, job), None)
             except BaseException as exc:  # noqa: BLE001 - handed to the request, which reports it
-                loop.call_soon_threadsafe(lambda: done.done() or done.set_exception(exc))
+                outcome = (None, exc)
             finally:
-                self.pool.release_threadsafe(loop, engine)
+                loop.call_soon_threadsafe(finish, *outcome)
+
+        def finish(result: Optional[Result], exc: Optional[BaseException]) -> None:
+            self.pool.release(engine)  # first: a client that has its answer finds the engine free
+            if not done.done():
+                if exc is not None:
+                    done.set_exception(exc)
+                else:
+                    done.set_result(result)  # type: ignore[arg-type]
 
         threading.Thread(target=work, name="graftmem-request", daemon=True).start()
 
@@ -196,6 +204,12 @@ class OpenAIRoutes:
                  "choices": [choice] if choice else [], **extra}
             return b"data: " + json.dumps(d).encode() + b"\n\n"
 
+        def delta(text: str, entries: list[dict[str, Any]]) -> bytes:
+            if chat:
+                return chunk({"index": 0, "delta": {"content": text},
+                              "logprobs": {"content": entries} if job.logprobs else None, "finish_reason": None})
+            return chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": None})
+
         try:
             if chat:
                 yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -206,10 +220,7 @@ class OpenAIRoutes:
                 if get in finished:
                     kind, payload = get.result()
                     if kind == "delta":
-                        text, _ = payload
-                        yield chunk({"index": 0, "delta": {"content": text}, "logprobs": None,
-                                     "finish_reason": None} if chat else
-                                    {"index": 0, "text": text, "logprobs": None, "finish_reason": None})
+                        yield delta(*payload)
                         continue
                     result: Result = payload
                 else:
@@ -219,9 +230,7 @@ class OpenAIRoutes:
                     while not events.empty():  # deltas queued before the result
                         kind, payload = events.get_nowait()
                         if kind == "delta":
-                            yield chunk({"index": 0, "delta": {"content": payload[0]}, "logprobs": None,
-                                         "finish_reason": None} if chat else
-                                        {"index": 0, "text": payload[0], "logprobs": None, "finish_reason": None})
+                            yield delta(*payload)
                     result = done.result()
                 reason = "stop" if result.finish_reason in ("stop", "cancelled") else result.finish_reason
                 yield chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason} if chat else

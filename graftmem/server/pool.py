@@ -6,8 +6,8 @@ in a queue of at most ``max_queue``; one more is refused at once with 429 (back-
 retries later, rather than the server piling up sockets). A request whose client went away gives its
 engine back when its decode loop sees the cancellation (after at most one token).
 
-All methods except :meth:`release_threadsafe` run on the event loop's thread, which is what makes the
-counters safe without a lock.
+All methods run on the event loop's thread, which is what makes the counters safe without a lock
+(a worker thread hands its engine back with ``loop.call_soon_threadsafe``).
 """
 
 from __future__ import annotations
@@ -73,6 +73,3 @@ class EnginePool:
                 fut.set_result(engine)
                 return
         self._free.append(engine)
-
-    def release_threadsafe(self, loop: asyncio.AbstractEventLoop, engine: "Engine") -> None:
-        loop.call_soon_threadsafe(self.release, engine)

@@ -18,6 +18,11 @@ is learned as a chain, one block per segment (kind ``"auto"``), continuing the l
 stored, so an agent that re-sends its system prompt, tools and conversation on every call finds them
 grafted on the next call, and after a restart too. Each block is written by the one learn path
 (:func:`graftmem.memory.learn.prefill_and_store`).
+
+Retention: the automatic blocks (and only those: a block a user learned is never touched) are kept
+under ``max_auto_bytes`` of stored state; past it, the least recently used *leaf* auto block is deleted
+first (a chain shrinks from its end, so no remaining block loses its parent), "used" meaning grafted
+by this process, else learned.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
@@ -70,8 +76,10 @@ class PrefixCache:
     """The prefix index over one store, for one engine fingerprint, plus the auto-learn policy."""
 
     def __init__(self, store: "Store", fingerprint: Fingerprint, *, min_tokens: int = 256,
-                 sightings: int = 2, learn: bool = True) -> None:
+                 sightings: int = 2, learn: bool = True, max_auto_bytes: Optional[int] = 2 << 30) -> None:
         self.store, self.fingerprint = store, fingerprint
+        self.max_auto_bytes = max_auto_bytes
+        self._used: dict[str, float] = {}
         self.min_tokens, self.sightings, self.learn_enabled = min_tokens, sightings, learn
         self._digest = fingerprint.digest()
         self._lock = threading.RLock()
@@ -116,6 +124,9 @@ class PrefixCache:
                     continue
                 try:
                     block = self.store.get(bid)
+                    now = time.time()
+                    for b in chain_of(self.store, block):
+                        self._used[b.id] = now
                 except GraftmemError:
                     continue
                 return Match(block, k, sum(len(s) for s in segments[:k]))
@@ -165,6 +176,7 @@ class PrefixCache:
                                               metadata={"segment": i}, parent=parent)
                 with self._lock:
                     self._index[prefix_keys(segments[:i + 1])[-1]] = block.id
+                    self._used[block.id] = time.time()
                 parent = block
         except GraftmemError as exc:
             log.warning("prefix cache: learning a %d-segment prefix failed: %s", k, exc)
@@ -173,4 +185,32 @@ class PrefixCache:
             self._version = self._current()
         log.info("prefix cache: learned a %d-token prompt prefix as block %s",
                  sum(len(s) for s in segments[:k]), parent.short_id if parent else "-")
+        self.evict()
         return parent
+
+    def evict(self) -> list[str]:
+        """Delete least recently used leaf auto blocks until they fit ``max_auto_bytes``; their ids."""
+        if self.max_auto_bytes is None:
+            return []
+        removed: list[str] = []
+        with self._lock:
+            autos = {b.id: b for b in self.store.list(kind=AUTO_KIND)}
+            total = sum(b.state_size for b in autos.values())
+            while total > self.max_auto_bytes and autos:
+                leaves = [b for b in autos.values() if not self.store.children(b.id)]
+                if not leaves:
+                    break
+                victim = min(leaves, key=lambda b: self._used.get(b.id, b.created_at.timestamp()))
+                try:
+                    self.store.delete(victim.id)
+                except GraftmemError as exc:
+                    log.warning("prefix cache: could not evict block %s: %s", victim.short_id, exc)
+                    break
+                total -= victim.state_size
+                del autos[victim.id]
+                removed.append(victim.id)
+            if removed:
+                log.info("prefix cache: evicted %d auto block(s) to stay under %d bytes", len(removed),
+                         self.max_auto_bytes)
+                self.refresh(force=True)
+        return removed

@@ -24,14 +24,16 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
                api_key: Optional[str] = None, push_token: Optional[str] = None,
                sign_key: Optional[SigningKey] = None, check: Optional[BlockCheck] = None,
                max_queue: int = 16, min_prefix_tokens: int = 256, sightings: int = 2, learn: bool = True,
-               model_id: Optional[str] = None, limits: Optional[Limits] = None) -> BlockServer:
+               max_auto_bytes: Optional[int] = 2 << 30, model_id: Optional[str] = None,
+               limits: Optional[Limits] = None) -> BlockServer:
     """A :class:`BlockServer` that also answers ``/v1/chat/completions``, ``/v1/completions`` and
     ``/v1/models`` with ``engines`` (one request per engine at a time, ``max_queue`` waiting), grafting
     stored prompt prefixes and learning those seen ``sightings`` times with at least
-    ``min_prefix_tokens`` tokens. Not started: use it as a context manager or call ``start()``."""
+    ``min_prefix_tokens`` tokens (automatic blocks kept under ``max_auto_bytes``, least recently used
+    evicted first; blocks a user learned are never evicted). Not started: use it as a context manager or call ``start()``."""
     pool = EnginePool(engines, max_queue=max_queue)
     cache = PrefixCache(store, engines[0].fingerprint, min_tokens=min_prefix_tokens, sightings=sightings,
-                        learn=learn)
+                        learn=learn, max_auto_bytes=max_auto_bytes)
     oa = OpenAIRoutes(pool, store, cache, model_id=model_id, limits=limits)
     srv = BlockServer(store, host=host, port=port, push_token=push_token, fingerprint=engines[0].fingerprint,
                       sign_key=sign_key, check=check, api_key=api_key, limits=limits, extra=oa.routes())
