@@ -291,7 +291,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              push_token=token, sign_key=_sign_key(args),
                              check=mem._rederive_check() if args.rederive else None,  # noqa: SLF001
                              max_queue=args.max_queue, min_prefix_tokens=args.min_prefix_tokens,
-                             sightings=args.sightings, learn=not args.no_learn)
+                             sightings=args.sightings, learn=not args.no_learn,
+                             max_auto_bytes=args.max_auto_mb << 20,
+                             router=lambda: mem.router)  # loaded on the first routed request
         elif mem:
             srv = mem.serve(host=args.host, port=args.port, push_token=token, sign_key=_sign_key(args),
                             rederive=args.rederive)
@@ -571,6 +573,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="learn a prompt prefix (up to the last message) of at least this many tokens...")
     sp.add_argument("--sightings", type=int, default=2, help="...once it has been seen this many times")
     sp.add_argument("--no-learn", action="store_true", help="graft stored prefixes but learn no new ones")
+    sp.add_argument("--max-auto-mb", type=int, default=2048,
+                    help="keep automatic prefix blocks under this many MB (least recently used evicted first; "
+                         "blocks you learned are never evicted)")
     sp.add_argument("--port", type=int, default=8765, help="0 picks a free port")
     sp.add_argument("--push-token", help="accept pushes with this token (or $GRAFTMEM_PUSH_TOKEN)")
     sp.add_argument("--sign", metavar="KEY", help="sign listings with this private key")

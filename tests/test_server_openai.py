@@ -36,8 +36,8 @@ def _client(srv, **kw) -> openai.OpenAI:
 
 def _ask(c: openai.OpenAI, messages=MESSAGES, *, cache: bool = True, max_tokens: int = 8, **kw):
     return c.chat.completions.create(model="smollm2", messages=messages, max_tokens=max_tokens, temperature=0,
-                                     logprobs=True, top_logprobs=2, extra_body={"graftmem": {"cache": cache}},
-                                     **kw)
+                                     logprobs=True, top_logprobs=2,
+                                     extra_body=kw.pop("extra_body", {"graftmem": {"cache": cache}}), **kw)
 
 
 def _fingerprint(r) -> list:
@@ -287,7 +287,9 @@ def test_streamed_logprobs_and_strict_bodies(smol, home):
                 s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                           b"Content-Length: 100\r\n\r\n{\"messages\"")  # ...and nothing more
                 t0 = time.monotonic()
-                reply = s.recv(4096)
+                reply = b""
+                while chunk := s.recv(4096):  # the server closes the connection after its answer
+                    reply += chunk
                 assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive" in reply
                 assert time.monotonic() - t0 < 8
     finally:
@@ -319,3 +321,30 @@ def test_auto_blocks_are_evicted_lru_leaf_first_and_user_blocks_never(smol, home
             cache.evict()
             assert [b.id for b in m.store.list()] == [manual.id]
             assert _ask(c, convo("apples"), max_tokens=1).usage.prompt_tokens_details.cached_tokens == manual.n_tokens
+
+
+def test_routed_recall_grafts_the_chosen_block_exactly(smol, home):
+    """`"graftmem": {"recall": true}`: the router picks the manual for the last user message, it is put
+    before the messages and grafted; the answer equals the same prompt served cold, byte for byte."""
+    with Memory(engine=smol, home=home) as m:
+        manual = m.learn("Refunds: customers get their money back within 14 days with the receipt.", chat=True,
+                         name="refunds", when_to_use="questions about refunds, returns and money back")
+        m.learn("Shipping: parcels leave the warehouse every Monday.", chat=True, name="shipping",
+                when_to_use="questions about shipping, parcels and delivery days")
+        with api_server(m.store, [smol], learn=False, router=lambda: m.router) as srv:
+            c = _client(srv)
+            ask = [{"role": "user", "content": "Can I get my money back for a return?"}]
+            warm = _ask(c, ask, extra_body={"graftmem": {"recall": True, "min_score": 0.1}})
+            receipt = warm.model_extra["graftmem"]
+            assert receipt["recall"]["block_id"] == manual.id and receipt["block_id"] == manual.id
+            assert warm.usage.prompt_tokens_details.cached_tokens == manual.n_tokens
+            cold = _ask(c, ask, extra_body={"graftmem": {"recall": True, "min_score": 0.1, "cache": False}})
+            assert cold.usage.prompt_tokens_details.cached_tokens == 0
+            assert _fingerprint(warm) == _fingerprint(cold)
+            # the same prompt written out by hand (the manual as the system turn) is the same computation
+            by_hand = _ask(c, [{"role": "system", "content": manual.text[len("<|im_start|>system\n"):-len("<|im_end|>\n")]},
+                               *ask], cache=False)
+            assert _fingerprint(by_hand) == _fingerprint(cold)
+            none = _ask(c, ask, extra_body={"graftmem": {"recall": True, "min_score": 0.999}})
+            assert none.model_extra["graftmem"]["recall"]["block_id"] is None
+            assert none.usage.prompt_tokens_details.cached_tokens == 0

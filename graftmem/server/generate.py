@@ -43,6 +43,7 @@ class Job:
     use_cache: bool = True
     emit: Optional[Callable[[str, Any], None]] = None
     cancel: threading.Event = field(default_factory=threading.Event)
+    extra: Optional[dict[str, Any]] = None  #: added to the receipt (what routing chose)
 
 
 @dataclass

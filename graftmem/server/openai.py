@@ -22,7 +22,7 @@ import json
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -31,12 +31,15 @@ from starlette.routing import BaseRoute, Route
 from ..core.decode import Sampling
 from ..core.errors import ConfigError
 from ..core.prompt import detect_format
+from ..memory.router import DEFAULT_MIN_SCORE
+from ..store.chain import chain_of
 from .chat import render_segments, tokenize_segments
 from .generate import Job, Result, check_fits, run_job
 from .http import HTTPError, Limits, guarded, json_object, read_body
 from .pool import EnginePool
 
 if TYPE_CHECKING:
+    from ..memory.router import Router
     from ..store.local import Store
     from .prefix import PrefixCache
 
@@ -62,8 +65,10 @@ class OpenAIRoutes:
     """The OpenAI-compatible API over an engine pool, one store and its prefix cache."""
 
     def __init__(self, pool: EnginePool, store: "Store", cache: Optional["PrefixCache"], *,
-                 model_id: Optional[str] = None, limits: Optional[Limits] = None) -> None:
+                 model_id: Optional[str] = None, limits: Optional[Limits] = None,
+                 router: Optional[Callable[[], "Router"]] = None) -> None:
         self.pool, self.store, self.cache = pool, store, cache
+        self.router = router  #: called on the first routed request (loading the router costs seconds)
         self.limits = limits or Limits()
         engine = pool.engines[0]
         self.engine0 = engine
@@ -136,8 +141,39 @@ class OpenAIRoutes:
                             "/v1/completions", code="unsupported_model")
         texts = render_segments(self.fmt, body.get("messages"))
         segments = tokenize_segments(self.engine0, texts)
+        routed = await self._recall(body, segments, texts)
         job = self._job(body, segments, texts, chat=True)
+        job.extra = routed
         return await self._serve(body, job, chat=True)
+
+    async def _recall(self, body: dict[str, Any], segments: list[list[int]], texts: list[str]) -> Optional[dict]:
+        """Opt-in routing (``"graftmem": {"recall": true, "min_score": 0.4}``): the router picks ONE block
+        for the last user message and its chain is put before the messages, as ``Memory.recall`` puts
+        it before the task. The prefix cache then grafts it like any stored prefix (exact: the cold
+        path prefills the same segments). Mutates ``segments`` / ``texts``; returns the receipt part."""
+        gm = body.get("graftmem") or {}
+        if not isinstance(gm, dict) or not gm.get("recall"):
+            return None
+        if self.router is None:
+            raise HTTPError(400, "this server was started without a router: routed recall is off",
+                            param="graftmem.recall", code="recall_unavailable")
+        min_score = _num(gm, "min_score", DEFAULT_MIN_SCORE, float, -1.0, 1.0)
+        users = [m for m in body["messages"] if isinstance(m, dict) and m.get("role") == "user"]
+        task = users[-1].get("content") if users else None
+        if not isinstance(task, str) or not task.strip():
+            raise HTTPError(400, "routed recall needs a last user message with text content", param="messages")
+        digest = self.engine0.fingerprint.digest()
+        router = self.router
+        hits = await asyncio.to_thread(lambda: router().search(task, 1, fingerprint_digest=digest))
+        if not hits or hits[0][1] < min_score:
+            return {"recall": {"block_id": None, "score": hits[0][1] if hits else None, "min_score": min_score}}
+        block = self.store.get(hits[0][0])
+        chain = chain_of(self.store, block)
+        # the messages now follow the block: no second BOS
+        segments[0] = self.engine0.tokenize(texts[0], add_special=False)
+        segments[:0] = [list(b.tokens) for b in chain]
+        texts[:0] = [b.text for b in chain]
+        return {"recall": {"block_id": block.id, "score": hits[0][1], "min_score": min_score}}
 
     async def completions(self, request: Request) -> Response:
         body = await self._parse(request)
@@ -184,6 +220,7 @@ class OpenAIRoutes:
             done: asyncio.Future[Result] = loop.create_future()
             self._start(engine, job, loop, done)
             result = await done
+            result.receipt = self._receipt(job, result)
             payload = self._final(rid, created, result, chat=chat)
             return JSONResponse(payload, headers={RECEIPT_HEADER: json.dumps(result.receipt)})
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -235,7 +272,7 @@ class OpenAIRoutes:
                 reason = "stop" if result.finish_reason in ("stop", "cancelled") else result.finish_reason
                 yield chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason} if chat else
                             {"index": 0, "text": "", "logprobs": None, "finish_reason": reason},
-                            graftmem=result.receipt)
+                            graftmem=self._receipt(job, result))
                 if usage:
                     yield chunk({}, usage=self._usage(result))
                 yield b"data: [DONE]\n\n"
@@ -249,6 +286,10 @@ class OpenAIRoutes:
                                                     "code": "internal_error"}}).encode() + b"\n\n"
         finally:
             job.cancel.set()  # a client that went away stops the decode at the next token
+
+    @staticmethod
+    def _receipt(job: Job, r: Result) -> dict[str, Any]:
+        return {**r.receipt, **(job.extra or {})}
 
     @staticmethod
     def _usage(r: Result) -> dict[str, Any]:
@@ -274,3 +315,4 @@ class OpenAIRoutes:
             obj = "text_completion"
         return {"id": rid, "object": obj, "created": created, "model": self.model_id, "choices": [choice],
                 "usage": self._usage(r), "graftmem": r.receipt}
+

@@ -3,7 +3,7 @@ engine pool and its prefix cache, on one uvicorn socket (what ``graftmem serve``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from ..share.admission import BlockCheck
 from ..share.trust import SigningKey
@@ -15,6 +15,7 @@ from .prefix import PrefixCache
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
+    from ..memory.router import Router
     from ..store.local import Store
 
 __all__ = ["api_server"]
@@ -25,16 +26,17 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
                sign_key: Optional[SigningKey] = None, check: Optional[BlockCheck] = None,
                max_queue: int = 16, min_prefix_tokens: int = 256, sightings: int = 2, learn: bool = True,
                max_auto_bytes: Optional[int] = 2 << 30, model_id: Optional[str] = None,
-               limits: Optional[Limits] = None) -> BlockServer:
+               limits: Optional[Limits] = None, router: Optional[Callable[[], "Router"]] = None) -> BlockServer:
     """A :class:`BlockServer` that also answers ``/v1/chat/completions``, ``/v1/completions`` and
     ``/v1/models`` with ``engines`` (one request per engine at a time, ``max_queue`` waiting), grafting
     stored prompt prefixes and learning those seen ``sightings`` times with at least
     ``min_prefix_tokens`` tokens (automatic blocks kept under ``max_auto_bytes``, least recently used
-    evicted first; blocks a user learned are never evicted). Not started: use it as a context manager or call ``start()``."""
+    evicted first; blocks a user learned are never evicted). ``router`` (called on the first routed
+    request) enables ``"graftmem": {"recall": true}``. Not started: use it as a context manager or call ``start()``."""
     pool = EnginePool(engines, max_queue=max_queue)
     cache = PrefixCache(store, engines[0].fingerprint, min_tokens=min_prefix_tokens, sightings=sightings,
                         learn=learn, max_auto_bytes=max_auto_bytes)
-    oa = OpenAIRoutes(pool, store, cache, model_id=model_id, limits=limits)
+    oa = OpenAIRoutes(pool, store, cache, model_id=model_id, limits=limits, router=router)
     srv = BlockServer(store, host=host, port=port, push_token=push_token, fingerprint=engines[0].fingerprint,
                       sign_key=sign_key, check=check, api_key=api_key, limits=limits, extra=oa.routes())
     srv.pool, srv.cache, srv.openai = pool, cache, oa  # type: ignore[attr-defined]
