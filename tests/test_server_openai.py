@@ -348,3 +348,32 @@ def test_routed_recall_grafts_the_chosen_block_exactly(smol, home):
             none = _ask(c, ask, extra_body={"graftmem": {"recall": True, "min_score": 0.999}})
             assert none.model_extra["graftmem"]["recall"]["block_id"] is None
             assert none.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_memory_rest_endpoints_give_what_memory_gives(smol, home):
+    """learn / list / get / search / recall / delete over HTTP; the recall through the server is the
+    recall of Memory (same block, same answer, same first-step logits hash)."""
+    with Memory(engine=smol, home=home) as m:
+        with api_server(m.store, [smol], learn=False, router=lambda: m.router) as srv:
+            u = srv.url + "/v1/memory"
+            r = httpx.post(u + "/learn", json={"text": "Refunds take 14 days and need the receipt.", "chat": True,
+                                                "name": "refunds", "when_to_use": "refunds and money back"},
+                           timeout=60)
+            assert r.status_code == 200 and r.json()["new"] is True
+            bid = r.json()["block"]["id"]
+            httpx.post(u + "/learn", json={"text": "Parcels ship on Mondays.", "chat": True, "name": "shipping",
+                                           "when_to_use": "shipping and delivery"}, timeout=60)
+            listed = httpx.get(u + "/blocks").json()["blocks"]
+            assert {b["name"] for b in listed} == {"refunds", "shipping"}
+            assert httpx.get(f"{u}/blocks/{bid[:10]}").json()["id"] == bid
+            assert httpx.get(f"{u}/blocks/{'f' * 12}").status_code == 404
+            task = "How long does a refund take?"
+            hits = httpx.post(u + "/search", json={"query": task, "top_k": 2}, timeout=60).json()["hits"]
+            assert hits[0]["block_id"] == bid
+            via = httpx.post(u + "/recall", json={"task": task, "max_tokens": 6, "min_score": 0.1}, timeout=60).json()
+            direct = m.recall(task, max_tokens=6, min_score=0.1)
+            assert via["block"]["id"] == direct.block.id == bid and via["text"] == direct.text
+            assert via["receipt"]["first_logits_sha256"] == direct.receipt.first_logits_sha256
+            assert httpx.post(u + "/learn", json={"text": ""}).json()["error"]["param"] == "text"
+            assert httpx.delete(f"{u}/blocks/{bid}").json()["deleted"] == [bid]
+            assert httpx.post(u + "/search", json={"query": task}, timeout=60).json()["hits"][0]["block_id"] != bid

@@ -7,7 +7,8 @@ from .http import Limits
 from .openai import RECEIPT_HEADER, OpenAIRoutes
 from .pool import EnginePool
 from .prefix import AUTO_KIND, PrefixCache
+from .rest import MemoryRoutes
 from .service import api_server
 
-__all__ = ["AUTO_KIND", "BlockRoutes", "BlockServer", "EnginePool", "Limits", "OpenAIRoutes", "PrefixCache",
+__all__ = ["AUTO_KIND", "BlockRoutes", "BlockServer", "EnginePool", "Limits", "MemoryRoutes", "OpenAIRoutes", "PrefixCache",
            "RECEIPT_HEADER", "api_server"]

@@ -22,7 +22,7 @@ import json
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -37,9 +37,9 @@ from .chat import render_segments, tokenize_segments
 from .generate import Job, Result, check_fits, run_job
 from .http import HTTPError, Limits, guarded, json_object, read_body
 from .pool import EnginePool
+from .routing import RouterRef
 
 if TYPE_CHECKING:
-    from ..memory.router import Router
     from ..store.local import Store
     from .prefix import PrefixCache
 
@@ -66,9 +66,9 @@ class OpenAIRoutes:
 
     def __init__(self, pool: EnginePool, store: "Store", cache: Optional["PrefixCache"], *,
                  model_id: Optional[str] = None, limits: Optional[Limits] = None,
-                 router: Optional[Callable[[], "Router"]] = None) -> None:
+                 router: Optional[RouterRef] = None) -> None:
         self.pool, self.store, self.cache = pool, store, cache
-        self.router = router  #: called on the first routed request (loading the router costs seconds)
+        self.router = router or RouterRef(None)  #: loaded on the first routed request
         self.limits = limits or Limits()
         engine = pool.engines[0]
         self.engine0 = engine
@@ -154,7 +154,7 @@ class OpenAIRoutes:
         gm = body.get("graftmem") or {}
         if not isinstance(gm, dict) or not gm.get("recall"):
             return None
-        if self.router is None:
+        if not self.router.available:
             raise HTTPError(400, "this server was started without a router: routed recall is off",
                             param="graftmem.recall", code="recall_unavailable")
         min_score = _num(gm, "min_score", DEFAULT_MIN_SCORE, float, -1.0, 1.0)
@@ -164,7 +164,7 @@ class OpenAIRoutes:
             raise HTTPError(400, "routed recall needs a last user message with text content", param="messages")
         digest = self.engine0.fingerprint.digest()
         router = self.router
-        hits = await asyncio.to_thread(lambda: router().search(task, 1, fingerprint_digest=digest))
+        hits = await asyncio.to_thread(lambda: router.get().search(task, 1, fingerprint_digest=digest))
         if not hits or hits[0][1] < min_score:
             return {"recall": {"block_id": None, "score": hits[0][1] if hits else None, "min_score": min_score}}
         block = self.store.get(hits[0][0])

@@ -12,6 +12,8 @@ from .http import Limits
 from .openai import OpenAIRoutes
 from .pool import EnginePool
 from .prefix import PrefixCache
+from .rest import MemoryRoutes
+from .routing import RouterRef
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -32,12 +34,15 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
     stored prompt prefixes and learning those seen ``sightings`` times with at least
     ``min_prefix_tokens`` tokens (automatic blocks kept under ``max_auto_bytes``, least recently used
     evicted first; blocks a user learned are never evicted). ``router`` (called on the first routed
-    request) enables ``"graftmem": {"recall": true}``. Not started: use it as a context manager or call ``start()``."""
+    request) enables ``"graftmem": {"recall": true}`` and ``/v1/memory/search|recall``. Not started: use it as a context manager or call ``start()``."""
     pool = EnginePool(engines, max_queue=max_queue)
     cache = PrefixCache(store, engines[0].fingerprint, min_tokens=min_prefix_tokens, sightings=sightings,
                         learn=learn, max_auto_bytes=max_auto_bytes)
-    oa = OpenAIRoutes(pool, store, cache, model_id=model_id, limits=limits, router=router)
+    ref = RouterRef(router)
+    oa = OpenAIRoutes(pool, store, cache, model_id=model_id, limits=limits, router=ref)
+    rest = MemoryRoutes(pool, store, ref, limits=limits)
     srv = BlockServer(store, host=host, port=port, push_token=push_token, fingerprint=engines[0].fingerprint,
-                      sign_key=sign_key, check=check, api_key=api_key, limits=limits, extra=oa.routes())
+                      sign_key=sign_key, check=check, api_key=api_key, limits=limits,
+                      extra=oa.routes() + rest.routes())
     srv.pool, srv.cache, srv.openai = pool, cache, oa  # type: ignore[attr-defined]
     return srv
