@@ -32,6 +32,34 @@ def _memory(args: argparse.Namespace):
     return Memory(args.model, home=args.home, config=config)
 
 
+def _server(args: argparse.Namespace) -> Optional[str]:
+    """The running server to ask instead of loading the model (--url or $GRAFTMEM_URL), if any."""
+    url = getattr(args, "server_url", None) or os.environ.get("GRAFTMEM_URL")
+    return url.rstrip("/") if url else None
+
+
+def _remote(url: str, path: str, body: dict[str, Any]) -> Any:
+    """POST ``body`` to a graftmem server's memory API; its error as a graftmem error."""
+    import httpx
+
+    from .core.errors import TransferError
+
+    key = os.environ.get("GRAFTMEM_API_KEY")
+    try:
+        r = httpx.post(f"{url}/v1/memory/{path}", json=body, timeout=300,
+                       headers={"Authorization": f"Bearer {key}"} if key else None)
+    except httpx.HTTPError as exc:
+        raise TransferError(f"cannot reach the graftmem server at {url}: {exc}; is `graftmem serve` "
+                            "running? (or drop --url / unset GRAFTMEM_URL)") from exc
+    if r.status_code >= 400:
+        try:
+            msg = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            msg = r.text[:200]
+        raise TransferError(f"the server at {url} answered {r.status_code}: {msg}")
+    return r.json()
+
+
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
@@ -121,8 +149,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_recall(args: argparse.Namespace) -> int:
-    with _memory(args) as mem:
-        r = mem.recall(args.task, max_tokens=args.max_tokens, min_score=args.min_score)
+    from . import Recall
+
+    if (url := _server(args)) is not None:
+        r = Recall.model_validate(_remote(url, "recall", {"task": args.task, "max_tokens": args.max_tokens,
+                                                          "min_score": args.min_score}))
+    else:
+        with _memory(args) as mem:
+            r = mem.recall(args.task, max_tokens=args.max_tokens, min_score=args.min_score)
     rc = r.receipt
     route = "nothing grafted"
     if r.block is not None and r.score is not None:
@@ -157,8 +191,14 @@ def cmd_recall_document(args: argparse.Namespace) -> int:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
-    with _memory(args) as mem:
-        hits = mem.search(args.task, top_k=args.top_k)
+    from . import SearchHit
+
+    if (url := _server(args)) is not None:
+        hits = [SearchHit.model_validate(h)
+                for h in _remote(url, "search", {"query": args.task, "top_k": args.top_k})["hits"]]
+    else:
+        with _memory(args) as mem:
+            hits = mem.search(args.task, top_k=args.top_k)
     rows = [[i + 1, f"{h.score:.3f}", h.block_id[:12], h.n_tokens, h.name[:40], (h.when_to_use or "")[:50]]
             for i, h in enumerate(hits)]
     _out(args, [h.model_dump() for h in hits],
@@ -479,6 +519,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model short name (smollm2, gemma3-270m) or GGUF path")
     p.add_argument("--config", default=None, help='engine config as JSON, e.g. \'{"n_ctx": 4096}\'')
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("--url", dest="server_url", default=None, metavar="URL",
+                   help="search and recall through a running `graftmem serve` (or $GRAFTMEM_URL): "
+                        "milliseconds instead of loading the model and the router")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:

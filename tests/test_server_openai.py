@@ -350,7 +350,7 @@ def test_routed_recall_grafts_the_chosen_block_exactly(smol, home):
             assert none.usage.prompt_tokens_details.cached_tokens == 0
 
 
-def test_memory_rest_endpoints_give_what_memory_gives(smol, home):
+def test_memory_rest_endpoints_give_what_memory_gives(smol, home, capsys):
     """learn / list / get / search / recall / delete over HTTP; the recall through the server is the
     recall of Memory (same block, same answer, same first-step logits hash)."""
     with Memory(engine=smol, home=home) as m:
@@ -374,6 +374,15 @@ def test_memory_rest_endpoints_give_what_memory_gives(smol, home):
             direct = m.recall(task, max_tokens=6, min_score=0.1)
             assert via["block"]["id"] == direct.block.id == bid and via["text"] == direct.text
             assert via["receipt"]["first_logits_sha256"] == direct.receipt.first_logits_sha256
+            # the CLI as a client of the running server: same hits, same answer, no model loaded
+            from graftmem.cli import main
+
+            capsys.readouterr()
+            assert main(["--url", srv.url, "--json", "search", task, "--top-k", "2"]) == 0
+            assert json.loads(capsys.readouterr().out)[0]["block_id"] == bid
+            assert main(["--url", srv.url, "--json", "recall", task, "--max-tokens", "6", "--min-score", "0.1"]) == 0
+            assert json.loads(capsys.readouterr().out)["text"] == direct.text
+            assert main(["--url", srv.url + "/nope", "search", task]) == 2
             assert httpx.post(u + "/learn", json={"text": ""}).json()["error"]["param"] == "text"
             assert httpx.delete(f"{u}/blocks/{bid}").json()["deleted"] == [bid]
             assert httpx.post(u + "/search", json={"query": task}, timeout=60).json()["hits"][0]["block_id"] != bid
