@@ -42,7 +42,7 @@ def _remote(url: str, path: str, body: dict[str, Any]) -> Any:
     """POST ``body`` to a graftmem server's memory API; its error as a graftmem error."""
     import httpx
 
-    from .core.errors import TransferError
+    from . import TransferError
 
     key = os.environ.get("GRAFTMEM_API_KEY")
     try:

@@ -29,13 +29,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from ..core.decode import Sampling
-from ..core.errors import ConfigError
+from ..core.errors import ConfigError, GraftmemError
 from ..core.prompt import detect_format
 from ..memory.router import DEFAULT_MIN_SCORE
 from ..store.chain import chain_of
 from .chat import render_segments, tokenize_segments
 from .generate import Job, Result, check_fits, run_job
-from .http import HTTPError, Limits, guarded, json_object, read_body
+from .http import HTTPError, Limits, guarded, json_object, public_message, read_body
 from .pool import EnginePool
 from .routing import RouterRef
 
@@ -219,7 +219,10 @@ class OpenAIRoutes:
             engine = await self.pool.acquire()
             done: asyncio.Future[Result] = loop.create_future()
             self._start(engine, job, loop, done)
-            result = await done
+            try:
+                result = await done
+            except GraftmemError as exc:  # the engine refused (context full, ...): say so, no local paths
+                raise HTTPError(500, public_message(str(exc), str(self.store.home)), code=type(exc).__name__) from exc
             result.receipt = self._receipt(job, result)
             payload = self._final(rid, created, result, chat=chat)
             return JSONResponse(payload, headers={RECEIPT_HEADER: json.dumps(result.receipt)})
