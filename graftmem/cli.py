@@ -101,6 +101,34 @@ def _positive(value: str) -> int:
     return n
 
 
+def _server(args: argparse.Namespace) -> Optional[str]:
+    """The running server to ask instead of loading the model (--url or $GRAFTMEM_URL), if any."""
+    url = getattr(args, "server_url", None) or os.environ.get("GRAFTMEM_URL")
+    return url.rstrip("/") if url else None
+
+
+def _remote(url: str, path: str, body: dict[str, Any]) -> Any:
+    """POST ``body`` to a graftmem server's memory API; its error as a graftmem error."""
+    import httpx
+
+    from . import TransferError
+
+    key = os.environ.get("GRAFTMEM_API_KEY")
+    try:
+        r = httpx.post(f"{url}/v1/memory/{path}", json=body, timeout=300,
+                       headers={"Authorization": f"Bearer {key}"} if key else None)
+    except httpx.HTTPError as exc:
+        raise TransferError(f"cannot reach the graftmem server at {url}: {exc}; is `graftmem serve` "
+                            "running? (or drop --url / unset GRAFTMEM_URL)") from exc
+    if r.status_code >= 400:
+        try:
+            msg = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            msg = r.text[:200]
+        raise TransferError(f"the server at {url} answered {r.status_code}: {msg}")
+    return r.json()
+
+
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
@@ -211,9 +239,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_recall(args: argparse.Namespace) -> int:
-    with _memory(args) as mem:
-        r = mem.recall(args.task, max_tokens=args.max_tokens, min_score=args.min_score, sampling=_sampling(args),
-                       allow_unverified=args.allow_unverified)
+    from . import Recall
+
+    if (url := _server(args)) is not None:
+        r = Recall.model_validate(_remote(url, "recall", {"task": args.task, "max_tokens": args.max_tokens,
+                                                          "min_score": args.min_score}))
+    else:
+        with _memory(args) as mem:
+            r = mem.recall(args.task, max_tokens=args.max_tokens, min_score=args.min_score,
+                           sampling=_sampling(args), allow_unverified=args.allow_unverified)
     rc = r.receipt
     route = "nothing grafted"
     if r.block is not None and r.score is not None:
@@ -250,11 +284,17 @@ def cmd_recall_document(args: argparse.Namespace) -> int:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
+    from . import SearchHit
     from .memory import other_engines_hint
 
-    with _memory(args) as mem:
-        hits = mem.search(args.task, top_k=args.top_k)
-        hint = None if hits else other_engines_hint(mem.store, mem.fingerprint)
+    hint = None
+    if (url := _server(args)) is not None:
+        hits = [SearchHit.model_validate(h)
+                for h in _remote(url, "search", {"query": args.task, "top_k": args.top_k})["hits"]]
+    else:
+        with _memory(args) as mem:
+            hits = mem.search(args.task, top_k=args.top_k)
+            hint = None if hits else other_engines_hint(mem.store, mem.fingerprint)
     rows = [[i + 1, f"{h.score:.3f}", h.block_id[:12], h.n_tokens, h.name[:40], (h.when_to_use or "")[:50]]
             for i, h in enumerate(hits)]
     _out(args, [h.model_dump() for h in hits],
@@ -370,24 +410,46 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .server import BlockServer
+    """One long-running server: block sharing, and (unless --blocks-only) the OpenAI-compatible API
+    with the persistent prompt cache, on one socket."""
+    from .core import Engine
+    from .server import BlockServer, api_server
 
     token = args.push_token or os.environ.get("GRAFTMEM_PUSH_TOKEN")
-    mem = _memory(args) if token else None  # accepting pushes needs this engine's fingerprint
+    api_key = args.api_key or os.environ.get("GRAFTMEM_API_KEY")
+    api = not args.blocks_only
+    mem = _memory(args) if (token or api) else None  # the API and pushes need the engine
+    extra: list[Any] = []
     try:
-        srv = (mem.serve(host=args.host, port=args.port, push_token=token, sign_key=_sign_key(args),
-                         rederive=args.rederive)
-               if mem else BlockServer(_home(args), host=args.host, port=args.port,
-                                       sign_key=_sign_key(args)))
+        if api:
+            assert mem is not None
+            extra = [Engine(mem.engine.model_path, mem.engine.config) for _ in range(max(1, args.engines) - 1)]
+            srv = api_server(mem.store, [mem.engine, *extra], host=args.host, port=args.port, api_key=api_key,
+                             push_token=token, sign_key=_sign_key(args),
+                             check=mem._rederive_check() if args.rederive else None,  # noqa: SLF001
+                             max_queue=args.max_queue, min_prefix_tokens=args.min_prefix_tokens,
+                             sightings=args.sightings, learn=not args.no_learn,
+                             max_auto_bytes=args.max_auto_mb << 20,
+                             router=lambda: mem.router)  # loaded on the first routed request
+        elif mem:
+            srv = mem.serve(host=args.host, port=args.port, push_token=token, sign_key=_sign_key(args),
+                            rederive=args.rederive)
+        else:
+            srv = BlockServer(_home(args), host=args.host, port=args.port, sign_key=_sign_key(args),
+                              api_key=api_key)
         try:
-            print(f"serving {srv.store.home} at {srv.url} (pushes {'on' if token else 'off'}, "
-                  f"listings {'signed' if args.sign else 'unsigned'}); Ctrl-C stops", flush=True)
+            what = (f"OpenAI API at {srv.url}/v1 with {1 + len(extra)} engine(s), " if api else "")
+            print(f"serving {srv.store.home} at {srv.url} ({what}pushes {'on' if token else 'off'}, "
+                  f"listings {'signed' if args.sign else 'unsigned'}, "
+                  f"API key {'required' if api_key else 'off'}); Ctrl-C stops", flush=True)
             srv.serve_forever()
         except KeyboardInterrupt:
             pass
         finally:
             srv.close()
     finally:
+        for e in extra:
+            e.close()
         if mem:
             mem.close()
     return 0
@@ -583,6 +645,9 @@ def _global_options(p: argparse.ArgumentParser, default: Any) -> None:
                                                     "(default: smollm2)")
     p.add_argument("--config", default=d(None), help='engine config as JSON, e.g. \'{"n_ctx": 4096}\'')
     p.add_argument("--json", action="store_true", default=d(False), help="print machine-readable JSON")
+    p.add_argument("--url", dest="server_url", default=d(None), metavar="URL",
+                   help="search and recall through a running `graftmem serve` (or $GRAFTMEM_URL): "
+                        "milliseconds instead of loading the model and the router")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -684,8 +749,21 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("import", cmd_import, "import a bundle: every digest checked, all or nothing")
     sp.add_argument("path")
     trust_args(sp)
-    sp = add("serve", cmd_serve, "serve the store over HTTP (read-only unless a push token is set)")
+    sp = add("serve", cmd_serve, "one long-running server: the OpenAI-compatible API with a persistent, "
+             "verified prompt cache, and block sharing (read-only unless a push token is set)")
     sp.add_argument("--host", default="127.0.0.1")
+    sp.add_argument("--api-key", help="require this key on every request (or $GRAFTMEM_API_KEY)")
+    sp.add_argument("--blocks-only", action="store_true",
+                    help="serve block sharing only: no model is loaded, no OpenAI API")
+    sp.add_argument("--engines", type=int, default=1, help="engine contexts (requests decoded at once)")
+    sp.add_argument("--max-queue", type=int, default=16, help="requests that may wait; more get 429")
+    sp.add_argument("--min-prefix-tokens", type=int, default=256,
+                    help="learn a prompt prefix (up to the last message) of at least this many tokens...")
+    sp.add_argument("--sightings", type=int, default=2, help="...once it has been seen this many times")
+    sp.add_argument("--no-learn", action="store_true", help="graft stored prefixes but learn no new ones")
+    sp.add_argument("--max-auto-mb", type=int, default=2048,
+                    help="keep automatic prefix blocks under this many MB (least recently used evicted first; "
+                         "blocks you learned are never evicted)")
     sp.add_argument("--port", type=_port, default=8765, help="0 picks a free port")
     sp.add_argument("--push-token", help="accept pushes with this token (or $GRAFTMEM_PUSH_TOKEN)")
     sp.add_argument("--sign", metavar="KEY", help="sign listings with this private key")

@@ -15,7 +15,7 @@ import pytest
 from graftmem import (AccessDenied, BlockCorrupted, BundleRejected, IncompatibleBlock, Memory,
                       TransferError, UntrustedBundle)
 from graftmem.share.manifest import listing
-from graftmem.server.blocks import BlockServer, _Handler
+from graftmem.server.blocks import BlockRoutes, BlockServer
 from graftmem.share.client import SIGNATURE_HEADER
 from graftmem.share.trust import SigningKey, TrustPolicy
 
@@ -37,8 +37,8 @@ def test_round_trip_through_serve_in_another_process(source, mem):
     """`graftmem serve` runs in its own interpreter on store A; pull into B; graft on B gives the
     first-step logits SHA-256 recorded on A, and the block files are byte-identical."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "graftmem", "--home", str(source["mem"].store.home), "serve", "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-m", "graftmem", "--home", str(source["mem"].store.home), "serve", "--port", "0",
+         "--blocks-only"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         line = proc.stdout.readline()  # type: ignore[union-attr]
@@ -98,42 +98,45 @@ def test_server_serves_only_block_ids(served, path):
         conn.close()
 
 
-class _CutHandler(_Handler):
+class _CutRoutes(BlockRoutes):
     """A server that drops the connection after ``cut`` bytes of a block body (a flaky network)."""
 
     cut = 1_000_000
     ranges: list[str] = []
 
-    def send_file(self, f, offset, count):  # type: ignore[override]
-        type(self).ranges.append(self.headers.get("Range") or "")
-        self.connection.sendfile(f, offset, min(count, self.cut))
-        self.close_connection = True
-        self.connection.shutdown(2)
+    async def file_chunks(self, request, f, start, count):  # type: ignore[override]
+        type(self).ranges.append(request.headers.get("range") or "")
+        sent = 0
+        async for chunk in super().file_chunks(request, f, start, min(count, self.cut)):
+            sent += len(chunk)
+            yield chunk
+        raise ConnectionAbortedError(f"test: connection cut after {sent} bytes")
 
 
-class _RecordingHandler(_Handler):
+class _RecordingRoutes(BlockRoutes):
     ranges: list[str] = []
 
-    def send_file(self, f, offset, count):  # type: ignore[override]
-        type(self).ranges.append(self.headers.get("Range") or "")
-        super().send_file(f, offset, count)
+    async def file_chunks(self, request, f, start, count):  # type: ignore[override]
+        type(self).ranges.append(request.headers.get("range") or "")
+        async for chunk in super().file_chunks(request, f, start, count):
+            yield chunk
 
 
 def test_interrupted_download_is_refused_then_resumed(source, mem):
     before = state_of(mem)
     bid = source["b1"].id
-    with BlockServer(source["mem"].store, handler=_CutHandler) as flaky:
+    with BlockServer(source["mem"].store, routes=_CutRoutes) as flaky:
         with pytest.raises(TransferError, match="was cut after .* pull again to resume"):
             mem.pull(flaky.url, [bid])
     assert state_of(mem)[1] == before[1] == []  # nothing entered the store
     parts = list((mem.store.home / ".incoming").glob(f"{bid}.*.part"))
     assert len(parts) == 1 and 0 < parts[0].stat().st_size < source["mem"].store.path_of(bid).stat().st_size
     have = parts[0].stat().st_size
-    _RecordingHandler.ranges = []
-    with BlockServer(source["mem"].store, handler=_RecordingHandler) as good:
+    _RecordingRoutes.ranges = []
+    with BlockServer(source["mem"].store, routes=_RecordingRoutes) as good:
         rep = mem.pull(good.url, [bid])
     assert rep.added == [bid]
-    assert _RecordingHandler.ranges == [f"bytes={have}-"], "the download did not resume"
+    assert _RecordingRoutes.ranges == [f"bytes={have}-"], "the download did not resume"
     assert mem.ask(bid, QUERY, max_tokens=1).receipt.first_logits_sha256 == \
         source["receipt"].first_logits_sha256
     assert not list((mem.store.home / ".incoming").glob("*.part"))
@@ -142,7 +145,7 @@ def test_interrupted_download_is_refused_then_resumed(source, mem):
 def test_damaged_partial_download_is_discarded_not_trusted(source, mem):
     """Bytes already on disk from an earlier pull are re-hashed: a damaged partial is thrown away."""
     bid = source["b1"].id
-    with BlockServer(source["mem"].store, handler=_CutHandler) as flaky:
+    with BlockServer(source["mem"].store, routes=_CutRoutes) as flaky:
         with pytest.raises(TransferError):
             mem.pull(flaky.url, [bid])
     part = next((mem.store.home / ".incoming").glob(f"{bid}.*.part"))
@@ -269,20 +272,17 @@ def test_pull_with_rederive_refuses_a_forged_state(forged, mem):
         assert mem.get(aid).provenance == "unverified"
 
 
-class _HostileListing(_Handler):
+class _HostileListing(BlockRoutes):
     """A server whose listing tries to make the client write outside its store."""
 
-    def do_GET(self):  # type: ignore[override]
-        if self.path.startswith("/v1/blocks") and "/" not in self.path[len("/v1/blocks"):].lstrip("?"):
-            store = self.server.app.store
-            man = json.loads(listing(store, store.list()).model_dump_json())
-            man["blocks"][0]["manifest_digest"] = "blake3:../../../../../../tmp/graftmem-evil-part"
-            return self._send(200, json.dumps(man).encode())
-        return super().do_GET()
+    def listing_body(self, blocks):  # type: ignore[override]
+        man = json.loads(listing(self.store, blocks).model_dump_json())
+        man["blocks"][0]["manifest_digest"] = "blake3:../../../../../../tmp/graftmem-evil-part"
+        return json.dumps(man).encode()
 
 
 def test_hostile_listing_is_refused(source, mem):
-    with BlockServer(source["mem"].store, handler=_HostileListing) as srv:
+    with BlockServer(source["mem"].store, routes=_HostileListing) as srv:
         with pytest.raises(BundleRejected, match="does not parse"):
             mem.pull(srv.url)
     assert not list(Path("/tmp").glob("graftmem-evil-part*"))
@@ -332,6 +332,8 @@ def test_cli_serve_with_a_push_token_accepts_pushes(source, tmp_path):
         rep = source["mem"].push(url, token=TOKEN)
         assert sorted(rep.added) == sorted([source["b1"].id, source["b2"].id])
         assert httpx.get(f"{url}/v1/info").json()["blocks"] == 2
+        assert "OpenAI API at" in line  # the CLI serves the OpenAI-compatible API on the same socket
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "smollm2"
     finally:
         proc.terminate()
         proc.wait(timeout=30)

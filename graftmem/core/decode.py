@@ -13,7 +13,7 @@ the raw float32 logits in float64), not the tempered one: that is what a confide
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 
@@ -22,7 +22,7 @@ from .errors import ConfigError
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["Sampling", "Decoded", "decode"]
+__all__ = ["Sampling", "Decoded", "OnToken", "decode"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,8 @@ class Decoded:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str = "length"  # "stop" (end-of-generation) or "length" (max_tokens / n_ctx)
     stop_logprob: Optional[float] = None  # the end-of-generation token's, when decoding stopped on one
+    #: per generated token, the ``top_logprobs`` most likely (token, log-probability) pairs, when asked
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def logprob(self) -> float:
@@ -77,13 +79,23 @@ def _pick(x: np.ndarray, sampling: Sampling, rng: Optional[np.random.Generator])
     return int(gen.choice(len(p), p=p))
 
 
+#: ``on_token(token, logprob, top)`` after each generated token (``top``: its alternatives when
+#: ``top_logprobs`` is asked, else None): ``None`` to go on, or the finish reason to stop with (a stop
+#: string was generated, the client went away); the token is kept either way.
+OnToken = Callable[[int, float, Optional[list[tuple[int, float]]]], Optional[str]]
+
+
 def decode(engine: "Engine", max_tokens: int, *, first_logits: Optional[np.ndarray] = None,
-           sampling: Sampling = GREEDY, rng: Optional[np.random.Generator] = None) -> Decoded:
+           sampling: Sampling = GREEDY, rng: Optional[np.random.Generator] = None,
+           on_token: Optional[OnToken] = None, top_logprobs: int = 0) -> Decoded:
     """Decode up to ``max_tokens`` tokens from the engine's current logits (or ``first_logits``).
 
-    Stops at end-of-generation (not included) or when the context is full. ``rng`` overrides the
-    generator made from ``sampling.seed`` (the flywheel draws several seeded samples from one prefix).
-    Hold ``engine.lock`` (or an :meth:`Engine.session`) around the call and the prefill before it.
+    Stops at end-of-generation (not included), when the context is full, or when ``on_token`` returns
+    a finish reason (how the server streams tokens, applies stop strings and drops a request whose
+    client disconnected, without a second loop). ``top_logprobs`` records that many alternatives per
+    token in ``Decoded.top``. ``rng`` overrides the generator made from ``sampling.seed`` (the flywheel
+    draws several seeded samples from one prefix). Hold ``engine.lock`` (or an :meth:`Engine.session`)
+    around the call and the prefill before it.
     """
     if max_tokens < 1:
         raise ConfigError(f"max_tokens must be at least 1, got {max_tokens!r}")
@@ -103,6 +115,15 @@ def decode(engine: "Engine", max_tokens: int, *, first_logits: Optional[np.ndarr
                 break
             out.tokens.append(tok)
             out.logprobs.append(lp)
+            if top_logprobs > 0:
+                lse = m + np.log(np.exp(x - m).sum())
+                best = np.argsort(-x, kind="stable")[:top_logprobs]
+                out.top.append([(int(t), float(x[t] - lse)) for t in best])
+            if on_token is not None:
+                reason = on_token(tok, lp, out.top[-1] if out.top else None)
+                if reason is not None:
+                    out.finish_reason = reason
+                    break
             if len(out.tokens) == max_tokens or engine.n_past >= engine.n_ctx:
                 break
             engine.prefill([tok])

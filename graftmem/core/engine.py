@@ -223,6 +223,13 @@ class Engine:
                 out += buf.raw[:n]
         return out.decode("utf-8", "replace")
 
+    def piece(self, token: int) -> bytes:
+        """The raw bytes of one token's text (not decoded: a UTF-8 character may span two tokens, so
+        a streamed answer joins bytes and decodes only what is complete)."""
+        buf = ctypes.create_string_buffer(256)
+        n = C.llama_token_to_piece(self._vocab, int(token), buf, 256, 0, False)
+        return buf.raw[:n] if n > 0 else b""
+
     def is_eog(self, token: int) -> bool:
         return bool(C.llama_vocab_is_eog(self._vocab, token))
 

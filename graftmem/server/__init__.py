@@ -1,6 +1,14 @@
-"""Server: graftmem over HTTP. Today the block-sharing server (:class:`BlockServer`); it is given a store,
-a fingerprint and an optional admission check, never a :class:`graftmem.Memory`."""
+"""Server: graftmem over HTTP, one Starlette app under uvicorn. :class:`BlockServer` shares a store's
+blocks; :func:`api_server` adds the OpenAI-compatible API (engine pool, persistent prefix cache). It is
+given a store, engines and checks, never a :class:`graftmem.Memory`."""
 
-from .blocks import BlockServer
+from .blocks import BlockRoutes, BlockServer
+from .http import Limits
+from .openai import RECEIPT_HEADER, OpenAIRoutes
+from .pool import EnginePool
+from .prefix import AUTO_KIND, PrefixCache
+from .rest import MemoryRoutes
+from .service import api_server
 
-__all__ = ["BlockServer"]
+__all__ = ["AUTO_KIND", "BlockRoutes", "BlockServer", "EnginePool", "Limits", "MemoryRoutes", "OpenAIRoutes", "PrefixCache",
+           "RECEIPT_HEADER", "api_server"]

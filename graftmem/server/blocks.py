@@ -1,7 +1,6 @@
-"""Sharing a store over HTTP: a small read-only server, and the pull / push client (httpx).
+"""Sharing a store over HTTP: the block routes of the graftmem server, and :class:`BlockServer`.
 
-Server (:class:`BlockServer`, stdlib ``ThreadingHTTPServer``, bound to 127.0.0.1 unless told
-otherwise)::
+Routes (Starlette, served by uvicorn; bound to 127.0.0.1 unless told otherwise)::
 
     GET  /v1/info                     version, block count, whether pushes are accepted
     GET  /v1/blocks[?kind=K]          listing: a BundleManifest (ids, sizes, digests, fingerprints),
@@ -20,214 +19,266 @@ download leaves its bytes in ``<home>/.incoming`` and the next pull resumes it w
 
 Pushes are off unless a token is set, the token is compared in constant time, and a pushed bundle
 goes through the same import as a file: digests, strict member checks, the server's engine
-fingerprint (required to enable pushes) and its trust policy.
+fingerprint (required to enable pushes) and its trust policy. The bundle streams from the socket into
+the import (counted against its Content-Length and the size limit, within the body deadline); it is
+never buffered whole.
+
+A block whose file disappeared (deleted by another process after the index said it exists) is a 404
+for that block, and the listing leaves it out with a log line, rather than failing the whole listing.
 """
 
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import os
 import re
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import BinaryIO, Optional
-from urllib.parse import parse_qs, urlsplit
+import time
+from typing import AsyncIterator, BinaryIO, Optional
 
-from ..core import errors as _errors
-from ..core.blocks import Fingerprint
-from ..core.errors import AccessDenied, BlockNotFound, ConfigError, GraftmemError
+import anyio
+import anyio.from_thread
+import anyio.to_thread
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import BaseRoute, Route
+
+from ..core.blocks import Block, Fingerprint
+from ..core.errors import ConfigError, GraftmemError, StoreError
 from ..core.version import __version__
 from ..share.admission import DEFAULT_MAX_ENTRY_BYTES, BlockCheck
 from ..share.bundle import import_stream
 from ..share.client import LISTING_DOMAIN, SIGNATURE_HEADER
-from ..share.manifest import listing
+from ..share.manifest import BundleManifest, entry_for
 from ..share.trust import SigningKey, TrustPolicy
 from ..store.local import Store
+from .http import HTTPError, Limits, body_length, guarded, public_message
 
-__all__ = ["BlockServer"]
+__all__ = ["BlockRoutes", "BlockServer"]
 
 log = logging.getLogger("graftmem")
 
-_ID_PATH = re.compile(r"/v1/blocks/([0-9a-f]{64})(/manifest)?")
+_ID = re.compile(r"([0-9a-f]{64})(/manifest)?")
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+_CHUNK = 1 << 20
 
 
-# ============================================================================================ server
-class _Handler(BaseHTTPRequestHandler):
-    """One request. ``send_file`` is the only place block bytes leave the server."""
+class BlockRoutes:
+    """The block-sharing routes over one store. Subclass :meth:`listing_body` or :meth:`file_chunks` to
+    test clients against a misbehaving server (a cut connection, a hostile listing)."""
 
-    protocol_version = "HTTP/1.1"
-    server_version = "graftmem"
-    server: "_HTTPServer"
+    def __init__(self, store: Store, *, push_token: Optional[str] = None,
+                 fingerprint: Optional[Fingerprint] = None, policy: Optional[TrustPolicy] = None,
+                 sign_key: Optional[SigningKey] = None, max_push_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
+                 check: Optional[BlockCheck] = None, limits: Optional[Limits] = None) -> None:
+        if push_token is not None and fingerprint is None:
+            raise ConfigError("accepting pushes needs the engine fingerprint of this store "
+                              "(Memory.serve passes it; the CLI loads the model)")
+        if push_token is not None and len(push_token) < 8:
+            raise ConfigError("the push token is too short: use at least 8 characters")
+        self.store = store
+        self.push_token = push_token
+        self.fingerprint = fingerprint
+        self.policy = policy if policy is not None else TrustPolicy.load(store.home)
+        self.sign_key = sign_key
+        self.max_push_bytes = max_push_bytes
+        self.check = check
+        self.limits = limits or Limits()
+        self.home = str(store.home)
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (stdlib signature)
-        log.debug("serve %s: " + format, self.client_address[0], *args)
+    def routes(self) -> list[BaseRoute]:
+        g = lambda h: guarded(h, self.home)  # noqa: E731
+        return [Route("/v1/info", g(self.info), methods=["GET"]),
+                Route("/v1/blocks", g(self.blocks), methods=["GET"]),
+                Route("/v1/blocks/{rest:path}", g(self.block), methods=["GET"]),
+                Route("/v1/push", g(self.push_probe), methods=["POST"]),
+                Route("/v1/bundles", g(self.push_bundle), methods=["POST"])]
 
-    # ------------------------------------------------------------------ helpers
-    def _send(self, status: int, body: bytes, ctype: str = "application/json",
-              headers: Optional[dict[str, str]] = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
+    # ------------------------------------------------------------------ hooks
+    def listing_body(self, blocks: list[Block]) -> bytes:
+        """The listing's JSON: a block whose file is gone is left out (and logged), not an error."""
+        entries, shown = [], []
+        for b in blocks:
+            try:
+                entries.append(entry_for(self.store, b))
+                shown.append(b)
+            except StoreError:
+                log.warning("serve: block %s is indexed but its file is missing; left out of the listing "
+                            "(run `graftmem doctor`)", b.short_id)
+        man = BundleManifest(graftmem_version=__version__,
+                             fingerprints={b.fingerprint.digest(): b.fingerprint for b in shown},
+                             blocks=entries)
+        return man.model_dump_json().encode()
 
-    def _error(self, status: int, exc: GraftmemError | str, *, close: bool = False) -> None:
-        name = type(exc).__name__ if isinstance(exc, GraftmemError) else "TransferError"
-        if close:
-            self.close_connection = True
-        self._send(status, json.dumps({"error": name, "message": str(exc)}).encode(),
-                   headers={"Connection": "close"} if close else None)
+    async def file_chunks(self, request: Request, f: BinaryIO, start: int, count: int) -> AsyncIterator[bytes]:
+        """The ``count`` bytes of ``f`` from ``start``: the only place block bytes leave the server."""
+        f.seek(start)
+        left = count
+        while left > 0:
+            chunk = await anyio.to_thread.run_sync(f.read, min(_CHUNK, left))
+            if not chunk:
+                raise OSError(f"block file ended {left} bytes early")
+            left -= len(chunk)
+            yield chunk
 
-    def send_file(self, f: BinaryIO, offset: int, count: int) -> None:
-        """Send ``count`` bytes of ``f`` from ``offset`` (zero-copy with sendfile where possible)."""
-        self.connection.sendfile(f, offset, count)
+    # ------------------------------------------------------------------ GET
+    async def info(self, request: Request) -> Response:
+        st = self.store.stats()
+        return JSONResponse({"graftmem": __version__, "api": 1, "blocks": st.blocks, "bytes": st.bytes_on_disk,
+                             "push": self.push_token is not None, "signed": self.sign_key is not None})
 
-    # ------------------------------------------------------------------ GET / HEAD
-    def do_HEAD(self) -> None:
-        self.do_GET()
+    async def blocks(self, request: Request) -> Response:
+        kind = request.query_params.get("kind") or None
+        body = await anyio.to_thread.run_sync(lambda: self.listing_body(self.store.list(kind=kind)))
+        headers = {}
+        if self.sign_key is not None:
+            headers[SIGNATURE_HEADER] = self.sign_key.sign(LISTING_DOMAIN, body).to_header()
+        return Response(body, media_type="application/json", headers=headers)
 
-    def do_GET(self) -> None:
-        app = self.server.app
-        url = urlsplit(self.path)
+    async def block(self, request: Request) -> Response:
+        m = _ID.fullmatch(request.path_params["rest"])
+        if m is None or not self.store.contains(m.group(1)):
+            raise HTTPError(404, f"no block {request.path_params['rest'][:64]!r} on this server",
+                            name="BlockNotFound")
+        bid = m.group(1)
+        if m.group(2):
+            return Response(self.store.get(bid).model_dump_json(), media_type="application/json")
         try:
-            if url.path == "/v1/info":
-                st = app.store.stats()
-                info = {"graftmem": __version__, "api": 1, "blocks": st.blocks, "bytes": st.bytes_on_disk,
-                        "push": app.push_token is not None,
-                        "signed": app.sign_key is not None}
-                return self._send(200, json.dumps(info).encode())
-            if url.path == "/v1/blocks":
-                kind = parse_qs(url.query).get("kind", [None])[0]
-                body = listing(app.store, app.store.list(kind=kind)).model_dump_json().encode()
-                headers = {}
-                if app.sign_key is not None:
-                    headers[SIGNATURE_HEADER] = app.sign_key.sign(LISTING_DOMAIN, body).to_header()
-                return self._send(200, body, headers=headers)
-            m = _ID_PATH.fullmatch(url.path)
-            if m is None:
-                return self._error(404, f"no such endpoint {url.path!r}")
-            bid = m.group(1)
-            if not app.store.contains(bid):
-                return self._error(404, BlockNotFound(f"no block {bid[:12]} on this server"))
-            if m.group(2):
-                return self._send(200, app.store.get(bid).model_dump_json().encode())
-            return self._get_block(bid)
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True
-        except GraftmemError as exc:
-            return self._error(500, exc)
-        except FileNotFoundError:  # deleted between the index lookup and the open
-            gone = url.path.rsplit("/", 1)[-1][:12]
-            return self._error(404, BlockNotFound(f"block {gone} was just deleted"))
-        except OSError as exc:
-            log.warning("serve: %s failed: %s", url.path, exc)
-            return self._error(500, f"cannot read {url.path}: {exc.strerror}", close=True)
+            f = open(self.store.path_of(bid), "rb")
+        except FileNotFoundError:
+            log.warning("serve: block %s is indexed but its file is missing (deleted?)", bid[:12])
+            raise HTTPError(404, f"block {bid[:12]} was just deleted", name="BlockNotFound") from None
+        try:
+            return self._file_response(request, bid, f)
+        except BaseException:
+            f.close()
+            raise
 
-    def _get_block(self, bid: str) -> None:
-        app = self.server.app
-        entry = listing(app.store, [app.store.get(bid)]).blocks[0]
+    def _file_response(self, request: Request, bid: str, f: BinaryIO) -> Response:
+        entry = entry_for(self.store, self.store.get(bid))
         etag = f'"{entry.etag}"'
-        size = entry.file_size
-        start, end = 0, size - 1
-        status = 200
-        rng = self.headers.get("Range")
-        if_range = self.headers.get("If-Range")
+        size = os.fstat(f.fileno()).st_size
+        start, end, status = 0, size - 1, 200
+        rng, if_range = request.headers.get("range"), request.headers.get("if-range")
+        unsatisfiable = Response(b"", status_code=416, headers={"Content-Range": f"bytes */{size}"})
         if rng and (if_range is None or if_range == etag):
             m = _RANGE.fullmatch(rng.strip())
             if m is None or (not m.group(1) and not m.group(2)):
-                return self._send(416, b"", headers={"Content-Range": f"bytes */{size}"})
+                f.close()
+                return unsatisfiable
             if m.group(1):
                 start = int(m.group(1))
                 end = min(int(m.group(2)), size - 1) if m.group(2) else size - 1
             else:  # suffix range: the last N bytes
                 start = max(0, size - int(m.group(2)))
             if start >= size or start > end:
-                return self._send(416, b"", headers={"Content-Range": f"bytes */{size}"})
+                f.close()
+                return unsatisfiable
             status = 206
-        with open(app.store.path_of(bid), "rb") as f:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/octet-stream")
-            self.send_header("Content-Length", str(end - start + 1))
-            self.send_header("Accept-Ranges", "bytes")
-            self.send_header("ETag", etag)
-            if status == 206:
-                self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
-            self.end_headers()
-            if self.command != "HEAD":
-                self.send_file(f, start, end - start + 1)
+        headers = {"Content-Length": str(end - start + 1), "Accept-Ranges": "bytes", "ETag": etag}
+        if status == 206:
+            headers["Content-Range"] = f"bytes {start}-{end}/{size}"
+        if request.method == "HEAD":
+            f.close()
+            return Response(b"", status_code=status, headers=headers, media_type="application/octet-stream")
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in self.file_chunks(request, f, start, end - start + 1):
+                    yield chunk
+            finally:
+                f.close()
+
+        return StreamingResponse(body(), status_code=status, headers=headers,
+                                 media_type="application/octet-stream")
 
     # ------------------------------------------------------------------ POST (push)
-    def _authorized(self) -> bool:
-        app = self.server.app
-        if app.push_token is None:
-            self._error(403, AccessDenied("this server does not accept pushes (start it with a push "
-                                          "token)"), close=True)
-            return False
-        auth = self.headers.get("Authorization", "")
+    def _authorize(self, request: Request) -> None:
+        if self.push_token is None:
+            raise HTTPError(403, "this server does not accept pushes (start it with a push token)",
+                            name="AccessDenied")
+        auth = request.headers.get("authorization", "")
         given = auth[7:] if auth.startswith("Bearer ") else ""
-        if not given or not hmac.compare_digest(given.encode(), app.push_token.encode()):
-            self._error(401, AccessDenied("push refused: " + ("wrong token" if given else "no token")
-                                          + "; pass the server's push token"), close=True)
-            return False
-        return True
+        if not given or not hmac.compare_digest(given.encode(), self.push_token.encode()):
+            raise HTTPError(401, "push refused: " + ("wrong token" if given else "no token")
+                            + "; pass the server's push token", name="AccessDenied")
 
-    def do_POST(self) -> None:
-        app = self.server.app
-        path = urlsplit(self.path).path
-        if path not in ("/v1/push", "/v1/bundles"):
-            return self._error(404, f"no such endpoint {path!r}", close=True)
-        if not self._authorized():
-            return
-        if path == "/v1/push":
-            return self._send(204, b"")
+    async def push_probe(self, request: Request) -> Response:
+        self._authorize(request)
+        return Response(status_code=204)
+
+    async def push_bundle(self, request: Request) -> Response:
+        self._authorize(request)
+        length = body_length(request, self.max_push_bytes)
+        body = _StreamBody(request, length, time.monotonic() + self.limits.body_timeout)
+        who = request.client.host if request.client else "?"
         try:
-            length = int(self.headers.get("Content-Length", ""))
-        except ValueError:
-            return self._error(411, "a pushed bundle needs a Content-Length", close=True)
-        if length > app.max_push_bytes:
-            return self._error(413, _errors.BundleRejected(
-                f"pushed bundle of {length} bytes is over this server's {app.max_push_bytes}-byte limit"),
-                close=True)
-        body = _Limited(self.rfile, length)
-        try:
-            report = import_stream(app.store, body, where=f"push from {self.client_address[0]}",
-                                   fingerprint=app.fingerprint, policy=app.policy,
-                                   incompatible="refuse", max_entry_bytes=app.max_push_bytes,
-                                   check=app.check)
+            report = await anyio.to_thread.run_sync(lambda: import_stream(
+                self.store, body, where=f"push from {who}", fingerprint=self.fingerprint,  # type: ignore[arg-type]
+                policy=self.policy, incompatible="refuse", max_entry_bytes=self.max_push_bytes,
+                check=self.check))
+        except HTTPError:
+            raise
         except GraftmemError as exc:
-            log.warning("refused a push from %s: %s", self.client_address[0], exc)
-            return self._error(422, exc, close=body.left > 0)
-        self._send(200, report.model_dump_json().encode())
+            log.warning("refused a push from %s: %s", who, exc)
+            if body.error is not None:
+                raise body.error from exc
+            raise HTTPError(422, public_message(str(exc), self.home), name=type(exc).__name__) from exc
+        return Response(report.model_dump_json(), media_type="application/json")
 
 
-class _Limited:
-    """A request body: at most ``n`` bytes of the socket, then EOF."""
+class _StreamBody:
+    """A request body as a blocking file for a worker thread: at most ``n`` bytes, pulled from the event
+    loop chunk by chunk, counted as they arrive, before ``deadline`` (``time.monotonic``)."""
 
-    def __init__(self, f: BinaryIO, n: int) -> None:
-        self.f, self.left = f, n
+    def __init__(self, request: Request, n: int, deadline: float) -> None:
+        self._it = request.stream().__aiter__()
+        self.left, self.deadline = n, deadline
+        self._buf = b""
+        self._eof = False
+        self.error: Optional[HTTPError] = None
+
+    async def _next(self) -> bytes:
+        with anyio.fail_after(max(0.0, self.deadline - time.monotonic())):
+            try:
+                return await self._it.__anext__()
+            except StopAsyncIteration:
+                return b""
+
+    def _fill(self) -> None:
+        while not self._buf and not self._eof:
+            try:
+                chunk = anyio.from_thread.run(self._next)
+            except TimeoutError:
+                self.error = HTTPError(408, "the pushed bundle did not arrive in time", code="timeout")
+                raise self.error from None
+            if not chunk:
+                self._eof = True
+            elif len(chunk) > self.left:
+                self.error = HTTPError(413, "the pushed body is longer than its Content-Length",
+                                       name="BundleRejected", code="body_too_large")
+                raise self.error
+            else:
+                self.left -= len(chunk)
+                self._buf = chunk
 
     def read(self, n: int = -1) -> bytes:
-        n = self.left if n < 0 else min(n, self.left)
-        data = self.f.read(n) if n else b""
-        self.left -= len(data)
-        return data
+        out = bytearray()
+        while n < 0 or len(out) < n:
+            self._fill()
+            if not self._buf:
+                break
+            take = len(self._buf) if n < 0 else min(n - len(out), len(self._buf))
+            out += self._buf[:take]
+            self._buf = self._buf[take:]
+        return bytes(out)
 
     def readinto(self, view: memoryview) -> int:
-        n = min(len(view), self.left)
-        got = self.f.readinto(view[:n]) if n else 0  # type: ignore[attr-defined]
-        self.left -= got or 0
-        return got or 0
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    app: "BlockServer"
+        self._fill()
+        take = min(len(view), len(self._buf))
+        view[:take] = self._buf[:take]
+        self._buf = self._buf[take:]
+        return take
 
 
 class BlockServer:
@@ -236,57 +287,54 @@ class BlockServer:
     ``fingerprint`` is required to accept pushes: a pushed block must match the engine that will
     graft it here. ``sign_key`` signs every listing so clients that require signatures can pull.
     ``check(block, staged_path)`` runs on every new pushed block before it is moved in
-    (``Memory.serve(rederive=True)`` re-derives each one).
+    (``Memory.serve(rederive=True)`` re-derives each one). ``api_key`` guards every route.
     Use as a context manager, or :meth:`start` (background thread) / :meth:`serve_forever`.
+    ``openai`` adds the OpenAI-compatible routes of a :class:`graftmem.server.openai.OpenAIRoutes`.
     """
 
     def __init__(self, store: Store | str | os.PathLike[str], *, host: str = "127.0.0.1",
                  port: int = 0, push_token: Optional[str] = None,
                  fingerprint: Optional[Fingerprint] = None, policy: Optional[TrustPolicy] = None,
                  sign_key: Optional[SigningKey] = None, max_push_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
-                 check: Optional[BlockCheck] = None,
-                 handler: type[BaseHTTPRequestHandler] = _Handler) -> None:
-        if push_token is not None and fingerprint is None:
-            raise ConfigError("accepting pushes needs the engine fingerprint of this store "
-                              "(Memory.serve passes it; the CLI loads the model)")
-        if push_token is not None and len(push_token) < 8:
-            raise ConfigError("the push token is too short: use at least 8 characters")
+                 check: Optional[BlockCheck] = None, api_key: Optional[str] = None,
+                 limits: Optional[Limits] = None, routes: type[BlockRoutes] = BlockRoutes,
+                 extra: Optional[list[BaseRoute]] = None) -> None:
+        from .app import build_app
+        from .runner import ServerThread
+
+        if api_key is not None and len(api_key) < 8:
+            raise ConfigError("the API key is too short: use at least 8 characters")
         self._owns_store = not isinstance(store, Store)
         self.store = store if isinstance(store, Store) else Store(store)
-        self.push_token = push_token
-        self.fingerprint = fingerprint
-        self.policy = policy if policy is not None else TrustPolicy.load(self.store.home)
-        self.sign_key = sign_key
-        self.max_push_bytes = max_push_bytes
-        self.check = check
         try:
-            self._httpd = _HTTPServer((host, port), handler)
-        except OSError as exc:
-            raise ConfigError(f"cannot listen on {host}:{port}: {exc}") from exc
-        self._httpd.app = self
-        self._thread: Optional[threading.Thread] = None
+            self.routes = routes(self.store, push_token=push_token, fingerprint=fingerprint, policy=policy,
+                                 sign_key=sign_key, max_push_bytes=max_push_bytes, check=check, limits=limits)
+            self.app = build_app(self.routes.routes() + list(extra or []), api_key=api_key,
+                                 push_token=push_token)
+            self._server = ServerThread(self.app, host=host, port=port, limits=limits)
+        except BaseException:
+            if self._owns_store:
+                self.store.close()
+            raise
+
+    push_token = property(lambda self: self.routes.push_token)
+    fingerprint = property(lambda self: self.routes.fingerprint)
+    sign_key = property(lambda self: self.routes.sign_key)
 
     @property
     def url(self) -> str:
-        host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        return self._server.url
 
     def start(self) -> "BlockServer":
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="graftmem-serve",
-                                        daemon=True)
-        self._thread.start()
+        self._server.start()
         log.info("serving %s at %s", self.store.home, self.url)
         return self
 
     def serve_forever(self) -> None:
-        self._httpd.serve_forever()
+        self._server.serve_forever()
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._httpd.shutdown()
-            self._thread.join()
-            self._thread = None
-        self._httpd.server_close()
+        self._server.close()
         if self._owns_store:
             self.store.close()
 

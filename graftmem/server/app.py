@@ -1,0 +1,39 @@
+"""The ASGI app: the routes of each API on one Starlette app, behind the optional API key.
+
+Unknown paths and wrong methods answer in the error shape of the API they were aimed at
+(:func:`graftmem.server.http.error_response`), so an ``openai`` client gets an OpenAI error and a
+``graftmem pull`` gets a graftmem one.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute
+
+from .http import ApiKeyMiddleware, HTTPError, error_response
+
+__all__ = ["build_app"]
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    status = exc.status_code
+    msg = (f"no such endpoint {request.url.path[:200]!r}" if status == 404
+           else f"{request.method} is not allowed on {request.url.path[:200]!r}" if status == 405
+           else str(exc.detail))
+    return error_response(request.url.path, HTTPError(status, msg, name="BlockNotFound" if status == 404
+                                                      else "TransferError", code=f"http_{status}"))
+
+
+def build_app(routes: list[BaseRoute], *, api_key: Optional[str] = None,
+              push_token: Optional[str] = None) -> Starlette:
+    """One app over ``routes``; every request needs ``api_key`` when one is given."""
+    middleware = [Middleware(ApiKeyMiddleware, api_key=api_key, push_token=push_token)] if api_key else []
+    return Starlette(routes=routes, middleware=middleware,
+                     exception_handlers={HTTPException: _http_exception})

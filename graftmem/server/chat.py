@@ -1,0 +1,77 @@
+"""OpenAI ``messages`` rendered with the model's chat template, as *segments* of token ids.
+
+A segment is one message's turn (``<|im_start|>role\\n...<|im_end|>\\n`` in ChatML), and the last one is
+the header of the assistant's turn. Every segment starts with a special token, so tokenizing them one
+by one gives the ids of tokenizing the whole prompt (the seam argument of :mod:`graftmem.core.prompt`).
+
+Why segments and not one token list: the server prefills a prompt one segment per ``prefill`` call,
+cache or no cache. The K/V bytes of a token depend on how the prompt was cut into prefill calls (a
+token's row position inside a micro-batch changes the kernels' rounding; ``graftmem.store.chain``
+has the measurement), so byte-exactness holds between two computations that cut the prompt at the
+same places. A conversation prefix is learned as a chain of one block per segment, whose state is
+exactly the state of prefilling those segments call by call; a request that grafts it and prefills
+its remaining segments computes the same bytes as a request served cold.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+from ..core.prompt import ChatFormat
+from .http import HTTPError
+
+if TYPE_CHECKING:
+    from ..core.engine import Engine
+
+__all__ = ["message_text", "render_segments", "tokenize_segments"]
+
+
+def message_text(msg: Any, i: int) -> tuple[str, str]:
+    """The role and the text of message ``i`` (content as a string or a list of text parts)."""
+    if not isinstance(msg, dict):
+        raise HTTPError(400, f"messages[{i}] must be an object", param=f"messages[{i}]")
+    role = msg.get("role")
+    if not isinstance(role, str) or role not in ("system", "developer", "user", "assistant", "tool"):
+        raise HTTPError(400, f"messages[{i}].role must be system, developer, user, assistant or tool, "
+                        f"got {role!r}", param=f"messages[{i}].role")
+    content = msg.get("content")
+    if content is None:
+        content = ""
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise HTTPError(400, f"messages[{i}].content[{j}]: only text parts are supported",
+                                param=f"messages[{i}].content")
+            parts.append(part["text"])
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise HTTPError(400, f"messages[{i}].content must be a string or a list of text parts",
+                        param=f"messages[{i}].content")
+    if msg.get("tool_calls"):
+        raise HTTPError(400, f"messages[{i}]: tool_calls are not supported by this server yet",
+                        param=f"messages[{i}].tool_calls")
+    return role, content
+
+
+def render_segments(fmt: ChatFormat, messages: Sequence[Any]) -> list[str]:
+    """The prompt's segments: one per message, then the assistant's header."""
+    if not isinstance(messages, list) or not messages:
+        raise HTTPError(400, "messages must be a non-empty list", param="messages")
+    segs = []
+    for i, msg in enumerate(messages):
+        role, text = message_text(msg, i)
+        if fmt.name == "gemma":  # no system role: its own template folds it into a user turn
+            role = {"system": "user", "developer": "user", "assistant": "model", "tool": "user"}[role] \
+                if role != "user" else role
+        elif role == "developer":
+            role = "system"
+        head = fmt.task_head.replace("user", role, 1)
+        segs.append(f"{head}{text}{fmt.block_tail}")
+    segs.append(fmt.task_tail[len(fmt.block_tail):])  # the assistant's header
+    return segs
+
+
+def tokenize_segments(engine: "Engine", segs: Sequence[str]) -> list[list[int]]:
+    """Token ids per segment: the first with the model's BOS, the others without."""
+    return [engine.tokenize(s, add_special=i == 0) for i, s in enumerate(segs)]

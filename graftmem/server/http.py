@@ -1,0 +1,186 @@
+"""What every route of the server shares: error bodies, the API key, strict request bodies.
+
+Two error shapes live on one server. The block-sharing routes answer ``{"error": "<GraftmemError class>",
+"message": ...}``, which :mod:`graftmem.share.client` turns back into the same exception; the
+OpenAI-compatible routes answer OpenAI's ``{"error": {"message", "type", "param", "code"}}``, which the
+``openai`` package turns into its own exceptions. :func:`error_response` picks the shape by path, so a
+refusal made before any route runs (API key, body size) still reads right to the client that asked.
+
+Bodies are read strictly: a POST must say its ``Content-Length`` (missing, negative or not a number is
+a 411 / 400), a length over the route's limit is a 413 before one byte is read, and the bytes are
+counted as they arrive (a client that sends more than it announced is cut off, never buffered), within
+a deadline, so a slow client cannot hold a worker forever.
+
+Messages that leave the server never carry a local path: :func:`public_message` replaces the store's
+home with ``<home>``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Optional
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+__all__ = ["HTTPError", "Limits", "error_response", "public_message", "read_body", "body_length",
+           "ApiKeyMiddleware", "is_block_path", "bearer", "guarded", "json_object"]
+
+log = logging.getLogger("graftmem")
+
+#: Paths of the block-sharing API (graftmem's own error shape); everything else is OpenAI's.
+_BLOCK_PREFIXES = ("/v1/info", "/v1/blocks", "/v1/push", "/v1/bundles")
+
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                 404: "not_found_error", 408: "timeout_error", 411: "invalid_request_error",
+                 413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+                 503: "server_error"}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on what one request may cost the server."""
+
+    max_body_bytes: int = 8 << 20  #: JSON bodies (chat requests); a pushed bundle has its own limit
+    body_timeout: float = 60.0  #: seconds a request body may take to arrive, in all
+    keep_alive: float = 5.0  #: seconds an idle keep-alive connection stays open
+    graceful_shutdown: float = 10.0  #: seconds running requests get to finish on close
+
+
+class HTTPError(Exception):
+    """A refusal with its status; ``name`` is the graftmem error class the block client maps it to."""
+
+    def __init__(self, status: int, message: str, *, name: str = "TransferError", param: Optional[str] = None,
+                 code: Optional[str] = None, headers: Optional[dict[str, str]] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.name = status, message, name
+        self.param, self.code, self.headers = param, code, headers or {}
+
+
+def is_block_path(path: str) -> bool:
+    return path.startswith(_BLOCK_PREFIXES)
+
+
+def public_message(message: str, home: Optional[str] = None) -> str:
+    """``message`` without the server's local paths (the store's home becomes ``<home>``)."""
+    if home:
+        message = message.replace(home, "<home>")
+    return message
+
+
+def error_response(path: str, err: HTTPError, *, close: bool = False) -> Response:
+    """``err`` in the shape the client of ``path`` expects (graftmem's for blocks, OpenAI's otherwise)."""
+    headers = dict(err.headers)
+    if close:
+        headers["Connection"] = "close"
+    if is_block_path(path):
+        body: dict[str, Any] = {"error": err.name, "message": err.message}
+    else:
+        body = {"error": {"message": err.message, "type": _OPENAI_TYPES.get(err.status, "server_error"),
+                          "param": err.param, "code": err.code}}
+    return JSONResponse(body, status_code=err.status, headers=headers)
+
+
+def bearer(request_headers: Any) -> str:
+    auth = request_headers.get("authorization", "")
+    return auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+
+
+def body_length(request: Request, limit: int) -> int:
+    """The announced ``Content-Length``, checked: present, a non-negative integer, within ``limit``."""
+    raw = request.headers.get("content-length")
+    if raw is None:
+        raise HTTPError(411, "this endpoint needs a Content-Length header (chunked bodies are not accepted)",
+                        code="length_required")
+    if not raw.isdigit():  # rejects "", "-1", "1e3", " 12"
+        raise HTTPError(400, f"Content-Length {raw[:32]!r} is not a non-negative integer",
+                        code="bad_content_length")
+    n = int(raw)
+    if n > limit:
+        raise HTTPError(413, f"request body of {n} bytes is over this server's {limit}-byte limit",
+                        name="BundleRejected", code="body_too_large")
+    return n
+
+
+async def read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The whole body (for JSON requests), counted as it streams and bounded in size and time."""
+    n = body_length(request, limit)
+    parts: list[bytes] = []
+    got = 0
+    with anyio.move_on_after(timeout) as scope:
+        async for chunk in request.stream():
+            got += len(chunk)
+            if got > n or got > limit:
+                raise HTTPError(413, f"request body is longer than its Content-Length ({n})",
+                                name="BundleRejected", code="body_too_large")
+            parts.append(chunk)
+    if scope.cancelled_caught:
+        raise HTTPError(408, f"the request body did not arrive within {timeout:.0f} s", code="timeout")
+    if got != n:
+        raise HTTPError(400, f"request body ended after {got} of {n} bytes", code="truncated_body")
+    return b"".join(parts)
+
+
+class ApiKeyMiddleware:
+    """Every request needs ``Authorization: Bearer <api_key>`` (or ``X-Api-Key``), compared in constant
+    time. The block push routes also accept their push token there, since a push sends that instead."""
+
+    def __init__(self, app: ASGIApp, api_key: str, push_token: Optional[str] = None) -> None:
+        self.app, self.key, self.push_token = app, api_key.encode(), push_token
+
+    def _ok(self, scope: Scope) -> bool:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        for given in (bearer(headers), headers.get("x-api-key", "")):
+            if given and hmac.compare_digest(given.encode(), self.key):
+                return True
+        if self.push_token and scope["path"] in ("/v1/push", "/v1/bundles"):
+            given = bearer(headers)
+            return bool(given) and hmac.compare_digest(given.encode(), self.push_token.encode())
+        return False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self._ok(scope):
+            await self.app(scope, receive, send)
+            return
+        err = HTTPError(401, "this server needs an API key: send Authorization: Bearer <key>",
+                        name="AccessDenied", code="invalid_api_key",
+                        headers={"WWW-Authenticate": "Bearer"})
+        await error_response(scope["path"], err, close=True)(scope, receive, send)
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def guarded(handler: Handler, home: Optional[str] = None) -> Handler:
+    """``handler`` with :class:`HTTPError` turned into the path's error shape, and any other failure
+    into a 500 whose message names no local path (the details go to the log)."""
+
+    async def run(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except HTTPError as exc:
+            exc.message = public_message(exc.message, home)
+            return error_response(request.url.path, exc, close=exc.status in (400, 408, 411, 413))
+        except Exception as exc:  # the boundary: nothing escapes as a traceback to the client
+            log.exception("serve: %s %s failed", request.method, request.url.path)
+            return error_response(request.url.path, HTTPError(
+                500, f"internal error ({type(exc).__name__}); the server log has the details",
+                code="internal_error"))
+
+    return run
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise HTTPError(400, f"the request body is not JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(data, dict):
+        raise HTTPError(400, "the request body must be a JSON object", code="invalid_json")
+    return data
+

@@ -1,0 +1,321 @@
+"""The OpenAI-compatible routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``.
+
+An agent written against the ``openai`` package (or LangChain's ``ChatOpenAI``, or any tool that takes
+a ``base_url``) talks to graftmem with no change but the URL. What it gets on top: its long, stable
+prompt prefix (system prompt, tools, the conversation so far) is grafted from verified blocks instead
+of prefilled (:mod:`graftmem.server.prefix`), after a restart too, and every response says so in
+``usage.prompt_tokens_details.cached_tokens`` and in a receipt (the ``graftmem`` field and the
+``X-Graftmem-Receipt`` header of a non-streamed response).
+
+Per request, ``extra_body={"graftmem": {"cache": false}}`` serves cold (for comparisons and tests).
+Supported: ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop`` (up
+to 4 strings; the text ends before the first one), ``logprobs`` / ``top_logprobs`` (chat) and
+``logprobs: int`` (completions, non-streamed), ``stream`` (SSE ``data:`` chunks, then ``data: [DONE]``;
+``stream_options.include_usage``), ``n = 1`` only. ``/v1/completions`` prefills its prompt as one
+segment and is served without the prompt cache in this version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import BaseRoute, Route
+
+from ..core.decode import Sampling
+from ..core.errors import ConfigError, GraftmemError
+from ..core.prompt import detect_format
+from ..memory.router import DEFAULT_MIN_SCORE
+from ..store.chain import chain_of
+from .chat import render_segments, tokenize_segments
+from .generate import Job, Result, check_fits, run_job
+from .http import HTTPError, Limits, guarded, json_object, public_message, read_body
+from .pool import EnginePool
+from .routing import RouterRef
+
+if TYPE_CHECKING:
+    from ..store.local import Store
+    from .prefix import PrefixCache
+
+__all__ = ["OpenAIRoutes", "RECEIPT_HEADER"]
+
+RECEIPT_HEADER = "X-Graftmem-Receipt"
+DEFAULT_MAX_TOKENS = 256
+
+
+def _num(body: dict[str, Any], name: str, default: Any, kind: type, lo: float, hi: float) -> Any:
+    v = body.get(name)
+    if v is None:
+        return default
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) if kind is float else \
+        isinstance(v, int) and not isinstance(v, bool)
+    if not ok or not lo <= v <= hi:
+        raise HTTPError(400, f"{name} must be {'a number' if kind is float else 'an integer'} in "
+                        f"[{lo:g}, {hi:g}], got {v!r}", param=name, code="invalid_value")
+    return kind(v)
+
+
+class OpenAIRoutes:
+    """The OpenAI-compatible API over an engine pool, one store and its prefix cache."""
+
+    def __init__(self, pool: EnginePool, store: "Store", cache: Optional["PrefixCache"], *,
+                 model_id: Optional[str] = None, limits: Optional[Limits] = None,
+                 router: Optional[RouterRef] = None) -> None:
+        self.pool, self.store, self.cache = pool, store, cache
+        self.router = router or RouterRef(None)  #: loaded on the first routed request
+        self.limits = limits or Limits()
+        engine = pool.engines[0]
+        self.engine0 = engine
+        self.model_id = model_id or engine.fingerprint.model_name
+        self.fmt = detect_format(engine)
+        self.created = int(time.time())
+
+    def routes(self) -> list[BaseRoute]:
+        home = str(self.store.home)
+        return [Route("/v1/models", guarded(self.models, home), methods=["GET"]),
+                Route("/v1/chat/completions", guarded(self.chat, home), methods=["POST"]),
+                Route("/v1/completions", guarded(self.completions, home), methods=["POST"])]
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "graftmem"}]})
+
+    # ------------------------------------------------------------------ parsing
+    def _job(self, body: dict[str, Any], segments: list[list[int]], texts: list[str], *, chat: bool) -> Job:
+        if body.get("n", 1) != 1:
+            raise HTTPError(400, "n must be 1: this server generates one choice per request", param="n",
+                            code="unsupported_value")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens = _num({"max_tokens": max_tokens}, "max_tokens", DEFAULT_MAX_TOKENS, int, 1,
+                          self.engine0.n_ctx)
+        temperature = _num(body, "temperature", 1.0, float, 0.0, 2.0)
+        top_p = _num(body, "top_p", 1.0, float, 0.0, 1.0)
+        seed = _num(body, "seed", None, int, -(2 ** 63), 2 ** 64 - 1)
+        if top_p == 0.0:
+            top_p = 1e-9  # OpenAI allows 0: the most likely token only
+        stop = body.get("stop")
+        stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
+        if not (isinstance(stops, list) and len(stops) <= 4 and all(isinstance(s, str) and s for s in stops)):
+            raise HTTPError(400, "stop must be a non-empty string or a list of up to 4 of them", param="stop")
+        if chat:
+            logprobs = body.get("logprobs") or False
+            if not isinstance(logprobs, bool):
+                raise HTTPError(400, "logprobs must be a boolean", param="logprobs")
+            top = _num(body, "top_logprobs", 0, int, 0, 20)
+        else:
+            lp = body.get("logprobs")
+            logprobs, top = lp is not None, _num(body, "logprobs", 0, int, 0, 5)
+            if logprobs and body.get("stream"):
+                raise HTTPError(400, "logprobs are not streamed by /v1/completions on this server",
+                                param="logprobs")
+        gm = body.get("graftmem") or {}
+        if not isinstance(gm, dict):
+            raise HTTPError(400, "graftmem must be an object such as {\"cache\": false}", param="graftmem")
+        cache = gm.get("cache", True)
+        if not isinstance(cache, bool):
+            raise HTTPError(400, "graftmem.cache must be a boolean", param="graftmem.cache")
+        if (why := check_fits(self.engine0, segments, max_tokens)) is not None:
+            raise HTTPError(400, why, param="messages" if chat else "prompt", code="context_length_exceeded")
+        try:
+            sampling = Sampling(temperature=temperature, top_p=top_p,
+                                seed=None if seed is None else seed % (2 ** 63))
+        except ConfigError as exc:
+            raise HTTPError(400, str(exc), code="invalid_value") from exc
+        return Job(segments=segments, texts=texts, max_tokens=max_tokens, sampling=sampling, stops=stops,
+                   logprobs=logprobs, top_logprobs=top, use_cache=cache and chat)
+
+    async def _parse(self, request: Request) -> dict[str, Any]:
+        return json_object(await read_body(request, self.limits.max_body_bytes, self.limits.body_timeout))
+
+    # ------------------------------------------------------------------ endpoints
+    async def chat(self, request: Request) -> Response:
+        body = await self._parse(request)
+        if self.fmt is None:
+            raise HTTPError(400, f"model {self.model_id!r} has no chat template graftmem knows; use "
+                            "/v1/completions", code="unsupported_model")
+        texts = render_segments(self.fmt, body.get("messages"))
+        segments = tokenize_segments(self.engine0, texts)
+        routed = await self._recall(body, segments, texts)
+        job = self._job(body, segments, texts, chat=True)
+        job.extra = routed
+        return await self._serve(body, job, chat=True)
+
+    async def _recall(self, body: dict[str, Any], segments: list[list[int]], texts: list[str]) -> Optional[dict]:
+        """Opt-in routing (``"graftmem": {"recall": true, "min_score": 0.4}``): the router picks ONE block
+        for the last user message and its chain is put before the messages, as ``Memory.recall`` puts
+        it before the task. The prefix cache then grafts it like any stored prefix (exact: the cold
+        path prefills the same segments). Mutates ``segments`` / ``texts``; returns the receipt part."""
+        gm = body.get("graftmem") or {}
+        if not isinstance(gm, dict) or not gm.get("recall"):
+            return None
+        if not self.router.available:
+            raise HTTPError(400, "this server was started without a router: routed recall is off",
+                            param="graftmem.recall", code="recall_unavailable")
+        min_score = _num(gm, "min_score", DEFAULT_MIN_SCORE, float, -1.0, 1.0)
+        users = [m for m in body["messages"] if isinstance(m, dict) and m.get("role") == "user"]
+        task = users[-1].get("content") if users else None
+        if not isinstance(task, str) or not task.strip():
+            raise HTTPError(400, "routed recall needs a last user message with text content", param="messages")
+        digest = self.engine0.fingerprint.digest()
+        router = self.router
+        hits = await asyncio.to_thread(lambda: router.get().search(task, 1, fingerprint_digest=digest))
+        if not hits or hits[0][1] < min_score:
+            return {"recall": {"block_id": None, "score": hits[0][1] if hits else None, "min_score": min_score}}
+        block = self.store.get(hits[0][0])
+        chain = chain_of(self.store, block)
+        # the messages now follow the block: no second BOS
+        segments[0] = self.engine0.tokenize(texts[0], add_special=False)
+        segments[:0] = [list(b.tokens) for b in chain]
+        texts[:0] = [b.text for b in chain]
+        return {"recall": {"block_id": block.id, "score": hits[0][1], "min_score": min_score}}
+
+    async def completions(self, request: Request) -> Response:
+        body = await self._parse(request)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise HTTPError(400, "prompt must be a non-empty string (one prompt per request)", param="prompt")
+        segments = [self.engine0.tokenize(prompt, add_special=True)]
+        job = self._job(body, segments, [prompt], chat=False)
+        return await self._serve(body, job, chat=False)
+
+    # ------------------------------------------------------------------ running
+    def _start(self, engine: Any, job: Job, loop: asyncio.AbstractEventLoop,
+               done: "asyncio.Future[Result]") -> None:
+        def work() -> None:
+            outcome: tuple[Optional[Result], Optional[BaseException]] = (None, None)
+            try:
+                outcome = (run_job(engine, self.store, self.cache, job), None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the request, which reports it
+                outcome = (None, exc)
+            finally:
+                loop.call_soon_threadsafe(finish, *outcome)
+
+        def finish(result: Optional[Result], exc: Optional[BaseException]) -> None:
+            self.pool.release(engine)  # first: a client that has its answer finds the engine free
+            if not done.done():
+                if exc is not None:
+                    done.set_exception(exc)
+                else:
+                    done.set_result(result)  # type: ignore[arg-type]
+
+        threading.Thread(target=work, name="graftmem-request", daemon=True).start()
+
+    async def _serve(self, body: dict[str, Any], job: Job, *, chat: bool) -> Response:
+        stream = body.get("stream") or False
+        if not isinstance(stream, bool):
+            raise HTTPError(400, "stream must be a boolean", param="stream")
+        loop = asyncio.get_running_loop()
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        if not stream:
+            engine = await self.pool.acquire()
+            done: asyncio.Future[Result] = loop.create_future()
+            self._start(engine, job, loop, done)
+            try:
+                result = await done
+            except GraftmemError as exc:  # the engine refused (context full, ...): say so, no local paths
+                raise HTTPError(500, public_message(str(exc), str(self.store.home)), code=type(exc).__name__) from exc
+            result.receipt = self._receipt(job, result)
+            payload = self._final(rid, created, result, chat=chat)
+            return JSONResponse(payload, headers={RECEIPT_HEADER: json.dumps(result.receipt)})
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        job.emit = lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+        engine = await self.pool.acquire()  # 429 here, before the stream starts
+        done = loop.create_future()
+        self._start(engine, job, loop, done)
+        return StreamingResponse(self._sse(rid, created, job, events, done, chat=chat, usage=include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def _sse(self, rid: str, created: int, job: Job, events: "asyncio.Queue[tuple[str, Any]]",
+                   done: "asyncio.Future[Result]", *, chat: bool, usage: bool) -> AsyncIterator[bytes]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choice: dict[str, Any], **extra: Any) -> bytes:
+            d = {"id": rid, "object": obj, "created": created, "model": self.model_id,
+                 "choices": [choice] if choice else [], **extra}
+            return b"data: " + json.dumps(d).encode() + b"\n\n"
+
+        def delta(text: str, entries: list[dict[str, Any]]) -> bytes:
+            if chat:
+                return chunk({"index": 0, "delta": {"content": text},
+                              "logprobs": {"content": entries} if job.logprobs else None, "finish_reason": None})
+            return chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": None})
+
+        try:
+            if chat:
+                yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None})
+            while True:
+                get = asyncio.ensure_future(events.get())
+                finished, _ = await asyncio.wait({get, done}, return_when=asyncio.FIRST_COMPLETED)
+                if get in finished:
+                    kind, payload = get.result()
+                    if kind == "delta":
+                        yield delta(*payload)
+                        continue
+                    result: Result = payload
+                else:
+                    get.cancel()
+                    if done.exception() is not None:
+                        raise done.exception()  # type: ignore[misc]
+                    while not events.empty():  # deltas queued before the result
+                        kind, payload = events.get_nowait()
+                        if kind == "delta":
+                            yield delta(*payload)
+                    result = done.result()
+                reason = "stop" if result.finish_reason in ("stop", "cancelled") else result.finish_reason
+                yield chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason} if chat else
+                            {"index": 0, "text": "", "logprobs": None, "finish_reason": reason},
+                            graftmem=self._receipt(job, result))
+                if usage:
+                    yield chunk({}, usage=self._usage(result))
+                yield b"data: [DONE]\n\n"
+                return
+        except HTTPError as exc:
+            yield b"data: " + json.dumps({"error": {"message": exc.message, "type": "server_error",
+                                                    "param": None, "code": exc.code}}).encode() + b"\n\n"
+        except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
+            yield b"data: " + json.dumps({"error": {"message": f"internal error ({type(exc).__name__})",
+                                                    "type": "server_error", "param": None,
+                                                    "code": "internal_error"}}).encode() + b"\n\n"
+        finally:
+            job.cancel.set()  # a client that went away stops the decode at the next token
+
+    @staticmethod
+    def _receipt(job: Job, r: Result) -> dict[str, Any]:
+        return {**r.receipt, **(job.extra or {})}
+
+    @staticmethod
+    def _usage(r: Result) -> dict[str, Any]:
+        n = len(r.tokens)
+        return {"prompt_tokens": r.prompt_tokens, "completion_tokens": n, "total_tokens": r.prompt_tokens + n,
+                "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
+
+    def _final(self, rid: str, created: int, r: Result, *, chat: bool) -> dict[str, Any]:
+        reason = "stop" if r.finish_reason in ("stop", "cancelled") else r.finish_reason
+        if chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": r.text},
+                                      "logprobs": {"content": r.logprobs} if r.logprobs else None,
+                                      "finish_reason": reason}
+            obj = "chat.completion"
+        else:
+            lp = None
+            if r.logprobs:
+                lp = {"tokens": [e["token"] for e in r.logprobs],
+                      "token_logprobs": [e["logprob"] for e in r.logprobs],
+                      "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in r.logprobs],
+                      "text_offset": []}
+            choice = {"index": 0, "text": r.text, "logprobs": lp, "finish_reason": reason}
+            obj = "text_completion"
+        return {"id": rid, "object": obj, "created": created, "model": self.model_id, "choices": [choice],
+                "usage": self._usage(r), "graftmem": r.receipt}
+

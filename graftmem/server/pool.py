@@ -1,0 +1,75 @@
+"""A pool of engine contexts with a bounded wait queue.
+
+Each request holds one engine (one llama.cpp context) from the prefill to its last token, inside an
+:meth:`Engine.session`, so no request sees another's state. When every engine is busy a request waits
+in a queue of at most ``max_queue``; one more is refused at once with 429 (back-pressure: the client
+retries later, rather than the server piling up sockets). A request whose client went away gives its
+engine back when its decode loop sees the cancellation (after at most one token).
+
+All methods run on the event loop's thread, which is what makes the counters safe without a lock
+(a worker thread hands its engine back with ``loop.call_soon_threadsafe``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import TYPE_CHECKING, Sequence
+
+from .http import HTTPError
+
+if TYPE_CHECKING:
+    from ..core.engine import Engine
+
+__all__ = ["EnginePool"]
+
+
+class EnginePool:
+    """``engines`` (same model and settings) shared by requests; ``max_queue`` requests may wait."""
+
+    def __init__(self, engines: Sequence["Engine"], *, max_queue: int = 16) -> None:
+        if not engines:
+            raise ValueError("an engine pool needs at least one engine")
+        digests = {e.fingerprint.digest() for e in engines}
+        if len(digests) != 1:
+            raise ValueError("the engines of a pool must share one fingerprint (same model and settings)")
+        self.engines = list(engines)
+        self.max_queue = max_queue
+        self._free: deque["Engine"] = deque(engines)
+        self._waiters: deque[asyncio.Future["Engine"]] = deque()
+
+    @property
+    def size(self) -> int:
+        return len(self.engines)
+
+    @property
+    def in_use(self) -> int:
+        return len(self.engines) - len(self._free)
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for w in self._waiters if not w.done())
+
+    async def acquire(self) -> "Engine":
+        if self._free and not self.waiting:
+            return self._free.popleft()
+        if self.waiting >= self.max_queue:
+            raise HTTPError(429, f"the server is busy: {self.size} engine(s) in use and {self.waiting} "
+                            "request(s) waiting; retry later", code="queue_full",
+                            headers={"Retry-After": "1"})
+        fut: asyncio.Future["Engine"] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # handed an engine just as the waiter went away
+                self.release(fut.result())
+            raise
+
+    def release(self, engine: "Engine") -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(engine)
+                return
+        self._free.append(engine)

@@ -1,0 +1,44 @@
+"""The router as the server holds it: created on the first request that routes (loading torch and the
+embedder costs seconds, so a server that never routes never pays it), then kept in step with the
+blocks learned and deleted through the server."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
+
+if TYPE_CHECKING:
+    from ..core.blocks import Block
+    from ..memory.router import Router
+
+__all__ = ["RouterRef"]
+
+
+class RouterRef:
+    """``factory()`` called once, on the first :meth:`get`."""
+
+    def __init__(self, factory: Optional[Callable[[], "Router"]]) -> None:
+        self._factory = factory
+        self._router: Optional["Router"] = None
+        self._lock = threading.Lock()
+
+    @property
+    def available(self) -> bool:
+        return self._factory is not None
+
+    def get(self) -> "Router":
+        with self._lock:
+            if self._router is None:
+                if self._factory is None:
+                    raise RuntimeError("no router factory")
+                self._router = self._factory()
+            return self._router
+
+    def added(self, blocks: Sequence["Block"]) -> None:
+        """Route new blocks too (only if the router is loaded: a later load indexes the store anyway)."""
+        if self._router is not None:
+            self._router.add_blocks(list(blocks))
+
+    def removed(self, ids: Sequence[str]) -> None:
+        if self._router is not None:
+            self._router.remove(list(ids))

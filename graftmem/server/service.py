@@ -1,0 +1,48 @@
+"""The whole server in one call: block sharing and the OpenAI-compatible API over one store, one
+engine pool and its prefix cache, on one uvicorn socket (what ``graftmem serve`` runs)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
+
+from ..share.admission import BlockCheck
+from ..share.trust import SigningKey
+from .blocks import BlockServer
+from .http import Limits
+from .openai import OpenAIRoutes
+from .pool import EnginePool
+from .prefix import PrefixCache
+from .rest import MemoryRoutes
+from .routing import RouterRef
+
+if TYPE_CHECKING:
+    from ..core.engine import Engine
+    from ..memory.router import Router
+    from ..store.local import Store
+
+__all__ = ["api_server"]
+
+
+def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.0.0.1", port: int = 0,
+               api_key: Optional[str] = None, push_token: Optional[str] = None,
+               sign_key: Optional[SigningKey] = None, check: Optional[BlockCheck] = None,
+               max_queue: int = 16, min_prefix_tokens: int = 256, sightings: int = 2, learn: bool = True,
+               max_auto_bytes: Optional[int] = 2 << 30, model_id: Optional[str] = None,
+               limits: Optional[Limits] = None, router: Optional[Callable[[], "Router"]] = None) -> BlockServer:
+    """A :class:`BlockServer` that also answers ``/v1/chat/completions``, ``/v1/completions`` and
+    ``/v1/models`` with ``engines`` (one request per engine at a time, ``max_queue`` waiting), grafting
+    stored prompt prefixes and learning those seen ``sightings`` times with at least
+    ``min_prefix_tokens`` tokens (automatic blocks kept under ``max_auto_bytes``, least recently used
+    evicted first; blocks a user learned are never evicted). ``router`` (called on the first routed
+    request) enables ``"graftmem": {"recall": true}`` and ``/v1/memory/search|recall``. Not started: use it as a context manager or call ``start()``."""
+    pool = EnginePool(engines, max_queue=max_queue)
+    cache = PrefixCache(store, engines[0].fingerprint, min_tokens=min_prefix_tokens, sightings=sightings,
+                        learn=learn, max_auto_bytes=max_auto_bytes)
+    ref = RouterRef(router)
+    oa = OpenAIRoutes(pool, store, cache, model_id=model_id, limits=limits, router=ref)
+    rest = MemoryRoutes(pool, store, ref, limits=limits)
+    srv = BlockServer(store, host=host, port=port, push_token=push_token, fingerprint=engines[0].fingerprint,
+                      sign_key=sign_key, check=check, api_key=api_key, limits=limits,
+                      extra=oa.routes() + rest.routes())
+    srv.pool, srv.cache, srv.openai = pool, cache, oa  # type: ignore[attr-defined]
+    return srv
