@@ -140,6 +140,7 @@ Provenance = str
 PROVENANCE_LOCAL = "local"
 PROVENANCE_REDERIVED = "rederived"
 PROVENANCE_UNVERIFIED = "unverified"
+_LOCAL_FIELDS = frozenset({"provenance", "labels_trusted"})
 
 
 def provenance_is_trusted(provenance: Optional[str]) -> bool:
@@ -210,6 +211,17 @@ class Block(_Strict):
             raise ValueError("provenance and labels_trusted are local knowledge of a store; a block "
                              "manifest may not carry them")
         return v
+
+    def __eq__(self, other: object) -> bool:
+        """Two blocks are equal when their manifests are: provenance is what one store knows of a
+        block, not part of it (a block read from its file equals the same block from the index)."""
+        if not isinstance(other, Block):
+            return NotImplemented
+        return ({k: v for k, v in self.__dict__.items() if k not in _LOCAL_FIELDS}
+                == {k: v for k, v in other.__dict__.items() if k not in _LOCAL_FIELDS})
+
+    def __hash__(self) -> int:
+        return hash((self.id, self.state_digest))
 
     @property
     def trusted(self) -> bool:
