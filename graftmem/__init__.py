@@ -2,7 +2,7 @@
 
 Learn a text once (its KV state goes to disk as a block); later graft the block into a fresh
 llama.cpp context at its own positions and prefill only the query. The logits are byte-identical
-to a fresh prefill of the same text, and :meth:`Memory.verify` proves it.
+to a fresh prefill of the same text, and [`Memory.verify()`][graftmem.Memory.verify] proves it.
 
 This module is the public API. The layers below it (``graftmem.core``, ``graftmem.store``,
 ``graftmem.memory``, ``graftmem.share``, ``graftmem.server``) export documented names for advanced use;

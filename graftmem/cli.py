@@ -694,7 +694,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("recall", cmd_recall, "route a task to one block, graft it and answer (exit 1 if nothing matched)")
     sp.add_argument("task")
     sp.add_argument("--max-tokens", type=_positive, default=64)
-    sp.add_argument("--min-score", type=float, default=None, help="refuse to graft below this cosine score")
+    sp.add_argument("--min-score", type=float, default=None, help="refuse to graft below this routing score (default: the router's threshold, docs/routing.md)")
     sp.add_argument("--allow-unverified", action="store_true",
                     help="graft the routed block even if its provenance is unverified")
     _sampling_options(sp)
@@ -715,7 +715,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--prompt", default=None, help="what to prefill after the page (default: a blank line + task)")
     sp.add_argument("--document", default=None, help="only this document's pages")
     sp.add_argument("--max-tokens", type=_positive, default=32)
-    sp.add_argument("--min-score", type=float, default=None, help="refuse to graft below this cosine score")
+    sp.add_argument("--min-score", type=float, default=None, help="refuse to graft below this routing score (default: the router's threshold, docs/routing.md)")
     sp = add("delete", cmd_delete, "delete a block (refused for a block with chained children unless --cascade)")
     sp.add_argument("id")
     sp.add_argument("--cascade", action="store_true", help="also delete every block chained on it")

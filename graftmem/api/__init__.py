@@ -1,4 +1,4 @@
-"""The facade: :class:`Memory` (the object an application holds) and :class:`AsyncMemory` (the same
+"""The facade: [`Memory`][graftmem.Memory] (the object an application holds) and [`AsyncMemory`][graftmem.AsyncMemory] (the same
 verbs as coroutines). It owns the resources and composes the layers below; nothing below imports it."""
 
 from .aio import AsyncMemory

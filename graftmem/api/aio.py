@@ -1,4 +1,4 @@
-"""AsyncMemory: the :class:`Memory` verbs as coroutines, for asyncio agents.
+"""AsyncMemory: the [`Memory`][graftmem.Memory] verbs as coroutines, for asyncio agents.
 
 Each call runs the synchronous method in a worker thread (``asyncio.to_thread``), so the event loop
 keeps serving while llama.cpp prefills or decodes. That is safe because ``Memory`` is: the llama
@@ -6,7 +6,7 @@ context is serialized by the engine's lock, the store by its own lock and SQLite
 lock (the task embedding runs outside it). Calls that need the context queue behind each other;
 routing and store reads overlap with them.
 
-The coroutines are generated from :class:`Memory`'s public methods (same names, signatures and
+The coroutines are generated from [`Memory`][graftmem.Memory]'s public methods (same names, signatures and
 docstrings), so a verb added to ``Memory`` is an ``await``-able verb here without a hand-written copy;
 a test checks the parity.
 """
@@ -29,7 +29,7 @@ _NOT_ASYNC = {"close"}
 
 
 class AsyncMemory:
-    """An asyncio facade over one :class:`Memory` (constructed with the same arguments, or given one).
+    """An asyncio facade over one [`Memory`][graftmem.Memory] (constructed with the same arguments, or given one).
 
     ```python
     async with AsyncMemory() as mem:
@@ -37,7 +37,7 @@ class AsyncMemory:
         r = await mem.recall("Customer NW-20417 wants a refund")
     ```
 
-    Every public method of :class:`Memory` (``learn``, ``recall``, ``search``, ``ask``, ``learn_document``,
+    Every public method of [`Memory`][graftmem.Memory] (``learn``, ``recall``, ``search``, ``ask``, ``learn_document``,
     ``export``, ``pull``, ...) is available as a coroutine with the same signature.
     """
 
@@ -75,7 +75,7 @@ def _coroutine(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def async_verbs() -> dict[str, Callable[..., Any]]:
-    """The public methods of :class:`Memory` that :class:`AsyncMemory` offers as coroutines."""
+    """The public methods of [`Memory`][graftmem.Memory] that [`AsyncMemory`][graftmem.AsyncMemory] offers as coroutines."""
     return {name: fn for name, fn in inspect.getmembers(Memory, inspect.isfunction)
             if not name.startswith("_") and name not in _NOT_ASYNC}
 

@@ -26,7 +26,7 @@ from ..memory.pager import DEFAULT_OVERLAP, PageIndex, learn_document, recall_do
 from ..memory.recall import recall as route_and_answer
 from ..memory.recall import search as route_search
 from ..memory.rederive import RederiveReport, rederive as _rederive, rederive_state
-from ..memory.router import Embedder, Router, SentenceTransformerEmbedder
+from ..memory.router import LEX_WEIGHT, Embedder, Router, SentenceTransformerEmbedder
 from ..server.blocks import BlockServer
 from ..share.bundle import export as export_bundle
 from ..share.bundle import import_bundle
@@ -52,7 +52,7 @@ _INCOMPATIBLE = ("refuse", "keep-apart", "skip")
 
 # ------------------------------------------------------------------ argument checks (before any work)
 def _scope(user_id: Any, agent_id: Any, session_id: Any) -> Scope:
-    """A checked :class:`Scope` (each id a non-empty str, or None)."""
+    """A checked `Scope` (each id a non-empty str, or None)."""
     for field, value in (("user_id", user_id), ("agent_id", agent_id), ("session_id", session_id)):
         _text(field, value, optional=True)
     return Scope(user_id=user_id, agent_id=agent_id, session_id=session_id)
@@ -91,8 +91,9 @@ def _flag(name: str, value: Any) -> None:
 def _score(name: str, value: Any) -> None:
     if value is None:
         return
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or not -1.0 <= value <= 1.0:
-        raise ConfigError(f"{name} must be a cosine score in [-1, 1], got {value!r:.40}")
+    top = 1.0 + LEX_WEIGHT  # a routing score is a cosine in [-1, 1] plus LEX_WEIGHT x a coverage in [0, 1]
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or not -1.0 <= value <= top:
+        raise ConfigError(f"{name} must be a routing score in [-1, {top}], got {value!r:.40}")
 
 
 def _choice(name: str, value: Any, choices: Iterable[str]) -> None:
@@ -158,14 +159,14 @@ class Memory:
     ```
 
     ``model`` is a short name (``"smollm2"``, ``"gemma3-270m"``) or a GGUF path; ``home`` the store
-    directory (default ``$GRAFTMEM_HOME`` or the user data dir); ``config`` an :class:`EngineConfig`
+    directory (default ``$GRAFTMEM_HOME`` or the user data dir); ``config`` an [`EngineConfig`][graftmem.EngineConfig]
     or a dict of its fields (unknown keys are an error). ``engine`` shares an already loaded
-    :class:`Engine` between stores (the Memory then does not close it); ``embedder`` replaces the
+    [`Engine`][graftmem.Engine] between stores (the Memory then does not close it); ``embedder`` replaces the
     packaged MiniLM for routing.
 
     The Memory owns its resources (engine, store, embedder, router, page index) and exposes them as
     properties; every verb hands them explicitly to the feature that does the work
-    (:mod:`graftmem.memory`, :mod:`graftmem.share`), so the features never reach into this object.
+    (`graftmem.memory`, `graftmem.share`), so the features never reach into this object.
     """
 
     def __init__(self, model: str | os.PathLike[str] | None = None, *,
@@ -299,7 +300,7 @@ class Memory:
 
     @property
     def pages(self) -> PageIndex:
-        """The passage index of long documents (:meth:`learn_document`), opened on first use."""
+        """The passage index of long documents (`learn_document()`), opened on first use."""
         self._check()
         embedder = self.embedder
         with self._lazy_lock:
@@ -317,7 +318,7 @@ class Memory:
 
         ``text`` may also be a list of chat messages (``[{"role": "user", "content": "I like tea"}]``,
         the shape the OpenAI API and mem0 use): they are rendered with the model's chat template and
-        stored as a chat block, so that :meth:`recall` continues the conversation with the task as the
+        stored as a chat block, so that `recall()` continues the conversation with the task as the
         next user turn.
 
         ``parent`` (a block id) chains the text on that block: the parent is grafted, ``text`` is
@@ -328,11 +329,11 @@ class Memory:
 
         ``when_to_use`` describes the tasks this block serves; the router embeds it with the name and
         the start of the text. ``chat=True`` stores the text as a complete chat turn of the model's
-        template (see :mod:`graftmem.core.prompt`), so that :meth:`recall` can append a task as the next
+        template (see `graftmem.core.prompt`), so that `recall()` can append a task as the next
         turn and still match a fresh prefill of the whole prompt token for token.
 
-        ``user_id``, ``agent_id`` and ``session_id`` scope the block: :meth:`get_all`, :meth:`search`
-        and :meth:`recall` given a scope see only the blocks learned in it. The same text learned in two
+        ``user_id``, ``agent_id`` and ``session_id`` scope the block: `get_all()`, `search()`
+        and `recall()` given a scope see only the blocks learned in it. The same text learned in two
         scopes is one block (one prefill) owned by both.
 
         A text whose block is already here is not prefilled again, unless that block is
@@ -386,7 +387,7 @@ class Memory:
         """Graft the block at its own positions, prefill ``query``, and answer (greedily by default).
 
         A block (or an ancestor of a chained one) whose provenance is ``unverified`` is refused with
-        :class:`UnverifiedBlock` unless ``allow_unverified=True``: its state may not be its text's. The
+        `UnverifiedBlock` unless ``allow_unverified=True``: its state may not be its text's. The
         receipt names the grafted block's provenance."""
         self._check()
         _text("block_id", block_id)
@@ -446,7 +447,7 @@ class Memory:
                session_id: Optional[str] = None) -> Recall:
         """Route ``task`` to ONE block, graft it, prefill the task, answer.
 
-        Below ``min_score`` (default :data:`graftmem.memory.router.DEFAULT_MIN_SCORE`) nothing is grafted:
+        Below ``min_score`` (default `DEFAULT_MIN_SCORE`) nothing is grafted:
         ``block`` is None and the text says so. ``mode="text"`` answers the same prompt the old way
         (prefill the block's text, no graft), for comparisons; the answers are identical.
 
@@ -514,7 +515,7 @@ class Memory:
 
     # ------------------------------------------------------------------ store verbs
     def get(self, block_id: str) -> Block:
-        """The block with this id (or unique id prefix); :class:`BlockNotFound` otherwise. Its
+        """The block with this id (or unique id prefix); [`BlockNotFound`][graftmem.BlockNotFound] otherwise. Its
         ``provenance`` says what this store knows of where its state came from."""
         self._check()
         _text("block_id", block_id)
@@ -532,7 +533,7 @@ class Memory:
 
     def delete(self, block_id: str, *, cascade: bool = False) -> list[str]:
         """Delete a block; return the ids deleted. A block with chained children is refused
-        (:class:`ConfigError`) unless ``cascade=True``, which deletes its descendants too."""
+        ([`ConfigError`][graftmem.ConfigError]) unless ``cascade=True``, which deletes its descendants too."""
         self._check()
         _text("block_id", block_id)
         _flag("cascade", cascade)
@@ -557,7 +558,7 @@ class Memory:
 
     def reset(self) -> list[str]:
         """Delete every block of the store (all engines, all scopes); returns the ids deleted.
-        The history is kept, so :meth:`history` still says what was there."""
+        The history is kept, so `history()` still says what was there."""
         self._check()
         gone: list[str] = []
         for b in self._store.list():
@@ -576,7 +577,7 @@ class Memory:
     # ------------------------------------------------------------------ verification
     def verify(self, block_id: str, *, samples: int = 50, cross_process: bool = True,
                record: bool = True) -> VerifyReport:
-        """Prove graft == fresh prefill for ``samples`` queries (see :mod:`graftmem.memory.exactness`).
+        """Prove graft == fresh prefill for ``samples`` queries (see `graftmem.memory.exactness`).
         ``samples`` must be at least 1: zero samples prove nothing and are never recorded as verified."""
         self._check()
         _text("block_id", block_id)
@@ -665,7 +666,7 @@ class Memory:
              incompatible: str = "refuse", policy: Optional[TrustPolicy] = None,
              rederive: bool = True, progress: bool = False) -> TransferReport:
         """Copy blocks from a ``graftmem serve`` at ``url``: checked as they arrive, resumable;
-        provenance as for :meth:`import_bundle` (a listing signed by a trusted key: ``signed``; else
+        provenance as for `import_bundle()` (a listing signed by a trusted key: ``signed``; else
         re-derived here by default, or ``unverified`` with ``rederive=False``)."""
         self._check()
         _text("url", url)

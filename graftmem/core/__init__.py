@@ -1,10 +1,10 @@
 """Core: what a block IS and the one engine that makes and grafts it. Pure or engine-only: no store,
 no HTTP, no routing. ``graftmem.core.engine`` is the only module of the package that imports llama_cpp.
 
-Public for advanced use (benches, custom pipelines): :class:`Engine` (load, tokenize, prefill, capture,
-restore, logits, :meth:`Engine.session`), :func:`decode` and :class:`Sampling` (the one decode loop),
-:func:`logits_sha256` (the exactness currency), the block and fingerprint models, :func:`state_digest`
-and the error tree (also re-exported by :mod:`graftmem`).
+Public for advanced use (benches, custom pipelines): [`Engine`][graftmem.Engine] (load, tokenize, prefill, capture,
+restore, logits, [`Engine.session()`][graftmem.Engine.session]), `decode()` and [`Sampling`][graftmem.Sampling] (the one decode loop),
+`logits_sha256()` (the exactness currency), the block and fingerprint models, `state_digest()`
+and the error tree (also re-exported by `graftmem`).
 """
 
 from .blocks import (FORMAT_VERSION, Block, EngineConfig, Exactness, Fingerprint, HistoryEvent, Recall, Receipt,

@@ -55,7 +55,7 @@ class EngineConfig(_Strict):
     @classmethod
     def coerce(cls, config: "EngineConfig | Mapping[str, Any] | None") -> "EngineConfig":
         """An EngineConfig from a config, a mapping of its fields, or None (the defaults), with one
-        readable :class:`ConfigError` naming every bad field (no validator internals, no URLs)."""
+        readable [`ConfigError`][graftmem.ConfigError] naming every bad field (no validator internals, no URLs)."""
         if config is None:
             return cls()
         if isinstance(config, cls):
@@ -188,12 +188,12 @@ class Block(_Strict):
     verification: Optional[VerificationRecord] = None
     #: ``"full"``: the file holds the whole per-sequence state. ``"delta"`` (chained blocks only): the
     #: file holds only this block's new cells and the full state is rebuilt from the parent's (see
-    #: :mod:`graftmem.core.statefmt`); ``state_size``/``state_digest`` then describe the stored delta and
+    #: `graftmem.core.statefmt`); ``state_size``/``state_digest`` then describe the stored delta and
     #: ``full_state_size``/``full_state_digest`` the rebuilt state, checked before it is grafted.
     storage: Literal["full", "delta"] = "full"
     full_state_size: Optional[int] = None
     full_state_digest: Optional[str] = None
-    #: This store's knowledge of where the state came from (see :data:`Provenance`); filled in by the
+    #: This store's knowledge of where the state came from (see `Provenance`); filled in by the
     #: store from its index, never read from or written to the block file (``exclude=True`` keeps the
     #: file's manifest bytes identical; a manifest that carries the key is refused as forged).
     provenance: Optional[str] = Field(None, exclude=True)
@@ -254,7 +254,7 @@ class Receipt(_Strict):
     decode_tokens: int
     first_logits_sha256: str
     exact: bool
-    #: provenance of the grafted block (see :data:`Provenance`), None when nothing was grafted
+    #: provenance of the grafted block (see `Provenance`), None when nothing was grafted
     provenance: Optional[str] = None
     # Where a recall's time went (milliseconds; None where the phase did not run or was not timed).
     # ``restore_ms`` is their sum for the graft steps (read + check + place + set_data), plus the
@@ -360,10 +360,10 @@ class StoreStats(_Strict):
 
 
 class SearchHit(_Strict):
-    """One candidate of a routing search: a block and its cosine score against the task.
+    """One candidate of a routing search: a block and its routing score against the task.
 
-    Scores are cosine similarities of normalized embeddings, in [-1, 1]; compare them with
-    ``min_score``, not across different embedders.
+    The score is the dense part (cosines of normalized embeddings, in [-1, 1]) plus 0.5 x the lexical
+    coverage (in [0, 1]): see docs/routing.md. Compare it with ``min_score``, not across embedders.
     """
 
     block_id: str

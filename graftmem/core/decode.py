@@ -1,6 +1,6 @@
 """The one decode loop: from the logits of the last prefilled token, pick a token, evaluate it, repeat.
 
-Every answer graftmem produces goes through :func:`decode` (``Memory.ask``/``recall``, the flywheel's
+Every answer graftmem produces goes through `decode()` (``Memory.ask``/``recall``, the flywheel's
 sampled answers), so sampling, stop conditions and log-probabilities are written once. Greedy is
 ``temperature == 0`` (argmax, the default and the mode every exactness claim is made in); a positive
 temperature samples from ``softmax(logits / temperature)``, restricted to the smallest set of tokens whose
@@ -49,7 +49,7 @@ GREEDY = Sampling()
 
 @dataclass
 class Decoded:
-    """What :func:`decode` produced: the tokens (end-of-generation excluded) and their log-probabilities."""
+    """What `decode()` produced: the tokens (end-of-generation excluded) and their log-probabilities."""
 
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -94,7 +94,7 @@ def decode(engine: "Engine", max_tokens: int, *, first_logits: Optional[np.ndarr
     a finish reason (how the server streams tokens, applies stop strings and drops a request whose
     client disconnected, without a second loop). ``top_logprobs`` records that many alternatives per
     token in ``Decoded.top``. ``rng`` overrides the generator made from ``sampling.seed`` (the flywheel
-    draws several seeded samples from one prefix). Hold ``engine.lock`` (or an :meth:`Engine.session`)
+    draws several seeded samples from one prefix). Hold ``engine.lock`` (or an [`Engine.session()`][graftmem.Engine.session])
     around the call and the prefill before it.
     """
     if max_tokens < 1:

@@ -1,5 +1,5 @@
 """The only module that imports ``llama_cpp``: load, tokenize, prefill, capture, restore, logits,
-fingerprint, exactness probe. Every llama.cpp failure becomes an :class:`EngineError`.
+fingerprint, exactness probe. Every llama.cpp failure becomes an [`EngineError`][graftmem.EngineError].
 
 Why the low-level API and not ``llama_cpp.Llama``: ``Llama`` keeps an ``n_ctx x n_vocab`` scores
 array, re-evaluates prompts through its own cache logic and saves state with ``save_state`` (which
@@ -118,7 +118,7 @@ def usable_cores() -> int:
 
 
 class Engine:
-    """One llama.cpp model and context under a pinned configuration (see :class:`EngineConfig`).
+    """One llama.cpp model and context under a pinned configuration (see [`EngineConfig`][graftmem.EngineConfig]).
 
     All context operations are serialized by a lock, so one engine may be shared by threads.
     """
@@ -372,7 +372,7 @@ class Engine:
         a graft computes: the restored cells are overwritten, and the cells left with stale bytes are
         empty, hence masked, and the flash-attention kernel skips masked cells (measured byte-exact:
         tests/test_speed_paths.py grafts after a longer block left its bytes behind).
-        :meth:`reset` still zeroes the data, so a session ends with nothing of its work left behind.
+        `reset()` still zeroes the data, so a session ends with nothing of its work left behind.
         """
         with self._lock:
             self._check()

@@ -10,7 +10,7 @@ Layout (all integers little-endian)::
                    state_off      u64  offset of the state bytes (a multiple of 4096)
                    state_len      u64  length of the state bytes
                    reserved       24s  zero
-    offset 64    manifest: UTF-8 JSON of :class:`~graftmem.Block` (includes ``state_digest``)
+    offset 64    manifest: UTF-8 JSON of [`Block`][graftmem.Block] (includes ``state_digest``)
                  zero padding up to state_off
     state_off    state bytes: llama.cpp's per-sequence state of sequence 0, untouched
     end - 32     trailer: BLAKE3 of (header || manifest || padding)

@@ -129,7 +129,7 @@ def _assemble(spec: ModelSpec) -> Path:
 def resolve_model(model: str | os.PathLike[str] | None) -> tuple[str, Path]:
     """Return ``(name, gguf_path)`` for a short name or a GGUF path.
 
-    Raises :class:`ModelNotFound` with the exact install command when the package is missing.
+    Raises [`ModelNotFound`][graftmem.ModelNotFound] with the exact install command when the package is missing.
     """
     if model is None:
         model = DEFAULT_MODEL

@@ -18,7 +18,7 @@ Special-token text inside a task (``"<|im_end|>"`` typed by a user) is parsed as
 the block path and in a fresh prefill alike, so exactness holds; it is also how llama.cpp's own chat
 loop treats it. Escape such text before recall if your tasks come from untrusted users.
 
-:func:`split_ids` checks the equality for any prefix/continuation pair, so raw (non-chat) blocks are
+`split_ids()` checks the equality for any prefix/continuation pair, so raw (non-chat) blocks are
 checked too; a recall whose seam does merge is reported with ``receipt.exact = False``.
 """
 
@@ -80,7 +80,7 @@ class ChatFormat:
         return f"{self.task_head}{task}{self.task_tail}"
 
     def body(self, prefix_text: str) -> str:
-        """The manual inside a prefix made by :meth:`prefix` (the text itself if it is not one)."""
+        """The manual inside a prefix made by `prefix()` (the text itself if it is not one)."""
         if prefix_text.startswith(self.block_head) and prefix_text.endswith(self.block_tail):
             return prefix_text[len(self.block_head):len(prefix_text) - len(self.block_tail)]
         return prefix_text

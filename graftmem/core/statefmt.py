@@ -22,11 +22,11 @@ little-endian. A state starts with ``u32 magic (0xaf143cd8), i32 seq_id`` (writt
 Cells are written in cell-index order, and the sliding-window cache writes only the cells its last
 position still sees. Both facts matter for splitting: a child's full state is, per section, a
 *suffix* of the parent's cells (all of them for full attention, the ones still in the window for
-SWA) followed by the child's new cells. :func:`split` checks that this decomposition holds on the
+SWA) followed by the child's new cells. `split()` checks that this decomposition holds on the
 positions before returning a delta, and the caller must check ``merge(parent, delta) == full``
 on the real bytes before trusting it (``Memory.learn`` does, and stores the full state otherwise).
 
-Layouts this parser refuses (it raises :class:`StateLayoutError`, and the caller stores the full
+Layouts this parser refuses (it raises `StateLayoutError`, and the caller stores the full
 state): several streams, cells shared by several sequences, cell "ext" records (M-RoPE / PLE
 models), layers without V, trailing bytes, and anything that does not add up to the buffer length.
 
@@ -144,7 +144,7 @@ def _parse_section(r: _Reader) -> Optional[Section]:
 def parse_state(buf: memoryview | bytes) -> list[Section]:
     """Every section of a per-sequence state, as zero-copy views into ``buf``.
 
-    Raises :class:`StateLayoutError` unless the whole buffer parses exactly (no trailing bytes).
+    Raises `StateLayoutError` unless the whole buffer parses exactly (no trailing bytes).
     """
     r = _Reader(buf)
     magic, seq_id = r.unpack("<Ii")
@@ -243,13 +243,13 @@ def _write(parts: list, out: Optional[memoryview]) -> bytes | memoryview:
 
 
 def encode_state(sections: list[Section]) -> bytes:
-    """The llama.cpp per-sequence state bytes of ``sections`` (inverse of :func:`parse_state`)."""
+    """The llama.cpp per-sequence state bytes of ``sections`` (inverse of `parse_state()`)."""
     return bytes(_write([struct.pack("<Ii", _IO_MAGIC, 0)] + [p for s in sections for p in _section_parts(s)], None))
 
 
 def split(parent: memoryview | bytes, full: memoryview | bytes, parent_end: int) -> bytes:
     """The delta that turns ``parent``'s state into ``full`` (parent cells + cells at positions
-    ``>= parent_end``). Raises :class:`StateLayoutError` if ``full`` is not, section by section, a
+    ``>= parent_end``). Raises `StateLayoutError` if ``full`` is not, section by section, a
     suffix of the parent's cells followed by new cells; the caller must still compare
     ``merge(parent, delta)`` with ``full`` byte for byte."""
     ps, fs = parse_state(parent), parse_state(full)
@@ -304,7 +304,7 @@ def merge(parent: memoryview | bytes, delta: memoryview | bytes,
           out: Optional[memoryview] = None) -> bytes | memoryview:
     """Rebuild the full state from the parent's full state and a child's delta.
 
-    With ``out`` (exactly :func:`delta_sizes` bytes, e.g. the engine's state buffer) the bytes are
+    With ``out`` (exactly `delta_sizes()` bytes, e.g. the engine's state buffer) the bytes are
     written there and ``out`` is returned; otherwise new ``bytes`` are returned.
     """
     return _write(_merged_parts(parent, delta), out)
@@ -330,15 +330,15 @@ def place_cells(state: memoryview | bytes, n_positions: int) -> Optional[bytes]:
 
 
 def needs_placing(state: memoryview | bytes) -> bool:
-    """Whether :func:`place_cells` would change ``state`` (a section does not start at position 0)."""
+    """Whether `place_cells()` would change ``state`` (a section does not start at position 0)."""
     return any(s.n_cells and int(s.positions[0]) != 0 for s in parse_state(state))
 
 
 def place_cells_into(state: memoryview | bytes, n_positions: int, out: Callable[[int], memoryview]) -> memoryview:
-    """:func:`place_cells` written straight into ``out(n)`` (the engine's state buffer): no
+    """`place_cells()` written straight into ``out(n)`` (the engine's state buffer): no
     intermediate section arrays or bytes, the placeholders' zero rows written in place. ``state``
-    must not live in the memory ``out`` returns. Raises :class:`StateLayoutError` if nothing needs
-    placing (check with :func:`needs_placing`)."""
+    must not live in the memory ``out`` returns. Raises `StateLayoutError` if nothing needs
+    placing (check with `needs_placing()`)."""
     parts = _placed_parts(parse_state(state), n_positions)
     if parts is None:
         raise StateLayoutError("no section needs placing")

@@ -1,6 +1,6 @@
 """Memory features on core + store: learn, answer/recall, the router, the pager (long documents),
 exactness verification, re-derivation, the flywheel and its answer checks. Each gets its collaborators
-(engine, store, router, page index) as arguments; :class:`graftmem.Memory` owns them and passes them.
+(engine, store, router, page index) as arguments; [`Memory`][graftmem.Memory] owns them and passes them.
 
 Public for advanced use: the functions and classes below (the benches use them to time one phase).
 """

@@ -1,7 +1,7 @@
 """The one tail every answer shares: put the block's tokens in the context, prefill the task, decode.
 
-:func:`ask` (graft: restore the saved KV state, what :meth:`graftmem.Memory.ask` runs) and the text way
-of :func:`graftmem.memory.recall.recall` (re-prefill the block's text) differ only in how the block's
+`ask()` (graft: restore the saved KV state, what [`Memory.ask()`][graftmem.Memory.ask] runs) and the text way
+of `recall()` (re-prefill the block's text) differ only in how the block's
 tokens get into the context. Keeping the rest in one place keeps their timings and receipts comparable,
 which is the point of running both: the receipts' logits hashes must be equal, and the times must mean
 the same thing (``restore_ms`` is only the graft; ``prefill_ms`` is everything prefilled).
@@ -37,7 +37,7 @@ def answer(eng: Engine, block: Block, qtok: list[int], setup: Callable[[], int],
     ``tokens_restored``) or prefilled (timed and counted with the task's prefill). ``exact`` is ANDed with
     the engine's own exactness, for callers that know the prompt's seam is not clean. ``phases`` is a
     dict that ``setup`` fills while it runs (``read_ms``, ``check_ms``, ``place_ms``, ``set_data_ms``,
-    see :func:`graft`); its entries go into the receipt's breakdown.
+    see `graft()`); its entries go into the receipt's breakdown.
     """
     with eng.session():
         t0 = time.perf_counter()
@@ -63,7 +63,7 @@ def graft(eng: Engine, store: "Store", block: Block, timings: Optional[dict[str,
     """Restore ``block`` (its whole chain) as sequence 0 at its own positions; return its end position.
 
     Digests are checked, a chain is merged, window-trimmed cells are put back at their fresh indices
-    (:func:`graftmem.store.chain.load_state`). Call inside an :meth:`Engine.session`. ``timings``, if
+    (`load_state()`). Call inside an [`Engine.session()`][graftmem.Engine.session]. ``timings``, if
     given, gets the phases' milliseconds (``read_ms``, ``check_ms``, ``place_ms``, ``set_data_ms``).
     """
     _, view = load_state(store, block.id, eng.buffer, fingerprint=eng.fingerprint, timings=timings)

@@ -1,18 +1,18 @@
 """Verifiers: the external check that decides whether a solution may become a block.
 
-The flywheel (:mod:`graftmem.memory.flywheel`) deposits a block only when a verifier says yes, so a
+The flywheel (`graftmem.memory.flywheel`) deposits a block only when a verifier says yes, so a
 verifier's failure modes matter more than its happy path. The rule here is one-sided: anything other
 than a clean "yes" (a wrong answer, an exception, a timeout, a program that crashes, runs out of memory
 or prints nothing) is **not verified**. No verifier in this module can turn an error into a yes.
 
-* :class:`ExactMatch` compares the candidate answer with a known answer (normalized: case, spaces,
+* [`ExactMatch`][graftmem.ExactMatch] compares the candidate answer with a known answer (normalized: case, spaces,
   thousands separators, ``391.0 == 391``). A problem it has no answer for is not verified.
-* :class:`ProgramVerifier` runs the candidate's *method*, a Python program, in a sandboxed
-  subprocess (:func:`run_program`) and compares what it prints with the expected answer (when one is
+* [`ProgramVerifier`][graftmem.ProgramVerifier] runs the candidate's *method*, a Python program, in a sandboxed
+  subprocess ([`run_program()`][graftmem.run_program]) and compares what it prints with the expected answer (when one is
   known) and with the candidate's own answer. It checks the method, not only the number.
-* :class:`CallableVerifier` wraps any ``fn(problem, candidate) -> bool``, with a timeout.
+* [`CallableVerifier`][graftmem.CallableVerifier] wraps any ``fn(problem, candidate) -> bool``, with a timeout.
 
-The sandbox (:func:`run_program`): ``python -I`` (isolated mode: no user site, no PYTHON* env vars, no
+The sandbox ([`run_program()`][graftmem.run_program]): ``python -I`` (isolated mode: no user site, no PYTHON* env vars, no
 cwd on ``sys.path``) reading the program from stdin, in a fresh temporary directory, with an empty
 environment, in its own session (a timeout kills the whole process group), and with resource limits
 set by a small wrapper inside the child before the program runs: address space (``RLIMIT_AS``), CPU
@@ -25,7 +25,7 @@ itself rather than by ``preexec_fn`` because ``preexec_fn`` is unsafe in a paren
 (torch, faiss and llama.cpp all do). Network: when ``unshare -n`` works (root, or ``unshare -rn``
 with unprivileged user namespaces) the child runs in a new network namespace with no interface but a
 down loopback, so it cannot reach anything; otherwise only an in-process guard replaces
-``socket.socket``, which a determined program can get around; :attr:`ProgramRun.network_isolated`
+``socket.socket``, which a determined program can get around; [`ProgramRun.network_isolated`][graftmem.ProgramRun.network_isolated]
 says which one applied. This is a guard against accidents and sloppy generated code, not a security
 boundary for hostile code: run untrusted programs in a container or VM.
 """
@@ -79,7 +79,7 @@ class Verdict(_Strict):
 
 @runtime_checkable
 class Verifier(Protocol):
-    """Decides whether ``candidate`` solves ``problem``. Return a :class:`Verdict` (or a bool);
+    """Decides whether ``candidate`` solves ``problem``. Return a [`Verdict`][graftmem.Verdict] (or a bool);
     raising is allowed and counts as *not verified*. ``name`` is recorded in deposited blocks."""
 
     name: str
@@ -122,7 +122,7 @@ def _verdict(ok: bool, reason: str, name: str, t0: float) -> Verdict:
 # ---------------------------------------------------------------------------------- exact match
 class ExactMatch:
     """Compare with a known answer. ``answers`` maps problems to answers (looked up by the problem's
-    normalized text, see :func:`graftmem.memory.router.normalize_task`) or is a function returning the
+    normalized text, see `normalize_task()`) or is a function returning the
     answer for a problem (None: unknown). An unknown problem is *not verified*."""
 
     def __init__(self, answers: Union[Mapping[str, Any], Callable[[str], Any]], *, name: str = "exact-match") -> None:
@@ -284,7 +284,7 @@ class ProgramVerifier:
     """Run the candidate's program in the sandbox; verified when it exits cleanly and its printed
     answer equals the expected answer (if ``expected`` knows one) and the candidate's own answer.
 
-    ``expected``: like :class:`ExactMatch`'s ``answers`` (a mapping or a function), or None to check
+    ``expected``: like [`ExactMatch`][graftmem.ExactMatch]'s ``answers`` (a mapping or a function), or None to check
     only that the method reproduces the claimed answer. A candidate without a program is *not
     verified*: this verifier vouches for methods.
     """
@@ -326,7 +326,7 @@ def call_with_timeout(fn: Callable[[], Any], timeout_s: float) -> tuple[bool, An
     """Run ``fn`` in a daemon thread; (True, result) or (False, reason) on exception or timeout.
 
     A thread cannot be killed: on timeout it is abandoned (it keeps running until it returns), which
-    is why :class:`ProgramVerifier` uses a subprocess instead."""
+    is why [`ProgramVerifier`][graftmem.ProgramVerifier] uses a subprocess instead."""
     box: dict[str, Any] = {}
 
     def target() -> None:

@@ -1,9 +1,9 @@
 """The verified-knowledge flywheel: solve once with extra inference, verify, deposit, and answer a
 recurrence from its block in a few decode tokens (the paper's "Galahad" loop, section 4.6-4.7).
 
-Order of work in :meth:`Flywheel.solve`:
+Order of work in [`Flywheel.solve()`][graftmem.Flywheel.solve]:
 
-1. **cache**: an exact lookup (the problem's normalized text, :func:`graftmem.memory.router.normalize_task`,
+1. **cache**: an exact lookup (the problem's normalized text, `normalize_task()`,
    recorded in the block's metadata) finds a verified block for a *recurring* problem. The block is
    grafted and the model decodes the answer after it (``Answer:`` is the last thing prefilled, so a
    few tokens suffice). No embedding model is loaded on this path.
@@ -20,14 +20,14 @@ Order of work in :meth:`Flywheel.solve`:
    of k samples, and an exact recurrence of a verified answer cannot override a better method.
 
 **Do no harm** (paper 4.13: a cached procedure that overrode a method the model already had cost 55
-points). Before a *routed* block is used for a new problem, the :class:`Gate` asks the model alone a
+points). Before a *routed* block is used for a new problem, the [`Gate`][graftmem.Gate] asks the model alone a
 few times (greedy + temperature samples: self-consistency). If it agrees with itself and the verifier
 accepts its answer, no block is grafted. A block found by exact lookup is not gated again: it was
 deposited only because the model, unsure or wrong on that very problem, needed it, and greedy
 decoding in the same engine fingerprint would repeat the same result. The gate's samples are reused
 as the model's best-of-k live attempts, so they are paid for once.
 
-Every step is recorded in :class:`Solution` (source, method, tokens decoded, wall time, the block used,
+Every step is recorded in [`Solution`][graftmem.Solution] (source, method, tokens decoded, wall time, the block used,
 each attempt and its verdict), so the token ratio against the base model can be measured, not guessed.
 """
 
@@ -106,7 +106,7 @@ class GateReport(_Strict):
 
 
 class Attempt(_Strict):
-    """One candidate tried by :meth:`Flywheel.solve` and the verifier's verdict on it."""
+    """One candidate tried by [`Flywheel.solve()`][graftmem.Flywheel.solve] and the verifier's verdict on it."""
 
     method: Method
     answer: Optional[str]
@@ -119,7 +119,7 @@ class Attempt(_Strict):
 
 
 class Solution(_Strict):
-    """The outcome of :meth:`Flywheel.solve`.
+    """The outcome of [`Flywheel.solve()`][graftmem.Flywheel.solve].
 
     ``source``: ``cache`` (exact lookup of a recurring problem), ``transfer`` (a routed block's method
     adapted to a new problem), ``live`` (the model or the solver, now), ``unsolved``. ``method`` says
@@ -290,7 +290,7 @@ def block_text(problem: str, program: Optional[str], answer: str, verifier: str,
 
 # ---------------------------------------------------------------------------------- the flywheel
 class MemoryLike(Protocol):
-    """What the flywheel needs of a memory: the verbs of :class:`graftmem.Memory` it calls.
+    """What the flywheel needs of a memory: the verbs of [`Memory`][graftmem.Memory] it calls.
 
     The flywheel is an application of the memory's public verbs (learn a verified solution, search,
     graft one block), so it is typed against them rather than against the facade class, which sits in
@@ -320,7 +320,7 @@ class Flywheel:
     """Solve, verify, deposit; answer recurrences from blocks. See the module docstring.
 
     ``memory`` provides the engine, the store and the router; ``verifier`` decides (see
-    :mod:`graftmem.memory.checks`); ``solver(problem, budget_tokens)`` is the application's stronger
+    `graftmem.memory.checks`); ``solver(problem, budget_tokens)`` is the application's stronger
     solver, called when the model alone fails. ``budget`` caps the tokens the model decodes live per
     problem (gate samples included). ``gate=None`` turns the do-no-harm gate off (for measuring it).
     ``transfer`` orders the transfer methods tried on a routed block; ``min_score`` is the routing

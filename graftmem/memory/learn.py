@@ -1,8 +1,8 @@
 """The one learn path: prefill a text (or graft its parent and prefill the rest), capture the state,
-write it as a block. :meth:`graftmem.Memory.learn` and the pager's page builds both end here, so a
+write it as a block. [`Memory.learn()`][graftmem.Memory.learn] and the pager's page builds both end here, so a
 block is written one way whatever feature made it.
 
-:func:`learn` is the whole verb (labels, chat turn, dedup, chaining); :func:`prefill_and_store` the
+`learn()` is the whole verb (labels, chat turn, dedup, chaining); `prefill_and_store()` the
 part the pager shares (tokens already cut, no labels to prepare).
 """
 
@@ -101,7 +101,7 @@ def prefill_and_store(engine: "Engine", store: "Store", *, block_id: str, tokens
 def learn(engine: "Engine", store: "Store", text: str, *, name: Optional[str] = None, kind: str = "manual",
           metadata: Optional[Mapping[str, Any]] = None, progress: bool = False,
           when_to_use: Optional[str] = None, chat: bool = False, parent: Optional[str] = None) -> tuple[Block, bool]:
-    """Learn ``text`` as a block (see :meth:`graftmem.Memory.learn`); returns it and whether it changed
+    """Learn ``text`` as a block (see [`Memory.learn()`][graftmem.Memory.learn]); returns it and whether it changed
     (a new block, or new labels on a block learned before), which tells the caller to re-route it."""
     if not text:
         raise ConfigError("cannot learn an empty text")

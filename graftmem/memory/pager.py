@@ -9,7 +9,7 @@ however large the store grows. This is the paper's "needle in store" setting (88
 behind a 32k window), at the sizes our small models and this CPU allow.
 
 Why passages. A page holds thousands of tokens; one embedding of a whole page (or of its start, which
-is what :class:`graftmem.memory.router.Router` embeds for a block) cannot say which page holds one sentence.
+is what `Router` embeds for a block) cannot say which page holds one sentence.
 Each page is therefore cut into passages of a few sentences; every passage gets its own MiniLM
 vector, and a passage maps back to its page. A question routes to the best passage, and the page of
 that passage is the one grafted. The passage index is a small SQLite file (``home/pages/index.sqlite``)
@@ -155,7 +155,7 @@ class PageInfo(_Model):
 
 class PassageHit(_Model):
     """A routing candidate: a passage, its score against the task (cosine + weighted lexical coverage,
-    see :class:`PageIndex`), and its page."""
+    see `PageIndex`), and its page."""
 
     score: float
     text: str
@@ -256,7 +256,7 @@ def plan_document(engine: "Engine", text: str, *, window: Optional[int] = None,
     """Cut ``text`` into pages of at most ``window`` tokens (BOS included) at sentence or paragraph
     boundaries, each page starting ``overlap`` tokens (whole sentences) before the previous one ended.
 
-    ``window`` defaults to the engine's ``n_ctx`` minus :data:`DEFAULT_RESERVE` positions for the
+    ``window`` defaults to the engine's ``n_ctx`` minus `DEFAULT_RESERVE` positions for the
     question and the answer. ``document`` is the document id (default: a hash of the text).
     """
     if not text or not text.strip():
@@ -389,10 +389,10 @@ def _migrate(db: sqlite3.Connection) -> None:
 class PageIndex:
     """Documents, pages and passage vectors of one store, in ``home/pages/index.sqlite``.
 
-    Search uses a free-standing :class:`graftmem.memory.router.Router` loaded from the SQLite rows and
+    Search uses a free-standing `Router` loaded from the SQLite rows and
     topped up incrementally when rows are added, by this process or another one. It is hybrid: a
     passage scores its MiniLM cosine plus ``lex_weight`` times its lexical coverage of the question
-    (:mod:`graftmem.memory.lexical`), because a one-sentence fact inside a passage of unrelated text is
+    (`graftmem.memory.lexical`), because a one-sentence fact inside a passage of unrelated text is
     diluted in the passage's vector while the rare name it carries is exactly what a word index
     catches. ``lex_weight=0`` routes by the cosine alone (as before; for comparisons).
     """

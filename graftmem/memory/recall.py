@@ -1,16 +1,16 @@
 """recall and search: route a task to ONE block, graft it, prefill only the task, answer.
 
-Kept out of :mod:`graftmem.api.memory` so that ``Memory`` stays a thin coordinator, and so that a
+Kept out of `graftmem.api.memory` so that ``Memory`` stays a thin coordinator, and so that a
 ``learn``/``ask`` user never imports the router (torch, faiss, MiniLM cost seconds to load).
 
 Two answer paths over the same prompt, ``block.text + continuation``:
 
-* ``graft``: restore the block's KV state at its own positions (:meth:`Memory.ask`), prefill the
+* ``graft``: restore the block's KV state at its own positions ([`Memory.ask()`][graftmem.Memory.ask]), prefill the
   continuation only;
 * ``text``: the way without graftmem: tokenize the block's text again and prefill it, then the task.
 
 Both hash the first-step logits, so any caller can see that they agree byte for byte; they do only when
-the seam between block and continuation does not merge tokens (:func:`graftmem.core.prompt.split_ids`),
+the seam between block and continuation does not merge tokens (`split_ids()`),
 which chat blocks guarantee and raw blocks may not: a merging seam is reported as ``receipt.exact=False``.
 """
 

@@ -1,9 +1,9 @@
 """Re-derivation: the proof that a block holds the state of its own tokens and nothing else.
 
 A digest proves that bytes arrived as they were sent; it cannot prove that they are the state of the
-block's text. Only a prefill can: :func:`rederive` prefills the block's tokens in a clean context
+block's text. Only a prefill can: `rederive()` prefills the block's tokens in a clean context
 (a chained block: its whole chain, call by call) and compares the captured state with the stored
-bytes. It lives with the features (not with the signatures of :mod:`graftmem.share.trust`) because it
+bytes. It lives with the features (not with the signatures of `graftmem.share.trust`) because it
 runs the engine; the share layer receives it as a check callable when a caller asks for it.
 """
 
@@ -82,7 +82,7 @@ def rederive(engine: "Engine", store: "Store", block_id: str) -> RederiveReport:
     its digests rewritten to match, passes every digest check and fails here.
 
     A chained block is re-derived as its chain: every block from the root prefilled in its own call
-    (the sequential fresh reference of :mod:`graftmem.store.chain`), compared with the full state the store
+    (the sequential fresh reference of `graftmem.store.chain`), compared with the full state the store
     rebuilds from the parent and the delta.
     """
     block = store.get(block_id)
@@ -91,7 +91,7 @@ def rederive(engine: "Engine", store: "Store", block_id: str) -> RederiveReport:
 
 def rederive_file(engine: "Engine", block: Block, path: Path) -> None:
     """Re-derive a block from a (checked) block file that is not in the store yet, such as a staged
-    import; raise :class:`BlockCorrupted` if its state is not what its tokens produce."""
+    import; raise [`BlockCorrupted`][graftmem.BlockCorrupted] if its state is not what its tokens produce."""
     _, view = read_block_file(path, lambda n: memoryview(bytearray(n)), expect_id=block.id)
     rep = compare_rederived(engine, block, view)
     if not rep.ok:
@@ -103,8 +103,8 @@ def rederive_file(engine: "Engine", block: Block, path: Path) -> None:
 
 
 def rederive_state(engine: "Engine", block: Block, state: memoryview, segs: list[list[int]]) -> None:
-    """The admission's re-derivation (:class:`graftmem.share.admission.Vetting`): prefill ``segs`` (the
-    chain's token ids, root first, each in its own call) and raise :class:`BlockCorrupted` unless the
+    """The admission's re-derivation (`Vetting`): prefill ``segs`` (the
+    chain's token ids, root first, each in its own call) and raise [`BlockCorrupted`][graftmem.BlockCorrupted] unless the
     captured state equals ``state`` (the block's full state) byte for byte."""
     rep = compare_rederived(engine, block, state, segs=segs)
     if not rep.ok:

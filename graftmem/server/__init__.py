@@ -1,6 +1,6 @@
-"""Server: graftmem over HTTP, one Starlette app under uvicorn. :class:`BlockServer` shares a store's
-blocks; :func:`api_server` adds the OpenAI-compatible API (engine pool, persistent prefix cache). It is
-given a store, engines and checks, never a :class:`graftmem.Memory`."""
+"""Server: graftmem over HTTP, one Starlette app under uvicorn. `BlockServer` shares a store's
+blocks; `api_server()` adds the OpenAI-compatible API (engine pool, persistent prefix cache). It is
+given a store, engines and checks, never a [`Memory`][graftmem.Memory]."""
 
 from .blocks import BlockRoutes, BlockServer
 from .http import Limits

@@ -1,7 +1,7 @@
 """The ASGI app: the routes of each API on one Starlette app, behind the optional API key.
 
 Unknown paths and wrong methods answer in the error shape of the API they were aimed at
-(:func:`graftmem.server.http.error_response`), so an ``openai`` client gets an OpenAI error and a
+(`error_response()`), so an ``openai`` client gets an OpenAI error and a
 ``graftmem pull`` gets a graftmem one.
 """
 

@@ -1,4 +1,4 @@
-"""Sharing a store over HTTP: the block routes of the graftmem server, and :class:`BlockServer`.
+"""Sharing a store over HTTP: the block routes of the graftmem server, and `BlockServer`.
 
 Routes (Starlette, served by uvicorn; bound to 127.0.0.1 unless told otherwise)::
 
@@ -12,7 +12,7 @@ Routes (Starlette, served by uvicorn; bound to 127.0.0.1 unless told otherwise):
     POST /v1/bundles                  a pushed bundle (needs the token); imported all or nothing
 
 The server never trusts what it serves to be checked by itself: clients verify every byte as it
-arrives (:class:`~graftmem.share.bundle.BlockChecker`) against the digests the listing announced, and
+arrives (`BlockChecker`) against the digests the listing announced, and
 only move blocks into their store once every selected block has arrived and checked. An interrupted
 download leaves its bytes in ``<home>/.incoming`` and the next pull resumes it with a Range request
 (the bytes already there are re-hashed first, so a resumed file is checked end to end).
@@ -64,7 +64,7 @@ _CHUNK = 1 << 20
 
 
 class BlockRoutes:
-    """The block-sharing routes over one store. Subclass :meth:`listing_body` or :meth:`file_chunks` to
+    """The block-sharing routes over one store. Subclass `listing_body()` or `file_chunks()` to
     test clients against a misbehaving server (a cut connection, a hostile listing)."""
 
     def __init__(self, store: Store, *, push_token: Optional[str] = None,
@@ -288,8 +288,8 @@ class BlockServer:
     graft it here. ``sign_key`` signs every listing so clients that require signatures can pull.
     ``check(block, staged_path)`` runs on every new pushed block before it is moved in
     (``Memory.serve(rederive=True)`` re-derives each one). ``api_key`` guards every route.
-    Use as a context manager, or :meth:`start` (background thread) / :meth:`serve_forever`.
-    ``openai`` adds the OpenAI-compatible routes of a :class:`graftmem.server.openai.OpenAIRoutes`.
+    Use as a context manager, or `start()` (background thread) / `serve_forever()`.
+    ``openai`` adds the OpenAI-compatible routes of a `OpenAIRoutes`.
     """
 
     def __init__(self, store: Store | str | os.PathLike[str], *, host: str = "127.0.0.1",

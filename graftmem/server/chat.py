@@ -2,7 +2,7 @@
 
 A segment is one message's turn (``<|im_start|>role\\n...<|im_end|>\\n`` in ChatML), and the last one is
 the header of the assistant's turn. Every segment starts with a special token, so tokenizing them one
-by one gives the ids of tokenizing the whole prompt (the seam argument of :mod:`graftmem.core.prompt`).
+by one gives the ids of tokenizing the whole prompt (the seam argument of `graftmem.core.prompt`).
 
 Why segments and not one token list: the server prefills a prompt one segment per ``prefill`` call,
 cache or no cache. The K/V bytes of a token depend on how the prompt was cut into prefill calls (a

@@ -3,7 +3,7 @@ decode with stop strings, stream the text out, then learn the prefix if it keeps
 
 This is the engine side of the OpenAI-compatible routes; it runs in a worker thread and speaks to the
 event loop only through ``emit`` (text deltas, then the result). Cache on or off, the prompt is
-prefilled one segment per call (see :mod:`graftmem.server.chat`), so a request served from a grafted
+prefilled one segment per call (see `graftmem.server.chat`), so a request served from a grafted
 prefix and the same request served cold compute the same bytes: grafting changes the time, never
 the answer. A block that fails any check (digests, fingerprint, llama.cpp refusing the bytes) is
 refused for the rest of the process, logged, and the request is served cold from an empty context.

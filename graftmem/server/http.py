@@ -1,9 +1,9 @@
 """What every route of the server shares: error bodies, the API key, strict request bodies.
 
 Two error shapes live on one server. The block-sharing routes answer ``{"error": "<GraftmemError class>",
-"message": ...}``, which :mod:`graftmem.share.client` turns back into the same exception; the
+"message": ...}``, which `graftmem.share.client` turns back into the same exception; the
 OpenAI-compatible routes answer OpenAI's ``{"error": {"message", "type", "param", "code"}}``, which the
-``openai`` package turns into its own exceptions. :func:`error_response` picks the shape by path, so a
+``openai`` package turns into its own exceptions. `error_response()` picks the shape by path, so a
 refusal made before any route runs (API key, body size) still reads right to the client that asked.
 
 Bodies are read strictly: a POST must say its ``Content-Length`` (missing, negative or not a number is
@@ -11,7 +11,7 @@ a 411 / 400), a length over the route's limit is a 413 before one byte is read, 
 counted as they arrive (a client that sends more than it announced is cut off, never buffered), within
 a deadline, so a slow client cannot hold a worker forever.
 
-Messages that leave the server never carry a local path: :func:`public_message` replaces the store's
+Messages that leave the server never carry a local path: `public_message()` replaces the store's
 home with ``<home>``.
 """
 
@@ -157,7 +157,7 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 
 def guarded(handler: Handler, home: Optional[str] = None) -> Handler:
-    """``handler`` with :class:`HTTPError` turned into the path's error shape, and any other failure
+    """``handler`` with `HTTPError` turned into the path's error shape, and any other failure
     into a 500 whose message names no local path (the details go to the log)."""
 
     async def run(request: Request) -> Response:

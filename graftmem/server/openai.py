@@ -3,7 +3,7 @@
 An agent written against the ``openai`` package (or LangChain's ``ChatOpenAI``, or any tool that takes
 a ``base_url``) talks to graftmem with no change but the URL. What it gets on top: its long, stable
 prompt prefix (system prompt, tools, the conversation so far) is grafted from verified blocks instead
-of prefilled (:mod:`graftmem.server.prefix`), after a restart too, and every response says so in
+of prefilled (`graftmem.server.prefix`), after a restart too, and every response says so in
 ``usage.prompt_tokens_details.cached_tokens`` and in a receipt (the ``graftmem`` field and the
 ``X-Graftmem-Receipt`` header of a non-streamed response).
 

@@ -1,7 +1,7 @@
 """A pool of engine contexts with a bounded wait queue.
 
 Each request holds one engine (one llama.cpp context) from the prefill to its last token, inside an
-:meth:`Engine.session`, so no request sees another's state. When every engine is busy a request waits
+[`Engine.session()`][graftmem.Engine.session], so no request sees another's state. When every engine is busy a request waits
 in a queue of at most ``max_queue``; one more is refused at once with 429 (back-pressure: the client
 retries later, rather than the server piling up sockets). A request whose client went away gives its
 engine back when its decode loop sees the cancellation (after at most one token).

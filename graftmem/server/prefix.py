@@ -1,7 +1,7 @@
 """The persistent prompt cache: find the longest stored chain that is a prefix of a request, learn
 long prefixes that come back.
 
-The index maps a hash of a prompt prefix, taken segment by segment (:mod:`graftmem.server.chat`), to
+The index maps a hash of a prompt prefix, taken segment by segment (`graftmem.server.chat`), to
 the block that holds exactly that prefix: for a chain ``root -> ... -> block``, the key hashes each
 chain block's token ids with its length, root first, so it equals the key of a request's first k
 segments exactly when the block holds those token ids *cut at the same places*. That is the
@@ -10,14 +10,14 @@ checked on ids, never on text. Only blocks of this engine's fingerprint are inde
 (another model, another build, other engine settings) is invisible to the lookup.
 
 The index is rebuilt from the store whenever another process has written to it
-(:meth:`Store.data_version`) or the block count changed, and kept in sync with the blocks learned here.
+([`Store.data_version()`][graftmem.Store.data_version]) or the block count changed, and kept in sync with the blocks learned here.
 
 Learning: a request's prompt up to the start of its last message (all segments but the last message
 and the assistant's header) that is at least ``min_tokens`` long and has been seen ``sightings`` times
 is learned as a chain, one block per segment (kind ``"auto"``), continuing the longest chain already
 stored, so an agent that re-sends its system prompt, tools and conversation on every call finds them
 grafted on the next call, and after a restart too. Each block is written by the one learn path
-(:func:`graftmem.memory.learn.prefill_and_store`).
+(`prefill_and_store()`).
 
 Retention: the automatic blocks (and only those: a block a user learned is never touched) are kept
 under ``max_auto_bytes`` of stored state; past it, the least recently used *leaf* auto block is deleted
@@ -161,7 +161,7 @@ class PrefixCache:
               start: Optional[Match]) -> Optional[Block]:
         """Store the first ``k`` segments as a chain (continuing ``start``); returns the last block.
 
-        Runs its own :meth:`Engine.session` per block (the one learn path)."""
+        Runs its own [`Engine.session()`][graftmem.Engine.session] per block (the one learn path)."""
         parent = start.block if start is not None and start.n_segments <= k else None
         first = start.n_segments if parent is not None else 0
         try:

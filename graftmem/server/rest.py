@@ -8,7 +8,7 @@ it without loading a model::
     POST   /v1/memory/search                {"query", "top_k"?}            (the router)
     POST   /v1/memory/recall                {"task", "max_tokens"?, "min_score"?}  (route, graft, answer)
 
-Each verb calls the same feature function :class:`graftmem.Memory` calls (``memory.learn.learn``,
+Each verb calls the same feature function [`Memory`][graftmem.Memory] calls (``memory.learn.learn``,
 ``memory.recall.search`` / ``recall``) with an engine from the pool, so an answer through the server is
 the answer ``Memory.recall`` gives, receipt included. Errors are in OpenAI's shape.
 """

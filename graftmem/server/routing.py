@@ -15,7 +15,7 @@ __all__ = ["RouterRef"]
 
 
 class RouterRef:
-    """``factory()`` called once, on the first :meth:`get`."""
+    """``factory()`` called once, on the first `get()`."""
 
     def __init__(self, factory: Optional[Callable[[], "Router"]]) -> None:
         self._factory = factory

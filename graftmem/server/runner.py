@@ -1,10 +1,10 @@
 """One ASGI app served by uvicorn, in a background thread or in the foreground.
 
 The socket is bound here, before uvicorn starts, so that port 0 resolves to a real port at once
-(:attr:`ServerThread.url` is known when the constructor returns), a busy port is a
-:class:`~graftmem.core.errors.ConfigError` raised to the caller rather than a log line in a thread, and
+(`url` is known when the constructor returns), a busy port is a
+`ConfigError` raised to the caller rather than a log line in a thread, and
 the default host is the loopback interface. uvicorn's own timeouts bound idle keep-alive connections,
-and :meth:`ServerThread.close` shuts down gracefully: no new connections, running requests get
+and `close()` shuts down gracefully: no new connections, running requests get
 ``Limits.graceful_shutdown`` seconds to finish.
 """
 
@@ -29,8 +29,8 @@ log = logging.getLogger("graftmem")
 class ServerThread:
     """Serve ``app`` on ``host:port`` (127.0.0.1 and a free port by default).
 
-    :meth:`start` runs it in a daemon thread (and waits until it accepts connections);
-    :meth:`serve_forever` runs it in the calling thread until Ctrl-C / SIGTERM; :meth:`close` stops
+    `start()` runs it in a daemon thread (and waits until it accepts connections);
+    `serve_forever()` runs it in the calling thread until Ctrl-C / SIGTERM; `close()` stops
     either. Also a context manager (start on enter, close on exit).
     """
 

@@ -1,6 +1,6 @@
-"""Share: moving blocks between stores. One streaming checker (:mod:`.manifest`), one admission path
-for import, pull and push (:mod:`.admission`), bundle files (:mod:`.bundle`), keys, signatures and the
-trust policy (:mod:`.trust`), and the HTTP client (:mod:`.client`).
+"""Share: moving blocks between stores. One streaming checker (`.manifest`), one admission path
+for import, pull and push (`.admission`), bundle files (`.bundle`), keys, signatures and the
+trust policy (`.trust`), and the HTTP client (`.client`).
 
 Public: the functions the CLI and benches call without loading a model (export, push), and the models
 they return.

@@ -2,24 +2,24 @@
 
 Whatever carried the bytes, a foreign block enters a store the same way, in two steps:
 
-1. :meth:`Admission.plan`, before any block byte is read: the announced entries (a bundle manifest or
+1. `plan()`, before any block byte is read: the announced entries (a bundle manifest or
    a server listing) are held to the limits (size per block), each must name a fingerprint record that
    hashes to its key, every chained block must come with its ancestors (or find them in the store),
    and blocks of another engine are refused as a whole (``incompatible="refuse"``), kept apart under
    ``<home>/foreign/`` or skipped. The plan says which blocks' bytes to keep.
-2. :meth:`Admission.admit`, after every kept block has arrived and passed the streaming checker: the
+2. `admit()`, after every kept block has arrived and passed the streaming checker: the
    labels are bound to the content (positions always; the text must tokenize to the stored tokens
-   when the caller's :class:`Vetting` can tokenize), each new compatible block gets its provenance
+   when the caller's `Vetting` can tokenize), each new compatible block gets its provenance
    (``signed:<key>`` when a trusted key signed the manifest that pins it, ``rederived`` when the
    vetting re-prefilled it here and the state bytes are equal, else ``unverified``), all files are
    fsynced, then blocks of other engines move into their foreign stores and the rest into the store,
    all or none.
 
-share never runs the engine: the checks that need it (tokenize, prefill) come in a :class:`Vetting`
-that :class:`graftmem.Memory` builds. docs/security.md has the threat and the policy.
+share never runs the engine: the checks that need it (tokenize, prefill) come in a `Vetting`
+that [`Memory`][graftmem.Memory] builds. docs/security.md has the threat and the policy.
 
 Keeping it in one place means a fix to this security-critical path is made once; the carriers
-(:mod:`graftmem.share.bundle`, :mod:`graftmem.share.client`, the server's push route) only move bytes.
+(`graftmem.share.bundle`, `graftmem.share.client`, the server's push route) only move bytes.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class Vetting:
     ``tokenize(block)`` returns the token ids the block's text has in this engine (the same call
     ``learn`` makes): a text that does not give the stored tokens is a spoofed label and the transfer
     is refused. ``rederive(block, full_state, segments)`` re-prefills ``segments`` (the token ids of
-    every block of the chain, root first, each in its own call) and raises :class:`BlockCorrupted`
+    every block of the chain, root first, each in its own call) and raises [`BlockCorrupted`][graftmem.BlockCorrupted]
     unless the captured state equals ``full_state`` byte for byte; None means "land unverified"
     (the caller opted out). ``progress`` shows a bar over the tokens re-prefilled.
     """
@@ -73,7 +73,7 @@ class Vetting:
 
 #: check(block, staged_path) on every new compatible block, after its bytes are checked and before
 #: anything is moved in; it raises to refuse the whole transfer and may return the provenance it
-#: proved (``"rederived"``); None lands the block ``unverified``. A :class:`Vetting` is the
+#: proved (``"rederived"``); None lands the block ``unverified``. A `Vetting` is the
 #: engine-backed check Memory passes (chains, label binding and provenance handled by the admission).
 BlockCheck = Union[Vetting, Callable[[Block, Path], Optional[str]]]
 #: Largest block file accepted in a bundle or a download unless the caller says otherwise (4 GiB:
@@ -156,7 +156,7 @@ def _adopt(store: Store, items: list[tuple[Block, Path]]) -> list[str]:
 
 @dataclass
 class AdmissionPlan:
-    """What :meth:`Admission.plan` decided for the announced entries."""
+    """What `plan()` decided for the announced entries."""
 
     entries: list[BundleEntry]                             # selected + ancestors, parents first
     foreign: set[str] = field(default_factory=set)         # made by another engine
@@ -176,7 +176,7 @@ class Admission:
     """The admission of foreign blocks into ``store`` for an engine with ``fingerprint``.
 
     ``where`` names the source in every message (a bundle path, a URL). ``check`` is the optional
-    extra check of :data:`BlockCheck`.
+    extra check of `BlockCheck`.
     """
 
     def __init__(self, store: Store, fingerprint: Fingerprint, *, where: str,
@@ -264,7 +264,7 @@ class Admission:
     def bind_labels(self, arrived: list[tuple[Block, Path]]) -> None:
         """Labels bound to content, before anything is moved in: a root starts at position 0, a child
         where its parent ends, and (when a tokenizer was given) the text is exactly what gives the
-        stored tokens. Raises :class:`BundleRejected` naming the block; nothing is moved in."""
+        stored tokens. Raises [`BundleRejected`][graftmem.BundleRejected] naming the block; nothing is moved in."""
         staged = {b.id: b for b, _ in arrived}
         for b, p in arrived:
             try:
@@ -380,7 +380,7 @@ class Admission:
 
     def admit(self, plan: AdmissionPlan, arrived: list[tuple[Block, Path]], *,
               trust: Optional[TrustResult] = None) -> tuple[list[str], list[str], list[str]]:
-        """Vet (:meth:`vet`) and move the checked files in, all or none; returns (added, present,
+        """Vet (`vet()`) and move the checked files in, all or none; returns (added, present,
         kept_apart) ids. ``trust`` is what the trust policy said of the manifest or listing that pinned
         these blocks (a trusted signer makes them ``signed:<key>`` without a re-derivation).
 

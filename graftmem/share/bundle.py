@@ -6,8 +6,8 @@ and a bundle that fails anywhere leaves the store exactly as it was.
 
 Layout: an uncompressed POSIX tar (readable with ``tar tvf``), written and read by our own strict code::
 
-    graftmem-bundle.json       the bundle manifest (:class:`BundleManifest`), always first
-    graftmem-bundle.sig        optional: ed25519 signature over the manifest bytes (:mod:`._trust`)
+    graftmem-bundle.json       the bundle manifest (`BundleManifest`), always first
+    graftmem-bundle.sig        optional: ed25519 signature over the manifest bytes (`._trust`)
     blocks/<id>.gmb            one block file per manifest entry, byte-for-byte the store's file
 
 The manifest pins each block by id, file size, ``state_digest`` (BLAKE3 of the state) and
@@ -17,13 +17,13 @@ name, kind, metadata such as ``when_to_use``, ``pos_start``, ``parent`` and thro
 chain), since the trailer digest is checked against the announced ``manifest_digest`` before a block
 is admitted (tests/test_trust.py changes each field and watches the import refuse it). Why a tar and not pickle or zip: no code runs on read, there is one
 member header per file, and a plain ustar header is simple enough to check completely. Why our own
-reader rather than :meth:`tarfile.TarFile.extractall`: we accept only the exact names the manifest
+reader rather than `extractall()`: we accept only the exact names the manifest
 announces, only regular files, only the announced sizes, and we refuse everything else (absolute
 names, ``..``, links, devices, extended headers, duplicates, extra members) *before* a byte is written.
 
-Import reads each member once: the bytes are hashed as they stream past (:class:`BlockChecker`) and
+Import reads each member once: the bytes are hashed as they stream past (`BlockChecker`) and
 written to a staging directory inside the store home; when every block has been checked, the files
-are moved in under the store lock (:meth:`Store.adopt`), and rolled back if any move fails.
+are moved in under the store lock ([`Store.adopt()`][graftmem.Store.adopt]), and rolled back if any move fails.
 """
 
 from __future__ import annotations
@@ -274,7 +274,7 @@ def import_stream(store: Store, f: BinaryIO | mmap.mmap, *, where: str, fingerpr
                   policy: Optional[TrustPolicy] = None, incompatible: Incompatible = "refuse",
                   max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES, progress: bool = False,
                   check: Optional[BlockCheck] = None) -> TransferReport:
-    """:func:`import_bundle` from any readable stream (an HTTP request body) or an mmap."""
+    """`import_bundle()` from any readable stream (an HTTP request body) or an mmap."""
     admission = Admission(store, fingerprint, where=where, incompatible=incompatible,
                           max_entry_bytes=max_entry_bytes, check=check)
     t0 = time.perf_counter()

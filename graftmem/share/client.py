@@ -1,10 +1,10 @@
 """The HTTP client of block sharing: pull blocks from a ``graftmem serve``, push a bundle to one (httpx).
 
-A pull checks every byte as it arrives (:class:`~graftmem.share.manifest.BlockChecker`) against the
+A pull checks every byte as it arrives (`BlockChecker`) against the
 digests the listing announced, keeps an interrupted download in ``<home>/.incoming`` and resumes it
 with a Range request (the bytes already there are re-hashed first, so a resumed file is checked end to
 end), and moves nothing into the store until every selected block has arrived: the admission of
-:mod:`graftmem.share.admission`, the same as for a bundle file. A push sends one bundle, which the
+`graftmem.share.admission`, the same as for a bundle file. A push sends one bundle, which the
 server imports through that same admission.
 """
 

@@ -1,7 +1,7 @@
 """What a bundle or a served listing announces, and the streaming check of each block against it.
 
-:class:`BundleManifest` lists blocks by id, file size and digests (:class:`BundleEntry`);
-:class:`BlockChecker` hashes a block file's bytes as they stream past (from a tar member, an HTTP body,
+`BundleManifest` lists blocks by id, file size and digests (`BundleEntry`);
+`BlockChecker` hashes a block file's bytes as they stream past (from a tar member, an HTTP body,
 a resumed part file) and refuses the first one that disagrees with the header, the trailer or the entry.
 Every carrier (bundle files, pull, push, the server's listing) uses these, so a block is checked one
 way whatever brought it.
@@ -120,7 +120,7 @@ class BlockChecker:
 
     ``feed`` the bytes as they arrive (from a tar member, a socket, a file being exported); ``finish``
     then checks the trailer over header+manifest, the state digest, the content id (recomputed from
-    fingerprint and tokens) and, if an :class:`BundleEntry` was announced, that every announced field
+    fingerprint and tokens) and, if an `BundleEntry` was announced, that every announced field
     matches. Header inconsistencies (wrong magic, wrong size) are raised on the first 64 bytes, before
     the rest is read.
     """

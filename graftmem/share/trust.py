@@ -7,7 +7,7 @@ signature covers every byte of every block. The trust policy says whether a sign
 and whose keys count. Ed25519 comes from ``cryptography`` (pyca): deterministic signatures, small
 keys, no parameters to get wrong.
 
-Rules (:meth:`TrustPolicy.check`):
+Rules (`check()`):
 
 * a signature that does not verify is refused, always (it is evidence of tampering);
 * when the policy requires signatures, an unsigned manifest or one signed by an unlisted key is refused;
@@ -217,7 +217,7 @@ class TrustPolicy(BaseModel):
         return path
 
     def trust(self, key: PublicKey | str) -> "TrustPolicy":
-        """Add a key (a :class:`PublicKey` or its text) to the trusted set; returns self."""
+        """Add a key (a `PublicKey` or its text) to the trusted set; returns self."""
         pk = key if isinstance(key, PublicKey) else PublicKey.parse(key)
         if pk.b64 not in self.trusted_keys:
             self.trusted_keys.append(pk.b64)
@@ -227,7 +227,7 @@ class TrustPolicy(BaseModel):
         return {PublicKey.parse(k) for k in self.trusted_keys}
 
     def check(self, domain: str, data: bytes, signature: Optional[Signature], *, what: str) -> TrustResult:
-        """Apply the rules in the module docstring to ``data``; raise :class:`UntrustedBundle`."""
+        """Apply the rules in the module docstring to ``data``; raise [`UntrustedBundle`][graftmem.UntrustedBundle]."""
         if signature is None:
             if self.require_signature:
                 raise UntrustedBundle(f"{what} is not signed and the trust policy requires a signature: "

@@ -2,7 +2,7 @@
 default, embedded: files + a SQLite index + a lock), block chains resolved through it, and the whole
 layout of a home (``blocks/``, ``index.sqlite``, staging, foreign areas) in one place.
 
-Public for advanced use: :class:`Store`, :func:`default_home`, :func:`load_state` (read a block or a
+Public for advanced use: [`Store`][graftmem.Store], `default_home()`, `load_state()` (read a block or a
 chain into an engine buffer with every digest checked) and the chain helpers.
 """
 

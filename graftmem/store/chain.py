@@ -4,7 +4,7 @@ A child block C of a parent P holds C's own tokens (tokenized without BOS) at po
 ``[P.pos_end, P.pos_end + len(C.tokens))``; its id hashes P's id, so the same text on another parent
 is another block. Learning C grafts P (every digest checked), prefills C's tokens and captures the
 full per-sequence state. That state is stored as a *delta*: only C's new cells plus, per cache
-section, how many of P's cells it keeps (:mod:`graftmem.core.statefmt`). Before a delta is written,
+section, how many of P's cells it keeps (`graftmem.core.statefmt`). Before a delta is written,
 ``merge(P's full state, delta)`` is compared byte for byte with the captured state; if the layout
 cannot be split, or the merge differs, the full state is stored instead and the log says why.
 
@@ -109,15 +109,15 @@ def load_state(store: "Store", block_id: str, buffer: Callable[[int], memoryview
                timings: Optional[dict[str, float]] = None) -> tuple[Block, memoryview]:
     """Read (and for a delta, rebuild) a block's full state into ``buffer``; check everything first.
 
-    For a root block this is :meth:`Store.read_state`. For a chained block, each ancestor's stored
+    For a root block this is [`Store.read_state()`][graftmem.Store.read_state]. For a chained block, each ancestor's stored
     bytes and this block's delta are read with their digests checked, merged, and the merged bytes
     checked against ``full_state_digest``, all before anything is returned (so before llama.cpp).
     A chained state whose window cache was trimmed is then padded with masked placeholder cells
-    (:func:`graftmem.core.statefmt.place_cells`) so that a restore keeps every cell at its fresh index;
+    (`place_cells()`) so that a restore keeps every cell at its fresh index;
     without that, Gemma 3 grafts differ from a fresh prefill for 1-token and >= 64-token queries.
 
     ``timings`` (optional) gets ``read_ms``, ``check_ms`` and ``place_ms`` added: where the time went
-    (:class:`graftmem.Receipt`).
+    ([`Receipt`][graftmem.Receipt]).
     """
     block = store.get(block_id)
     if block.parent is None:

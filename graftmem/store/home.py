@@ -15,7 +15,7 @@
     quarantine/                  entries under blocks/ the store could not read (junk, FIFOs, links,
                                  damaged unindexed files), moved aside on open with a log line
 
-A feature asks :class:`Home` for a path instead of joining strings, so that the layout is read in one
+A feature asks `Home` for a path instead of joining strings, so that the layout is read in one
 file and an object-storage store can map the same names to keys.
 """
 

@@ -1,4 +1,4 @@
-"""The local block store: block files in a directory, an index, a lock (paths from :mod:`.home`).
+"""The local block store: block files in a directory, an index, a lock (paths from `.home`).
 
 Durability rules (the opposite of each LMCache failure): block files are written to a temp file,
 fsync'ed, renamed into place and the directory fsync'ed; the index is a transactional SQLite database;
@@ -8,7 +8,7 @@ leaves nothing inconsistent after the next open. Every state read checks the BLA
 bytes can reach llama.cpp.
 
 Provenance (docs/security.md) is local knowledge and lives in the index, never in a block file: a
-block written by :meth:`Store.put` is ``local``; an admitted foreign block carries what its admission
+block written by [`Store.put()`][graftmem.Store.put] is ``local``; an admitted foreign block carries what its admission
 proved (``rederived``, ``signed:<key>``) or ``unverified``. A new block's row is inserted in the same
 SQLite transaction that renames its file into place, so a file without a row can only come from a
 process killed between the rename and the commit, a copy by hand or an older graftmem: reconcile indexes
@@ -19,7 +19,7 @@ same text replaces such a block with its own prefill; ``Memory.rederive`` upgrad
 A store opens whatever is in its directory: reconcile opens regular files only (``O_NONBLOCK |
 O_NOFOLLOW`` then ``fstat``), moves everything under ``blocks/`` it cannot read into ``quarantine/``
 with a log line and keeps going; a home it cannot write opens read-only (an in-memory copy of the
-index) where reading works and every mutation raises :class:`StoreReadOnly`.
+index) where reading works and every mutation raises `StoreReadOnly`.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def incompatibility(block: Block, fingerprint: Fingerprint) -> IncompatibleBlock | None:
-    """An :class:`IncompatibleBlock` naming every differing identity field, or None."""
+    """An [`IncompatibleBlock`][graftmem.IncompatibleBlock] naming every differing identity field, or None."""
     diff = block.fingerprint.diff(fingerprint)
     if not diff:
         return None
@@ -145,7 +145,7 @@ def open_regular(path: Path) -> BinaryIO:
     """Open ``path`` for reading only if it is a regular file: ``O_NONBLOCK`` (a FIFO cannot hang the
     open), ``O_NOFOLLOW`` (a symlink is refused, whatever it points at), then ``fstat`` + ``S_ISREG``
     on the open descriptor (no race between the check and the read). Anything else is
-    :class:`BlockCorrupted`; a missing file is ``FileNotFoundError``."""
+    [`BlockCorrupted`][graftmem.BlockCorrupted]; a missing file is ``FileNotFoundError``."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
@@ -166,7 +166,7 @@ def open_regular(path: Path) -> BinaryIO:
 
 
 def _sql_error(exc: sqlite3.Error, home: Path, doing: str) -> StoreError:
-    """Our error for a SQLite failure: a full disk (SQLITE_FULL) is :class:`StoreFull`."""
+    """Our error for a SQLite failure: a full disk (SQLITE_FULL) is [`StoreFull`][graftmem.StoreFull]."""
     code = (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF
     if code == _SQLITE_FULL or "full" in str(exc).lower():
         return StoreFull(f"disk full while {doing} in {home}; nothing was written: free space and retry")
@@ -211,11 +211,11 @@ def read_block_file(path: Path, buffer: Callable[[int], memoryview], *, expect_i
                     fingerprint: Optional[Fingerprint] = None,
                     timings: Optional[dict[str, float]] = None) -> tuple[Block, memoryview]:
     """Read the state of the block file at ``path`` into ``buffer(n)`` and check it (see
-    :meth:`Store.read_state`); also for files not in a store yet, such as a staged import.
+    [`Store.read_state()`][graftmem.Store.read_state]); also for files not in a store yet, such as a staged import.
 
     The first read of a file version in this process checks the state's BLAKE3 digest and remembers
     the xxh3-128 of the checked bytes; later reads of the same version (same inode, size, mtime and
-    ctime) check that xxh3-128 while reading instead (:mod:`graftmem.store.verified`, docs/format.md:
+    ctime) check that xxh3-128 while reading instead (`graftmem.store.verified`, docs/format.md:
     what each digest defends against). Either way a changed byte is refused before it is returned.
     ``timings``, if given, gets ``read_ms`` and ``check_ms`` added (accumulated over chained reads).
     """
@@ -270,7 +270,7 @@ class Store:
 
     A home that cannot be written (read-only mount, no permission) opens read-only: ``read_only`` is
     True, the index is an in-memory copy reconciled with the files, and mutations raise
-    :class:`StoreReadOnly`.
+    `StoreReadOnly`.
     """
 
     def __init__(self, home: str | os.PathLike[str] | None = None, *, lock_timeout: float = 30.0) -> None:
@@ -575,7 +575,7 @@ class Store:
         return self._row(*row)
 
     def provenance(self, block_id: str) -> str:
-        """This store's provenance of a block (see :data:`graftmem.core.blocks.Provenance`)."""
+        """This store's provenance of a block (see `Provenance`)."""
         return self.get(block_id).provenance or PROVENANCE_UNVERIFIED
 
     def set_provenance(self, block_id: str, provenance: str, *, labels_trusted: Optional[bool] = None) -> None:
@@ -805,7 +805,7 @@ class Store:
 
         Checks, in order: header and size (truncation), trailer over header+manifest, manifest id,
         fingerprint (if given), then the BLAKE3 digest of the state bytes (or, for a file version
-        already verified in this process, the xxh3-128 of the verified bytes: :func:`read_block_file`).
+        already verified in this process, the xxh3-128 of the verified bytes: `read_block_file()`).
         ``timings`` (optional) gets ``read_ms`` / ``check_ms`` added. The returned block carries this
         store's provenance.
         """

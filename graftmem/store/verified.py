@@ -79,7 +79,7 @@ def forget(key: FileVersion) -> None:
 
 
 def read_hashed(f: BinaryIO, view: memoryview) -> tuple[int, bytes]:
-    """Fill ``view`` from ``f`` in :data:`CHUNK` reads, hashing each chunk right after it lands (while
+    """Fill ``view`` from ``f`` in `CHUNK` reads, hashing each chunk right after it lands (while
     it is still in cache); return the bytes read (short on a truncated file) and their xxh3-128."""
     h = xxhash.xxh3_128()
     size = len(view)
