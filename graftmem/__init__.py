@@ -14,8 +14,8 @@ from .core import (Block, Engine, EngineConfig, Exactness, Fingerprint, HistoryE
                    Sampling, Scope, SearchHit, StoreStats, VerificationRecord, VerifyReport, logits_sha256)
 from .core.errors import (AccessDenied, BlockCorrupted, BlockNotFound, BlockRejected, BundleRejected,
                           ClosedError, ConfigError, EngineError, GraftmemError, IncompatibleBlock,
-                          ModelNotFound, StoreError, StoreFull, StoreLocked, TransferError,
-                          UntrustedBundle)
+                          ModelNotFound, StoreError, StoreFull, StoreLocked, StoreReadOnly, TransferError,
+                          UnverifiedBlock, UntrustedBundle)
 from .core.models import MODELS, resolve_model
 from .core.version import __version__
 from .memory import (Attempt, CallableVerifier, Candidate, DocumentAnswer, DocumentReport, Embedder, ExactMatch,
@@ -79,11 +79,13 @@ __all__ = [
     "StoreError",
     "StoreFull",
     "StoreLocked",
+    "StoreReadOnly",
     "StoreStats",
     "TransferError",
     "TransferReport",
     "TrustPolicy",
     "UntrustedBundle",
+    "UnverifiedBlock",
     "Verdict",
     "VerificationRecord",
     "Verifier",

@@ -426,7 +426,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             extra = [Engine(mem.engine.model_path, mem.engine.config) for _ in range(max(1, args.engines) - 1)]
             srv = api_server(mem.store, [mem.engine, *extra], host=args.host, port=args.port, api_key=api_key,
                              push_token=token, sign_key=_sign_key(args),
-                             check=mem._rederive_check() if args.rederive else None,  # noqa: SLF001
+                             check=mem.vetting(rederive=args.rederive),
                              max_queue=args.max_queue, min_prefix_tokens=args.min_prefix_tokens,
                              sightings=args.sightings, learn=not args.no_learn,
                              max_auto_bytes=args.max_auto_mb << 20,

@@ -128,6 +128,13 @@ def test_pages_indexed_and_routed(dmem):
     again = dmem.learn_document(_document(), document="town", window=256, overlap=32, progress=False)
     assert again.pages_learned == 0 and again.pages_skipped == rep.pages and again.tokens_prefilled == 0
     assert len(dmem.get_all(kind=PAGE_KIND)) == rep.pages
+    # a page whose provenance is unverified (as if imported unchecked) is never reused: it is prefilled
+    # again here and becomes this engine's own (the pager used to skip it by id)
+    page0 = next(b for b in dmem.get_all(kind=PAGE_KIND) if b.metadata["page"] == 0)
+    dmem.store.set_provenance(page0.id, "unverified")
+    third = dmem.learn_document(_document(), document="town", window=256, overlap=32, progress=False)
+    assert third.pages_learned == 1 and third.pages_skipped == rep.pages - 1
+    assert dmem.get(page0.id).provenance == "local"
 
 
 def test_same_document_under_two_engines(dmem, smol, minilm):

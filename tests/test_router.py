@@ -131,7 +131,7 @@ def test_below_min_score_nothing_is_grafted(rmem):
 
 def test_empty_store_refuses_and_bad_args_raise(rmem):
     r = rmem.recall("Open a ticket for customer 7312.", max_tokens=2)
-    assert r.block is None and "no block learned by this engine" in r.text
+    assert r.block is None and "no block learned by this engine" in r.reason and r.text == ""
     assert rmem.search("anything") == []
     with pytest.raises(ConfigError):
         rmem.recall("   ")

@@ -67,7 +67,7 @@ def test_search_limit_filters_and_scope(mem):
     assert len(mem.search(task, limit=1)) == 1
     assert [h.block_id for h in mem.search(task, user_id="bob")] == [dates.id]  # alice's block is not bob's
     assert [h.block_id for h in mem.search(task, filters={"team": "docs"})] == [dates.id]
-    with pytest.raises(ConfigError, match="limit"):
+    with pytest.raises(ConfigError, match="limit=0 is out of range"):
         mem.search(task, limit=0)
     with pytest.raises(ConfigError, match="filters"):
         mem.search(task, filters=["team"])  # type: ignore[arg-type]

@@ -80,7 +80,7 @@ def test_ask_rejects_bad_arguments(block_mem, kw, match):
     (lambda m, b: m.get(42), "must be a str"),
     (lambda m, b: m.delete(b.id, cascade="no"), "True or False"),
     (lambda m, b: m.recall("task", max_tokens=0), "out of range"),
-    (lambda m, b: m.recall("task", min_score=2.0), "cosine score"),
+    (lambda m, b: m.recall("task", min_score=2.0), "routing score"),
     (lambda m, b: m.recall("task", mode="fast"), "mode="),
     (lambda m, b: m.search("task", top_k=0), "out of range"),
     (lambda m, b: m.import_bundle("x.gmbundle", incompatible="maybe"), "incompatible="),

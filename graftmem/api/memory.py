@@ -143,12 +143,6 @@ def _instance(name: str, value: Any, cls: type, optional: bool = True) -> None:
         raise ConfigError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
 
 
-def _count(what: str, n: Any) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ConfigError(f"{what} must be an integer >= 1, got {n!r}")
-    return n
-
-
 class Memory:
     """An agent memory made of verified KV-cache blocks.
 
@@ -436,7 +430,10 @@ class Memory:
         """
         self._check()
         _text("task", task)
-        top_k = _count("top_k" if limit is None else "limit", top_k if limit is None else limit)
+        if limit is not None:
+            _int("limit", limit, lo=1)
+            top_k = limit
+        _int("top_k", top_k, lo=1)
         allow = self._filter(_scope(user_id, agent_id, session_id), filters, kind)
         return route_search(self.router, self._store, self.fingerprint.digest(), task, top_k=top_k, allow=allow)
 
@@ -607,10 +604,11 @@ class Memory:
         return rep
 
     # ------------------------------------------------------------------ sharing
-    def _vetting(self, rederive: bool, progress: bool = False) -> Vetting:
-        """The engine's checks for the admission of foreign blocks (import, pull, a served push): the
-        text must tokenize here to the stored tokens (always), and with ``rederive`` every new block
-        is re-prefilled here and its state compared byte for byte (else it lands ``unverified``)."""
+    def vetting(self, *, rederive: bool = True, progress: bool = False) -> Vetting:
+        """This engine's checks for the admission of foreign blocks, for a server that admits pushes
+        (``graftmem serve``): the text must tokenize here to the stored tokens (always), and with
+        ``rederive`` every new block is re-prefilled here and its state compared byte for byte (else it
+        lands ``unverified``). :meth:`import_bundle`, :meth:`pull` and :meth:`serve` use it."""
         eng = self._engine
 
         def tokenize(block: Block) -> list[int]:
@@ -660,7 +658,7 @@ class Memory:
         self._transfer_args(incompatible, policy, rederive, progress)
         return import_bundle(self._store, path, fingerprint=self.fingerprint, policy=policy,
                              incompatible=incompatible, progress=progress,  # type: ignore[arg-type]
-                             check=self._vetting(rederive, progress))
+                             check=self.vetting(rederive=rederive, progress=progress))
 
     def pull(self, url: str, block_ids: Optional[list[str]] = None, *, kind: Optional[str] = None,
              incompatible: str = "refuse", policy: Optional[TrustPolicy] = None,
@@ -675,7 +673,7 @@ class Memory:
         self._transfer_args(incompatible, policy, rederive, progress)
         return pull(self._store, url, block_ids, fingerprint=self.fingerprint, kind=kind,
                     incompatible=incompatible, policy=policy, progress=progress,  # type: ignore[arg-type]
-                    check=self._vetting(rederive, progress))
+                    check=self.vetting(rederive=rederive, progress=progress))
 
     def push(self, url: str, block_ids: Optional[list[str]] = None, *, token: str,
              kind: Optional[str] = None, sign_key: Optional[SigningKey] = None,
@@ -707,4 +705,4 @@ class Memory:
         _flag("rederive", rederive)
         return BlockServer(self._store, host=host, port=port, push_token=push_token,
                            fingerprint=self.fingerprint, sign_key=sign_key,
-                           check=self._vetting(rederive))
+                           check=self.vetting(rederive=rederive))

@@ -61,8 +61,9 @@ class EngineConfig(_Strict):
         if isinstance(config, cls):
             return config
         if not isinstance(config, Mapping):
-            raise ConfigError(f"the engine config must be a mapping of field -> value (a JSON object), "
-                              f"got {type(config).__name__}; fields: {', '.join(cls.model_fields)}")
+            raise ConfigError(f"config must be an EngineConfig or a mapping of its fields (a JSON object such "
+                              f"as {{\"n_ctx\": 4096}}), got {type(config).__name__}; fields: "
+                              f"{', '.join(cls.model_fields)}")
         try:
             return cls(**dict(config))
         except ValidationError as exc:

@@ -558,7 +558,8 @@ def learn_pages(engine: "Engine", store: "Store", index: PageIndex, plan: Docume
     try:
         for page in todo:
             bid = block_id_for(fp, page.tokens)
-            if store.contains(bid):
+            stored = store.contains(bid)
+            if stored and store.get(bid).trusted:
                 skipped += 1
                 if bar is not None:
                     bar.update(page.n_tokens)
@@ -569,7 +570,8 @@ def learn_pages(engine: "Engine", store: "Store", index: PageIndex, plan: Docume
                         "document": plan.document, "document_name": plan.name, "page": page.page,
                         "char_start": page.char_start, "char_end": page.char_end,
                         "token_start": page.token_start, "window": plan.window, "overlap": plan.overlap},
-                    progress=bar.update if bar is not None else None)
+                    progress=bar.update if bar is not None else None,
+                    replace=stored)  # an unverified page (imported unchecked) is never reused: re-prefilled
                 learned += 1
                 prefilled += page.n_tokens
             need = not index.has_passages(bid)

@@ -31,7 +31,7 @@ from starlette.routing import BaseRoute, Route
 from ..core.decode import Sampling
 from ..core.errors import ConfigError, GraftmemError
 from ..core.prompt import detect_format
-from ..memory.router import DEFAULT_MIN_SCORE
+from ..memory.router import DEFAULT_MIN_SCORE, LEX_WEIGHT
 from ..store.chain import chain_of
 from .chat import render_segments, tokenize_segments
 from .generate import Job, Result, check_fits, run_job
@@ -157,7 +157,7 @@ class OpenAIRoutes:
         if not self.router.available:
             raise HTTPError(400, "this server was started without a router: routed recall is off",
                             param="graftmem.recall", code="recall_unavailable")
-        min_score = _num(gm, "min_score", DEFAULT_MIN_SCORE, float, -1.0, 1.0)
+        min_score = _num(gm, "min_score", DEFAULT_MIN_SCORE, float, -1.0, 1.0 + LEX_WEIGHT)  # dense + weighted coverage
         users = [m for m in body["messages"] if isinstance(m, dict) and m.get("role") == "user"]
         task = users[-1].get("content") if users else None
         if not isinstance(task, str) or not task.strip():
