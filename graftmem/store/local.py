@@ -290,7 +290,10 @@ class Store:
         self._lock_depth = 0
         self._index_set_aside = False
         self._full = False
-        self._db = self._open_index()
+        # under the store's flock: two processes opening a new store at once would race on creating
+        # the index (SQLite answers the loser's switch to WAL "database is locked" without waiting)
+        with self.lock():
+            self._db = self._open_index()
         self.reconcile()
 
     def _open_index(self) -> sqlite3.Connection:
