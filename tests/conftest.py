@@ -61,3 +61,12 @@ def long_text(n_words: int, seed: int = 0) -> str:
         if i % 11 == 10:
             words[-1] += "."
     return " ".join(words)
+
+
+def flip_bit(path, offset: int) -> None:
+    """Flip the lowest bit of the byte at ``offset`` of a file, in place (a corruption to detect)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))

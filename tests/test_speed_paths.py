@@ -14,7 +14,6 @@ One test per fast path (docs/benchmarks.md, graft speed):
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -24,15 +23,9 @@ from graftmem.memory.answer import graft
 from graftmem.store import chain as _chain
 from graftmem.store import verified
 
+from .conftest import flip_bit as _flip
 from .conftest import long_text
 
-
-def _flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x01]))
 
 
 def _fresh(eng, tokens: list[int], query: list[int]) -> str:

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -15,17 +14,11 @@ from graftmem import (BlockCorrupted, BlockNotFound, EngineConfig, IncompatibleB
                       StoreFull)
 from graftmem.store.local import Store
 
+from .conftest import flip_bit as _flip
 from .conftest import long_text
 
 TEXT = "Shipping rule: parcels over 2 kg go by ground, others by air. Always print the label first."
 
-
-def _flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x01]))
 
 
 def _still_works(mem: Memory) -> None:

@@ -559,10 +559,8 @@ class Memory:
         self._check()
         gone: list[str] = []
         for b in self._store.list():
-            if self._store.contains(b.id) and b.parent is None:
+            if self._store.contains(b.id):  # not already gone with an ancestor's cascade
                 gone += self.delete(b.id, cascade=True)
-        for b in self._store.list():  # children whose root was missing
-            gone += self.delete(b.id, cascade=True)
         self.scopes.reset()
         return gone
 
