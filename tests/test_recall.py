@@ -103,6 +103,10 @@ def test_recall_reports_score_runner_up_and_receipt(cmem):
     assert r.score == pytest.approx(hits[0].score) and r.runner_up_score == pytest.approx(hits[1].score)
     assert r.receipt.block_id == a.id and r.receipt.decode_tokens == len(r.tokens) <= 10
     assert len(r.receipt.first_logits_sha256) == 64
+    # the routing step is timed in the receipt (embedding + search), and so is a refused recall's
+    assert r.receipt.route_ms is not None and 0 < r.receipt.route_ms < 60_000
+    refused = cmem.recall("What is the capital of Mongolia?", max_tokens=2, min_score=0.99)
+    assert refused.block is None and refused.receipt.route_ms is not None and refused.receipt.route_ms > 0
 
 
 def test_raw_block_with_merging_seam_is_not_called_exact(cmem):
