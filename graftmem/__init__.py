@@ -9,7 +9,7 @@ This module is the public API. The layers below it (``graftmem.core``, ``graftme
 their modules are private. docs/architecture.md explains the layering.
 """
 
-from .api import AsyncMemory, Memory
+from .api import AnswerStream, AsyncAnswerStream, AsyncMemory, Memory
 from .core import (Block, Engine, EngineConfig, Exactness, Fingerprint, HistoryEvent, Recall, Receipt, SampleResult,
                    Sampling, Scope, SearchHit, StoreStats, VerificationRecord, VerifyReport, logits_sha256)
 from .core.errors import (AccessDenied, BlockCorrupted, BlockNotFound, BlockRejected, BundleRejected,
@@ -27,6 +27,8 @@ from .store import Store
 
 __all__ = [
     "AccessDenied",
+    "AnswerStream",
+    "AsyncAnswerStream",
     "AsyncMemory",
     "Attempt",
     "Block",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from graftmem import ConfigError, Memory, SentenceTransformerEmbedder
+from graftmem import ConfigError, Memory
 from graftmem.core.prompt import CHATML, GEMMA, detect_format, split_ids
 from graftmem.cli import main as cli_main
 
@@ -32,11 +32,6 @@ TRICKY = [
     "Öffne ein Ticket für Kunde 7312 🙂",
     "Open a ticket for customer 7312\n",
 ]
-
-
-@pytest.fixture(scope="session")
-def minilm() -> SentenceTransformerEmbedder:
-    return SentenceTransformerEmbedder()
 
 
 @pytest.fixture

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Callable, Literal, Optional
+from typing import TYPE_CHECKING, Callable, Literal, Optional, Sequence
 
 from ..core.blocks import Block, Fingerprint, Recall, Receipt, SearchHit
 from ..core.decode import GREEDY, Sampling
 from ..core.errors import BlockNotFound, ConfigError
 from ..core.prompt import FORMATS, split_ids
 from ..store.chain import chain_of
-from .answer import answer, ask
+from .answer import OnText, answer, ask
 from .router import DEFAULT_MIN_SCORE
 
 if TYPE_CHECKING:
@@ -137,7 +137,8 @@ def _seam(engine: "Engine", block: Block, continuation: str) -> tuple[list[int],
 
 
 def answer_text_way(engine: "Engine", store: "Store", block: Block, continuation: str, *, max_tokens: int,
-                    sampling: Sampling = GREEDY) -> Recall:
+                    sampling: Sampling = GREEDY, stops: Sequence[str] = (),
+                    on_text: Optional[OnText] = None) -> Recall:
     """The baseline without graftmem: tokenize the block's text again and prefill it, then the task.
 
     Two prefill calls (manual, then task), like the graft path: llama.cpp's CPU kernels are not
@@ -156,17 +157,19 @@ def answer_text_way(engine: "Engine", store: "Store", block: Block, continuation
         return sum(len(s) for s in segs)
 
     return answer(engine, block, qtok, reread, graft=False, max_tokens=max_tokens, exact=clean,
-                  sampling=sampling)
+                  sampling=sampling, stops=stops, on_text=on_text)
 
 
 def answer_graft_way(engine: "Engine", store: "Store", block: Block, continuation: str, *, max_tokens: int,
-                     sampling: Sampling = GREEDY) -> Recall:
+                     sampling: Sampling = GREEDY, stops: Sequence[str] = (),
+                     on_text: Optional[OnText] = None) -> Recall:
     _, clean = _seam(engine, block, continuation)
     if not clean:
         log.warning("block %s: the task's first tokens merge with the block's last ones; the graft "
                     "matches a prefill of the same token ids, not of the joined string (receipt.exact=False)",
                     block.short_id)
-    r = ask(engine, store, block, continuation, max_tokens=max_tokens, sampling=sampling)
+    r = ask(engine, store, block, continuation, max_tokens=max_tokens, sampling=sampling, stops=stops,
+            on_text=on_text)
     if clean:
         return r
     return r.model_copy(update={"receipt": r.receipt.model_copy(update={"exact": False})})
@@ -174,7 +177,8 @@ def answer_graft_way(engine: "Engine", store: "Store", block: Block, continuatio
 
 def recall(engine: "Engine", store: "Store", router: "Router", task: str, *, max_tokens: int = 64,
            min_score: Optional[float] = None, mode: Literal["graft", "text"] = "graft",
-           sampling: Sampling = GREEDY, allow: Optional[BlockFilter] = None) -> Recall:
+           sampling: Sampling = GREEDY, allow: Optional[BlockFilter] = None, stops: Sequence[str] = (),
+           on_text: Optional[OnText] = None) -> Recall:
     """Route ``task`` to ONE block of this engine, answer it the ``mode`` way (see the module doc)."""
     _check_task(task)
     if mode not in ("graft", "text"):
@@ -195,7 +199,8 @@ def recall(engine: "Engine", store: "Store", router: "Router", task: str, *, max
             return _no_match(engine, store, top, threshold, route_ms)
         try:
             block = store.get(top[0])
-            r = way(engine, store, block, continuation_for(block, task), max_tokens=max_tokens, sampling=sampling)
+            r = way(engine, store, block, continuation_for(block, task), max_tokens=max_tokens, sampling=sampling,
+                    stops=stops, on_text=on_text)
             break
         except BlockNotFound:
             # another process deleted the block after the last sync: forget it and route again
