@@ -57,6 +57,22 @@ def _sampling_options(sp: argparse.ArgumentParser) -> None:
                     help="0 decodes greedily (the mode exactness is proved in); above 0 samples")
     sp.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability mass")
     sp.add_argument("--seed", type=int, default=None, help="seed of the sampler, for a reproducible answer")
+    sp.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                    help="end the answer at this string (cut from it); repeat for several")
+    sp.add_argument("--stream", action="store_true",
+                    help="print the answer as it is decoded (ignored with --json)")
+
+
+def _answered(args: argparse.Namespace, plain: Callable[[], Any], stream: Callable[[], Any]) -> Any:
+    """The Recall of ``plain()``, or with ``--stream`` of ``stream()`` (an AnswerStream) while its text
+    is printed as it comes (then a blank line; the caller prints the receipt)."""
+    if not args.stream or args.json:
+        return plain()
+    with stream() as s:
+        for piece in s:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    return s.result
 
 
 def _size(n: float) -> str:
@@ -208,10 +224,11 @@ def cmd_ask(args: argparse.Namespace) -> int:
         block = mem.get(args.id)
         # a chat block holds complete turns: the question becomes the next user turn (--raw: as given)
         query = args.question if args.raw else continuation_for(block, args.question)
-        r = mem.ask(block.id, query, max_tokens=args.max_tokens, sampling=_sampling(args),
-                    allow_unverified=args.allow_unverified)
+        kw = dict(max_tokens=args.max_tokens, sampling=_sampling(args), stop=args.stop,
+                  allow_unverified=args.allow_unverified)
+        r = _answered(args, lambda: mem.ask(block.id, query, **kw), lambda: mem.ask_stream(block.id, query, **kw))
     rc = r.receipt
-    _out(args, r, f"{r.text}\n\n-- {rc}")
+    _out(args, r, f"{'' if args.stream else r.text}\n\n-- {rc}")
     if not r.tokens:
         print(f"note: the model ended its answer at once (0 tokens); "
               f"{'ask without --raw, or ' if args.raw and 'chat_format' in block.metadata else ''}"
@@ -246,8 +263,9 @@ def cmd_recall(args: argparse.Namespace) -> int:
                                                           "min_score": args.min_score}))
     else:
         with _memory(args) as mem:
-            r = mem.recall(args.task, max_tokens=args.max_tokens, min_score=args.min_score,
-                           sampling=_sampling(args), allow_unverified=args.allow_unverified)
+            kw = dict(max_tokens=args.max_tokens, min_score=args.min_score, sampling=_sampling(args),
+                      stop=args.stop, allow_unverified=args.allow_unverified)
+            r = _answered(args, lambda: mem.recall(args.task, **kw), lambda: mem.recall_stream(args.task, **kw))
     rc = r.receipt
     route = "nothing grafted"
     if r.block is not None and r.score is not None:
@@ -257,7 +275,7 @@ def cmd_recall(args: argparse.Namespace) -> int:
     if not r.matched:
         _out(args, r, f"nothing grafted: {r.reason}")
         return 1
-    _out(args, r, f"{r.text}\n\n-- {route}; {rc}")
+    _out(args, r, f"{'' if args.stream else r.text}\n\n-- {route}; {rc}")
     return 0
 
 

@@ -134,3 +134,26 @@ def test_ask_a_chat_block_answers_as_the_next_turn_and_empty_answers_fail(tmp_pa
                  "--max-tokens", "8"])
     captured = capsys.readouterr()
     assert code == 1 and json.loads(captured.out)["tokens"] == [] and "0 tokens" in captured.err
+
+
+def test_ask_streams_and_stops_like_the_api(tmp_path, capsys):
+    """``--stream`` prints the same answer as a plain ask, as it is decoded; ``--stop`` cuts it where
+    the plain answer has that string."""
+    from graftmem.cli import main
+
+    home = str(tmp_path / "h")
+    cfg = '{"probe": false}'
+    manual = tmp_path / "refunds.txt"
+    manual.write_text("Refunds: ask for the order number (NW-12345) first, then check the 30-day window.")
+    assert main(["--home", home, "--config", cfg, "--json", "learn", str(manual), "--chat"]) == 0
+    bid = json.loads(capsys.readouterr().out)["id"]
+    q = ["ask", bid, "A customer wants a refund. What do you do?", "--max-tokens", "24"]
+    assert main(["--home", home, "--config", cfg, "--json", *q]) == 0
+    full = json.loads(capsys.readouterr().out)["text"]
+    assert main(["--home", home, "--config", cfg, *q, "--stream"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(full + "\n\n-- block "), (out, full)
+    word = " " + full.split()[3]
+    assert main(["--home", home, "--config", cfg, "--json", *q, "--stop", word, "--stop", "zzz-never"]) == 0
+    cut = json.loads(capsys.readouterr().out)
+    assert cut["text"] == full[:full.find(word)] and cut["finish_reason"] == "stop"
