@@ -15,10 +15,11 @@ its remaining segments computes the same bytes as a request served cold.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ..core.prompt import ChatFormat
 from .http import HTTPError
+from .tools import ToolSpec, render_calls, render_tool_result, tools_prompt
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -49,18 +50,30 @@ def message_text(msg: Any, i: int) -> tuple[str, str]:
         raise HTTPError(400, f"messages[{i}].content must be a string or a list of text parts",
                         param=f"messages[{i}].content")
     if msg.get("tool_calls"):
-        raise HTTPError(400, f"messages[{i}]: tool_calls are not supported by this server yet",
-                        param=f"messages[{i}].tool_calls")
+        if role != "assistant":
+            raise HTTPError(400, f"messages[{i}]: only assistant messages carry tool_calls",
+                            param=f"messages[{i}].tool_calls")
+        calls = render_calls(msg["tool_calls"], i)
+        content = f"{content}\n{calls}" if content else calls
+    if role == "tool":
+        content = render_tool_result(content)
     return role, content
 
 
-def render_segments(fmt: ChatFormat, messages: Sequence[Any]) -> list[str]:
-    """The prompt's segments: one per message, then the assistant's header."""
+def render_segments(fmt: ChatFormat, messages: Sequence[Any], tools: Optional[ToolSpec] = None) -> list[str]:
+    """The prompt's segments: one per message, then the assistant's header. ``tools`` are appended to
+    the first message when it is a system one, else put in a system message of their own before it
+    (`graftmem.server.tools`)."""
     if not isinstance(messages, list) or not messages:
         raise HTTPError(400, "messages must be a non-empty list", param="messages")
+    rendered = [message_text(msg, i) for i, msg in enumerate(messages)]
+    if tools is not None:
+        if rendered[0][0] in ("system", "developer"):
+            rendered[0] = (rendered[0][0], f"{rendered[0][1]}\n\n{tools_prompt(tools)}")
+        else:
+            rendered.insert(0, ("system", tools_prompt(tools)))
     segs = []
-    for i, msg in enumerate(messages):
-        role, text = message_text(msg, i)
+    for role, text in rendered:
         if fmt.name == "gemma":  # no system role: its own template folds it into a user turn
             role = {"system": "user", "developer": "user", "assistant": "model", "tool": "user"}[role] \
                 if role != "user" else role
