@@ -6,7 +6,8 @@ The format is the Hermes one that SmolLM2, Qwen and most open chat models were t
 - the request's ``tools`` are appended to the system message (one is added when there is none) as
   ``<tools>`` followed by one JSON object per line, keys sorted, then an instruction to answer a call
   as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``;
-- an assistant message's ``tool_calls`` are rendered after its content in the same form;
+- an assistant message's ``tool_calls`` are rendered after its content in the same form (``name``
+  first, then ``arguments`` with sorted keys);
 - a ``role: "tool"`` message is rendered as ``<tool_response>...</tool_response>`` in a ``tool`` turn
   (a ``user`` turn for templates without that role).
 
@@ -116,7 +117,8 @@ def render_calls(calls: Any, i: int) -> str:
                 args = json.loads(args) if args.strip() else {}
             except ValueError:
                 pass  # kept as the string the client sent
-        out.append(f"{CALL_OPEN}\n{_dumps({'name': fn['name'], 'arguments': args})}\n{CALL_CLOSE}")
+        # name first, as models write it (and as they then imitate it); the arguments' keys sorted
+        out.append(f'{CALL_OPEN}\n{{"name": {json.dumps(fn["name"])}, "arguments": {_dumps(args)}}}\n{CALL_CLOSE}')
     return "\n".join(out)
 
 
