@@ -45,6 +45,7 @@ class Job:
     emit: Optional[Callable[[str, Any], None]] = None
     cancel: threading.Event = field(default_factory=threading.Event)
     extra: Optional[dict[str, Any]] = None  #: added to the receipt (what routing chose)
+    learn_tail: int = 2  #: final segments never learned (see `PrefixCache.learn_target`)
 
 
 @dataclass
@@ -113,7 +114,7 @@ def run_job(engine: "Engine", store: "Store", cache: Optional["PrefixCache"], jo
                 match = None
         t1 = time.perf_counter()
         # the prefix to learn is decided before the prefill, so its states are captured on the way
-        learn_k = cache.learn_target(segs) if cache is not None and job.use_cache else 0
+        learn_k = cache.learn_target(segs, job.learn_tail) if cache is not None and job.use_cache else 0
         captured: list[bytes] = []
         for i in range(first_seg, len(segs)):
             engine.prefill(segs[i])

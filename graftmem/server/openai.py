@@ -12,8 +12,8 @@ Supported: ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p`
 to 4 strings; the text ends before the first one), ``logprobs`` / ``top_logprobs`` (chat) and
 ``logprobs: int`` (completions, non-streamed), ``stream`` (SSE ``data:`` chunks, then ``data: [DONE]``;
 ``stream_options.include_usage``), ``n = 1`` only, ``tools`` / ``tool_choice`` and tool messages
-(Hermes ``<tool_call>`` format, see `graftmem.server.tools`). ``/v1/completions`` prefills its prompt as one
-segment and is served without the prompt cache in this version.
+(Hermes ``<tool_call>`` format, see `graftmem.server.tools`). ``/v1/completions`` cuts its prompt into
+segments of about 256 tokens (`graftmem.server.chat.chunk_prompt`) and uses the same prefix cache.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from ..core.errors import ConfigError, GraftmemError
 from ..core.prompt import detect_format
 from ..memory.router import DEFAULT_MIN_SCORE, LEX_WEIGHT
 from ..store.chain import chain_of
-from .chat import render_segments, tokenize_segments
+from .chat import chunk_prompt, render_segments, tokenize_segments
 from .generate import Job, Result, check_fits, run_job
 from .http import HTTPError, Limits, guarded, json_object, public_message, read_body
 from .pool import EnginePool
@@ -130,7 +130,7 @@ class OpenAIRoutes:
         except ConfigError as exc:
             raise HTTPError(400, str(exc), code="invalid_value") from exc
         return Job(segments=segments, texts=texts, max_tokens=max_tokens, sampling=sampling, stops=stops,
-                   logprobs=logprobs, top_logprobs=top, use_cache=cache and chat)
+                   logprobs=logprobs, top_logprobs=top, use_cache=cache, learn_tail=2 if chat else 1)
 
     async def _parse(self, request: Request) -> dict[str, Any]:
         return json_object(await read_body(request, self.limits.max_body_bytes, self.limits.body_timeout))
@@ -185,8 +185,8 @@ class OpenAIRoutes:
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
             raise HTTPError(400, "prompt must be a non-empty string (one prompt per request)", param="prompt")
-        segments = [self.engine0.tokenize(prompt, add_special=True)]
-        job = self._job(body, segments, [prompt], chat=False)
+        segments, texts = chunk_prompt(self.engine0, prompt)
+        job = self._job(body, segments, texts, chat=False)
         return await self._serve(body, job, chat=False)
 
     # ------------------------------------------------------------------ running

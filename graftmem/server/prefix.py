@@ -139,17 +139,20 @@ class PrefixCache:
         log.warning("prefix cache: block %s refused, the request is served cold: %s", block_id[:12], why)
 
     # ------------------------------------------------------------------ learning
-    def learn_target(self, segments: Sequence[Sequence[int]]) -> int:
+    def learn_target(self, segments: Sequence[Sequence[int]], tail: int = 2) -> int:
         """How many segments of this prompt to learn (0: none), decided before the prompt is prefilled.
 
         Every prefix of the prompt up to the start of its last message is counted as seen once; the
         answer is the longest such prefix that is long enough, not stored yet, and seen ``sightings``
         times. Counting every prefix (not only the whole conversation so far) is what makes an agent's
         stable part learned within its first session: turn 2 re-sends turn 1's system prompt and tools
-        (their second sighting, learned then), turn 3 re-sends turn 2's messages, and so on."""
-        if not self.learn_enabled or len(segments) < 3:
+        (their second sighting, learned then), turn 3 re-sends turn 2's messages, and so on.
+
+        ``tail``: how many final segments are never learned (2 for a chat: the last message and the
+        assistant's header; 1 for a raw completion prompt: its last chunk)."""
+        if not self.learn_enabled or len(segments) < tail + 1:
             return 0
-        keys = prefix_keys(segments[:len(segments) - 2])
+        keys = prefix_keys(segments[:len(segments) - tail])
         lengths = [0]
         for seg in segments[:len(keys)]:
             lengths.append(lengths[-1] + len(seg))
