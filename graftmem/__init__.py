@@ -18,7 +18,7 @@ from .core.version import __version__
 # (``graftmem search --url``) does not load llama.cpp, torch or the HTTP server just by importing the
 # package. The imports below are what a type checker, the docs and tests/test_architecture.py read.
 if TYPE_CHECKING:
-    from .api import AsyncMemory, Memory
+    from .api import AnswerStream, AsyncAnswerStream, AsyncMemory, Memory
     from .core import (Block, Engine, EngineConfig, Exactness, Fingerprint, HistoryEvent, Recall, Receipt, SampleResult,
                        Sampling, Scope, SearchHit, StoreStats, VerificationRecord, VerifyReport, logits_sha256)
     from .core.errors import (AccessDenied, BlockCorrupted, BlockNotFound, BlockRejected, BundleRejected,
@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from .store import Store
 
 _LAZY: dict[str, str] = {
+    "AnswerStream": ".api",
+    "AsyncAnswerStream": ".api",
     "AsyncMemory": ".api",
     "Memory": ".api",
     "Block": ".core",
@@ -122,6 +124,8 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AccessDenied",
+    "AnswerStream",
+    "AsyncAnswerStream",
     "AsyncMemory",
     "Attempt",
     "Block",

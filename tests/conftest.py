@@ -33,6 +33,14 @@ def gemma() -> Engine:
         yield e
 
 
+@pytest.fixture(scope="session")
+def minilm():
+    """The packaged MiniLM, loaded once for every test module that routes."""
+    from graftmem import SentenceTransformerEmbedder
+
+    return SentenceTransformerEmbedder()
+
+
 @pytest.fixture
 def mem(smol, tmp_path) -> Memory:
     """A Memory over the shared SmolLM2 engine and a fresh store."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from graftmem import BlockNotFound, ConfigError, Memory, SentenceTransformerEmbedder
+from graftmem import BlockNotFound, ConfigError, Memory
 from graftmem.core.engine import logits_sha256
 from graftmem.memory.pager import PAGE_KIND, plan_document, read_source
 
@@ -28,11 +28,6 @@ FACTS = [
     "The copper mill at Dunmere grinds exactly 412 sacks of barley every week.",
     "The ferry across the Yarrow river is pulled by a grey mule named Pickwick.",
 ]
-
-
-@pytest.fixture(scope="session")
-def minilm() -> SentenceTransformerEmbedder:
-    return SentenceTransformerEmbedder()
 
 
 @pytest.fixture

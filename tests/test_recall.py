@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from graftmem import ConfigError, Memory, SentenceTransformerEmbedder
+from graftmem import ConfigError, Memory
 from graftmem.core.prompt import CHATML, GEMMA, detect_format, split_ids
 from graftmem.cli import main as cli_main
 
@@ -32,11 +32,6 @@ TRICKY = [
     "Öffne ein Ticket für Kunde 7312 🙂",
     "Open a ticket for customer 7312\n",
 ]
-
-
-@pytest.fixture(scope="session")
-def minilm() -> SentenceTransformerEmbedder:
-    return SentenceTransformerEmbedder()
 
 
 @pytest.fixture
@@ -103,6 +98,10 @@ def test_recall_reports_score_runner_up_and_receipt(cmem):
     assert r.score == pytest.approx(hits[0].score) and r.runner_up_score == pytest.approx(hits[1].score)
     assert r.receipt.block_id == a.id and r.receipt.decode_tokens == len(r.tokens) <= 10
     assert len(r.receipt.first_logits_sha256) == 64
+    # the routing step is timed in the receipt (embedding + search), and so is a refused recall's
+    assert r.receipt.route_ms is not None and 0 < r.receipt.route_ms < 60_000
+    refused = cmem.recall("What is the capital of Mongolia?", max_tokens=2, min_score=0.99)
+    assert refused.block is None and refused.receipt.route_ms is not None and refused.receipt.route_ms > 0
 
 
 def test_raw_block_with_merging_seam_is_not_called_exact(cmem):

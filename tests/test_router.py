@@ -57,11 +57,6 @@ class Counting:
         return self.inner.embed_batch(texts)
 
 
-@pytest.fixture(scope="session")
-def minilm() -> SentenceTransformerEmbedder:
-    return SentenceTransformerEmbedder()
-
-
 @pytest.fixture
 def counting(minilm) -> Counting:
     return Counting(minilm)

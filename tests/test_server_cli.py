@@ -58,3 +58,16 @@ def test_cli_verbs_through_the_server_load_nothing_heavy(smol, tmp_path):
             assert json.loads(s.stdout.rsplit("MODULES=", 1)[1]) == []
     finally:
         store.close()
+
+
+def test_every_lazy_public_name_resolves():
+    """The lazy maps of graftmem and graftmem.core cover __all__ exactly (a name added to one and not
+    the other fails here, not in a user's import)."""
+    import graftmem
+    import graftmem.core
+
+    for mod in (graftmem, graftmem.core):
+        for name in mod.__all__:
+            assert getattr(mod, name) is not None, (mod.__name__, name)
+        lazy = set(getattr(mod, "_LAZY"))
+        assert lazy <= set(mod.__all__), lazy - set(mod.__all__)

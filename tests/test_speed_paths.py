@@ -66,17 +66,24 @@ def test_flip_after_a_verified_read_goes_back_to_blake3(mem):
     assert ei.value.expected == block.state_digest
 
 
-def test_flip_invisible_to_stat_is_refused_by_xxh3(mem):
+@pytest.mark.parametrize("n_words,back", [(120, 4097), (420, 4097), (420, 6 << 20)],
+                         ids=["one-thread", "overlapped-last-chunk", "overlapped-middle-chunk"])
+def test_flip_invisible_to_stat_is_refused_by_xxh3(mem, n_words, back):
     """A change the file's stat does not show (a bit flipped on the medium or in the page cache):
-    simulated by moving the verified entry to the flipped file's new version key."""
-    block = mem.learn(long_text(120, seed=6), name="bitrot")
+    simulated by moving the verified entry to the flipped file's new version key. A state over
+    ``verified.OVERLAP_CHUNK`` is read by a worker thread while this one hashes: the flip is refused
+    in the chunks that worker read too."""
+    block = mem.learn(long_text(n_words, seed=6), name="bitrot")
+    overlapped = block.state_size > verified.OVERLAP_CHUNK
+    assert overlapped == (n_words > 120)
+    assert back < block.state_size
     path = mem.store.path_of(block.id)
     mem.ask(block.id, "\nQ:", max_tokens=1)
     with open(path, "rb") as f:
         old_key = verified.file_version(f.fileno(), block.state_digest)
     known = verified.recall(old_key)
     assert known is not None
-    _flip(path, path.stat().st_size - 32 - 4097)
+    _flip(path, path.stat().st_size - 32 - back)
     with open(path, "rb") as f:
         new_key = verified.file_version(f.fileno(), block.state_digest)
     assert new_key != old_key
@@ -113,3 +120,34 @@ def test_receipt_breaks_the_restore_down(mem):
     assert rc.place_ms is not None  # measured (a dense model has nothing to place: ~0)
     assert sum(parts) + rc.place_ms <= rc.restore_ms
     assert rc.route_ms is None  # asked directly, not routed
+
+
+def test_overlapped_read_hashes_exactly_the_bytes_and_sees_truncation(tmp_path):
+    """`verified.read_hashed` over several chunks (worker reads, this thread hashes): the digest is the
+    xxh3-128 of the whole range read from the file's current position, the file position ends after
+    it, one flipped byte in any chunk changes the digest, and a short file returns a short count."""
+    import os
+    import xxhash
+
+    data = bytearray(os.urandom(3 * verified.OVERLAP_CHUNK + 12345))
+    p = tmp_path / "f.bin"
+    p.write_bytes(b"HEAD" + bytes(data) + b"TAIL")
+    view = memoryview(bytearray(len(data)))
+    with open(p, "rb", buffering=0) as f:
+        f.seek(4)
+        got, digest = verified.read_hashed(f, view)
+        assert f.tell() == 4 + len(data)
+    assert got == len(data) and bytes(view) == bytes(data)
+    assert digest == xxhash.xxh3_128(bytes(data)).digest()
+    for at in (0, verified.OVERLAP_CHUNK + 7, 3 * verified.OVERLAP_CHUNK + 100):
+        _flip(p, 4 + at)
+        with open(p, "rb", buffering=0) as f:
+            f.seek(4)
+            assert verified.read_hashed(f, view)[1] != digest
+        _flip(p, 4 + at)  # back
+    with open(p, "r+b") as f:
+        f.truncate(4 + 2 * verified.OVERLAP_CHUNK + 5)
+    with open(p, "rb", buffering=0) as f:
+        f.seek(4)
+        got, _ = verified.read_hashed(f, view)
+    assert got == 2 * verified.OVERLAP_CHUNK + 5  # what is left of the data after the 4-byte head

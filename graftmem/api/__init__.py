@@ -3,5 +3,6 @@ verbs as coroutines). It owns the resources and composes the layers below; nothi
 
 from .aio import AsyncMemory
 from .memory import Memory
+from .stream import AnswerStream, AsyncAnswerStream
 
-__all__ = ["AsyncMemory", "Memory"]
+__all__ = ["AnswerStream", "AsyncAnswerStream", "AsyncMemory", "Memory"]

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 
 from ..core.blocks import Exactness, Fingerprint
 from .memory import Memory
+from .stream import AsyncAnswerStream
 
 __all__ = ["AsyncMemory"]
 
@@ -74,6 +75,15 @@ def _coroutine(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def _streaming(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    """``*_stream`` verbs: the stream starts at once (arguments checked here), read with ``async for``."""
+    @functools.wraps(method)
+    def call(self: AsyncMemory, *args: Any, **kwargs: Any) -> AsyncAnswerStream:
+        return AsyncAnswerStream(getattr(self.memory, name)(*args, **kwargs))
+
+    return call
+
+
 def async_verbs() -> dict[str, Callable[..., Any]]:
     """The public methods of [`Memory`][graftmem.Memory] that [`AsyncMemory`][graftmem.AsyncMemory] offers as coroutines."""
     return {name: fn for name, fn in inspect.getmembers(Memory, inspect.isfunction)
@@ -81,4 +91,4 @@ def async_verbs() -> dict[str, Callable[..., Any]]:
 
 
 for _name, _fn in async_verbs().items():
-    setattr(AsyncMemory, _name, _coroutine(_name, _fn))
+    setattr(AsyncMemory, _name, (_streaming if _name.endswith("_stream") else _coroutine)(_name, _fn))

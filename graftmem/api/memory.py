@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Mapping, Opt
 
 from ..core.blocks import (Block, EngineConfig, Exactness, Fingerprint, HistoryEvent, Recall, Scope, SearchHit,
                            StoreStats, VerificationRecord, VerifyReport)
-from ..core.decode import Sampling
+from ..core.decode import Sampling, check_stops
 from ..core.engine import Engine
 from ..core.blocks import PROVENANCE_REDERIVED, PROVENANCE_UNVERIFIED
 from ..core.errors import BlockNotFound, ClosedError, ConfigError, UnverifiedBlock
 from ..core.prompt import detect_format
+from ..memory.answer import OnText
 from ..memory.answer import ask as ask_block
 from ..memory.exactness import verify_block
 from ..memory.learn import default_name
@@ -37,6 +38,7 @@ from ..share.manifest import ExportReport, TransferReport
 from ..share.trust import SigningKey, TrustPolicy
 from ..store.local import Store
 from ..store.scopes import ScopeIndex
+from .stream import AnswerStream
 
 if TYPE_CHECKING:
     from ..memory.pager import DocumentAnswer, DocumentReport, Source
@@ -378,12 +380,29 @@ class Memory:
 
     # ------------------------------------------------------------------ ask
     def ask(self, block_id: str, query: str, *, max_tokens: int = 64,
-            sampling: Optional[Sampling] = None, allow_unverified: bool = False) -> Recall:
+            sampling: Optional[Sampling] = None, stop: "str | Sequence[str] | None" = None,
+            allow_unverified: bool = False) -> Recall:
         """Graft the block at its own positions, prefill ``query``, and answer (greedily by default).
 
-        A block (or an ancestor of a chained one) whose provenance is ``unverified`` is refused with
-        `UnverifiedBlock` unless ``allow_unverified=True``: its state may not be its text's. The
-        receipt names the grafted block's provenance."""
+        ``stop`` ends the answer at the first of these strings (cut from ``text``, ``finish_reason``
+        ``"stop"``). A block (or an ancestor of a chained one) whose provenance is ``unverified`` is
+        refused with `UnverifiedBlock` unless ``allow_unverified=True``: its state may not be its
+        text's. The receipt names the grafted block's provenance."""
+        return self._ask_call(block_id, query, max_tokens, sampling, stop, allow_unverified)(None)
+
+    def ask_stream(self, block_id: str, query: str, *, max_tokens: int = 64,
+                   sampling: Optional[Sampling] = None, stop: "str | Sequence[str] | None" = None,
+                   allow_unverified: bool = False) -> AnswerStream:
+        """[`ask()`][graftmem.Memory.ask], with the answer's text handed out as it is decoded.
+
+        Arguments are checked (and the block refused) here, before anything runs; iterate the
+        returned [`AnswerStream`][graftmem.AnswerStream] for the text, read its ``result``
+        for the whole `Recall` and receipt, ``close()`` it to stop early."""
+        return AnswerStream(self._ask_call(block_id, query, max_tokens, sampling, stop, allow_unverified))
+
+    def _ask_call(self, block_id: str, query: str, max_tokens: int, sampling: Optional[Sampling],
+                  stop: "str | Sequence[str] | None", allow_unverified: bool) -> Callable[[Optional[OnText]], Recall]:
+        """Check the arguments of ask; return the call that answers (given an optional text callback)."""
         self._check()
         _text("block_id", block_id)
         _text("query", query, empty=True)
@@ -392,10 +411,14 @@ class Memory:
         _int("max_tokens", max_tokens, lo=1)
         _instance("sampling", sampling, Sampling)
         _flag("allow_unverified", allow_unverified)
+        stops = check_stops(stop)
         block = self._store.get(block_id)
         self._consent(block, allow_unverified)
-        return self._stamp(ask_block(self._engine, self._store, block, query, max_tokens=max_tokens,
-                                     sampling=sampling or Sampling()), block)
+
+        def run(on_text: Optional[OnText]) -> Recall:
+            return self._stamp(ask_block(self._engine, self._store, block, query, max_tokens=max_tokens,
+                                         sampling=sampling or Sampling(), stops=stops, on_text=on_text), block)
+        return run
 
     def _consent(self, block: Block, allow_unverified: bool) -> None:
         """Refuse a block that nothing here vouches for (itself or an ancestor), unless allowed."""
@@ -440,6 +463,7 @@ class Memory:
 
     def recall(self, task: str, *, max_tokens: int = 64, min_score: Optional[float] = None,
                mode: Literal["graft", "text"] = "graft", sampling: Optional[Sampling] = None,
+               stop: "str | Sequence[str] | None" = None,
                allow_unverified: bool = False, filters: Optional[Mapping[str, Any]] = None,
                user_id: Optional[str] = None, agent_id: Optional[str] = None,
                session_id: Optional[str] = None) -> Recall:
@@ -447,12 +471,33 @@ class Memory:
 
         Below ``min_score`` (default `DEFAULT_MIN_SCORE`) nothing is grafted:
         ``block`` is None and the text says so. ``mode="text"`` answers the same prompt the old way
-        (prefill the block's text, no graft), for comparisons; the answers are identical.
+        (prefill the block's text, no graft), for comparisons; the answers are identical. ``stop`` as
+        in [`ask()`][graftmem.Memory.ask].
 
         Routing only ever considers blocks whose provenance is not ``unverified`` and whose labels
         were given here or signed by a trusted key (see docs/security.md); a routed block found
         unverified meanwhile is refused unless ``allow_unverified=True``.
         """
+        return self._recall_call(task, max_tokens, min_score, mode, sampling, stop, allow_unverified, filters,
+                                 user_id, agent_id, session_id)(None)
+
+    def recall_stream(self, task: str, *, max_tokens: int = 64, min_score: Optional[float] = None,
+                      mode: Literal["graft", "text"] = "graft", sampling: Optional[Sampling] = None,
+                      stop: "str | Sequence[str] | None" = None,
+                      allow_unverified: bool = False, filters: Optional[Mapping[str, Any]] = None,
+                      user_id: Optional[str] = None, agent_id: Optional[str] = None,
+                      session_id: Optional[str] = None) -> AnswerStream:
+        """[`recall()`][graftmem.Memory.recall], with the answer's text handed out as it is decoded
+        (an [`AnswerStream`][graftmem.AnswerStream]; a recall that matches no block yields no
+        text and its ``result`` says why)."""
+        return AnswerStream(self._recall_call(task, max_tokens, min_score, mode, sampling, stop, allow_unverified,
+                                              filters, user_id, agent_id, session_id))
+
+    def _recall_call(self, task: str, max_tokens: int, min_score: Optional[float], mode: str,
+                     sampling: Optional[Sampling], stop: "str | Sequence[str] | None", allow_unverified: bool,
+                     filters: Optional[Mapping[str, Any]], user_id: Optional[str], agent_id: Optional[str],
+                     session_id: Optional[str]) -> Callable[[Optional[OnText]], Recall]:
+        """Check the arguments of recall; return the call that routes and answers."""
         self._check()
         _text("task", task)
         _int("max_tokens", max_tokens, lo=1)
@@ -460,14 +505,19 @@ class Memory:
         _choice("mode", mode, ("graft", "text"))
         _instance("sampling", sampling, Sampling)
         _flag("allow_unverified", allow_unverified)
+        stops = check_stops(stop)
         allow = self._filter(_scope(user_id, agent_id, session_id), filters)
-        r = route_and_answer(self._engine, self._store, self.router, task, max_tokens=max_tokens,
-                             min_score=min_score, mode=mode, sampling=sampling or Sampling(), allow=allow)
-        if r.block is None:
-            return r
-        block = self._store.get(r.block.id)
-        self._consent(block, allow_unverified)
-        return self._stamp(r, block)
+
+        def run(on_text: Optional[OnText]) -> Recall:
+            r = route_and_answer(self._engine, self._store, self.router, task, max_tokens=max_tokens,
+                                 min_score=min_score, mode=mode,  # type: ignore[arg-type]
+                                 sampling=sampling or Sampling(), allow=allow, stops=stops, on_text=on_text)
+            if r.block is None:
+                return r
+            block = self._store.get(r.block.id)
+            self._consent(block, allow_unverified)
+            return self._stamp(r, block)
+        return run
 
     def reindex(self) -> int:
         """Rebuild the routing index from the store (every block embedded again); returns its size."""

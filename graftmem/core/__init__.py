@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from .models import DEFAULT_MODEL, MODELS, resolve_model
     from .progress import progress_bar
     from .statefmt import join as join_states
+    from .statefmt import needs_placing, place_cells_into
     from .prompt import CHATML, FORMATS, GEMMA, ChatFormat, detect_format, split_ids
 
 _LAZY: dict[str, tuple[str, str]] = {
@@ -56,6 +57,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     "resolve_model": (".models", "resolve_model"),
     "progress_bar": (".progress", "progress_bar"),
     "join_states": (".statefmt", "join"),
+    "needs_placing": (".statefmt", "needs_placing"),
+    "place_cells_into": (".statefmt", "place_cells_into"),
     "CHATML": (".prompt", "CHATML"),
     "FORMATS": (".prompt", "FORMATS"),
     "GEMMA": (".prompt", "GEMMA"),
@@ -78,5 +81,5 @@ __all__ = sorted([
     "FORMAT_VERSION", "Block", "HistoryEvent", "Scope", "EngineConfig", "Exactness", "Fingerprint", "Recall", "Receipt", "SampleResult",
     "SearchHit", "StoreStats", "VerificationRecord", "VerifyReport", "block_id_for", "Decoded", "Sampling",
     "decode", "Engine", "logits_sha256", "usable_cores", "state_digest", "DEFAULT_MODEL", "MODELS",
-    "resolve_model", "progress_bar", "join_states", "CHATML", "FORMATS", "GEMMA", "ChatFormat", "detect_format", "split_ids",
+    "resolve_model", "progress_bar", "join_states", "needs_placing", "place_cells_into", "CHATML", "FORMATS", "GEMMA", "ChatFormat", "detect_format", "split_ids",
     "__version__", *_errors_all])

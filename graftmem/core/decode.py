@@ -13,7 +13,7 @@ the raw float32 logits in float64), not the tempered one: that is what a confide
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -22,7 +22,10 @@ from .errors import ConfigError
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["Sampling", "Decoded", "OnToken", "decode"]
+__all__ = ["Sampling", "Decoded", "OnToken", "decode", "AnswerText", "check_stops", "MAX_STOPS"]
+
+#: Stop strings per request (OpenAI allows 4; more is allowed here, but not without bound)
+MAX_STOPS = 16
 
 
 @dataclass(frozen=True)
@@ -129,3 +132,63 @@ def decode(engine: "Engine", max_tokens: int, *, first_logits: Optional[np.ndarr
             engine.prefill([tok])
             logits = engine.logits()
     return out
+
+
+def check_stops(stop: "str | Sequence[str] | None") -> list[str]:
+    """``stop`` as a list of non-empty strings (one string is a list of one), or a `ConfigError`."""
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(x, str) and x for x in stops):
+        raise ConfigError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+    if len(stops) > MAX_STOPS:
+        raise ConfigError(f"at most {MAX_STOPS} stop strings, got {len(stops)}")
+    return list(stops)
+
+
+class AnswerText:
+    """The text of an answer while its tokens arrive: what is final, and where a stop string cut it.
+
+    Why a class: a UTF-8 character may span two tokens and a stop string may span several, so the
+    bytes are joined before decoding, the text is searched for stop strings as a whole, and a stream
+    hands out only text that can no longer change (no half character, nothing that may still turn
+    out to be the start of a stop string). Both the Python API's streams and the HTTP server's use it.
+    """
+
+    def __init__(self, piece: Callable[[int], bytes], stops: Sequence[str] = ()) -> None:
+        self._piece = piece
+        self.stops = [s for s in stops if s]
+        self._raw = bytearray()
+        self._emitted = 0
+        self.stop_at: Optional[int] = None  #: index in the decoded text where a stop string begins
+        self._hold = max((len(s) for s in self.stops), default=1) - 1
+
+    def add(self, token: int) -> bool:
+        """Append one generated token; True when a stop string is now complete (stop decoding)."""
+        self._raw.extend(self._piece(token))
+        if self.stops:
+            text = self._raw.decode("utf-8", "replace")
+            hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+            if hits:
+                self.stop_at = min(hits)
+                return True
+        return False
+
+    @property
+    def text(self) -> str:
+        """The answer so far, cut before the first stop string."""
+        text = self._raw.decode("utf-8", "replace")
+        return text if self.stop_at is None else text[:self.stop_at]
+
+    def delta(self, final: bool = False) -> str:
+        """The text that became final since the last call (all of the rest with ``final=True``)."""
+        text = self.text
+        if final or self.stop_at is not None:
+            safe = len(text)
+        else:
+            safe = min(len(text) - self._hold, len(text.rstrip("\ufffd")))
+        if safe <= self._emitted:
+            return ""
+        out = text[self._emitted:safe]
+        self._emitted = safe
+        return out

@@ -10,10 +10,10 @@ the same thing (``restore_ms`` is only the graft; ``prefill_ms`` is everything p
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from ..core.blocks import Block, Recall, Receipt
-from ..core.decode import GREEDY, Sampling, decode
+from ..core.decode import GREEDY, AnswerText, Sampling, decode
 from ..core.engine import Engine, logits_sha256
 from ..core.errors import ConfigError
 from ..store.chain import load_state
@@ -22,7 +22,10 @@ from ..store.local import incompatibility
 if TYPE_CHECKING:
     from ..store.local import Store
 
-__all__ = ["answer", "ask", "graft"]
+__all__ = ["answer", "ask", "graft", "OnText"]
+
+#: ``on_text(delta)`` with each piece of answer text that became final (streams); True cancels the answer
+OnText = Callable[[str], bool]
 
 #: the receipt's phase fields that ``setup`` may fill (Receipt.read_ms ...)
 _PHASES = ("route_ms", "read_ms", "check_ms", "place_ms", "set_data_ms")
@@ -30,15 +33,29 @@ _PHASES = ("route_ms", "read_ms", "check_ms", "place_ms", "set_data_ms")
 
 def answer(eng: Engine, block: Block, qtok: list[int], setup: Callable[[], int], *, graft: bool,
            max_tokens: int, exact: bool = True, sampling: Sampling = GREEDY,
-           phases: Optional[dict[str, float]] = None) -> Recall:
+           phases: Optional[dict[str, float]] = None, stops: Sequence[str] = (),
+           on_text: Optional[OnText] = None) -> Recall:
     """Run ``setup`` (returns how many tokens it put in the context), prefill ``qtok``, decode.
 
     ``graft`` says whether ``setup`` restored saved state (timed as ``restore_ms``, counted as
     ``tokens_restored``) or prefilled (timed and counted with the task's prefill). ``exact`` is ANDed with
     the engine's own exactness, for callers that know the prompt's seam is not clean. ``phases`` is a
     dict that ``setup`` fills while it runs (``read_ms``, ``check_ms``, ``place_ms``, ``set_data_ms``,
-    see `graft()`); its entries go into the receipt's breakdown.
+    see `graft()`); its entries go into the receipt's breakdown. ``stops`` end the answer at the first
+    stop string (cut from the text, ``finish_reason="stop"``); ``on_text`` receives the text as it
+    becomes final (`AnswerText`) and cancels the answer by returning True (``finish_reason="cancelled"``).
     """
+    text = AnswerText(eng.piece, stops)
+
+    def on_token(tok: int, lp: float, top: object) -> Optional[str]:
+        if text.add(tok):
+            return "stop"
+        if on_text is not None:
+            delta = text.delta()
+            if delta and on_text(delta):
+                return "cancelled"
+        return None
+
     with eng.session():
         t0 = time.perf_counter()
         n_setup = setup()
@@ -46,7 +63,8 @@ def answer(eng: Engine, block: Block, qtok: list[int], setup: Callable[[], int],
         eng.prefill(qtok)
         first = eng.logits()
         t2 = time.perf_counter()
-        dec = decode(eng, max_tokens, first_logits=first, sampling=sampling)
+        dec = decode(eng, max_tokens, first_logits=first, sampling=sampling,
+                     on_token=on_token if (stops or on_text is not None) else None)
         out = dec.tokens
         t3 = time.perf_counter()
     receipt = Receipt(
@@ -55,8 +73,12 @@ def answer(eng: Engine, block: Block, qtok: list[int], setup: Callable[[], int],
         restore_ms=(t1 - t0) * 1e3 if graft else 0.0, prefill_ms=(t2 - (t1 if graft else t0)) * 1e3,
         decode_ms=(t3 - t2) * 1e3, decode_tokens=len(out), first_logits_sha256=logits_sha256(first),
         exact=eng.exactness.exact and exact, **{k: v for k, v in (phases or {}).items() if k in _PHASES})
-    return Recall(text=eng.detokenize(out), tokens=out, block=block, receipt=receipt,
-                  finish_reason=dec.finish_reason)
+    if on_text is not None and dec.finish_reason != "cancelled":
+        rest = text.delta(final=True)
+        if rest:
+            on_text(rest)
+    return Recall(text=text.text if (stops or on_text is not None) else eng.detokenize(out), tokens=out,
+                  block=block, receipt=receipt, finish_reason=dec.finish_reason)
 
 
 def graft(eng: Engine, store: "Store", block: Block, timings: Optional[dict[str, float]] = None) -> int:
@@ -74,7 +96,7 @@ def graft(eng: Engine, store: "Store", block: Block, timings: Optional[dict[str,
 
 
 def ask(eng: Engine, store: "Store", block: Block, query: str, *, max_tokens: int = 64,
-        sampling: Sampling = GREEDY) -> Recall:
+        sampling: Sampling = GREEDY, stops: Sequence[str] = (), on_text: Optional[OnText] = None) -> Recall:
     """Graft ``block`` at its own positions, prefill ``query``, and answer (greedily by default)."""
     err = incompatibility(block, eng.fingerprint)
     if err is not None:
@@ -84,4 +106,4 @@ def ask(eng: Engine, store: "Store", block: Block, query: str, *, max_tokens: in
         raise ConfigError("the query is empty")
     phases: dict[str, float] = {}
     return answer(eng, block, qtok, lambda: graft(eng, store, block, phases), graft=True,
-                  max_tokens=max_tokens, sampling=sampling, phases=phases)
+                  max_tokens=max_tokens, sampling=sampling, phases=phases, stops=stops, on_text=on_text)

@@ -17,14 +17,15 @@ which chat blocks guarantee and raw blocks may not: a merging seam is reported a
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, Literal, Optional
+import time
+from typing import TYPE_CHECKING, Callable, Literal, Optional, Sequence
 
 from ..core.blocks import Block, Fingerprint, Recall, Receipt, SearchHit
 from ..core.decode import GREEDY, Sampling
 from ..core.errors import BlockNotFound, ConfigError
 from ..core.prompt import FORMATS, split_ids
 from ..store.chain import chain_of
-from .answer import answer, ask
+from .answer import OnText, answer, ask
 from .router import DEFAULT_MIN_SCORE
 
 if TYPE_CHECKING:
@@ -105,7 +106,8 @@ def other_engines_hint(store: "Store", fingerprint: Fingerprint) -> Optional[str
             "again here")
 
 
-def _no_match(engine: "Engine", store: "Store", top: Optional[tuple[str, float]], min_score: float) -> Recall:
+def _no_match(engine: "Engine", store: "Store", top: Optional[tuple[str, float]], min_score: float,
+              route_ms: float) -> Recall:
     name = "(deleted)"
     if top is not None:
         try:
@@ -122,7 +124,8 @@ def _no_match(engine: "Engine", store: "Store", top: Optional[tuple[str, float]]
     if hint:
         reason += f". {hint}"
     receipt = Receipt(block_id=None, tokens_restored=0, tokens_prefilled=0, restore_ms=0.0, prefill_ms=0.0,
-                      decode_ms=0.0, decode_tokens=0, first_logits_sha256="", exact=engine.exactness.exact)
+                      decode_ms=0.0, decode_tokens=0, first_logits_sha256="", exact=engine.exactness.exact,
+                      route_ms=route_ms)
     return Recall(text="", tokens=[], block=None, receipt=receipt, matched=False, reason=reason,
                   score=top[1] if top else None, runner_up=top[0] if top else None,
                   runner_up_score=top[1] if top else None)
@@ -134,7 +137,8 @@ def _seam(engine: "Engine", block: Block, continuation: str) -> tuple[list[int],
 
 
 def answer_text_way(engine: "Engine", store: "Store", block: Block, continuation: str, *, max_tokens: int,
-                    sampling: Sampling = GREEDY) -> Recall:
+                    sampling: Sampling = GREEDY, stops: Sequence[str] = (),
+                    on_text: Optional[OnText] = None) -> Recall:
     """The baseline without graftmem: tokenize the block's text again and prefill it, then the task.
 
     Two prefill calls (manual, then task), like the graft path: llama.cpp's CPU kernels are not
@@ -153,17 +157,19 @@ def answer_text_way(engine: "Engine", store: "Store", block: Block, continuation
         return sum(len(s) for s in segs)
 
     return answer(engine, block, qtok, reread, graft=False, max_tokens=max_tokens, exact=clean,
-                  sampling=sampling)
+                  sampling=sampling, stops=stops, on_text=on_text)
 
 
 def answer_graft_way(engine: "Engine", store: "Store", block: Block, continuation: str, *, max_tokens: int,
-                     sampling: Sampling = GREEDY) -> Recall:
+                     sampling: Sampling = GREEDY, stops: Sequence[str] = (),
+                     on_text: Optional[OnText] = None) -> Recall:
     _, clean = _seam(engine, block, continuation)
     if not clean:
         log.warning("block %s: the task's first tokens merge with the block's last ones; the graft "
                     "matches a prefill of the same token ids, not of the joined string (receipt.exact=False)",
                     block.short_id)
-    r = ask(engine, store, block, continuation, max_tokens=max_tokens, sampling=sampling)
+    r = ask(engine, store, block, continuation, max_tokens=max_tokens, sampling=sampling, stops=stops,
+            on_text=on_text)
     if clean:
         return r
     return r.model_copy(update={"receipt": r.receipt.model_copy(update={"exact": False})})
@@ -171,7 +177,8 @@ def answer_graft_way(engine: "Engine", store: "Store", block: Block, continuatio
 
 def recall(engine: "Engine", store: "Store", router: "Router", task: str, *, max_tokens: int = 64,
            min_score: Optional[float] = None, mode: Literal["graft", "text"] = "graft",
-           sampling: Sampling = GREEDY, allow: Optional[BlockFilter] = None) -> Recall:
+           sampling: Sampling = GREEDY, allow: Optional[BlockFilter] = None, stops: Sequence[str] = (),
+           on_text: Optional[OnText] = None) -> Recall:
     """Route ``task`` to ONE block of this engine, answer it the ``mode`` way (see the module doc)."""
     _check_task(task)
     if mode not in ("graft", "text"):
@@ -181,15 +188,19 @@ def recall(engine: "Engine", store: "Store", router: "Router", task: str, *, max
     threshold = DEFAULT_MIN_SCORE if min_score is None else float(min_score)
     way = answer_graft_way if mode == "graft" else answer_text_way
     fpd = engine.fingerprint.digest()
+    route_ms = 0.0  # every routing attempt of this recall (embedding + vector and lexical search)
     for attempt in (1, 2):
+        t0 = time.perf_counter()
         hits = _routed(router, store, task, 2, fpd, allow)
+        route_ms += (time.perf_counter() - t0) * 1e3
         top = hits[0] if hits else None
         if top is None or top[1] < threshold:
             log.info("recall: no block above min_score %.2f (best %s)", threshold, top)
-            return _no_match(engine, store, top, threshold)
+            return _no_match(engine, store, top, threshold, route_ms)
         try:
             block = store.get(top[0])
-            r = way(engine, store, block, continuation_for(block, task), max_tokens=max_tokens, sampling=sampling)
+            r = way(engine, store, block, continuation_for(block, task), max_tokens=max_tokens, sampling=sampling,
+                    stops=stops, on_text=on_text)
             break
         except BlockNotFound:
             # another process deleted the block after the last sync: forget it and route again
@@ -197,5 +208,6 @@ def recall(engine: "Engine", store: "Store", router: "Router", task: str, *, max
                 raise
             router.remove([top[0]])
     runner = hits[1] if len(hits) > 1 else None
-    return r.model_copy(update={"score": top[1], "runner_up": runner[0] if runner else None,
+    receipt = r.receipt.model_copy(update={"route_ms": route_ms})
+    return r.model_copy(update={"receipt": receipt, "score": top[1], "runner_up": runner[0] if runner else None,
                                 "runner_up_score": runner[1] if runner else None})

@@ -234,15 +234,9 @@ def read_block_file(path: Path, buffer: Callable[[int], memoryview], *, expect_i
         view = buffer(slen)
         t1 = time.perf_counter()
         f.seek(soff)
-        if known is not None:  # this version passed BLAKE3 before: xxh3-128 while reading
-            got, seen = verified.read_hashed(f, view)
-        else:
-            got = 0
-            while got < slen:
-                n = f.readinto(view[got:])
-                if not n:
-                    break
-                got += n
+        # xxh3-128 while reading: checked now if this version passed BLAKE3 before, else remembered
+        # once BLAKE3 has passed (no second pass over the bytes)
+        got, seen = verified.read_hashed(f, view)
         if got < slen:
             raise BlockCorrupted(f"{where}: truncated state ({got} of {slen} bytes)", path=where)
     t2 = time.perf_counter()
@@ -257,7 +251,7 @@ def read_block_file(path: Path, buffer: Callable[[int], memoryview], *, expect_i
         if actual != block.state_digest:
             raise BlockCorrupted(f"{where}: state digest mismatch: expected {block.state_digest}, "
                                  f"actual {actual}", path=where, expected=block.state_digest, actual=actual)
-        verified.remember(key, verified.checksum(view))
+        verified.remember(key, seen)
     if timings is not None:
         t3 = time.perf_counter()
         timings["read_ms"] = timings.get("read_ms", 0.0) + (t2 - t1) * 1e3

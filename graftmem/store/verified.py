@@ -28,7 +28,8 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from typing import BinaryIO
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import BinaryIO, Optional
 
 import xxhash
 
@@ -36,6 +37,11 @@ __all__ = ["CHUNK", "FileVersion", "file_version", "remember", "recall", "forget
 
 #: Read size of the checked fast path: hashed while still in the core's L2 (1 MiB per core here).
 CHUNK = 1 << 20
+#: Read size when reading and hashing overlap (`read_hashed()`): big enough that the hand-off between
+#: the two threads costs little (17 hand-offs for a 69 MB state), small enough to stay in the L3 cache.
+OVERLAP_CHUNK = 4 << 20
+#: Concurrent restores (the server's engine pool) each keep one read in flight at most.
+READ_WORKERS = 4
 #: File versions remembered per process (an entry is ~100 bytes).
 MAX_ENTRIES = 4096
 
@@ -78,16 +84,69 @@ def forget(key: FileVersion) -> None:
         _seen.pop(key, None)
 
 
-def read_hashed(f: BinaryIO, view: memoryview) -> tuple[int, bytes]:
-    """Fill ``view`` from ``f`` in `CHUNK` reads, hashing each chunk right after it lands (while
-    it is still in cache); return the bytes read (short on a truncated file) and their xxh3-128."""
-    h = xxhash.xxh3_128()
-    size = len(view)
+_pool: Optional[ThreadPoolExecutor] = None
+_pool_lock = threading.Lock()
+
+
+def _readers() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=READ_WORKERS, thread_name_prefix="graftmem-read")
+        return _pool
+
+
+def _pread_full(fd: int, view: memoryview, offset: int) -> int:
+    """Fill ``view`` from ``fd`` at ``offset`` (short reads looped); fewer bytes only at end of file."""
     got = 0
-    while got < size:
-        n = f.readinto(view[got:min(got + CHUNK, size)])
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
         if not n:
             break
-        h.update(view[got:got + n])
         got += n
+    return got
+
+
+def read_hashed(f: BinaryIO, view: memoryview) -> tuple[int, bytes]:
+    """Fill ``view`` from ``f`` (from its current position) and return the bytes read (short on a
+    truncated file) and their xxh3-128.
+
+    Why two threads: xxhash holds the GIL while it hashes (~2.3 ms for 69 MB here), but a read
+    releases it while the kernel copies from the page cache (~5 ms). A worker reads chunk i+1 while
+    this thread hashes chunk i, so the check costs little more than the read alone (measured:
+    5.3-5.5 ms vs 6.9 ms one after the other, 5.1 ms read only; bench/graft_speed.py). Each chunk is
+    hashed after it landed in ``view``, which only this call writes, so the digest is of the bytes
+    that are returned. Without ``os.preadv`` (some platforms), the same in one thread.
+    """
+    h = xxhash.xxh3_128()
+    size = len(view)
+    start = f.tell()
+    if not hasattr(os, "preadv") or size <= OVERLAP_CHUNK:
+        got = 0
+        while got < size:
+            n = f.readinto(view[got:min(got + CHUNK, size)])
+            if not n:
+                break
+            h.update(view[got:got + n])
+            got += n
+        return got, h.digest()
+    fd = f.fileno()
+    pool = _readers()
+    offs = list(range(0, size, OVERLAP_CHUNK))
+
+    def read(o: int) -> "Future[int]":
+        return pool.submit(_pread_full, fd, view[o:min(o + OVERLAP_CHUNK, size)], start + o)
+
+    got = 0
+    pending = read(offs[0])
+    for i, o in enumerate(offs):
+        n = pending.result()  # an OSError of the read is raised here
+        want = min(OVERLAP_CHUNK, size - o)
+        if n == want and i + 1 < len(offs):
+            pending = read(offs[i + 1])
+        h.update(view[o:o + n])
+        got += n
+        if n < want:  # end of file: truncated
+            break
+    f.seek(start + got)
     return got, h.digest()
