@@ -192,8 +192,10 @@ def ttft(client: openai.OpenAI, messages: list, extra: dict) -> dict[str, Any]:
             parts.append(ch.choices[0].delta.content)
         receipt = (ch.model_extra or {}).get("graftmem") or receipt
     end = time.perf_counter() - t0
+    rc = receipt or {}
     return {"ttft_ms": round((first if first is not None else end) * 1e3, 2), "total_ms": round(end * 1e3, 2),
-            "text": "".join(parts), "cached_tokens": (receipt or {}).get("tokens_restored")}
+            "text": "".join(parts), "cached_tokens": rc.get("tokens_restored"), "restore_ms": rc.get("restore_ms"),
+            "prefill_ms": rc.get("prefill_ms"), "tokens_prefilled": rc.get("tokens_prefilled")}
 
 
 def session(url: str, requests: list[list[dict]], extra: dict) -> list[dict[str, Any]]:
@@ -360,7 +362,8 @@ def main() -> None:
         "graftmem_answers_equal_across_sessions": gm_equal, "first_session_answers": texts,
         "startup_s": {k: [round(x, 2) for x in v] for k, v in startup.items()},
         "cli_search": cli, "peers": peers_note, "llama_server_build": cpp_peer.build_record(),
-        "raw": {k: [[{kk: t[kk] for kk in ("ttft_ms", "total_ms", "cached_tokens")} for t in s] for s in v]
+        "raw": {k: [[{kk: t[kk] for kk in ("ttft_ms", "total_ms", "cached_tokens", "tokens_prefilled", "restore_ms",
+                                           "prefill_ms") if t.get(kk) is not None} for t in s] for s in v]
                 for k, v in res.items()},
     }
     (HERE / "results").mkdir(exist_ok=True)

@@ -19,6 +19,11 @@ stored, so an agent that re-sends its system prompt, tools and conversation on e
 grafted on the next call, and after a restart too. The states are captured while the request itself
 is prefilled (`store_captured()`), so learning costs no second prefill.
 
+Storage: a chained automatic block is stored ``"full"`` by default (its whole state, not a delta over
+its parent): a delta chain is rebuilt level by level on every graft, each level merged and its full
+state hashed again, which costs hundreds of milliseconds per level at a few thousand tokens, while a
+full block is one read and one check. ``auto_storage="delta"`` trades that time for disk.
+
 Retention: the automatic blocks (and only those: a block a user learned is never touched) are kept
 under ``max_auto_bytes`` of stored state; past it, the least recently used *leaf* auto block is deleted
 first (a chain shrinks from its end, so no remaining block loses its parent), "used" meaning grafted
@@ -37,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ..core.blocks import PROVENANCE_LOCAL, Block, Fingerprint, block_id_for
 from ..core.format import state_digest
-from ..core.errors import GraftmemError
+from ..core.errors import ConfigError, GraftmemError
 from ..store.chain import chain_of, full_state, make_delta
 
 if TYPE_CHECKING:
@@ -76,8 +81,12 @@ class PrefixCache:
     """The prefix index over one store, for one engine fingerprint, plus the auto-learn policy."""
 
     def __init__(self, store: "Store", fingerprint: Fingerprint, *, min_tokens: int = 256,
-                 sightings: int = 2, learn: bool = True, max_auto_bytes: Optional[int] = 2 << 30) -> None:
+                 sightings: int = 2, learn: bool = True, max_auto_bytes: Optional[int] = 2 << 30,
+                 auto_storage: str = "full") -> None:
+        if auto_storage not in ("full", "delta"):
+            raise ConfigError(f"auto_storage must be 'full' or 'delta', got {auto_storage!r}")
         self.store, self.fingerprint = store, fingerprint
+        self.auto_storage = auto_storage
         self.max_auto_bytes = max_auto_bytes
         self._used: dict[str, float] = {}
         self.min_tokens, self.sightings, self.learn_enabled = min_tokens, sightings, learn
@@ -180,7 +189,7 @@ class PrefixCache:
         parent), so a block written here is the block the learn path would have written."""
         parent = start.block if start is not None and first > 0 else None
         pfull: Optional[bytes] = full_state(self.store, parent, fingerprint=self.fingerprint) \
-            if parent is not None else None
+            if parent is not None and self.auto_storage == "delta" else None
         try:
             for i, full in zip(range(first, first + len(states)), states):
                 tokens = list(segments[i])
@@ -193,10 +202,9 @@ class PrefixCache:
                         fields = {"state_size": len(full), "state_digest": state_digest(full)}
                         data: bytes = full
                     else:
-                        assert pfull is not None
                         fields = {"parent": parent.id, "pos_start": parent.pos_end,
                                   "full_state_size": len(full), "full_state_digest": state_digest(full)}
-                        delta = make_delta(pfull, full, parent.pos_end)
+                        delta = make_delta(pfull, full, parent.pos_end) if pfull is not None else None
                         data = full if delta is None else delta
                         fields.update(storage="full" if delta is None else "delta", state_size=len(data),
                                       state_digest=state_digest(data))
@@ -208,7 +216,7 @@ class PrefixCache:
                 with self._lock:
                     self._index[prefix_keys(segments[:i + 1])[-1]] = block.id
                     self._used[block.id] = time.time()
-                parent, pfull = block, full
+                parent, pfull = block, (full if self.auto_storage == "delta" else None)
         except GraftmemError as exc:
             log.warning("prefix cache: storing a %d-segment prefix failed: %s", first + len(states), exc)
             return None
