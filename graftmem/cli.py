@@ -456,7 +456,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              check=mem.vetting(rederive=args.rederive),
                              max_queue=args.max_queue, min_prefix_tokens=args.min_prefix_tokens,
                              sightings=args.sightings, learn=not args.no_learn,
-                             max_auto_bytes=args.max_auto_mb << 20,
+                             max_auto_bytes=args.max_auto_mb << 20, auto_storage=args.auto_storage,
                              router=lambda: mem.router)  # loaded on the first routed request
         elif mem:
             srv = mem.serve(host=args.host, port=args.port, push_token=token, sign_key=_sign_key(args),
@@ -791,6 +791,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--max-auto-mb", type=int, default=2048,
                     help="keep automatic prefix blocks under this many MB (least recently used evicted first; "
                          "blocks you learned are never evicted)")
+    sp.add_argument("--auto-storage", choices=("full", "delta"), default="full",
+                    help="store automatic chained blocks whole (fast grafts) or as deltas over their parent (less disk)")
     sp.add_argument("--port", type=_port, default=8765, help="0 picks a free port")
     sp.add_argument("--push-token", help="accept pushes with this token (or $GRAFTMEM_PUSH_TOKEN)")
     sp.add_argument("--sign", metavar="KEY", help="sign listings with this private key")
