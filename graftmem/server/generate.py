@@ -26,7 +26,11 @@ if TYPE_CHECKING:
     from ..store.local import Store
     from .prefix import PrefixCache
 
-__all__ = ["Job", "Result", "run_job"]
+__all__ = ["Job", "Result", "run_job", "MAX_CAPTURE_BYTES"]
+
+#: States one request keeps in memory to learn its prefix; a longer new prefix is learned in part (a
+#: contiguous chain from the grafted block) and the rest by the requests that follow.
+MAX_CAPTURE_BYTES = 1 << 30
 
 
 @dataclass
@@ -116,10 +120,12 @@ def run_job(engine: "Engine", store: "Store", cache: Optional["PrefixCache"], jo
         # the prefix to learn is decided before the prefill, so its states are captured on the way
         learn_k = cache.learn_target(segs, job.learn_tail) if cache is not None and job.use_cache else 0
         captured: list[bytes] = []
+        held = 0
         for i in range(first_seg, len(segs)):
             engine.prefill(segs[i])
-            if i < learn_k:
+            if i < learn_k and held < MAX_CAPTURE_BYTES and len(captured) == i - first_seg:
                 captured.append(bytes(engine.capture()))  # a copy: capture() reuses its buffer
+                held += len(captured[-1])
         first = engine.logits()
         t2 = time.perf_counter()
         out = decode(engine, job.max_tokens, first_logits=first, sampling=job.sampling, on_token=on_token,

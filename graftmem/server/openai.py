@@ -32,12 +32,14 @@ from starlette.routing import BaseRoute, Route
 from ..core.decode import Sampling
 from ..core.errors import ConfigError, GraftmemError
 from ..core.prompt import detect_format
+from ..memory.recall import search
 from ..memory.router import DEFAULT_MIN_SCORE, LEX_WEIGHT
 from ..store.chain import chain_of
 from .chat import chunk_prompt, render_segments, tokenize_segments
 from .generate import Job, Result, check_fits, run_job
 from .http import HTTPError, Limits, guarded, json_object, public_message, read_body
 from .pool import EnginePool
+from .prefix import routable
 from .routing import RouterRef
 from .tools import ToolSpec, ToolStream, parse_calls, parse_tools
 
@@ -167,16 +169,17 @@ class OpenAIRoutes:
             raise HTTPError(400, "routed recall needs a last user message with text content", param="messages")
         digest = self.engine0.fingerprint.digest()
         router = self.router
-        hits = await asyncio.to_thread(lambda: router.get().search(task, 1, fingerprint_digest=digest))
-        if not hits or hits[0][1] < min_score:
-            return {"recall": {"block_id": None, "score": hits[0][1] if hits else None, "min_score": min_score}}
-        block = self.store.get(hits[0][0])
+        hits = await asyncio.to_thread(lambda: search(router.get(), self.store, digest, task, top_k=1,
+                                                      allow=routable))  # never an automatic prefix block
+        if not hits or hits[0].score < min_score:
+            return {"recall": {"block_id": None, "score": hits[0].score if hits else None, "min_score": min_score}}
+        block = self.store.get(hits[0].block_id)
         chain = chain_of(self.store, block)
         # the messages now follow the block: no second BOS
         segments[0] = self.engine0.tokenize(texts[0], add_special=False)
         segments[:0] = [list(b.tokens) for b in chain]
         texts[:0] = [b.text for b in chain]
-        return {"recall": {"block_id": block.id, "score": hits[0][1], "min_score": min_score}}
+        return {"recall": {"block_id": block.id, "score": hits[0].score, "min_score": min_score}}
 
     async def completions(self, request: Request) -> Response:
         body = await self._parse(request)

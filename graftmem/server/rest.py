@@ -32,6 +32,7 @@ from ..memory.recall import continuation_for, recall, search
 from ..store.chain import chain_of
 from .http import HTTPError, Limits, guarded, json_object, public_message, read_body
 from .pool import EnginePool
+from .prefix import routable
 from .routing import RouterRef
 
 if TYPE_CHECKING:
@@ -134,7 +135,8 @@ class MemoryRoutes:
             raise HTTPError(400, "top_k must be an integer in [1, 100]", param="top_k")
         digest = self.pool.engines[0].fingerprint.digest()
         router = self._router
-        hits = await anyio.to_thread.run_sync(lambda: search(router(), self.store, digest, query, top_k=top_k))
+        hits = await anyio.to_thread.run_sync(lambda: search(router(), self.store, digest, query, top_k=top_k,
+                                                             allow=routable))
         return JSONResponse({"hits": [h.model_dump(mode="json") for h in hits]})
 
     async def recall(self, request: Request) -> Response:
@@ -148,7 +150,7 @@ class MemoryRoutes:
             raise HTTPError(400, "min_score must be a number", param="min_score")
         router = await anyio.to_thread.run_sync(self._router)
         r = await self._on_engine(lambda e: recall(e, self.store, router, task, max_tokens=max_tokens,
-                                                   min_score=min_score))
+                                                   min_score=min_score, allow=routable))
         return Response(r.model_dump_json(), media_type="application/json")
 
     async def ask(self, request: Request) -> Response:
