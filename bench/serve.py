@@ -1,94 +1,385 @@
-"""Time to first token through the OpenAI-compatible API: an agent that re-sends a long system prompt,
-served cold (cache off), warm (its prefix learned), and warm after a server restart on the same home.
+"""Time to first token through an OpenAI-compatible API for a realistic agent, graftmem next to its peers,
+all in one run, with the same client (the official ``openai`` package, streaming).
 
-The three ways are interleaved per round (the machine is noisy); the table reports medians and the
-ratio to cold. The answers are also compared: a warm answer must equal the cold one, token for token.
+The agent: a ~3,000-token system prompt (a support manual plus four tool descriptions, written in the
+system text so every server gets the same messages) and a scripted 5-turn conversation (tool calls and
+tool results as text), so that every server sees the same token ids turn after turn. Each turn asks
+for 8 greedy tokens; TTFT is the time from sending the request to the first non-empty content delta.
 
-    python bench/serve.py [--words 1100] [--rounds 3]
+The servers, each a separate process started by the bench, with the same GGUF, n_ctx, n_batch,
+n_ubatch, threads and flash attention:
 
-This is the first half of the issue's bench (no llama-server / llama-cpp-python server next to it yet).
+- ``graftmem``: ``python -m graftmem serve`` (default prefix-cache policy: prefixes of >= 256 tokens seen
+  twice are learned as verified blocks). ``cold``: a new, empty home; ``restart``: a new server process on
+  the same home (the blocks persist; the model is reloaded).
+- ``llama-server``: llama.cpp's server built from the same vendored llama.cpp (bench/peer.py), one slot,
+  ``cache_prompt`` on, its in-RAM prompt cache at its default. ``cold``: a new process (after a restart
+  it is cold again, it keeps nothing on disk); ``warm``: the same process, a second session (the slot
+  and the RAM cache hold the prefix).
+- ``llama-cpp-python``: ``python -m llama_cpp.server`` with ``--cache true --cache_type disk`` (its only
+  cache that survives a restart; unverified). ``cold``: a new process and an empty cache directory;
+  ``restart``: a new process on the same cache directory.
+
+The order of the servers rotates per rep (the machine is shared and noisy); the JSON keeps every
+number, the table shows medians and [min, max]. Afterwards, ``graftmem search --url`` through a running
+server: p50 of the HTTP request alone and of the whole CLI process.
+
+    python bench/serve.py [--reps 3] [--words 2000] [--cli-reps 10]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import platform
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
 
+import httpx
 import openai
 
-from graftmem.core import Engine
-from graftmem.server import api_server
-from graftmem.store import Store
-
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+import peer as cpp_peer  # noqa: E402  bench/peer.py: builds / finds llama-server
+
+from graftmem.core import EngineConfig, resolve_model, usable_cores  # noqa: E402
+
+MAX_TOKENS = 8
+TOOLS = [
+    ("lookup_order", "Fetch an order by its id: items, dates, payment, shipping state.",
+     {"order_id": "string"}),
+    ("search_manual", "Search this manual for the section about a topic.", {"topic": "string"}),
+    ("issue_refund", "Refund an order, fully or partly, to the original payment method.",
+     {"order_id": "string", "amount": "number", "reason": "string"}),
+    ("escalate", "Hand the conversation to a human manager with a short note.", {"note": "string"}),
+]
+USER_TURNS = [
+    "Hi, I want a refund for order 48213, the kettle arrived broken.",
+    "[tool result] order 48213: 1 kettle, 39.90 EUR, paid by card, delivered 3 days ago.",
+    "Yes, I have a photo of the damage and the receipt.",
+    "[tool result] refund 39.90 EUR to card ending 4411: accepted.",
+    "Thanks! Can I also get a replacement sent?",
+]
+ASSISTANT_TURNS = [
+    '<tool_call>\n{"name": "lookup_order", "arguments": {"order_id": "48213"}}\n</tool_call>',
+    "I found your order. Do you have a photo of the damage and your receipt?",
+    '<tool_call>\n{"name": "issue_refund", "arguments": {"order_id": "48213", "amount": 39.9, '
+    '"reason": "damaged on arrival"}}\n</tool_call>',
+    "Your refund of 39.90 EUR is on its way to your card.",
+]
 
 
-def manual(n_words: int) -> str:
+def system_prompt(n_words: int) -> str:
     import random
 
     rng = random.Random(7)
     vocab = ("refund order ticket customer shipping label parcel warehouse policy receipt invoice step check "
-             "before after always never escalate manager note account code date window").split()
-    return "You are the support agent. Follow this manual.\n" + " ".join(rng.choice(vocab) for _ in range(n_words))
+             "before after always never escalate manager note account code date window photo damage").split()
+    sections = []
+    for i in range(0, n_words, 100):
+        sections.append(f"## Section {i // 100 + 1}\n" + " ".join(rng.choice(vocab) for _ in range(100)))
+    tools = "\n".join(json.dumps({"type": "function", "function": {
+        "name": n, "description": d, "parameters": {"type": "object", "properties": {
+            k: {"type": v} for k, v in p.items()}, "required": list(p)}}}, sort_keys=True) for n, d, p in TOOLS)
+    return ("You are the support agent of an online shop. Follow the manual below.\n\n" + "\n\n".join(sections)
+            + "\n\n# Tools\n\nYou may call one or more functions. Function signatures within <tools></tools>:\n"
+            f"<tools>\n{tools}\n</tools>\nFor each call, return a json object with the function name and "
+            "arguments within <tool_call></tool_call> XML tags.")
 
 
-def ttft(client: openai.OpenAI, messages: list, cache: bool) -> tuple[float, str]:
+def turns(system: str) -> list[list[dict[str, str]]]:
+    """The messages of each of the 5 requests of a session."""
+    out, msgs = [], [{"role": "system", "content": system}]
+    for i, u in enumerate(USER_TURNS):
+        msgs = msgs + [{"role": "user", "content": u}]
+        out.append(msgs)
+        if i < len(ASSISTANT_TURNS):
+            msgs = msgs + [{"role": "assistant", "content": ASSISTANT_TURNS[i]}]
+    return out
+
+
+# --------------------------------------------------------------------------- servers
+class Proc:
+    """A server subprocess (log to a file), ready when ``ready_path`` answers 200."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, ready_path: str, log: Path, *,
+                 cwd: Optional[Path] = None, env: Optional[dict] = None, startup_s: float = 300.0) -> None:
+        self.name, self.url = name, f"http://127.0.0.1:{port}"
+        self._log = open(log, "wb")
+        self.log = log
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd, env=env)
+        deadline = time.monotonic() + startup_s
+        while True:
+            if self.proc.poll() is not None:
+                raise cpp_peer.PeerUnavailable(f"{name} exited with {self.proc.returncode}: "
+                                               f"{log.read_text(errors='replace')[-2000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + ready_path, timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                self.close()
+                raise cpp_peer.PeerUnavailable(f"{name} did not start in {startup_s:.0f} s; see {log}")
+            time.sleep(0.1)
+        self.startup_s = time.perf_counter() - t0
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+@contextlib.contextmanager
+def started(factory: Callable[[], Proc]) -> Iterator[Proc]:
+    p = factory()
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def graftmem_server(home: Path, work: Path) -> Proc:
+    port = cpp_peer.free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    return Proc("graftmem", [sys.executable, "-m", "graftmem", "serve", "--home", str(home), "--port", str(port)],
+                port, "/v1/models", work / f"graftmem-{time.time_ns()}.log", cwd=ROOT, env=env)
+
+
+def llama_server(exe: Path, model: Path, cfg: EngineConfig, threads: int, work: Path) -> Proc:
+    port = cpp_peer.free_port()
+    cmd = [str(exe), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", str(cfg.n_ctx),
+           "-b", str(cfg.n_batch), "-ub", str(cfg.n_ubatch), "-fa", "on" if cfg.flash_attn else "off",
+           "-t", str(threads), "-tb", str(threads), "-np", "1", "-ctk", cfg.type_k, "-ctv", cfg.type_v,
+           "--no-warmup"]
+    return Proc("llama-server", cmd, port, "/health", work / f"llama-server-{time.time_ns()}.log")
+
+
+def lcp_server(model: Path, cfg: EngineConfig, threads: int, cache_cwd: Path, work: Path) -> Proc:
+    port = cpp_peer.free_port()
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1", "--port",
+           str(port), "--n_ctx", str(cfg.n_ctx), "--n_batch", str(cfg.n_batch), "--n_ubatch", str(cfg.n_ubatch),
+           "--n_threads", str(threads), "--n_threads_batch", str(threads),
+           "--flash_attn", str(cfg.flash_attn).lower(), "--cache", "true", "--cache_type", "disk",
+           "--cache_size", str(2 << 30), "--verbose", "false"]
+    return Proc("llama-cpp-python", cmd, port, "/v1/models", work / f"lcp-{time.time_ns()}.log", cwd=cache_cwd)
+
+
+# --------------------------------------------------------------------------- client
+def ttft(client: openai.OpenAI, messages: list, extra: dict) -> dict[str, Any]:
     t0 = time.perf_counter()
-    first = None
-    parts = []
-    for ch in client.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0, stream=True,
-                                             extra_body={"graftmem": {"cache": cache}}):
+    first, parts, receipt = None, [], None
+    for ch in client.chat.completions.create(model="m", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                             stream=True, extra_body=extra):
         if ch.choices and ch.choices[0].delta.content:
             if first is None:
                 first = time.perf_counter() - t0
             parts.append(ch.choices[0].delta.content)
-    return (first if first is not None else time.perf_counter() - t0) * 1e3, "".join(parts)
+        receipt = (ch.model_extra or {}).get("graftmem") or receipt
+    end = time.perf_counter() - t0
+    rc = receipt or {}
+    return {"ttft_ms": round((first if first is not None else end) * 1e3, 2), "total_ms": round(end * 1e3, 2),
+            "text": "".join(parts), "cached_tokens": rc.get("tokens_restored"), "restore_ms": rc.get("restore_ms"),
+            "prefill_ms": rc.get("prefill_ms"), "tokens_prefilled": rc.get("tokens_prefilled")}
+
+
+def session(url: str, requests: list[list[dict]], extra: dict) -> list[dict[str, Any]]:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    return [ttft(client, msgs, extra) for msgs in requests]
+
+
+# --------------------------------------------------------------------------- the CLI through the server
+def cli_search(url: str, reps: int, work: Path) -> dict[str, Any]:
+    """p50 of ``POST /v1/memory/search`` and of a whole ``graftmem search --url`` process."""
+    r = httpx.post(url + "/v1/memory/learn", timeout=600, json={
+        "text": "Refunds: a damaged item is refunded in full to the original payment method once a photo "
+                "of the damage and the receipt are in the ticket.", "chat": True, "name": "refunds",
+        "when_to_use": "a customer asks for a refund or reports a damaged item"})
+    r.raise_for_status()
+    q = {"query": "the kettle arrived broken, I want my money back", "top_k": 3}
+    t0 = time.perf_counter()
+    httpx.post(url + "/v1/memory/search", json=q, timeout=600).raise_for_status()  # loads the router
+    first_ms = (time.perf_counter() - t0) * 1e3
+    http_ms = []
+    with httpx.Client(timeout=60) as c:
+        for _ in range(reps * 2):
+            t0 = time.perf_counter()
+            c.post(url + "/v1/memory/search", json=q).raise_for_status()
+            http_ms.append((time.perf_counter() - t0) * 1e3)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GRAFTMEM_URL": url, "HF_HUB_OFFLINE": "1"}
+    cli_ms, out = [], ""
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        p = subprocess.run([sys.executable, "-m", "graftmem", "search", q["query"], "--top-k", "3"], cwd=work,
+                           env=env, capture_output=True, text=True, timeout=120)
+        cli_ms.append((time.perf_counter() - t0) * 1e3)
+        if p.returncode != 0:
+            raise RuntimeError(f"graftmem search failed: {p.stderr[-2000:]}")
+        out = p.stdout
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+    bare_ms = (time.perf_counter() - t0) * 1e3
+    return {"first_request_ms": round(first_ms, 1), "http_ms": [round(x, 2) for x in http_ms],
+            "http_p50_ms": round(statistics.median(http_ms), 2), "cli_ms": [round(x, 1) for x in cli_ms],
+            "cli_p50_ms": round(statistics.median(cli_ms), 1), "bare_python_ms": round(bare_ms, 1),
+            "cli_output": out.strip().splitlines()[:4]}
+
+
+# --------------------------------------------------------------------------- main
+def summary(sessions: list[list[dict]]) -> dict[str, Any]:
+    firsts = [s[0]["ttft_ms"] for s in sessions]
+    meds = [statistics.median(t["ttft_ms"] for t in s) for s in sessions]
+    sums = [sum(t["ttft_ms"] for t in s) for s in sessions]
+
+    def ms(v: list[float]) -> dict[str, float]:
+        return {"median": round(statistics.median(v), 1), "min": round(min(v), 1), "max": round(max(v), 1)}
+
+    return {"first_turn_ttft_ms": ms(firsts), "session_median_ttft_ms": ms(meds), "session_sum_ttft_ms": ms(sums),
+            "per_turn_median_ms": [round(statistics.median(s[i]["ttft_ms"] for s in sessions), 1)
+                                   for i in range(len(sessions[0]))]}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--words", type=int, default=1100)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--words", type=int, default=2000, help="manual words in the system prompt (~3,000 tokens)")
+    ap.add_argument("--cli-reps", type=int, default=10)
+    ap.add_argument("--only", default="graftmem,llama-server,llama-cpp-python")
     args = ap.parse_args()
-    home = Path(tempfile.mkdtemp(prefix="graftmem-bench-serve-"))
-    system = manual(args.words)
-    turns = [{"role": "system", "content": system}, {"role": "user", "content": "A customer wants a refund."},
-             {"role": "assistant", "content": "I will check the receipt first."},
-             {"role": "user", "content": "What do you do next?"}]
-    times: dict[str, list[float]] = {"cold": [], "warm": [], "restart": []}
-    equal = True
-    with Engine("smollm2") as eng:
-        n_prompt = sum(len(eng.tokenize(m["content"])) for m in turns)
-        store = Store(home)
-        with api_server(store, [eng], min_prefix_tokens=64) as srv:
-            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
-            ttft(c, turns, True), ttft(c, turns, True)  # two sightings: the prefix is learned
-            for _ in range(args.rounds):
-                cold_ms, cold_text = ttft(c, turns, False)
-                warm_ms, warm_text = ttft(c, turns, True)
-                times["cold"].append(cold_ms)
-                times["warm"].append(warm_ms)
-                equal &= cold_text == warm_text
-        for _ in range(args.rounds):  # a fresh server on the same home, its first request each time
-            with api_server(store, [eng]) as srv:
-                c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
-                ms, text = ttft(c, turns, True)
-                times["restart"].append(ms)
-                equal &= text == cold_text
-        store.close()
-    cold = statistics.median(times["cold"])
-    rows = [(k, statistics.median(v), min(v), max(v), cold / statistics.median(v)) for k, v in times.items()]
-    print(f"SmolLM2-135M, prompt ~{n_prompt} tokens, {args.rounds} rounds; warm answers equal cold: {equal}")
-    print(f"{'way':<10}{'TTFT median ms':>16}{'min':>10}{'max':>10}{'x vs cold':>12}")
-    for k, med, lo, hi, ratio in rows:
-        print(f"{k:<10}{med:>16.1f}{lo:>10.1f}{hi:>10.1f}{ratio:>12.1f}")
-    out = {"prompt_tokens": n_prompt, "rounds": args.rounds, "answers_equal": equal, "ttft_ms": times}
+    only = set(args.only.split(","))
+    load_before = os.getloadavg()
+    cfg = EngineConfig()
+    threads = cfg.n_threads or usable_cores()
+    _, model = resolve_model("smollm2")
+    work = Path(tempfile.mkdtemp(prefix="graftmem-bench-serve-"))
+    reqs = turns(system_prompt(args.words))
+    peers_note: dict[str, str] = {}
+    exe = None
+    if "llama-server" in only:
+        try:
+            exe = cpp_peer.build()
+        except cpp_peer.PeerUnavailable as exc:
+            peers_note["llama-server"] = f"unavailable: {exc}"
+    try:
+        import fastapi, sse_starlette, starlette_context, pydantic_settings  # noqa: F401,E401
+    except ImportError as exc:
+        peers_note["llama-cpp-python"] = f"unavailable: {exc} (pip install 'llama-cpp-python[server]')"
+        only.discard("llama-cpp-python")
+    res: dict[str, list] = {k: [] for k in ("graftmem_cold", "graftmem_restart", "llama_server_cold",
+                                            "llama_server_warm", "lcp_cold", "lcp_restart")}
+    startup: dict[str, list] = {"graftmem": [], "llama-server": [], "llama-cpp-python": []}
+    cached: list[list] = []
+    cli: dict[str, Any] = {}
+
+    def run_graftmem(rep: int) -> None:
+        home = work / f"home-{rep}"
+        with started(lambda: graftmem_server(home, work)) as s:
+            startup["graftmem"].append(s.startup_s)
+            res["graftmem_cold"].append(session(s.url, reqs, {}))
+        with started(lambda: graftmem_server(home, work)) as s:
+            startup["graftmem"].append(s.startup_s)
+            res["graftmem_restart"].append(session(s.url, reqs, {}))
+            cached.append([t["cached_tokens"] for t in res["graftmem_restart"][-1]])
+            if rep == args.reps - 1 and args.cli_reps:
+                cli.update(cli_search(s.url, args.cli_reps, work))
+
+    def run_llama_server(rep: int) -> None:
+        if exe is None:
+            return
+        with started(lambda: llama_server(exe, model, cfg, threads, work)) as s:
+            startup["llama-server"].append(s.startup_s)
+            res["llama_server_cold"].append(session(s.url, reqs, {"cache_prompt": True}))
+            res["llama_server_warm"].append(session(s.url, reqs, {"cache_prompt": True}))
+
+    def run_lcp(rep: int) -> None:
+        d = work / f"lcp-cache-{rep}"
+        d.mkdir()
+        for key in ("lcp_cold", "lcp_restart"):
+            with started(lambda: lcp_server(model, cfg, threads, d, work)) as s:
+                startup["llama-cpp-python"].append(s.startup_s)
+                res[key].append(session(s.url, reqs, {}))
+
+    runners = [("graftmem", run_graftmem), ("llama-server", run_llama_server), ("llama-cpp-python", run_lcp)]
+    runners = [r for r in runners if r[0] in only]
+    t_start = time.time()
+    for rep in range(args.reps):
+        for name, fn in runners[rep % len(runners):] + runners[:rep % len(runners)]:
+            t0 = time.time()
+            try:
+                fn(rep)
+            except cpp_peer.PeerUnavailable as exc:
+                peers_note[name] = f"failed in rep {rep}: {exc}"
+                print(f"{name}: {exc}", file=sys.stderr)
+            print(f"rep {rep + 1}/{args.reps} {name}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    load_after = os.getloadavg()
+    summ = {k: summary(v) for k, v in res.items() if v}
+    texts = {k: [t["text"] for t in v[0]] for k, v in res.items() if v}
+    gm_texts = [[t["text"] for t in x] for x in res["graftmem_cold"] + res["graftmem_restart"]]
+    gm_equal = all(t == gm_texts[0] for t in gm_texts) if gm_texts else None
+    ratios: dict[str, Any] = {}
+
+    def ratio(a: str, b: str, field: str) -> Optional[float]:
+        if a in summ and b in summ:
+            return round(summ[a][field]["median"] / summ[b][field]["median"], 2)
+        return None
+
+    ratios = {
+        "llama_server_cold / graftmem_restart (first turn; target >= 20)":
+            ratio("llama_server_cold", "graftmem_restart", "first_turn_ttft_ms"),
+        "graftmem_restart / llama_server_warm (first turn; target <= 1.5)":
+            ratio("graftmem_restart", "llama_server_warm", "first_turn_ttft_ms"),
+        "llama_server_cold / graftmem_restart (session sum)":
+            ratio("llama_server_cold", "graftmem_restart", "session_sum_ttft_ms"),
+        "graftmem_restart / llama_server_warm (session sum)":
+            ratio("graftmem_restart", "llama_server_warm", "session_sum_ttft_ms"),
+        "graftmem_restart / lcp_restart (first turn)": ratio("graftmem_restart", "lcp_restart", "first_turn_ttft_ms"),
+        "graftmem_cold / llama_server_cold (session sum)": ratio("graftmem_cold", "llama_server_cold",
+                                                                 "session_sum_ttft_ms"),
+    }
+    out = {
+        "command": "python bench/serve.py " + " ".join(sys.argv[1:]),
+        "model": "smollm2 (SmolLM2-135M-Instruct Q4_1)", "engine": {**cfg.model_dump(), "threads": threads},
+        "max_tokens": MAX_TOKENS, "reps": args.reps, "turns": len(reqs), "system_words": args.words,
+        "machine": {"cpu_count": os.cpu_count(), "usable_cores": usable_cores(), "platform": platform.platform(),
+                    "loadavg_before": load_before, "loadavg_after": load_after},
+        "wall_s": round(time.time() - t_start, 1),
+        "summary": summ, "ratios": ratios, "graftmem_restart_cached_tokens": cached,
+        "graftmem_answers_equal_across_sessions": gm_equal, "first_session_answers": texts,
+        "startup_s": {k: [round(x, 2) for x in v] for k, v in startup.items()},
+        "cli_search": cli, "peers": peers_note, "llama_server_build": cpp_peer.build_record(),
+        "raw": {k: [[{kk: t[kk] for kk in ("ttft_ms", "total_ms", "cached_tokens", "tokens_prefilled", "restore_ms",
+                                           "prefill_ms") if t.get(kk) is not None} for t in s] for s in v]
+                for k, v in res.items()},
+    }
     (HERE / "results").mkdir(exist_ok=True)
     (HERE / "results" / "serve.json").write_text(json.dumps(out, indent=2))
+    print(f"{'way':<20}{'turn-1 TTFT ms':>16}{'[min, max]':>20}{'5-turn sum ms':>16}   per turn (median ms)")
+    for k, s in summ.items():
+        f, t = s["first_turn_ttft_ms"], s["session_sum_ttft_ms"]
+        span = f"[{f['min']:.0f}, {f['max']:.0f}]"
+        print(f"{k:<20}{f['median']:>16.1f}{span:>20}{t['median']:>16.1f}   {s['per_turn_median_ms']}")
+    for k, v in ratios.items():
+        print(f"{k}: {v}")
+    if cli:
+        print(f"graftmem search --url: HTTP p50 {cli['http_p50_ms']} ms, whole CLI process p50 {cli['cli_p50_ms']} ms "
+              f"(bare python start {cli['bare_python_ms']} ms)")
+    print(f"load average before {load_before}, after {load_after}; notes: {peers_note}")
+    shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -123,26 +123,33 @@ def _server(args: argparse.Namespace) -> Optional[str]:
     return url.rstrip("/") if url else None
 
 
-def _remote(url: str, path: str, body: dict[str, Any]) -> Any:
-    """POST ``body`` to a graftmem server's memory API; its error as a graftmem error."""
-    import httpx
+def _remote(url: str, path: str, body: Optional[dict[str, Any]] = None) -> Any:
+    """POST ``body`` (GET without one) to a graftmem server's memory API; its error as a graftmem error.
+
+    The client path stays light on purpose (stdlib HTTP, no model, no server, no pydantic): a verb through
+    a running server costs a Python start and one request."""
+    import urllib.error
+    import urllib.request
 
     from . import TransferError
 
     key = os.environ.get("GRAFTMEM_API_KEY")
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(f"{url}/v1/memory/{path}", headers=headers, method="GET" if body is None else "POST",
+                                 data=None if body is None else json.dumps(body).encode())
     try:
-        r = httpx.post(f"{url}/v1/memory/{path}", json=body, timeout=300,
-                       headers={"Authorization": f"Bearer {key}"} if key else None)
-    except httpx.HTTPError as exc:
-        raise TransferError(f"cannot reach the graftmem server at {url}: {exc}; is `graftmem serve` "
-                            "running? (or drop --url / unset GRAFTMEM_URL)") from exc
-    if r.status_code >= 400:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
         try:
-            msg = r.json()["error"]["message"]
+            msg = json.loads(raw)["error"]["message"]
         except (ValueError, KeyError, TypeError):
-            msg = r.text[:200]
-        raise TransferError(f"the server at {url} answered {r.status_code}: {msg}")
-    return r.json()
+            msg = raw[:200].decode("utf-8", "replace")
+        raise TransferError(f"the server at {url} answered {exc.code}: {msg}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise TransferError(f"cannot reach the graftmem server at {url}: {exc}; is `graftmem serve` "
+                            "running? (or drop --url / unset GRAFTMEM_URL)") from None
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
@@ -170,6 +177,13 @@ def cmd_learn(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    if (url := _server(args)) is not None:
+        from urllib.parse import quote
+
+        blocks = _remote(url, "blocks" + (f"?kind={quote(args.kind)}" if args.kind else ""))["blocks"]
+        rows = [[b["id"][:12], b["kind"], b["n_tokens"], f"{b['state_size']:,}", (b["name"] or "")[:40]] for b in blocks]
+        _out(args, blocks, _table(rows, ["id", "kind", "tokens", "state bytes", "name"]) if rows else "(no blocks)")
+        return 0
     from .store import Store
 
     store = Store(args.home)
@@ -218,6 +232,18 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
+    if (url := _server(args)) is not None:
+        if args.temperature or args.seed is not None or args.top_p != 1.0 or args.allow_unverified:
+            from . import ConfigError
+
+            raise ConfigError("--url answers greedily from verified blocks: drop --temperature/--top-p/--seed/"
+                              "--allow-unverified, or ask without --url")
+        r = _remote(url, "ask", {"id": args.id, "question": args.question, "max_tokens": args.max_tokens,
+                                 "raw": args.raw})
+        rc = r["receipt"]
+        _out(args, r, f"{r['text']}\n\n-- {rc['tokens_restored']} tokens restored in {rc['restore_ms']:.1f} ms, "
+                      f"{rc['tokens_prefilled']} prefilled; exact={rc['exact']} (through {url})")
+        return 0 if r["tokens"] else 1
     from .memory import continuation_for
 
     with _memory(args) as mem:
@@ -302,17 +328,18 @@ def cmd_recall_document(args: argparse.Namespace) -> int:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
-    from . import SearchHit
+    if (url := _server(args)) is not None:  # dicts, not SearchHit: the client path imports no pydantic
+        hits = _remote(url, "search", {"query": args.task, "top_k": args.top_k})["hits"]
+        rows = [[i + 1, f"{h['score']:.3f}", h["block_id"][:12], h["n_tokens"], h["name"][:40],
+                 (h.get("when_to_use") or "")[:50]] for i, h in enumerate(hits)]
+        _out(args, hits, _table(rows, ["#", "score", "id", "tokens", "name", "when to use"]) if rows
+             else "(no blocks learned by this engine)")
+        return 0
     from .memory import other_engines_hint
 
-    hint = None
-    if (url := _server(args)) is not None:
-        hits = [SearchHit.model_validate(h)
-                for h in _remote(url, "search", {"query": args.task, "top_k": args.top_k})["hits"]]
-    else:
-        with _memory(args) as mem:
-            hits = mem.search(args.task, top_k=args.top_k)
-            hint = None if hits else other_engines_hint(mem.store, mem.fingerprint)
+    with _memory(args) as mem:
+        hits = mem.search(args.task, top_k=args.top_k)
+        hint = None if hits else other_engines_hint(mem.store, mem.fingerprint)
     rows = [[i + 1, f"{h.score:.3f}", h.block_id[:12], h.n_tokens, h.name[:40], (h.when_to_use or "")[:50]]
             for i, h in enumerate(hits)]
     _out(args, [h.model_dump() for h in hits],
@@ -447,7 +474,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              check=mem.vetting(rederive=args.rederive),
                              max_queue=args.max_queue, min_prefix_tokens=args.min_prefix_tokens,
                              sightings=args.sightings, learn=not args.no_learn,
-                             max_auto_bytes=args.max_auto_mb << 20,
+                             max_auto_bytes=args.max_auto_mb << 20, auto_storage=args.auto_storage,
                              router=lambda: mem.router)  # loaded on the first routed request
         elif mem:
             srv = mem.serve(host=args.host, port=args.port, push_token=token, sign_key=_sign_key(args),
@@ -664,7 +691,7 @@ def _global_options(p: argparse.ArgumentParser, default: Any) -> None:
     p.add_argument("--config", default=d(None), help='engine config as JSON, e.g. \'{"n_ctx": 4096}\'')
     p.add_argument("--json", action="store_true", default=d(False), help="print machine-readable JSON")
     p.add_argument("--url", dest="server_url", default=d(None), metavar="URL",
-                   help="search and recall through a running `graftmem serve` (or $GRAFTMEM_URL): "
+                   help="search, recall, ask and ls through a running `graftmem serve` (or $GRAFTMEM_URL): "
                         "milliseconds instead of loading the model and the router")
 
 
@@ -782,6 +809,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--max-auto-mb", type=int, default=2048,
                     help="keep automatic prefix blocks under this many MB (least recently used evicted first; "
                          "blocks you learned are never evicted)")
+    sp.add_argument("--auto-storage", choices=("full", "delta"), default="full",
+                    help="store automatic chained blocks whole (fast grafts) or as deltas over their parent (less disk)")
     sp.add_argument("--port", type=_port, default=8765, help="0 picks a free port")
     sp.add_argument("--push-token", help="accept pushes with this token (or $GRAFTMEM_PUSH_TOKEN)")
     sp.add_argument("--sign", metavar="KEY", help="sign listings with this private key")

@@ -254,6 +254,7 @@ def test_docs_agents_snippets_run(smol, home, capsys):
         assert lines[1] == "cached tokens: 0"
         assert lines[0] and lines[0] == lines[2]  # streamed == not streamed
         assert lines[3]
+        assert lines[4].startswith("tool_calls [('lookup'"), lines[4]  # the tools snippet: a parsed call
     finally:
         store.close()
 

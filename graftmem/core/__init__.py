@@ -7,19 +7,75 @@ restore, logits, [`Engine.session()`][graftmem.Engine.session]), `decode()` and 
 and the error tree (also re-exported by `graftmem`).
 """
 
-from .blocks import (FORMAT_VERSION, Block, EngineConfig, Exactness, Fingerprint, HistoryEvent, Recall, Receipt,
-                     SampleResult, Scope, SearchHit, StoreStats, VerificationRecord, VerifyReport, block_id_for)
-from .decode import Decoded, Sampling, decode
-from .engine import Engine, logits_sha256, usable_cores
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .errors import *  # noqa: F401,F403 - the error tree, one name per class
 from .errors import __all__ as _errors_all
-from .format import state_digest
-from .models import DEFAULT_MODEL, MODELS, resolve_model
-from .progress import progress_bar
-from .statefmt import join as join_states
-from .statefmt import needs_placing, place_cells_into
-from .prompt import CHATML, FORMATS, GEMMA, ChatFormat, detect_format, split_ids
 from .version import __version__
+
+# eager: the function ``decode`` shares its name with its submodule, and a lazy name would lose to the
+# submodule once anything imported ``graftmem.core.decode`` first
+from .decode import Decoded, Sampling, decode
+
+# Imported on first use (PEP 562): ``graftmem.core.errors`` and the version must not load llama.cpp,
+# numpy or pydantic for a client that only talks to a running server. The imports below are what
+# type checkers, the docs and tests/test_architecture.py read.
+if TYPE_CHECKING:
+    from .blocks import (FORMAT_VERSION, Block, EngineConfig, Exactness, Fingerprint, HistoryEvent, Recall, Receipt,
+                         SampleResult, Scope, SearchHit, StoreStats, VerificationRecord, VerifyReport, block_id_for)
+    from .engine import Engine, logits_sha256, usable_cores
+    from .format import state_digest
+    from .models import DEFAULT_MODEL, MODELS, resolve_model
+    from .progress import progress_bar
+    from .statefmt import join as join_states
+    from .statefmt import needs_placing, place_cells_into
+    from .prompt import CHATML, FORMATS, GEMMA, ChatFormat, detect_format, split_ids
+
+_LAZY: dict[str, tuple[str, str]] = {
+    "FORMAT_VERSION": (".blocks", "FORMAT_VERSION"),
+    "Block": (".blocks", "Block"),
+    "EngineConfig": (".blocks", "EngineConfig"),
+    "Exactness": (".blocks", "Exactness"),
+    "Fingerprint": (".blocks", "Fingerprint"),
+    "HistoryEvent": (".blocks", "HistoryEvent"),
+    "Recall": (".blocks", "Recall"),
+    "Receipt": (".blocks", "Receipt"),
+    "SampleResult": (".blocks", "SampleResult"),
+    "Scope": (".blocks", "Scope"),
+    "SearchHit": (".blocks", "SearchHit"),
+    "StoreStats": (".blocks", "StoreStats"),
+    "VerificationRecord": (".blocks", "VerificationRecord"),
+    "VerifyReport": (".blocks", "VerifyReport"),
+    "block_id_for": (".blocks", "block_id_for"),
+    "Engine": (".engine", "Engine"),
+    "logits_sha256": (".engine", "logits_sha256"),
+    "usable_cores": (".engine", "usable_cores"),
+    "state_digest": (".format", "state_digest"),
+    "DEFAULT_MODEL": (".models", "DEFAULT_MODEL"),
+    "MODELS": (".models", "MODELS"),
+    "resolve_model": (".models", "resolve_model"),
+    "progress_bar": (".progress", "progress_bar"),
+    "join_states": (".statefmt", "join"),
+    "needs_placing": (".statefmt", "needs_placing"),
+    "place_cells_into": (".statefmt", "place_cells_into"),
+    "CHATML": (".prompt", "CHATML"),
+    "FORMATS": (".prompt", "FORMATS"),
+    "GEMMA": (".prompt", "GEMMA"),
+    "ChatFormat": (".prompt", "ChatFormat"),
+    "detect_format": (".prompt", "detect_format"),
+    "split_ids": (".prompt", "split_ids"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    value = getattr(importlib.import_module(module, __name__), attr)
+    globals()[name] = value
+    return value
+
 
 __all__ = sorted([
     "FORMAT_VERSION", "Block", "HistoryEvent", "Scope", "EngineConfig", "Exactness", "Fingerprint", "Recall", "Receipt", "SampleResult",

@@ -15,15 +15,19 @@ its remaining segments computes the same bytes as a request served cold.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ..core.prompt import ChatFormat
 from .http import HTTPError
+from .tools import ToolSpec, render_calls, render_tool_result, tools_prompt
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
 
-__all__ = ["message_text", "render_segments", "tokenize_segments"]
+__all__ = ["message_text", "render_segments", "tokenize_segments", "chunk_prompt", "CHUNK_TOKENS"]
+
+#: A raw prompt (``/v1/completions``) is cut into segments of about this many tokens.
+CHUNK_TOKENS = 256
 
 
 def message_text(msg: Any, i: int) -> tuple[str, str]:
@@ -49,18 +53,30 @@ def message_text(msg: Any, i: int) -> tuple[str, str]:
         raise HTTPError(400, f"messages[{i}].content must be a string or a list of text parts",
                         param=f"messages[{i}].content")
     if msg.get("tool_calls"):
-        raise HTTPError(400, f"messages[{i}]: tool_calls are not supported by this server yet",
-                        param=f"messages[{i}].tool_calls")
+        if role != "assistant":
+            raise HTTPError(400, f"messages[{i}]: only assistant messages carry tool_calls",
+                            param=f"messages[{i}].tool_calls")
+        calls = render_calls(msg["tool_calls"], i)
+        content = f"{content}\n{calls}" if content else calls
+    if role == "tool":
+        content = render_tool_result(content)
     return role, content
 
 
-def render_segments(fmt: ChatFormat, messages: Sequence[Any]) -> list[str]:
-    """The prompt's segments: one per message, then the assistant's header."""
+def render_segments(fmt: ChatFormat, messages: Sequence[Any], tools: Optional[ToolSpec] = None) -> list[str]:
+    """The prompt's segments: one per message, then the assistant's header. ``tools`` are appended to
+    the first message when it is a system one, else put in a system message of their own before it
+    (`graftmem.server.tools`)."""
     if not isinstance(messages, list) or not messages:
         raise HTTPError(400, "messages must be a non-empty list", param="messages")
+    rendered = [message_text(msg, i) for i, msg in enumerate(messages)]
+    if tools is not None:
+        if rendered[0][0] in ("system", "developer"):
+            rendered[0] = (rendered[0][0], f"{rendered[0][1]}\n\n{tools_prompt(tools)}")
+        else:
+            rendered.insert(0, ("system", tools_prompt(tools)))
     segs = []
-    for i, msg in enumerate(messages):
-        role, text = message_text(msg, i)
+    for role, text in rendered:
         if fmt.name == "gemma":  # no system role: its own template folds it into a user turn
             role = {"system": "user", "developer": "user", "assistant": "model", "tool": "user"}[role] \
                 if role != "user" else role
@@ -75,3 +91,34 @@ def render_segments(fmt: ChatFormat, messages: Sequence[Any]) -> list[str]:
 def tokenize_segments(engine: "Engine", segs: Sequence[str]) -> list[list[int]]:
     """Token ids per segment: the first with the model's BOS, the others without."""
     return [engine.tokenize(s, add_special=i == 0) for i, s in enumerate(segs)]
+
+
+def chunk_prompt(engine: "Engine", prompt: str, size: int = CHUNK_TOKENS, slack: int = 32) -> tuple[list[list[int]], list[str]]:
+    """A raw prompt's token ids cut into segments of ``size`` tokens or a little more, and their texts.
+
+    A completion prompt has no messages to cut at, so it is cut by token count, where the cut is clean:
+    the segment's text (its tokens detokenized) tokenizes back to exactly its tokens, so each learned
+    block's text and tokens stay bound (what an import checks). A cut is searched in the ``slack``
+    tokens after each ``size``; without a clean one, the rest of the prompt is one segment. Every cut
+    depends only on the ids before it, so two prompts that share a prefix share its segments, which is
+    what the prefix cache matches on; and the prompt is prefilled one segment per call, cached or not
+    (the exactness argument of this module)."""
+    ids = engine.tokenize(prompt, add_special=True)
+    segs: list[list[int]] = []
+    texts: list[str] = []
+    start = 0
+    while len(ids) - start > size:
+        cut = None
+        for end in range(start + size, min(start + size + slack, len(ids))):
+            text = engine.detokenize(ids[start:end])
+            if engine.tokenize(text, add_special=start == 0) == ids[start:end]:
+                cut = end
+                break
+        if cut is None:
+            break
+        segs.append(ids[start:cut])
+        texts.append(text)
+        start = cut
+    segs.append(ids[start:])
+    texts.append(engine.detokenize(ids[start:]))
+    return segs, texts

@@ -1,5 +1,6 @@
 """One request on one engine: graft the longest stored prefix, prefill the rest segment by segment,
-decode with stop strings, stream the text out, then learn the prefix if it keeps coming back.
+decode with stop strings, stream the text out, then store the prefix if it keeps coming back (its
+states captured during this request's own prefill).
 
 This is the engine side of the OpenAI-compatible routes; it runs in a worker thread and speaks to the
 event loop only through ``emit`` (text deltas, then the result). Cache on or off, the prompt is
@@ -25,7 +26,11 @@ if TYPE_CHECKING:
     from ..store.local import Store
     from .prefix import PrefixCache
 
-__all__ = ["Job", "Result", "run_job"]
+__all__ = ["Job", "Result", "run_job", "MAX_CAPTURE_BYTES"]
+
+#: States one request keeps in memory to learn its prefix; a longer new prefix is learned in part (a
+#: contiguous chain from the grafted block) and the rest by the requests that follow.
+MAX_CAPTURE_BYTES = 1 << 30
 
 
 @dataclass
@@ -44,6 +49,7 @@ class Job:
     emit: Optional[Callable[[str, Any], None]] = None
     cancel: threading.Event = field(default_factory=threading.Event)
     extra: Optional[dict[str, Any]] = None  #: added to the receipt (what routing chose)
+    learn_tail: int = 2  #: final segments never learned (see `PrefixCache.learn_target`)
 
 
 @dataclass
@@ -111,8 +117,15 @@ def run_job(engine: "Engine", store: "Store", cache: Optional["PrefixCache"], jo
                 engine.reset()
                 match = None
         t1 = time.perf_counter()
-        for seg in segs[first_seg:]:
-            engine.prefill(seg)
+        # the prefix to learn is decided before the prefill, so its states are captured on the way
+        learn_k = cache.learn_target(segs, job.learn_tail) if cache is not None and job.use_cache else 0
+        captured: list[bytes] = []
+        held = 0
+        for i in range(first_seg, len(segs)):
+            engine.prefill(segs[i])
+            if i < learn_k and held < MAX_CAPTURE_BYTES and len(captured) == i - first_seg:
+                captured.append(bytes(engine.capture()))  # a copy: capture() reuses its buffer
+                held += len(captured[-1])
         first = engine.logits()
         t2 = time.perf_counter()
         out = decode(engine, job.max_tokens, first_logits=first, sampling=job.sampling, on_token=on_token,
@@ -131,10 +144,9 @@ def run_job(engine: "Engine", store: "Store", cache: Optional["PrefixCache"], jo
                     prompt_tokens=n_prompt, cached_tokens=restored, receipt=receipt)
     if job.emit is not None:
         job.emit("done", result)
-    if cache is not None and job.use_cache and out.finish_reason != "cancelled":
-        k = cache.learn_target(segs)
-        if k:
-            cache.learn(engine, segs, job.texts, k, match)
+    if captured and out.finish_reason != "cancelled":
+        assert cache is not None
+        cache.store_captured(engine, segs, job.texts, first_seg, captured, match)
     return result
 
 

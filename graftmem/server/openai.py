@@ -11,8 +11,9 @@ Per request, ``extra_body={"graftmem": {"cache": false}}`` serves cold (for comp
 Supported: ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop`` (up
 to 4 strings; the text ends before the first one), ``logprobs`` / ``top_logprobs`` (chat) and
 ``logprobs: int`` (completions, non-streamed), ``stream`` (SSE ``data:`` chunks, then ``data: [DONE]``;
-``stream_options.include_usage``), ``n = 1`` only. ``/v1/completions`` prefills its prompt as one
-segment and is served without the prompt cache in this version.
+``stream_options.include_usage``), ``n = 1`` only, ``tools`` / ``tool_choice`` and tool messages
+(Hermes ``<tool_call>`` format, see `graftmem.server.tools`). ``/v1/completions`` cuts its prompt into
+segments of about 256 tokens (`graftmem.server.chat.chunk_prompt`) and uses the same prefix cache.
 """
 
 from __future__ import annotations
@@ -31,13 +32,16 @@ from starlette.routing import BaseRoute, Route
 from ..core.decode import Sampling
 from ..core.errors import ConfigError, GraftmemError
 from ..core.prompt import detect_format
+from ..memory.recall import search
 from ..memory.router import DEFAULT_MIN_SCORE, LEX_WEIGHT
 from ..store.chain import chain_of
-from .chat import render_segments, tokenize_segments
+from .chat import chunk_prompt, render_segments, tokenize_segments
 from .generate import Job, Result, check_fits, run_job
 from .http import HTTPError, Limits, guarded, json_object, public_message, read_body
 from .pool import EnginePool
+from .prefix import routable
 from .routing import RouterRef
+from .tools import ToolSpec, ToolStream, parse_calls, parse_tools
 
 if TYPE_CHECKING:
     from ..store.local import Store
@@ -128,7 +132,7 @@ class OpenAIRoutes:
         except ConfigError as exc:
             raise HTTPError(400, str(exc), code="invalid_value") from exc
         return Job(segments=segments, texts=texts, max_tokens=max_tokens, sampling=sampling, stops=stops,
-                   logprobs=logprobs, top_logprobs=top, use_cache=cache and chat)
+                   logprobs=logprobs, top_logprobs=top, use_cache=cache, learn_tail=2 if chat else 1)
 
     async def _parse(self, request: Request) -> dict[str, Any]:
         return json_object(await read_body(request, self.limits.max_body_bytes, self.limits.body_timeout))
@@ -139,12 +143,13 @@ class OpenAIRoutes:
         if self.fmt is None:
             raise HTTPError(400, f"model {self.model_id!r} has no chat template graftmem knows; use "
                             "/v1/completions", code="unsupported_model")
-        texts = render_segments(self.fmt, body.get("messages"))
+        tools = parse_tools(body)
+        texts = render_segments(self.fmt, body.get("messages"), tools)
         segments = tokenize_segments(self.engine0, texts)
         routed = await self._recall(body, segments, texts)
         job = self._job(body, segments, texts, chat=True)
         job.extra = routed
-        return await self._serve(body, job, chat=True)
+        return await self._serve(body, job, chat=True, tools=tools)
 
     async def _recall(self, body: dict[str, Any], segments: list[list[int]], texts: list[str]) -> Optional[dict]:
         """Opt-in routing (``"graftmem": {"recall": true, "min_score": 0.4}``): the router picks ONE block
@@ -164,16 +169,17 @@ class OpenAIRoutes:
             raise HTTPError(400, "routed recall needs a last user message with text content", param="messages")
         digest = self.engine0.fingerprint.digest()
         router = self.router
-        hits = await asyncio.to_thread(lambda: router.get().search(task, 1, fingerprint_digest=digest))
-        if not hits or hits[0][1] < min_score:
-            return {"recall": {"block_id": None, "score": hits[0][1] if hits else None, "min_score": min_score}}
-        block = self.store.get(hits[0][0])
+        hits = await asyncio.to_thread(lambda: search(router.get(), self.store, digest, task, top_k=1,
+                                                      allow=routable))  # never an automatic prefix block
+        if not hits or hits[0].score < min_score:
+            return {"recall": {"block_id": None, "score": hits[0].score if hits else None, "min_score": min_score}}
+        block = self.store.get(hits[0].block_id)
         chain = chain_of(self.store, block)
         # the messages now follow the block: no second BOS
         segments[0] = self.engine0.tokenize(texts[0], add_special=False)
         segments[:0] = [list(b.tokens) for b in chain]
         texts[:0] = [b.text for b in chain]
-        return {"recall": {"block_id": block.id, "score": hits[0][1], "min_score": min_score}}
+        return {"recall": {"block_id": block.id, "score": hits[0].score, "min_score": min_score}}
 
     async def completions(self, request: Request) -> Response:
         body = await self._parse(request)
@@ -182,8 +188,8 @@ class OpenAIRoutes:
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
             raise HTTPError(400, "prompt must be a non-empty string (one prompt per request)", param="prompt")
-        segments = [self.engine0.tokenize(prompt, add_special=True)]
-        job = self._job(body, segments, [prompt], chat=False)
+        segments, texts = chunk_prompt(self.engine0, prompt)
+        job = self._job(body, segments, texts, chat=False)
         return await self._serve(body, job, chat=False)
 
     # ------------------------------------------------------------------ running
@@ -208,7 +214,8 @@ class OpenAIRoutes:
 
         threading.Thread(target=work, name="graftmem-request", daemon=True).start()
 
-    async def _serve(self, body: dict[str, Any], job: Job, *, chat: bool) -> Response:
+    async def _serve(self, body: dict[str, Any], job: Job, *, chat: bool,
+                     tools: Optional[ToolSpec] = None) -> Response:
         stream = body.get("stream") or False
         if not isinstance(stream, bool):
             raise HTTPError(400, "stream must be a boolean", param="stream")
@@ -224,7 +231,7 @@ class OpenAIRoutes:
             except GraftmemError as exc:  # the engine refused (context full, ...): say so, no local paths
                 raise HTTPError(500, public_message(str(exc), str(self.store.home)), code=type(exc).__name__) from exc
             result.receipt = self._receipt(job, result)
-            payload = self._final(rid, created, result, chat=chat)
+            payload = self._final(rid, created, result, chat=chat, tools=tools)
             return JSONResponse(payload, headers={RECEIPT_HEADER: json.dumps(result.receipt)})
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
@@ -232,12 +239,15 @@ class OpenAIRoutes:
         engine = await self.pool.acquire()  # 429 here, before the stream starts
         done = loop.create_future()
         self._start(engine, job, loop, done)
-        return StreamingResponse(self._sse(rid, created, job, events, done, chat=chat, usage=include_usage),
+        return StreamingResponse(self._sse(rid, created, job, events, done, chat=chat, usage=include_usage,
+                                           tools=tools),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _sse(self, rid: str, created: int, job: Job, events: "asyncio.Queue[tuple[str, Any]]",
-                   done: "asyncio.Future[Result]", *, chat: bool, usage: bool) -> AsyncIterator[bytes]:
+                   done: "asyncio.Future[Result]", *, chat: bool, usage: bool,
+                   tools: Optional[ToolSpec] = None) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
+        held = ToolStream() if tools is not None and tools.parse else None
 
         def chunk(choice: dict[str, Any], **extra: Any) -> bytes:
             d = {"id": rid, "object": obj, "created": created, "model": self.model_id,
@@ -245,6 +255,10 @@ class OpenAIRoutes:
             return b"data: " + json.dumps(d).encode() + b"\n\n"
 
         def delta(text: str, entries: list[dict[str, Any]]) -> bytes:
+            if held is not None:
+                text = held.feed(text)
+                if not text and not entries:
+                    return b""
             if chat:
                 return chunk({"index": 0, "delta": {"content": text},
                               "logprobs": {"content": entries} if job.logprobs else None, "finish_reason": None})
@@ -260,7 +274,8 @@ class OpenAIRoutes:
                 if get in finished:
                     kind, payload = get.result()
                     if kind == "delta":
-                        yield delta(*payload)
+                        if piece := delta(*payload):
+                            yield piece
                         continue
                     result: Result = payload
                 else:
@@ -269,10 +284,18 @@ class OpenAIRoutes:
                         raise done.exception()  # type: ignore[misc]
                     while not events.empty():  # deltas queued before the result
                         kind, payload = events.get_nowait()
-                        if kind == "delta":
-                            yield delta(*payload)
+                        if kind == "delta" and (piece := delta(*payload)):
+                            yield piece
                     result = done.result()
                 reason = "stop" if result.finish_reason in ("stop", "cancelled") else result.finish_reason
+                if held is not None:
+                    _, calls = parse_calls(result.text, tools)
+                    if rest := held.rest(result.text, calls):
+                        yield chunk({"index": 0, "delta": {"content": rest}, "logprobs": None, "finish_reason": None})
+                    if calls:
+                        yield chunk({"index": 0, "delta": {"tool_calls": [{"index": j, **c} for j, c in enumerate(calls)]},
+                                     "logprobs": None, "finish_reason": None})
+                        reason = "tool_calls"
                 yield chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason} if chat else
                             {"index": 0, "text": "", "logprobs": None, "finish_reason": reason},
                             graftmem=self._receipt(job, result))
@@ -300,10 +323,16 @@ class OpenAIRoutes:
         return {"prompt_tokens": r.prompt_tokens, "completion_tokens": n, "total_tokens": r.prompt_tokens + n,
                 "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
 
-    def _final(self, rid: str, created: int, r: Result, *, chat: bool) -> dict[str, Any]:
+    def _final(self, rid: str, created: int, r: Result, *, chat: bool,
+               tools: Optional[ToolSpec] = None) -> dict[str, Any]:
         reason = "stop" if r.finish_reason in ("stop", "cancelled") else r.finish_reason
         if chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": r.text},
+            content, calls = parse_calls(r.text, tools)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+                reason = "tool_calls"
+            choice: dict[str, Any] = {"index": 0, "message": message,
                                       "logprobs": {"content": r.logprobs} if r.logprobs else None,
                                       "finish_reason": reason}
             obj = "chat.completion"

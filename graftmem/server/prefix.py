@@ -16,8 +16,13 @@ Learning: a request's prompt up to the start of its last message (all segments b
 and the assistant's header) that is at least ``min_tokens`` long and has been seen ``sightings`` times
 is learned as a chain, one block per segment (kind ``"auto"``), continuing the longest chain already
 stored, so an agent that re-sends its system prompt, tools and conversation on every call finds them
-grafted on the next call, and after a restart too. Each block is written by the one learn path
-(`prefill_and_store()`).
+grafted on the next call, and after a restart too. The states are captured while the request itself
+is prefilled (`store_captured()`), so learning costs no second prefill.
+
+Storage: a chained automatic block is stored ``"full"`` by default (its whole state, not a delta over
+its parent): a delta chain is rebuilt level by level on every graft, each level merged and its full
+state hashed again, which costs hundreds of milliseconds per level at a few thousand tokens, while a
+full block is one read and one check. ``auto_storage="delta"`` trades that time for disk.
 
 Retention: the automatic blocks (and only those: a block a user learned is never touched) are kept
 under ``max_auto_bytes`` of stored state; past it, the least recently used *leaf* auto block is deleted
@@ -33,22 +38,28 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from ..core.blocks import Block, Fingerprint, block_id_for
-from ..core.errors import GraftmemError
-from ..memory.learn import prefill_and_store
-from ..store.chain import chain_of
+from ..core.blocks import PROVENANCE_LOCAL, Block, Fingerprint, block_id_for
+from ..core.format import state_digest
+from ..core.errors import ConfigError, GraftmemError
+from ..store.chain import chain_of, full_state, make_delta
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
     from ..store.local import Store
 
-__all__ = ["AUTO_KIND", "PrefixCache", "Match", "prefix_keys"]
+__all__ = ["AUTO_KIND", "PrefixCache", "Match", "prefix_keys", "routable"]
 
 log = logging.getLogger("graftmem")
 
 AUTO_KIND = "auto"
+
+
+def routable(block: Block) -> bool:
+    """Whether routed recall and search may pick ``block``: not an automatic prefix block (a piece of
+    some conversation the cache kept, not knowledge anyone learned for tasks)."""
+    return block.kind != AUTO_KIND
 _MAX_SIGHTINGS = 4096
 
 
@@ -76,8 +87,12 @@ class PrefixCache:
     """The prefix index over one store, for one engine fingerprint, plus the auto-learn policy."""
 
     def __init__(self, store: "Store", fingerprint: Fingerprint, *, min_tokens: int = 256,
-                 sightings: int = 2, learn: bool = True, max_auto_bytes: Optional[int] = 2 << 30) -> None:
+                 sightings: int = 2, learn: bool = True, max_auto_bytes: Optional[int] = 2 << 30,
+                 auto_storage: str = "full") -> None:
+        if auto_storage not in ("full", "delta"):
+            raise ConfigError(f"auto_storage must be 'full' or 'delta', got {auto_storage!r}")
         self.store, self.fingerprint = store, fingerprint
+        self.auto_storage = auto_storage
         self.max_auto_bytes = max_auto_bytes
         self._used: dict[str, float] = {}
         self.min_tokens, self.sightings, self.learn_enabled = min_tokens, sightings, learn
@@ -139,52 +154,82 @@ class PrefixCache:
         log.warning("prefix cache: block %s refused, the request is served cold: %s", block_id[:12], why)
 
     # ------------------------------------------------------------------ learning
-    def learn_target(self, segments: Sequence[Sequence[int]]) -> int:
-        """How many segments of this prompt to learn now (0: none): the prompt up to its last message,
-        when it is long enough, not stored yet, and seen often enough."""
-        if not self.learn_enabled or len(segments) < 3:
+    def learn_target(self, segments: Sequence[Sequence[int]], tail: int = 2) -> int:
+        """How many segments of this prompt to learn (0: none), decided before the prompt is prefilled.
+
+        Every prefix of the prompt up to the start of its last message is counted as seen once; the
+        answer is the longest such prefix that is long enough, not stored yet, and seen ``sightings``
+        times. Counting every prefix (not only the whole conversation so far) is what makes an agent's
+        stable part learned within its first session: turn 2 re-sends turn 1's system prompt and tools
+        (their second sighting, learned then), turn 3 re-sends turn 2's messages, and so on.
+
+        ``tail``: how many final segments are never learned (2 for a chat: the last message and the
+        assistant's header; 1 for a raw completion prompt: its last chunk)."""
+        if not self.learn_enabled or len(segments) < tail + 1:
             return 0
-        k = len(segments) - 2
-        if sum(len(s) for s in segments[:k]) < self.min_tokens:
-            return 0
-        key = prefix_keys(segments[:k])[-1]
+        keys = prefix_keys(segments[:len(segments) - tail])
+        lengths = [0]
+        for seg in segments[:len(keys)]:
+            lengths.append(lengths[-1] + len(seg))
+        best = 0
         with self._lock:
-            if key in self._index:
-                return 0
-            n = self._seen.pop(key, 0) + 1
-            self._seen[key] = n
+            for k, key in enumerate(keys, start=1):
+                if key in self._index:
+                    continue
+                n = self._seen.pop(key, 0) + 1
+                self._seen[key] = n
+                if n >= self.sightings and lengths[k] >= self.min_tokens:
+                    best = k
             while len(self._seen) > _MAX_SIGHTINGS:
                 self._seen.popitem(last=False)
-        return k if n >= self.sightings else 0
+        return best
 
-    def learn(self, engine: "Engine", segments: Sequence[Sequence[int]], texts: Sequence[str], k: int,
-              start: Optional[Match]) -> Optional[Block]:
-        """Store the first ``k`` segments as a chain (continuing ``start``); returns the last block.
+    def store_captured(self, engine: "Engine", segments: Sequence[Sequence[int]], texts: Sequence[str],
+                       first: int, states: Sequence[bytes], start: Optional[Match]) -> Optional[Block]:
+        """Store segments ``first .. first + len(states) - 1`` of a served request as a chain, from the
+        states the request captured after prefilling each of them (no second prefill: learning costs
+        a copy and a write, after the answer). ``start`` is the grafted block they continue, if any.
 
-        Runs its own [`Engine.session()`][graftmem.Engine.session] per block (the one learn path)."""
-        parent = start.block if start is not None and start.n_segments <= k else None
-        first = start.n_segments if parent is not None else 0
+        Each state is exactly what [`prefill_and_store()`][graftmem.memory.learn.prefill_and_store]
+        computes for the same block (the same prefill calls after the same grafted or prefilled
+        parent), so a block written here is the block the learn path would have written."""
+        parent = start.block if start is not None and first > 0 else None
+        pfull: Optional[bytes] = full_state(self.store, parent, fingerprint=self.fingerprint) \
+            if parent is not None and self.auto_storage == "delta" else None
         try:
-            for i in range(first, k):
+            for i, full in zip(range(first, first + len(states)), states):
                 tokens = list(segments[i])
                 bid = block_id_for(self.fingerprint, tokens, parent.id if parent is not None else None)
                 if self.store.contains(bid):
                     block = self.store.get(bid)
                 else:
-                    block = prefill_and_store(engine, self.store, block_id=bid, tokens=tokens, text=texts[i],
-                                              name=f"auto: {' '.join(texts[i].split())[:40]}", kind=AUTO_KIND,
-                                              metadata={"segment": i}, parent=parent)
+                    fields: dict[str, Any]
+                    if parent is None:
+                        fields = {"state_size": len(full), "state_digest": state_digest(full)}
+                        data: bytes = full
+                    else:
+                        fields = {"parent": parent.id, "pos_start": parent.pos_end,
+                                  "full_state_size": len(full), "full_state_digest": state_digest(full)}
+                        delta = make_delta(pfull, full, parent.pos_end) if pfull is not None else None
+                        data = full if delta is None else delta
+                        fields.update(storage="full" if delta is None else "delta", state_size=len(data),
+                                      state_digest=state_digest(data))
+                    block = Block(id=bid, name=f"auto: {' '.join(texts[i].split())[:40]}", kind=AUTO_KIND,
+                                  text=texts[i], tokens=tokens, n_tokens=len(tokens), fingerprint=self.fingerprint,
+                                  metadata={"segment": i}, **fields)
+                    block = self.store.put(block, memoryview(data), provenance=PROVENANCE_LOCAL,
+                                           labels_trusted=True)
                 with self._lock:
                     self._index[prefix_keys(segments[:i + 1])[-1]] = block.id
                     self._used[block.id] = time.time()
-                parent = block
+                parent, pfull = block, (full if self.auto_storage == "delta" else None)
         except GraftmemError as exc:
-            log.warning("prefix cache: learning a %d-segment prefix failed: %s", k, exc)
+            log.warning("prefix cache: storing a %d-segment prefix failed: %s", first + len(states), exc)
             return None
         with self._lock:
             self._version = self._current()
         log.info("prefix cache: learned a %d-token prompt prefix as block %s",
-                 sum(len(s) for s in segments[:k]), parent.short_id if parent else "-")
+                 sum(len(s) for s in segments[:first + len(states)]), parent.short_id if parent else "-")
         self.evict()
         return parent
 

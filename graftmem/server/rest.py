@@ -5,6 +5,7 @@ it without loading a model::
     GET    /v1/memory/blocks/<id>           one block's manifest (id or unique prefix)
     DELETE /v1/memory/blocks/<id>[?cascade=true]
     POST   /v1/memory/learn                 {"text", "name"?, "kind"?, "chat"?, "when_to_use"?, "parent"?}
+    POST   /v1/memory/ask                   {"id", "question", "max_tokens"?, "raw"?}
     POST   /v1/memory/search                {"query", "top_k"?}            (the router)
     POST   /v1/memory/recall                {"task", "max_tokens"?, "min_score"?}  (route, graft, answer)
 
@@ -23,11 +24,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from ..core.blocks import Block
-from ..core.errors import AccessDenied, BlockNotFound, ConfigError, GraftmemError, IncompatibleBlock, StoreLocked
+from ..core.errors import (AccessDenied, BlockNotFound, ConfigError, GraftmemError, IncompatibleBlock, StoreLocked,
+                           UnverifiedBlock)
 from ..memory.learn import learn
-from ..memory.recall import recall, search
+from ..memory.answer import ask as ask_block
+from ..memory.recall import continuation_for, recall, search
+from ..store.chain import chain_of
 from .http import HTTPError, Limits, guarded, json_object, public_message, read_body
 from .pool import EnginePool
+from .prefix import routable
 from .routing import RouterRef
 
 if TYPE_CHECKING:
@@ -61,7 +66,8 @@ class MemoryRoutes:
                 Route("/v1/memory/blocks/{bid}", g(self.delete), methods=["DELETE"]),
                 Route("/v1/memory/learn", g(self.learn), methods=["POST"]),
                 Route("/v1/memory/search", g(self.search), methods=["POST"]),
-                Route("/v1/memory/recall", g(self.recall), methods=["POST"])]
+                Route("/v1/memory/recall", g(self.recall), methods=["POST"]),
+                Route("/v1/memory/ask", g(self.ask), methods=["POST"])]
 
     def _translated(self, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
         """graftmem errors as HTTP statuses (the message without local paths)."""
@@ -71,7 +77,7 @@ class MemoryRoutes:
             except GraftmemError as exc:
                 status = (404 if isinstance(exc, BlockNotFound) else 403 if isinstance(exc, AccessDenied)
                           else 503 if isinstance(exc, StoreLocked)
-                          else 400 if isinstance(exc, (ConfigError, IncompatibleBlock)) else 500)
+                          else 400 if isinstance(exc, (ConfigError, IncompatibleBlock, UnverifiedBlock)) else 500)
                 raise HTTPError(status, public_message(str(exc), self.home), name=type(exc).__name__,
                                 code=type(exc).__name__) from exc
         return run
@@ -129,7 +135,8 @@ class MemoryRoutes:
             raise HTTPError(400, "top_k must be an integer in [1, 100]", param="top_k")
         digest = self.pool.engines[0].fingerprint.digest()
         router = self._router
-        hits = await anyio.to_thread.run_sync(lambda: search(router(), self.store, digest, query, top_k=top_k))
+        hits = await anyio.to_thread.run_sync(lambda: search(router(), self.store, digest, query, top_k=top_k,
+                                                             allow=routable))
         return JSONResponse({"hits": [h.model_dump(mode="json") for h in hits]})
 
     async def recall(self, request: Request) -> Response:
@@ -143,5 +150,25 @@ class MemoryRoutes:
             raise HTTPError(400, "min_score must be a number", param="min_score")
         router = await anyio.to_thread.run_sync(self._router)
         r = await self._on_engine(lambda e: recall(e, self.store, router, task, max_tokens=max_tokens,
-                                                   min_score=min_score))
+                                                   min_score=min_score, allow=routable))
+        return Response(r.model_dump_json(), media_type="application/json")
+
+    async def ask(self, request: Request) -> Response:
+        """``Memory.ask``: graft one block (by id or unique prefix) and answer ``question`` after it (as the
+        next chat turn for a chat block, unless ``raw``). A block that nothing here vouches for is refused."""
+        body = await self._body(request)
+        bid, question, max_tokens = body.get("id"), body.get("question"), body.get("max_tokens", 64)
+        raw = body.get("raw", False)
+        if not isinstance(bid, str) or not bid or not isinstance(question, str) or not question:
+            raise HTTPError(400, "id and question must be non-empty strings", param="question")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1 or not isinstance(raw, bool):
+            raise HTTPError(400, "max_tokens must be a positive integer and raw a boolean", param="max_tokens")
+        block = self.store.get(bid)
+        for b in chain_of(self.store, block):
+            if not b.trusted:
+                raise UnverifiedBlock(f"block {block.short_id}: {b.short_id} is {b.provenance}: nothing here "
+                                      "proved that its state is its text's; re-derive it first")
+        query = question if raw else continuation_for(block, question)
+        r = await self._on_engine(lambda e: ask_block(e, self.store, block, query, max_tokens=max_tokens))
+        r = r.model_copy(update={"receipt": r.receipt.model_copy(update={"provenance": block.provenance})})
         return Response(r.model_dump_json(), media_type="application/json")

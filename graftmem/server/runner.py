@@ -48,6 +48,8 @@ class ServerThread:
             raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; pick another "
                               "port (0 picks a free one)") from exc
         self._sock = sock
+        bound_host, bound_port = sock.getsockname()[:2]
+        self._url = f"http://[{bound_host}]:{bound_port}" if ":" in bound_host else f"http://{bound_host}:{bound_port}"
         self._config = uvicorn.Config(
             app, http="h11", lifespan="off", log_config=None, access_log=False, server_header=False,
             timeout_keep_alive=max(1, int(self.limits.keep_alive)),
@@ -58,8 +60,8 @@ class ServerThread:
 
     @property
     def url(self) -> str:
-        host, port = self._sock.getsockname()[:2]
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        """``http://host:port``, known from construction on (and still readable after `close()`)."""
+        return self._url
 
     def _run(self) -> None:
         try:

@@ -28,16 +28,19 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
                sign_key: Optional[SigningKey] = None, check: Optional[BlockCheck] = None,
                max_queue: int = 16, min_prefix_tokens: int = 256, sightings: int = 2, learn: bool = True,
                max_auto_bytes: Optional[int] = 2 << 30, model_id: Optional[str] = None,
-               limits: Optional[Limits] = None, router: Optional[Callable[[], "Router"]] = None) -> BlockServer:
+               limits: Optional[Limits] = None, router: Optional[Callable[[], "Router"]] = None,
+               auto_storage: str = "full") -> BlockServer:
     """A `BlockServer` that also answers ``/v1/chat/completions``, ``/v1/completions`` and
     ``/v1/models`` with ``engines`` (one request per engine at a time, ``max_queue`` waiting), grafting
     stored prompt prefixes and learning those seen ``sightings`` times with at least
     ``min_prefix_tokens`` tokens (automatic blocks kept under ``max_auto_bytes``, least recently used
     evicted first; blocks a user learned are never evicted). ``router`` (called on the first routed
-    request) enables ``"graftmem": {"recall": true}`` and ``/v1/memory/search|recall``. Not started: use it as a context manager or call ``start()``."""
+    request) enables ``"graftmem": {"recall": true}`` and ``/v1/memory/search|recall``.
+    ``auto_storage``: ``"full"`` (fast grafts, the default) or ``"delta"`` (less disk) for chained
+    automatic blocks (`PrefixCache`). Not started: use it as a context manager or call ``start()``."""
     pool = EnginePool(engines, max_queue=max_queue)
     cache = PrefixCache(store, engines[0].fingerprint, min_tokens=min_prefix_tokens, sightings=sightings,
-                        learn=learn, max_auto_bytes=max_auto_bytes)
+                        learn=learn, max_auto_bytes=max_auto_bytes, auto_storage=auto_storage)
     ref = RouterRef(router)
     oa = OpenAIRoutes(pool, store, cache, model_id=model_id, limits=limits, router=ref)
     rest = MemoryRoutes(pool, store, ref, limits=limits)

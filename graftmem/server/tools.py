@@ -1,0 +1,181 @@
+"""Tool use over the OpenAI API: tool descriptions and tool messages rendered into the prompt, tool
+calls parsed out of the answer.
+
+The format is the Hermes one that SmolLM2, Qwen and most open chat models were tuned on:
+
+- the request's ``tools`` are appended to the system message (one is added when there is none) as
+  ``<tools>`` followed by one JSON object per line, keys sorted, then an instruction to answer a call
+  as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``;
+- an assistant message's ``tool_calls`` are rendered after its content in the same form (``name``
+  first, then ``arguments`` with sorted keys);
+- a ``role: "tool"`` message is rendered as ``<tool_response>...</tool_response>`` in a ``tool`` turn
+  (a ``user`` turn for templates without that role).
+
+Everything is rendered deterministically (sorted keys, fixed separators), so the same tools and the
+same conversation always give the same token ids: the tool block is part of the stable prefix that the
+prefix cache learns and grafts, like the system prompt it extends.
+
+A model's answer is searched for complete ``<tool_call>...</tool_call>`` spans whose JSON names a tool
+of the request; each one becomes an entry of ``message.tool_calls`` (``arguments`` as a JSON string, as
+OpenAI sends it) and the finish reason is ``"tool_calls"``. Text outside the spans stays the content.
+``tool_choice: "none"`` keeps the tools in the prompt but parses nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from .http import HTTPError
+
+__all__ = ["ToolSpec", "CALL_OPEN", "CALL_CLOSE", "parse_tools", "tools_prompt", "render_calls",
+           "render_tool_result", "parse_calls", "ToolStream"]
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+_CALL_RE = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.S)
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(", ", ": "))
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """The request's tools (checked) and whether calls are parsed out of the answer."""
+
+    functions: tuple[dict[str, Any], ...]
+    parse: bool
+
+    @property
+    def names(self) -> set[str]:
+        return {f["name"] for f in self.functions}
+
+
+def parse_tools(body: dict[str, Any]) -> Optional[ToolSpec]:
+    """The request's ``tools`` / ``tool_choice``, checked (400 on a malformed one); None without tools."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise HTTPError(400, "tool_choice needs tools", param="tool_choice")
+        return None
+    if not isinstance(tools, list) or len(tools) > 128:
+        raise HTTPError(400, "tools must be a list of up to 128 function tools", param="tools")
+    functions = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not _NAME_RE.match(fn["name"]):
+            raise HTTPError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}} "
+                            "with a name of letters, digits, _ . - (up to 64)", param=f"tools[{i}]")
+        desc, params = fn.get("description"), fn.get("parameters")
+        if desc is not None and not isinstance(desc, str):
+            raise HTTPError(400, f"tools[{i}].function.description must be a string", param=f"tools[{i}]")
+        if params is not None and not isinstance(params, dict):
+            raise HTTPError(400, f"tools[{i}].function.parameters must be a JSON Schema object",
+                            param=f"tools[{i}]")
+        entry: dict[str, Any] = {"name": fn["name"]}
+        if desc:
+            entry["description"] = desc
+        if params is not None:
+            entry["parameters"] = params
+        functions.append(entry)
+    if choice is not None and choice not in ("none", "auto", "required") and not (
+            isinstance(choice, dict) and isinstance(choice.get("function"), dict)):
+        raise HTTPError(400, "tool_choice must be none, auto, required or {\"type\": \"function\", ...}",
+                        param="tool_choice")
+    return ToolSpec(tuple(functions), parse=choice != "none")
+
+
+def tools_prompt(spec: ToolSpec) -> str:
+    """The text appended to the system message: the tools, one JSON object per line, and the format."""
+    lines = "\n".join(_dumps({"type": "function", "function": f}) for f in spec.functions)
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+            f"{lines}\n</tools>\n\n"
+            "For each function call, return a json object with function name and arguments within "
+            "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+            "<args-json-object>}\n</tool_call>")
+
+
+def render_calls(calls: Any, i: int) -> str:
+    """An assistant message's ``tool_calls`` as the text the model would have written."""
+    if not isinstance(calls, list):
+        raise HTTPError(400, f"messages[{i}].tool_calls must be a list", param=f"messages[{i}].tool_calls")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise HTTPError(400, f"messages[{i}].tool_calls[{j}] must have function.name",
+                            param=f"messages[{i}].tool_calls")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                pass  # kept as the string the client sent
+        # name first, as models write it (and as they then imitate it); the arguments' keys sorted
+        out.append(f'{CALL_OPEN}\n{{"name": {json.dumps(fn["name"])}, "arguments": {_dumps(args)}}}\n{CALL_CLOSE}')
+    return "\n".join(out)
+
+
+def render_tool_result(content: str) -> str:
+    return f"<tool_response>\n{content}\n</tool_response>"
+
+
+def parse_calls(text: str, spec: Optional[ToolSpec]) -> tuple[Optional[str], list[dict[str, Any]]]:
+    """The content and the tool calls in an answer (no calls: the text unchanged and an empty list)."""
+    if spec is None or not spec.parse or CALL_OPEN not in text:
+        return text, []
+    calls = []
+    for m in _CALL_RE.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+        except ValueError:
+            continue
+        if not isinstance(obj, dict) or obj.get("name") not in spec.names:
+            continue
+        args = obj.get("arguments", obj.get("parameters", {}))
+        calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                      "function": {"name": obj["name"],
+                                   "arguments": args if isinstance(args, str) else json.dumps(args)}})
+    if not calls:
+        return text, []
+    content = _CALL_RE.sub("", text).strip()
+    return content or None, calls
+
+
+class ToolStream:
+    """Streams an answer's content while holding back anything that may be a tool call.
+
+    Text is passed on until ``<tool_call>`` appears (or may be appearing: a suffix that is a prefix of
+    it is held); from there on nothing is streamed, and `finish()` decides from the whole answer."""
+
+    def __init__(self) -> None:
+        self.buf, self.sent, self.held = "", 0, False
+
+    def feed(self, text: str) -> str:
+        self.buf += text
+        if self.held:
+            return ""
+        cut = self.buf.find(CALL_OPEN, self.sent)
+        if cut >= 0:
+            self.held = True
+            safe = cut
+        else:
+            safe = len(self.buf)
+            for n in range(min(len(CALL_OPEN) - 1, len(self.buf) - self.sent), 0, -1):
+                if CALL_OPEN.startswith(self.buf[-n:]):
+                    safe -= n
+                    break
+        out, self.sent = self.buf[self.sent:safe], max(self.sent, safe)
+        return out
+
+    def rest(self, final_text: str, calls: Sequence[dict[str, Any]]) -> str:
+        """What content is still to send once the answer is complete."""
+        if calls:
+            return ""
+        return final_text[self.sent:] if final_text.startswith(self.buf[:self.sent]) else ""

@@ -1,0 +1,73 @@
+"""The CLI as a light client of a running server: ``ls``, ``ask`` and ``search`` with ``--url`` answer
+through the real HTTP API, and the client process loads no model, no server and no embedder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from graftmem.server import api_server
+from graftmem.store.local import Store
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "llama_cpp", "starlette", "uvicorn", "sentence_transformers", "faiss", "pydantic", "httpx")
+PROBE = ("import json, sys\nfrom graftmem.cli import main\nrc = main(sys.argv[1:])\n"
+         "print('MODULES=' + json.dumps(sorted({m.split('.')[0] for m in sys.modules} & set(%r))))\n"
+         "sys.exit(rc)\n") % (HEAVY,)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("GRAFTMEM_URL", None)
+    return subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT, env=env)
+
+
+def test_cli_verbs_through_the_server_load_nothing_heavy(smol, tmp_path):
+    store = Store(tmp_path / "home")
+    try:
+        with api_server(store, [smol]) as srv:
+            r = httpx.post(srv.url + "/v1/memory/learn", timeout=120, json={
+                "text": "Refunds take 14 days and need the receipt.", "chat": True, "name": "refunds"})
+            bid = r.json()["block"]["id"]
+            ls = _cli("ls", "--url", srv.url, "--json")
+            assert ls.returncode == 0, ls.stderr
+            out, mods = ls.stdout.rsplit("MODULES=", 1)
+            assert [b["id"] for b in json.loads(out)] == [bid]
+            assert json.loads(mods) == [], mods  # no model, no server, no embedder, no pydantic, no httpx
+            ask = _cli("ask", bid[:10], "How long do refunds take?", "--max-tokens", "8", "--url", srv.url, "--json")
+            assert ask.returncode == 0, ask.stderr
+            out, mods = ask.stdout.rsplit("MODULES=", 1)
+            answer = json.loads(out)
+            assert answer["receipt"]["tokens_restored"] > 0 and answer["block"]["id"] == bid
+            assert json.loads(mods) == []
+            # the same question asked in-process gives the same answer (the server runs Memory's path)
+            from graftmem.memory.answer import ask as ask_block
+            from graftmem.memory.recall import continuation_for
+            block = store.get(bid)
+            local = ask_block(smol, store, block, continuation_for(block, "How long do refunds take?"), max_tokens=8)
+            assert answer["text"] == local.text
+            # search needs the router; this server has none: a clear one-line error, still a light process
+            s = _cli("search", "refund", "--url", srv.url)
+            assert s.returncode == 2 and "without a router" in s.stderr
+            assert json.loads(s.stdout.rsplit("MODULES=", 1)[1]) == []
+    finally:
+        store.close()
+
+
+def test_every_lazy_public_name_resolves():
+    """The lazy maps of graftmem and graftmem.core cover __all__ exactly (a name added to one and not
+    the other fails here, not in a user's import)."""
+    import graftmem
+    import graftmem.core
+
+    for mod in (graftmem, graftmem.core):
+        for name in mod.__all__:
+            assert getattr(mod, name) is not None, (mod.__name__, name)
+        lazy = set(getattr(mod, "_LAZY"))
+        assert lazy <= set(mod.__all__), lazy - set(mod.__all__)
