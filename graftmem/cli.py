@@ -231,15 +231,23 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _greedy_remote(args: argparse.Namespace) -> None:
+    """The memory API of a server answers greedily, whole, from verified blocks: refuse the flags it
+    would otherwise ignore."""
+    if (args.temperature or args.seed is not None or args.top_p != 1.0 or args.allow_unverified
+            or args.stream):
+        from . import ConfigError
+
+        raise ConfigError("--url answers greedily, whole, from verified blocks: drop --temperature/--top-p/"
+                          "--seed/--allow-unverified/--stream, or run without --url (the server's OpenAI API "
+                          "samples and streams: docs/agents.md)")
+
+
 def cmd_ask(args: argparse.Namespace) -> int:
     if (url := _server(args)) is not None:
-        if args.temperature or args.seed is not None or args.top_p != 1.0 or args.allow_unverified:
-            from . import ConfigError
-
-            raise ConfigError("--url answers greedily from verified blocks: drop --temperature/--top-p/--seed/"
-                              "--allow-unverified, or ask without --url")
+        _greedy_remote(args)
         r = _remote(url, "ask", {"id": args.id, "question": args.question, "max_tokens": args.max_tokens,
-                                 "raw": args.raw})
+                                 "raw": args.raw, "stop": args.stop})
         rc = r["receipt"]
         _out(args, r, f"{r['text']}\n\n-- {rc['tokens_restored']} tokens restored in {rc['restore_ms']:.1f} ms, "
                       f"{rc['tokens_prefilled']} prefilled; exact={rc['exact']} (through {url})")
@@ -285,8 +293,9 @@ def cmd_recall(args: argparse.Namespace) -> int:
     from . import Recall
 
     if (url := _server(args)) is not None:
+        _greedy_remote(args)
         r = Recall.model_validate(_remote(url, "recall", {"task": args.task, "max_tokens": args.max_tokens,
-                                                          "min_score": args.min_score}))
+                                                          "min_score": args.min_score, "stop": args.stop}))
     else:
         with _memory(args) as mem:
             kw = dict(max_tokens=args.max_tokens, min_score=args.min_score, sampling=_sampling(args),

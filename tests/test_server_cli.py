@@ -52,6 +52,15 @@ def test_cli_verbs_through_the_server_load_nothing_heavy(smol, tmp_path):
             block = store.get(bid)
             local = ask_block(smol, store, block, continuation_for(block, "How long do refunds take?"), max_tokens=8)
             assert answer["text"] == local.text
+            # --stop goes through the server; flags it cannot honour are refused, not ignored
+            word = " " + local.text.split()[1]
+            stopped = _cli("ask", bid[:10], "How long do refunds take?", "--max-tokens", "8", "--url", srv.url,
+                           "--json", "--stop", word)
+            assert stopped.returncode == 0, stopped.stderr
+            cut = json.loads(stopped.stdout.rsplit("MODULES=", 1)[0])
+            assert cut["text"] == local.text[:local.text.find(word)] and cut["finish_reason"] == "stop"
+            refused = _cli("ask", bid[:10], "How long?", "--url", srv.url, "--stream")
+            assert refused.returncode == 2 and "--stream" in refused.stderr
             # search needs the router; this server has none: a clear one-line error, still a light process
             s = _cli("search", "refund", "--url", srv.url)
             assert s.returncode == 2 and "without a router" in s.stderr

@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from ..core.blocks import Block
+from ..core.decode import check_stops
 from ..core.errors import (AccessDenied, BlockNotFound, ConfigError, GraftmemError, IncompatibleBlock, StoreLocked,
                            UnverifiedBlock)
 from ..memory.learn import learn
@@ -148,14 +149,16 @@ class MemoryRoutes:
             raise HTTPError(400, "max_tokens must be a positive integer", param="max_tokens")
         if min_score is not None and not isinstance(min_score, (int, float)):
             raise HTTPError(400, "min_score must be a number", param="min_score")
+        stops = check_stops(body.get("stop"))
         router = await anyio.to_thread.run_sync(self._router)
         r = await self._on_engine(lambda e: recall(e, self.store, router, task, max_tokens=max_tokens,
-                                                   min_score=min_score, allow=routable))
+                                                   min_score=min_score, allow=routable, stops=stops))
         return Response(r.model_dump_json(), media_type="application/json")
 
     async def ask(self, request: Request) -> Response:
         """``Memory.ask``: graft one block (by id or unique prefix) and answer ``question`` after it (as the
-        next chat turn for a chat block, unless ``raw``). A block that nothing here vouches for is refused."""
+        next chat turn for a chat block, unless ``raw``), greedily, up to ``stop`` strings if given. A block
+        that nothing here vouches for is refused."""
         body = await self._body(request)
         bid, question, max_tokens = body.get("id"), body.get("question"), body.get("max_tokens", 64)
         raw = body.get("raw", False)
@@ -163,12 +166,14 @@ class MemoryRoutes:
             raise HTTPError(400, "id and question must be non-empty strings", param="question")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1 or not isinstance(raw, bool):
             raise HTTPError(400, "max_tokens must be a positive integer and raw a boolean", param="max_tokens")
+        stops = check_stops(body.get("stop"))
         block = self.store.get(bid)
         for b in chain_of(self.store, block):
             if not b.trusted:
                 raise UnverifiedBlock(f"block {block.short_id}: {b.short_id} is {b.provenance}: nothing here "
                                       "proved that its state is its text's; re-derive it first")
         query = question if raw else continuation_for(block, question)
-        r = await self._on_engine(lambda e: ask_block(e, self.store, block, query, max_tokens=max_tokens))
+        r = await self._on_engine(lambda e: ask_block(e, self.store, block, query, max_tokens=max_tokens,
+                                                      stops=stops))
         r = r.model_copy(update={"receipt": r.receipt.model_copy(update={"provenance": block.provenance})})
         return Response(r.model_dump_json(), media_type="application/json")
