@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from ..core.decode import Sampling, decode
+from ..core.decode import AnswerText, Sampling, decode
 from ..core.errors import GraftmemError
 from ..memory.answer import graft
 
@@ -77,29 +77,22 @@ def run_job(engine: "Engine", store: "Store", cache: Optional["PrefixCache"], jo
     segs = job.segments
     n_prompt = sum(len(s) for s in segs)
     match = cache.lookup(segs) if cache is not None and job.use_cache else None
-    raw = bytearray()  # the answer's bytes: decoded only where complete (a character may span tokens)
+    answer = AnswerText(engine.piece, job.stops)  # final text only: no half character, no partial stop
     entries: list[dict[str, Any]] = []
     pending: list[dict[str, Any]] = []  # logprob entries not streamed yet
-    state: dict[str, Any] = {"emitted": 0, "stop_at": None}
-    hold = max((len(s) for s in job.stops), default=1) - 1  # text that may still become a stop string
 
     def on_token(tok: int, lp: float, top: Optional[list[tuple[int, float]]]) -> Optional[str]:
-        raw.extend(engine.piece(tok))
+        stopped = answer.add(tok)
         if job.logprobs:
             entries.append(_entry(engine, tok, lp, top))
             pending.append(entries[-1])
-        text = raw.decode("utf-8", "replace")
-        if job.stops:
-            hits = [i for i in (text.find(s) for s in job.stops) if i >= 0]
-            if hits:
-                state["stop_at"] = min(hits)
-                return "stop"
+        if stopped:
+            return "stop"
         if job.emit is not None:
-            safe = min(len(text) - hold, len(text.rstrip("\ufffd")))
-            if safe > state["emitted"]:
-                job.emit("delta", (text[state["emitted"]:safe], pending[:]))
+            delta = answer.delta()
+            if delta:
+                job.emit("delta", (delta, pending[:]))
                 pending.clear()
-                state["emitted"] = safe
         if job.cancel.is_set():
             return "cancelled"
         return None
@@ -131,11 +124,10 @@ def run_job(engine: "Engine", store: "Store", cache: Optional["PrefixCache"], jo
         out = decode(engine, job.max_tokens, first_logits=first, sampling=job.sampling, on_token=on_token,
                      top_logprobs=job.top_logprobs if job.logprobs else 0)
         t3 = time.perf_counter()
-    text = raw.decode("utf-8", "replace")
-    if state["stop_at"] is not None:
-        text = text[:state["stop_at"]]
-    if job.emit is not None and (len(text) > state["emitted"] or pending):
-        job.emit("delta", (text[state["emitted"]:], pending[:]))
+    text = answer.text
+    rest = answer.delta(final=True)
+    if job.emit is not None and (rest or pending):
+        job.emit("delta", (rest, pending[:]))
     receipt = {"block_id": block_id, "tokens_restored": restored, "tokens_prefilled": n_prompt - restored,
                "restore_ms": round((t1 - t0) * 1e3, 3) if block_id else 0.0,
                "prefill_ms": round((t2 - t1) * 1e3, 3), "decode_ms": round((t3 - t2) * 1e3, 3),
