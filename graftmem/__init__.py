@@ -23,7 +23,7 @@ from .memory import (Attempt, CallableVerifier, Candidate, DocumentAnswer, Docum
                      SentenceTransformerEmbedder, Solution, SolverOutput, Verdict, Verifier, run_program)
 from .server import BlockServer
 from .share import BundleManifest, ExportReport, PublicKey, SigningKey, TransferReport, TrustPolicy
-from .store import Store
+from .store import FleetStore, Store
 
 __all__ = [
     "AccessDenied",
@@ -50,6 +50,7 @@ __all__ = [
     "Exactness",
     "ExportReport",
     "Fingerprint",
+    "FleetStore",
     "Flywheel",
     "Gate",
     "GateReport",
