@@ -40,9 +40,32 @@ def _config(args: argparse.Namespace) -> Optional[dict]:
     return config
 
 
+def _store_spec(args: argparse.Namespace) -> Optional[str]:
+    """--store, else $GRAFTMEM_STORE (unless --home was given), else None (the local home)."""
+    spec = getattr(args, "store", None)
+    if spec is None and not args.home:
+        spec = os.environ.get("GRAFTMEM_STORE") or None
+    if spec is not None and args.home:
+        from . import ConfigError
+
+        raise ConfigError("give --home (a directory) or --store (s3://bucket/prefix or a directory), not both")
+    return spec
+
+
+def _store(args: argparse.Namespace):
+    """The store the command works on: the local home, or the fleet store of --store s3://..."""
+    from .store import open_store
+
+    spec = _store_spec(args)
+    return open_store(spec if spec is not None else args.home)
+
+
 def _memory(args: argparse.Namespace):
     from . import Memory
 
+    spec = _store_spec(args)
+    if spec is not None:
+        return Memory(args.model, store=spec, config=_config(args))
     return Memory(args.model, home=args.home, config=_config(args))
 
 
@@ -154,9 +177,7 @@ def cmd_learn(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from .store import Store
-
-    store = Store(args.home)
+    store = _store(args)
     try:
         blocks = store.list(kind=args.kind)
     finally:
@@ -177,9 +198,7 @@ def _label(text: str, b: Any) -> str:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from .store import Store
-
-    store = Store(args.home)
+    store = _store(args)
     try:
         b = store.get(args.id)
     finally:
@@ -359,9 +378,7 @@ def _transfer_text(verb: str, rep: Any) -> str:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from .share import export
-    from .store import Store
-
-    store = Store(args.home)
+    store = _store(args)
     try:
         rep = export(store, args.path, args.ids or None, kind=args.kind, sign_key=_sign_key(args),
                      progress=not args.json)
@@ -392,14 +409,13 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 def cmd_push(args: argparse.Namespace) -> int:
     from .share import push
-    from .store import Store
 
     token = args.token or os.environ.get("GRAFTMEM_PUSH_TOKEN")
     if not token:
         from . import ConfigError
 
         raise ConfigError("push needs the server's token: --token or $GRAFTMEM_PUSH_TOKEN")
-    store = Store(args.home)
+    store = _store(args)
     try:
         rep = push(store, args.url, args.ids or None, token=token, kind=args.kind,
                    sign_key=_sign_key(args), progress=not args.json)
@@ -467,9 +483,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
-    from .store import Store
-
-    store = Store(args.home)
+    store = _store(args)
     try:
         bid = store.resolve(args.id)
         gone = store.delete(bid, cascade=args.cascade)
@@ -480,9 +494,7 @@ def cmd_delete(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from .store import Store
-
-    store = Store(args.home)
+    store = _store(args)
     try:
         st = store.stats()
     finally:
@@ -495,9 +507,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from .store import Store
-
-    store = Store(args.home)
+    store = _store(args)
     try:
         fixed = store.reconcile()
         st = store.stats()
@@ -641,6 +651,10 @@ def _global_options(p: argparse.ArgumentParser, default: Any) -> None:
         return argparse.SUPPRESS if default is argparse.SUPPRESS else value
 
     p.add_argument("--home", default=d(None), help="store directory (default: $GRAFTMEM_HOME or the user data dir)")
+    p.add_argument("--store", default=d(None), metavar="URL",
+                   help="s3://bucket/prefix: a fleet store in S3-compatible object storage (endpoint and "
+                        "credentials from the AWS_* variables; docs/fleet.md), or a directory "
+                        "(default: $GRAFTMEM_STORE, else --home)")
     p.add_argument("--model", default=d(None), help="model short name (smollm2, gemma3-270m) or GGUF path "
                                                     "(default: smollm2)")
     p.add_argument("--config", default=d(None), help='engine config as JSON, e.g. \'{"n_ctx": 4096}\'')

@@ -76,7 +76,10 @@ class Bucket:
     """One bucket and prefix; keys passed to the methods are relative to the prefix."""
 
     def __init__(self, url: str, *, retry: RetryPolicy = RetryPolicy()) -> None:
-        from obstore.store import S3Store
+        try:
+            from obstore.store import S3Store
+        except ImportError as exc:
+            raise ConfigError("an s3:// store needs obstore: pip install 'graftmem[s3]'") from exc
 
         self.url = url
         self.bucket, self.prefix = parse_url(url)

@@ -1,0 +1,228 @@
+"""The fleet store on a real SeaweedFS (tests/seaweed.py starts `weed server -s3` once per session):
+workers learn into and graft from one bucket, each with its own cache; every byte that comes from the
+bucket is checked before it can be grafted; faults are clear typed errors with the cache intact."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import obstore
+import pytest
+
+from graftmem import AccessDenied, BlockCorrupted, BlockNotFound, ConfigError, FleetStore, Memory, TransferError
+from graftmem.core.engine import logits_sha256
+from graftmem.store import RetryPolicy, Store
+from tests.conftest import flip_bit, long_text
+from tests.seaweed import BUCKET, Seaweed, bucket_url, seaweed  # noqa: F401 (fixtures)
+
+QUERY = " Next:"
+FAST = RetryPolicy(retries=1, retry_timeout=3.0, init_backoff=0.05, max_backoff=0.2, connect_timeout=1.0,
+                   timeout=10.0)
+
+
+def _key(url: str, rel: str) -> str:
+    return url.split(f"s3://{BUCKET}/", 1)[1] + "/" + rel
+
+
+def _block_key(url: str, bid: str) -> str:
+    return _key(url, f"blocks/{bid[:2]}/{bid}.gmb")
+
+
+def _worker(smol, url, tmp_path, name, **kw) -> Memory:
+    """A Memory over the shared engine and the bucket, with a cache of its own (a separate machine)."""
+    return Memory(engine=smol, store=FleetStore(url, cache_dir=tmp_path / f"cache-{name}", poll_interval=0, **kw))
+
+
+def _fresh_sha(eng, text: str) -> str:
+    with eng.session():
+        eng.prefill(eng.tokenize(text))
+        eng.prefill(eng.tokenize(QUERY, add_special=False))
+        return logits_sha256(eng.logits())
+
+
+def test_learned_on_one_worker_grafts_exactly_on_another_with_an_empty_cache(smol, bucket_url, tmp_path, seaweed):
+    text = long_text(150, seed=1)
+    with _worker(smol, bucket_url, tmp_path, "a") as a:
+        block = a.learn(text, name="refunds", when_to_use="refund questions")
+    with _worker(smol, bucket_url, tmp_path, "b") as b:
+        assert b.store.cache_stats()["blocks"] == 0
+        assert [x.id for x in b.get_all()] == [block.id]
+        r = b.ask(block.id, QUERY, max_tokens=1)
+        st = b.store.cache_stats()
+        assert st["blocks"] == 1 and st["get_bytes"] >= block.state_size  # fetched once, now cached
+        again = b.ask(block.id, QUERY, max_tokens=1)
+        assert b.store.cache_stats()["cache_hits"] >= 1
+        # the routing data came with the marker: the new worker routes to it without being told
+        hit = b.search("a question about refunds", top_k=1)
+        assert hit and hit[0].block_id == block.id
+    assert r.receipt.first_logits_sha256 == again.receipt.first_logits_sha256 == _fresh_sha(smol, text)
+    keys = {o["path"] for o in obstore.list(seaweed.client(), prefix=_key(bucket_url, "")).collect()}
+    assert keys == {_block_key(bucket_url, block.id), _key(bucket_url, f"index/{block.id}.json")}
+
+
+def test_a_re_put_of_identical_content_is_a_no_op_and_other_content_under_a_key_is_refused(
+        smol, bucket_url, tmp_path, seaweed):
+    text = long_text(80, seed=2)
+    with _worker(smol, bucket_url, tmp_path, "a") as a:
+        block = a.learn(text, name="one")
+        state = a.store.cache.read_state(block.id, lambda n: memoryview(bytearray(n)))[1]
+    client = seaweed.client()
+    before = obstore.head(client, _block_key(bucket_url, block.id))
+    # a second worker, empty cache, puts the same block: nothing is written
+    store = FleetStore(bucket_url, cache_dir=tmp_path / "cache-c", poll_interval=0)
+    try:
+        store.put(block, bytes(state))
+        assert store.counters["put_bytes"] == 0
+        # a worker killed between its block and its marker: the next put finds the object, checks it is
+        # the same block (header + manifest + trailer), and writes the marker only
+        obstore.delete(client, _key(bucket_url, f"index/{block.id}.json"))
+        store.refresh(force=True)
+        assert not store.contains(block.id)
+        store.put(block, bytes(state))
+        assert store.contains(block.id) and store.counters["put_bytes"] == 0
+        after = obstore.head(client, _block_key(bucket_url, block.id))
+        assert (after["e_tag"], after["last_modified"]) == (before["e_tag"], before["last_modified"])
+        # another block's bytes under this key: refused as corrupted, no marker written
+        with _worker(smol, bucket_url, tmp_path, "d") as d:
+            other = d.learn(long_text(60, seed=3), name="other")
+        obstore.delete(client, _key(bucket_url, f"index/{block.id}.json"))
+        obstore.copy(client, _block_key(bucket_url, other.id), _block_key(bucket_url, block.id))
+        store.refresh(force=True)
+        store2 = FleetStore(bucket_url, cache_dir=tmp_path / "cache-e", poll_interval=0)
+        try:
+            with pytest.raises(BlockCorrupted, match="other content"):
+                store2.put(block, bytes(state))
+            assert not store2.contains(block.id)
+        finally:
+            store2.close()
+    finally:
+        store.close()
+
+
+def test_a_corrupted_or_swapped_object_is_refused_and_never_cached(smol, bucket_url, tmp_path, seaweed):
+    with _worker(smol, bucket_url, tmp_path, "a") as a:
+        one = a.learn(long_text(100, seed=4), name="one")
+        two = a.learn(long_text(100, seed=5), name="two")
+        src = a.store.cache.path_of(one.id)
+        damaged = tmp_path / "damaged.gmb"
+        damaged.write_bytes(src.read_bytes())
+    flip_bit(damaged, damaged.stat().st_size - 32 - 1000)  # a byte of the state
+    client = seaweed.client()
+    # two's key now holds one's (intact) file: a swap; one's key a file with one flipped state bit
+    obstore.copy(client, _block_key(bucket_url, one.id), _block_key(bucket_url, two.id))
+    obstore.put(client, _block_key(bucket_url, one.id), damaged.read_bytes())
+    with _worker(smol, bucket_url, tmp_path, "b") as b:
+        with pytest.raises(BlockCorrupted, match="digest"):
+            b.ask(one.id, QUERY, max_tokens=1)
+        with pytest.raises(BlockCorrupted, match="id/size|manifest"):
+            b.ask(two.id, QUERY, max_tokens=1)
+        assert b.store.cache_stats()["blocks"] == 0  # nothing entered the cache
+        assert not list((tmp_path / "cache-b" / ".staging").glob("*.gmb"))
+
+
+def test_a_deleted_block_is_tombstoned_for_every_worker_and_can_be_learned_again(smol, bucket_url, tmp_path,
+                                                                                  seaweed):
+    text = long_text(90, seed=6)
+    with _worker(smol, bucket_url, tmp_path, "a") as a, _worker(smol, bucket_url, tmp_path, "b") as b:
+        block = a.learn(text, name="gone")
+        b.ask(block.id, QUERY, max_tokens=1)  # b has it cached
+        assert b.store.cache.contains(block.id)
+        assert a.delete(block.id) == [block.id]
+        client = seaweed.client()
+        assert obstore.head(client, _key(bucket_url, f"tombstones/{block.id}"))
+        # the object stays for readers that listed before the delete, until garbage collection
+        assert obstore.head(client, _block_key(bucket_url, block.id))
+        assert b.get_all() == []
+        assert not b.store.cache.contains(block.id)  # and b's cached copy is gone with it
+        with pytest.raises(BlockNotFound):
+            b.ask(block.id, QUERY, max_tokens=1)
+        assert a.store.collect_garbage(grace=3600)["blocks_removed"] == 0
+        again = b.learn(text, name="back")
+        assert again.id == block.id and [x.name for x in a.get_all()] == ["back"]
+        a.delete(block.id)
+        assert a.store.collect_garbage(grace=0) == {"blocks_removed": 1, "tombstones_removed": 1}
+        assert not list(obstore.list(client, prefix=_key(bucket_url, "blocks")).collect())
+
+
+def test_the_cache_is_capped_least_recently_used_first(smol, bucket_url, tmp_path):
+    with _worker(smol, bucket_url, tmp_path, "a") as a:
+        blocks = [a.learn(long_text(60, seed=10 + i), name=f"b{i}") for i in range(3)]
+    cap = int(max(b.state_size for b in blocks) * 2.5)
+    with _worker(smol, bucket_url, tmp_path, "b", cache_bytes=cap) as b:
+        shas = [b.ask(x.id, QUERY, max_tokens=1).receipt.first_logits_sha256 for x in blocks]
+        b.ask(blocks[1].id, QUERY, max_tokens=1)  # b1 is now the most recently used
+        b.ask(blocks[0].id, QUERY, max_tokens=1)  # fetches b0 again, evicting b2 (least recent)
+        cached = {x.id for x in b.store.cache.list()}
+        assert b.store.cache_stats()["bytes"] <= cap
+        assert cached == {blocks[0].id, blocks[1].id}
+        assert [b.ask(x.id, QUERY, max_tokens=1).receipt.first_logits_sha256 for x in blocks] == shas
+
+
+def test_bucket_down_is_a_clear_error_and_the_cache_stays(smol, tmp_path, monkeypatch):
+    server = Seaweed(tmp_path / "sw").start()
+    try:
+        for k, v in server.env().items():
+            monkeypatch.setenv(k, v)
+        url = f"s3://{BUCKET}/down"
+        with Memory(engine=smol, store=FleetStore(url, cache_dir=tmp_path / "c", poll_interval=0, retry=FAST)) as m:
+            cached = m.learn(long_text(60, seed=20), name="cached")
+            with _worker(smol, url, tmp_path, "other") as other:
+                remote_only = other.learn(long_text(60, seed=21), name="remote")
+            want = m.ask(cached.id, QUERY, max_tokens=1).receipt.first_logits_sha256
+            m.store.refresh(force=True)
+            server.stop()
+            t0 = time.monotonic()
+            with pytest.raises(TransferError, match="object storage .* failed"):
+                m.ask(remote_only.id, QUERY, max_tokens=1)
+            assert time.monotonic() - t0 < 30  # bounded retries
+            with pytest.raises(TransferError):
+                m.learn(long_text(60, seed=22), name="new")
+            # what is cached still grafts, byte-exactly
+            assert m.ask(cached.id, QUERY, max_tokens=1).receipt.first_logits_sha256 == want
+            assert m.store.cache.contains(cached.id) and not m.store.cache.contains(remote_only.id)
+        with pytest.raises(TransferError):
+            FleetStore(url, cache_dir=tmp_path / "c2", retry=FAST)
+    finally:
+        server.stop()
+
+
+def test_wrong_credentials_are_a_clear_error(bucket_url, tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    with pytest.raises(AccessDenied, match="AWS_SECRET_ACCESS_KEY"):
+        FleetStore(bucket_url, cache_dir=tmp_path / "c", retry=FAST)
+
+
+def test_the_store_is_chosen_by_url_env_or_cli_flag(smol, bucket_url, tmp_path, monkeypatch, capsys):
+    from graftmem.cli import main
+
+    with pytest.raises(ConfigError, match="s3://bucket"):
+        FleetStore("http://not-s3/x")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("GRAFTMEM_STORE", bucket_url)
+    with Memory(engine=smol) as m:
+        assert isinstance(m.store, FleetStore) and str(tmp_path / "xdg") in str(m.store.home)
+        block = m.learn(long_text(40, seed=30), name="by-env")
+    monkeypatch.delenv("GRAFTMEM_STORE")
+    assert main(["ls", "--json", "--store", bucket_url]) == 0
+    assert [b["id"] for b in json.loads(capsys.readouterr().out)] == [block.id]
+    assert main(["ls", "--store", bucket_url, "--home", str(tmp_path / "h")]) != 0
+    assert "not both" in capsys.readouterr().err
+
+
+def test_a_local_store_uploads_into_a_bucket(smol, bucket_url, tmp_path):
+    with Memory(engine=smol, home=tmp_path / "local") as local:
+        blocks = [local.learn(long_text(50, seed=40 + i), name=f"l{i}") for i in range(2)]
+        want = [local.ask(b.id, QUERY, max_tokens=1).receipt.first_logits_sha256 for b in blocks]
+    src = Store(tmp_path / "local")
+    fleet = FleetStore(bucket_url, cache_dir=tmp_path / "c", poll_interval=0)
+    try:
+        assert sorted(fleet.upload_store(src)) == sorted(b.id for b in blocks)
+        assert fleet.upload_store(src) == []  # again: nothing
+    finally:
+        src.close()
+        fleet.close()
+    with _worker(smol, bucket_url, tmp_path, "w") as w:
+        assert [w.ask(b.id, QUERY, max_tokens=1).receipt.first_logits_sha256 for b in blocks] == want
+        assert all(b.provenance == "local" for b in w.get_all())
+
