@@ -32,7 +32,7 @@ def main() -> int:
     from graftmem.core.engine import Engine, logits_sha256
     from graftmem.store import RetryPolicy
 
-    store = FleetStore(cfg["url"], cache_dir=cfg["cache"], poll_interval=0.5,
+    store = FleetStore(cfg["url"], cache_dir=cfg["cache"], poll_interval=0.5, cache_bytes=cfg["cache_bytes"],
                        retry=RetryPolicy(retries=6, retry_timeout=20.0, max_backoff=2.0, connect_timeout=2.0))
     if cfg.get("announce_upload"):  # the victim: say when a block upload begins, so the test can kill it then
         real = store.bucket.put

@@ -61,7 +61,9 @@ def test_four_workers_one_bucket_a_kill_and_a_volume_restart(tmp_path, monkeypat
         def spawn(i: int, texts, **extra) -> tuple[subprocess.Popen, Path]:
             report = tmp_path / f"w{i}.jsonl"
             cfg = {"url": url, "cache": str(tmp_path / f"cache{i}"), "report": str(report), "texts": texts,
-                   "seed": i, "read_seconds": 30, "max_asks": 4, **extra}
+                   "seed": i, "read_seconds": 25, "max_asks": 12,
+                   # a cache of about one block: most reads go to the bucket
+                   "cache_bytes": 2 << 20, **extra}
             (tmp_path / f"w{i}.json").write_text(json.dumps(cfg))
             p = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fleet_worker.py"), str(tmp_path / f"w{i}.json")],
                                  env=env, cwd=ROOT, stdout=open(tmp_path / f"w{i}.log", "wb"),
@@ -81,7 +83,7 @@ def test_four_workers_one_bucket_a_kill_and_a_volume_restart(tmp_path, monkeypat
         victim.send_signal(signal.SIGKILL)
         victim.wait(timeout=10)
         # stop a volume server while the workers read, start it again 2 s later
-        _wait(lambda: sum(any(e["event"] == "reading" for e in _events(r)) for r in reports) >= 2, 90,
+        _wait(lambda: sum(any(e["event"] == "graft" for e in _events(r)) for r in reports) >= 2, 90,
               "two workers reading")
         down = time.time()
         cluster.stop_volume(1)
