@@ -115,7 +115,7 @@ def test_a_corrupted_or_swapped_object_is_refused_and_never_cached(smol, bucket_
     with _worker(smol, bucket_url, tmp_path, "b") as b:
         with pytest.raises(BlockCorrupted, match="digest"):
             b.ask(one.id, QUERY, max_tokens=1)
-        with pytest.raises(BlockCorrupted, match="id/size|manifest"):
+        with pytest.raises(BlockCorrupted, match="id/size|manifest|bytes than its marker"):
             b.ask(two.id, QUERY, max_tokens=1)
         assert b.store.cache_stats()["blocks"] == 0  # nothing entered the cache
         assert not list((tmp_path / "cache-b" / ".staging").glob("*.gmb"))
@@ -226,3 +226,22 @@ def test_a_local_store_uploads_into_a_bucket(smol, bucket_url, tmp_path):
         assert [w.ask(b.id, QUERY, max_tokens=1).receipt.first_logits_sha256 for b in blocks] == want
         assert all(b.provenance == "local" for b in w.get_all())
 
+
+
+def test_a_truncated_or_extended_large_object_is_refused(smol, bucket_url, tmp_path, seaweed):
+    """Above 8 MiB a block comes down in concurrent ranges sized from its marker: an object shorter or
+    longer than that is refused as corrupted, not grafted and not cached."""
+    with _worker(smol, bucket_url, tmp_path, "a") as a:
+        big = a.learn(long_text(500, seed=50), name="big")
+        raw = a.store.cache.path_of(big.id).read_bytes()
+    assert len(raw) > 8 << 20
+    client = seaweed.client()
+    for bad in (raw[:-(1 << 20)], raw + b"\0" * 4096):
+        obstore.put(client, _block_key(bucket_url, big.id), bad)
+        with _worker(smol, bucket_url, tmp_path, f"b{len(bad)}") as b:
+            with pytest.raises(BlockCorrupted, match="bytes than its marker"):
+                b.ask(big.id, QUERY, max_tokens=1)
+            assert b.store.cache_stats()["blocks"] == 0
+    obstore.put(client, _block_key(bucket_url, big.id), raw)
+    with _worker(smol, bucket_url, tmp_path, "c") as c:
+        assert c.ask(big.id, QUERY, max_tokens=1).receipt.first_logits_sha256 == _fresh_sha(smol, big.text)

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..core.blocks import PROVENANCE_LOCAL, PROVENANCE_UNVERIFIED, Block, Fingerprint, StoreStats
-from ..core.errors import BlockCorrupted, BlockNotFound, ConfigError, StoreError
+from ..core.errors import BlockCorrupted, BlockNotFound, ConfigError, StoreError, TransferError
 from ..core.format import HEADER, TRAILER_LEN, parse_header, parse_manifest
 from .home import BLOCK_SUFFIX, Home
 from .local import Store, read_block_file
@@ -149,6 +149,7 @@ class FleetStore:
         self.read_only = False
         self.cache_bytes = int(cache_bytes)
         self.poll_interval = float(poll_interval)
+        self.fetch_parts = 4  #: concurrent range requests per block download (above 8 MiB)
         self._tlock = threading.RLock()
         self._poll_lock = threading.Lock()
         self._last_poll = float("-inf")
@@ -426,15 +427,27 @@ class FleetStore:
         stage_dir.mkdir(parents=True, exist_ok=True)
         tmp = stage_dir / f"{bid}.{os.getpid()}.{threading.get_ident()}{BLOCK_SUFFIX}"
         t0 = time.perf_counter()
-        data = self.bucket.get(_block_key(bid))
-        self.counters["gets"] += 1
-        self.counters["get_bytes"] += len(data)
+        row = self._one("SELECT file_size FROM remote WHERE id=?", (bid,))
+        size = int(row[0]) if row else 0
         try:
-            with open(tmp, "wb") as f:
-                f.write(memoryview(data))
-            del data
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            try:
+                got = self.bucket.get_to_file(_block_key(bid), fd, size, parts=self.fetch_parts)
+            except TransferError:
+                head = self.bucket.head(_block_key(bid)) if size else None
+                if head is not None and int(head["size"]) != size:  # ranges past a shorter object's end
+                    raise BlockCorrupted(f"{self.url}/{_block_key(bid)}: {head['size']} bytes, its marker says "
+                                         f"{size}; refused", path=f"{self.url}/{_block_key(bid)}") from None
+                raise
+            finally:
+                os.close(fd)
+            self.counters["gets"] += 1
+            self.counters["get_bytes"] += got
             t1 = time.perf_counter()
             where = f"{self.url}/{_block_key(bid)}"
+            if size and got != size:
+                raise BlockCorrupted(f"{where}: the object has {'more' if got > size else 'fewer'} bytes than "
+                                     f"its marker's {size}; it was not cached and nothing was grafted", path=where)
             try:
                 block, view = read_block_file(tmp, buffer, expect_id=bid, fingerprint=fingerprint, timings=timings)
             except BlockCorrupted as exc:
