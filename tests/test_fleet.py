@@ -34,6 +34,18 @@ def _worker(smol, url, tmp_path, name, **kw) -> Memory:
     return Memory(engine=smol, store=FleetStore(url, cache_dir=tmp_path / f"cache-{name}", poll_interval=0, **kw))
 
 
+class _Counting:
+    """An embedder that counts the texts it embeds (the same model and id as the one it wraps)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.texts = inner, 0
+        self.model_id = getattr(inner, "model_id", None)
+
+    def embed_batch(self, texts):
+        self.texts += len(texts)
+        return self.inner.embed_batch(texts)
+
+
 def _fresh_sha(eng, text: str) -> str:
     with eng.session():
         eng.prefill(eng.tokenize(text))
@@ -56,9 +68,19 @@ def test_learned_on_one_worker_grafts_exactly_on_another_with_an_empty_cache(smo
         # the routing data came with the marker: the new worker routes to it without being told
         hit = b.search("a question about refunds", top_k=1)
         assert hit and hit[0].block_id == block.id
+        shared = b.embedder
+    # the rows b embedded are in the bucket: a third worker embeds only its task, not the blocks
+    counting = _Counting(shared)
+    with Memory(engine=smol, store=FleetStore(bucket_url, cache_dir=tmp_path / "cache-c", poll_interval=0),
+                embedder=counting) as c:
+        hit = c.search("a question about refunds", top_k=1)
+        assert hit and hit[0].block_id == block.id
+    assert counting.texts == 1
     assert r.receipt.first_logits_sha256 == again.receipt.first_logits_sha256 == _fresh_sha(smol, text)
     keys = {o["path"] for o in obstore.list(seaweed.client(), prefix=_key(bucket_url, "")).collect()}
-    assert keys == {_block_key(bucket_url, block.id), _key(bucket_url, f"index/{block.id}.json")}
+    routing = {k for k in keys if "/routing/" in k}
+    assert keys - routing == {_block_key(bucket_url, block.id), _key(bucket_url, f"index/{block.id}.json")}
+    assert len(routing) == 1 and block.id in routing.pop()  # the block's routing rows, shared once
 
 
 def test_a_re_put_of_identical_content_is_a_no_op_and_other_content_under_a_key_is_refused(

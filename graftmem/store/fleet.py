@@ -615,6 +615,58 @@ class FleetStore:
             self._drop_cached(cur)
         return list(reversed(order))
 
+    # ------------------------------------------------------------------ routing vectors
+    def get_vectors(self, space: str, names: list[str]) -> dict[str, Any]:
+        """Routing rows other workers embedded (``routing/<space>/<id>-<entry key>.npy``), for the
+        router (`graftmem.memory.router`); missing or unreadable ones are left out (embedded locally)."""
+        import io
+
+        import numpy as np
+
+        if not names:
+            return {}
+        try:
+            there = {o["path"].rsplit("/", 1)[-1][:-4] for o in self.bucket.list(f"routing/{space}")
+                     if o["path"].endswith(".npy")}
+        except (StoreError, TransferError) as exc:
+            log.warning("fleet store %s: routing vectors not listed (%s); embedding here", self.url, exc)
+            return {}
+        want = [n for n in names if n in there]
+
+        def one(name: str) -> Optional[tuple[str, Any]]:
+            try:
+                raw = bytes(self.bucket.get(f"routing/{space}/{name}.npy"))
+                arr = np.load(io.BytesIO(raw), allow_pickle=False)
+            except (StoreError, TransferError, ValueError, OSError) as exc:
+                log.warning("fleet store %s: routing vectors %s unreadable (%s); embedding here", self.url, name, exc)
+                return None
+            if arr.dtype != np.float32 or arr.ndim != 2 or not np.isfinite(arr).all():
+                return None
+            return name, arr
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            got = [g for g in pool.map(one, want) if g is not None]
+        self.counters["gets"] += len(want)
+        return dict(got)
+
+    def put_vectors(self, space: str, rows: dict[str, Any]) -> None:
+        """Share routing rows this worker embedded (written once; a failure only costs a re-embed elsewhere)."""
+        import io
+
+        import numpy as np
+
+        def one(item: tuple[str, Any]) -> None:
+            buf = io.BytesIO()
+            np.save(buf, np.ascontiguousarray(item[1], dtype=np.float32), allow_pickle=False)
+            try:
+                self.bucket.put(f"routing/{space}/{item[0]}.npy", buf.getvalue(), create=True)
+            except (StoreError, TransferError) as exc:
+                log.warning("fleet store %s: routing vectors %s not shared: %s", self.url, item[0], exc)
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            list(pool.map(one, rows.items()))
+        self.counters["puts"] += len(rows)
+
     def collect_garbage(self, *, grace: float = DEFAULT_GRACE) -> dict[str, int]:
         """Remove block objects without a marker (deleted, or left by a worker killed between its
         block and its marker) and tombstones whose marker is gone, once older than ``grace`` seconds.
