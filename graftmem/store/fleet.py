@@ -667,6 +667,30 @@ class FleetStore:
             list(pool.map(one, rows.items()))
         self.counters["puts"] += len(rows)
 
+    # ------------------------------------------------------------------ shared files
+    def put_file(self, name: str, path: Path) -> None:
+        """Share a file beside the blocks (``files/<name>``, overwritten): e.g. a snapshot of a page
+        index, so that a new worker asks a long document without re-embedding its passages."""
+        if not name or name.startswith("/") or ".." in name.split("/"):
+            raise ConfigError(f"{name!r} is not a relative file name")
+        self.bucket.put(f"files/{name}", Path(path), create=False)
+        self.counters["puts"] += 1
+
+    def get_file(self, name: str, dest: Path) -> bool:
+        """Download ``files/<name>`` to ``dest`` (atomically); False if there is none."""
+        from .local import atomic_file
+
+        try:
+            data = self.bucket.get(f"files/{name}")
+        except BlockNotFound:
+            return False
+        self.counters["gets"] += 1
+        self.counters["get_bytes"] += len(data)
+        Path(dest).parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(Path(dest)) as f:
+            f.write(memoryview(data))
+        return True
+
     def collect_garbage(self, *, grace: float = DEFAULT_GRACE) -> dict[str, int]:
         """Remove block objects without a marker (deleted, or left by a worker killed between its
         block and its marker) and tombstones whose marker is gone, once older than ``grace`` seconds.
