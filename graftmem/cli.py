@@ -376,8 +376,35 @@ def _transfer_text(verb: str, rep: Any) -> str:
             f"{rep.seconds:.2f} s ({mbps:.0f} MB/s){signer}")
 
 
+def cmd_upload(args: argparse.Namespace) -> int:
+    from . import ConfigError
+    from .store import FleetStore, Store
+
+    source = Path(args.source).expanduser()
+    if not (source / "index.sqlite").is_file() and not (source / "blocks").is_dir():
+        raise ConfigError(f"{source} is not a graftmem store (no blocks/ or index.sqlite)")
+    store = _store(args)
+    try:
+        if not isinstance(store, FleetStore):
+            raise ConfigError("upload copies a local store into a bucket: give --store s3://bucket/prefix "
+                              "(or $GRAFTMEM_STORE)")
+        src = Store(source)
+        try:
+            done = store.upload_store(src)
+            total = src.stats().blocks
+        finally:
+            src.close()
+        sent = store.counters["put_bytes"]
+    finally:
+        store.close()
+    _out(args, {"uploaded": done, "blocks": total, "bytes": sent},
+         f"uploaded {len(done)} of {total} blocks ({sent:,} bytes) to {store.url}")
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from .share import export
+
     store = _store(args)
     try:
         rep = export(store, args.path, args.ids or None, kind=args.kind, sign_key=_sign_key(args),
@@ -755,6 +782,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default); --no-rederive lands them unverified (never grafted without "
                              "--allow-unverified, never routed)")
 
+    sp = add("upload", cmd_upload, "copy every block of a local store into the fleet store of --store s3://... "
+                                   "(create-once: blocks already there are skipped)")
+    sp.add_argument("source", help="the local store directory (a home)")
     sp = add("export", cmd_export, "write blocks (default all) to one bundle file")
     sp.add_argument("path")
     sp.add_argument("ids", nargs="*", help="block ids or prefixes (default: all)")

@@ -232,14 +232,18 @@ def test_the_store_is_chosen_by_url_env_or_cli_flag(smol, bucket_url, tmp_path, 
     assert "not both" in capsys.readouterr().err
 
 
-def test_a_local_store_uploads_into_a_bucket(smol, bucket_url, tmp_path):
+def test_a_local_store_uploads_into_a_bucket(smol, bucket_url, tmp_path, monkeypatch, capsys):
     with Memory(engine=smol, home=tmp_path / "local") as local:
         blocks = [local.learn(long_text(50, seed=40 + i), name=f"l{i}") for i in range(2)]
         want = [local.ask(b.id, QUERY, max_tokens=1).receipt.first_logits_sha256 for b in blocks]
+    from graftmem.cli import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert main(["upload", str(tmp_path / "local"), "--store", bucket_url, "--json"]) == 0
+    assert sorted(json.loads(capsys.readouterr().out)["uploaded"]) == sorted(b.id for b in blocks)
     src = Store(tmp_path / "local")
     fleet = FleetStore(bucket_url, cache_dir=tmp_path / "c", poll_interval=0)
     try:
-        assert sorted(fleet.upload_store(src)) == sorted(b.id for b in blocks)
         assert fleet.upload_store(src) == []  # again: nothing
     finally:
         src.close()
@@ -267,3 +271,28 @@ def test_a_truncated_or_extended_large_object_is_refused(smol, bucket_url, tmp_p
     obstore.put(client, _block_key(bucket_url, big.id), raw)
     with _worker(smol, bucket_url, tmp_path, "c") as c:
         assert c.ask(big.id, QUERY, max_tokens=1).receipt.first_logits_sha256 == _fresh_sha(smol, big.text)
+
+
+def test_a_large_block_goes_up_in_parts_and_a_second_upload_is_skipped(smol, bucket_url, tmp_path, seaweed):
+    """Above the multipart threshold (lowered here to 6 MiB, 5 MiB parts) a block is uploaded in parts:
+    the object is whole when listed, and a worker that finds it there checks it instead of uploading."""
+    text = long_text(500, seed=60)
+    store = FleetStore(bucket_url, cache_dir=tmp_path / "cache-a", poll_interval=0)
+    store.bucket.multipart_above, store.bucket.part_size = 6 << 20, 5 << 20
+    with Memory(engine=smol, store=store) as a:
+        big = a.learn(text, name="big")
+    assert store.counters["put_bytes"] > 6 << 20
+    store.close()
+    head = obstore.head(seaweed.client(), _block_key(bucket_url, big.id))
+    assert "-" in head["e_tag"]  # a multipart ETag: "<md5 of part md5s>-<parts>"
+    with _worker(smol, bucket_url, tmp_path, "b") as b:
+        b.delete(big.id)  # marker gone, object kept: a learn finds the object and checks it
+    c_store = FleetStore(bucket_url, cache_dir=tmp_path / "cache-c", poll_interval=0)
+    c_store.bucket.multipart_above = 6 << 20
+    with Memory(engine=smol, store=c_store) as c:
+        again = c.learn(text, name="big again")
+        assert again.id == big.id and c_store.counters["put_bytes"] == 0
+        assert [x.name for x in c.get_all()] == ["big again"]
+    c_store.close()
+    with _worker(smol, bucket_url, tmp_path, "d") as d:
+        assert d.ask(big.id, QUERY, max_tokens=1).receipt.first_logits_sha256 == _fresh_sha(smol, text)

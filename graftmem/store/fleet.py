@@ -6,8 +6,8 @@ Bucket layout (keys under the URL's prefix)::
 
     blocks/<id[:2]>/<id>.gmb   the block file, the same bytes as a local one (self-verifying: header,
                                manifest with the id and the state's BLAKE3 digest, trailer); written
-                               ONCE (If-None-Match: *, or multipart above 256 MiB, which is invisible
-                               until complete)
+                               ONCE (If-None-Match: *; above 256 MiB: a look first, then a multipart
+                               upload, invisible until complete, of the same state whoever wins)
     index/<id>.json            the marker: manifest, provenance, labels_trusted, file size. Written
                                after the block file, so a listing of index/ shows complete blocks only
                                (a worker killed mid-upload leaves at most an unlisted block object)
@@ -501,7 +501,12 @@ class FleetStore:
         """Block file first (create-once), then its marker, then clear a tombstone of an earlier delete."""
         size = path.stat().st_size
         key = _block_key(block.id)
-        tag = self.bucket.put(key, path, create=True, size=size)
+        if size > self.bucket.multipart_above:
+            # multipart cannot be conditional: look first; two workers racing here upload the same
+            # state (same id: same tokens and engine) and the last completed upload stands
+            tag = None if self.bucket.head(key) is not None else self.bucket.put(key, path, create=False, size=size)
+        else:
+            tag = self.bucket.put(key, path, create=True, size=size)
         self.counters["puts"] += 1
         if tag is None:  # already there (another worker, or a killed upload of ours): same bytes?
             self._check_existing(block, key)

@@ -103,6 +103,8 @@ class Bucket:
         except Exception as exc:  # obstore's configuration errors (unknown key, bad URL)
             raise ConfigError(f"cannot configure the object store for {url}: {exc}") from exc
         self.where = f"{url} ({self.endpoint or 'AWS'})"
+        self.multipart_above = MULTIPART_ABOVE  #: bytes above which an upload goes in parts
+        self.part_size = PART_SIZE  #: bytes per part (S3: at least 5 MiB but the last)
 
     # ------------------------------------------------------------------ errors
     @contextlib.contextmanager
@@ -138,17 +140,17 @@ class Bucket:
         from obstore import exceptions as ox
 
         n = size if size is not None else (data.stat().st_size if isinstance(data, Path) else len(data))
-        multipart = not create and n > MULTIPART_ABOVE
+        multipart = not create and n > self.multipart_above
         with self._errors("writing", key):
             try:
                 if isinstance(data, Path):
                     with open(data, "rb") as f:
                         body: Any = f if multipart else f.read()
                         res = obstore.put(self.store, key, body, mode="create" if create else "overwrite",
-                                          use_multipart=multipart, chunk_size=PART_SIZE, max_concurrency=4)
+                                          use_multipart=multipart, chunk_size=self.part_size, max_concurrency=4)
                 else:
                     res = obstore.put(self.store, key, data, mode="create" if create else "overwrite",
-                                      use_multipart=multipart, chunk_size=PART_SIZE, max_concurrency=4)
+                                      use_multipart=multipart, chunk_size=self.part_size, max_concurrency=4)
             except (ox.AlreadyExistsError, ox.PreconditionError):
                 return None
         return res.get("e_tag") or ""
