@@ -113,7 +113,7 @@ class Bucket:
 
         try:
             yield
-        except ox.NotFoundError as exc:
+        except (ox.NotFoundError, FileNotFoundError) as exc:  # obstore raises the latter for a 404
             raise BlockNotFound(f"{key} is not in {self.where} ({doing})") from exc
         except (ox.PermissionDeniedError, ox.UnauthenticatedError) as exc:
             raise AccessDenied(f"{self.where} refused the credentials while {doing} {key}: check "
