@@ -296,3 +296,54 @@ def test_a_large_block_goes_up_in_parts_and_a_second_upload_is_skipped(smol, buc
     c_store.close()
     with _worker(smol, bucket_url, tmp_path, "d") as d:
         assert d.ask(big.id, QUERY, max_tokens=1).receipt.first_logits_sha256 == _fresh_sha(smol, text)
+
+
+def test_prefetch_brings_blocks_into_the_cache_checked(smol, bucket_url, tmp_path, seaweed):
+    """The pager's hint: blocks fetched in the background are checked like any fetch; a corrupted one
+    is logged and left out, and the graft that needs it later still refuses it."""
+    with _worker(smol, bucket_url, tmp_path, "a") as a:
+        good = a.learn(long_text(60, seed=70), name="good")
+        bad = a.learn(long_text(60, seed=71), name="bad")
+        raw = bytearray(a.store.cache.path_of(bad.id).read_bytes())
+    raw[-32 - 100] ^= 1  # a bit of the state
+    obstore.put(seaweed.client(), _block_key(bucket_url, bad.id), bytes(raw))
+    with _worker(smol, bucket_url, tmp_path, "b") as b:
+        futures = b.store.prefetch([good.id, bad.id, good.id])
+        assert len(futures) == 2 and [f.result(timeout=60) for f in futures] == [True, False]
+        assert {x.id for x in b.store.cache.list()} == {good.id}
+        assert b.store.prefetch([good.id]) == []  # cached: nothing to do
+        hits = b.store.cache_stats()["cache_hits"]
+        b.ask(good.id, QUERY, max_tokens=1)
+        assert b.store.cache_stats()["cache_hits"] == hits + 1
+        with pytest.raises(BlockCorrupted):
+            b.ask(bad.id, QUERY, max_tokens=1)
+
+
+def test_a_document_asked_from_a_bucket_prefetches_the_runner_up_pages(smol, bucket_url, tmp_path):
+    """A long document learned on one worker is asked on another with an empty cache (its page index
+    shared as a file): the page that answers is fetched for the graft, the runner-up pages follow in
+    the background, and nothing else is fetched."""
+    import sqlite3
+
+    from graftmem.store import Home
+    from tests.test_needle import FACTS, _document
+
+    with _worker(smol, bucket_url, tmp_path, "a") as a:
+        rep = a.learn_document(_document(), document="town", window=256, overlap=32, progress=False)
+        snap = tmp_path / "pages.sqlite"
+        with sqlite3.connect(a.store.layout.pages_index) as src, sqlite3.connect(snap) as dst:
+            src.backup(dst)
+        a.store.put_file("pages/index.sqlite", snap)
+    assert rep.pages >= 4
+    store = FleetStore(bucket_url, cache_dir=tmp_path / "cache-b", poll_interval=0)
+    assert store.get_file("pages/index.sqlite", Home(tmp_path / "cache-b").pages_index)
+    with Memory(engine=smol, store=store) as b:
+        ans = b.recall_document("How many sacks of barley does the copper mill at Dunmere grind each week?",
+                                document="town", max_tokens=2, min_score=0.0)
+        assert FACTS[1] in b.get(ans.page.block_id).text
+        deadline = time.monotonic() + 60
+        while store._inflight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        cached = {x.id for x in store.cache.list()}
+        assert ans.page.block_id in cached and 2 <= len(cached) <= 3 < rep.pages
+    store.close()

@@ -48,7 +48,7 @@ import os
 import sqlite3
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -154,6 +154,9 @@ class FleetStore:
         self._poll_lock = threading.Lock()
         self._last_poll = float("-inf")
         self._version = 0
+        self._closed = False
+        self._inflight: set[str] = set()
+        self._prefetcher: Optional[ThreadPoolExecutor] = None
         self.counters = {"gets": 0, "get_bytes": 0, "puts": 0, "put_bytes": 0, "lists": 0, "cache_hits": 0}
         try:
             self._db = sqlite3.connect(root / "fleet.sqlite", timeout=lock_timeout, check_same_thread=False,
@@ -171,6 +174,11 @@ class FleetStore:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
+        with self._tlock:
+            self._closed = True
+            pool, self._prefetcher = self._prefetcher, None
+        if pool is not None:  # let running prefetches land (they write into the cache), drop queued ones
+            pool.shutdown(wait=True, cancel_futures=True)
         with self._tlock:
             with contextlib.suppress(sqlite3.Error):
                 self._db.close()
@@ -469,6 +477,35 @@ class FleetStore:
         finally:
             tmp.unlink(missing_ok=True)
         return meta, view
+
+    def prefetch(self, block_ids: list[str]) -> list[Future]:
+        """Fetch blocks into the cache in the background (two at a time), checked on arrival as any
+        fetch; blocks already cached or on their way are skipped. For the pager: the pages ranked
+        next for a task are likely the next ones asked. A failure is logged, never raised here."""
+        futures = []
+        for bid in block_ids:
+            with self._tlock:
+                if bid in self._inflight or self._closed:
+                    continue
+                if self.cache.contains(bid):
+                    continue
+                if self._prefetcher is None:
+                    self._prefetcher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="graftmem-prefetch")
+                self._inflight.add(bid)
+                futures.append(self._prefetcher.submit(self._prefetch_one, bid))
+        return futures
+
+    def _prefetch_one(self, bid: str) -> bool:
+        try:
+            if not self.cache.contains(bid):
+                self.read_state(bid, lambda n: memoryview(bytearray(n)))
+            return True
+        except Exception as exc:  # a prefetch is a hint: the graft that needs the block fetches it again
+            log.warning("fleet store %s: prefetch of %s failed: %s", self.url, bid[:12], exc)
+            return False
+        finally:
+            with self._tlock:
+                self._inflight.discard(bid)
 
     def _evict(self, keep: str) -> None:
         """Remove least recently used blocks until the cache is under its cap."""
