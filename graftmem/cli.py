@@ -40,9 +40,32 @@ def _config(args: argparse.Namespace) -> Optional[dict]:
     return config
 
 
+def _store_spec(args: argparse.Namespace) -> Optional[str]:
+    """--store, else $GRAFTMEM_STORE (unless --home was given), else None (the local home)."""
+    spec = getattr(args, "store", None)
+    if spec is None and not args.home:
+        spec = os.environ.get("GRAFTMEM_STORE") or None
+    if spec is not None and args.home:
+        from . import ConfigError
+
+        raise ConfigError("give --home (a directory) or --store (s3://bucket/prefix or a directory), not both")
+    return spec
+
+
+def _store(args: argparse.Namespace):
+    """The store the command works on: the local home, or the fleet store of --store s3://..."""
+    from .store import open_store
+
+    spec = _store_spec(args)
+    return open_store(spec if spec is not None else args.home)
+
+
 def _memory(args: argparse.Namespace):
     from . import Memory
 
+    spec = _store_spec(args)
+    if spec is not None:
+        return Memory(args.model, store=spec, config=_config(args))
     return Memory(args.model, home=args.home, config=_config(args))
 
 
@@ -184,9 +207,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         rows = [[b["id"][:12], b["kind"], b["n_tokens"], f"{b['state_size']:,}", (b["name"] or "")[:40]] for b in blocks]
         _out(args, blocks, _table(rows, ["id", "kind", "tokens", "state bytes", "name"]) if rows else "(no blocks)")
         return 0
-    from .store import Store
-
-    store = Store(args.home)
+    store = _store(args)
     try:
         blocks = store.list(kind=args.kind)
     finally:
@@ -207,9 +228,7 @@ def _label(text: str, b: Any) -> str:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from .store import Store
-
-    store = Store(args.home)
+    store = _store(args)
     try:
         b = store.get(args.id)
     finally:
@@ -411,11 +430,36 @@ def _transfer_text(verb: str, rep: Any) -> str:
             f"{rep.seconds:.2f} s ({mbps:.0f} MB/s){signer}")
 
 
+def cmd_upload(args: argparse.Namespace) -> int:
+    from . import ConfigError
+    from .store import FleetStore, Store
+
+    source = Path(args.source).expanduser()
+    if not (source / "index.sqlite").is_file() and not (source / "blocks").is_dir():
+        raise ConfigError(f"{source} is not a graftmem store (no blocks/ or index.sqlite)")
+    store = _store(args)
+    try:
+        if not isinstance(store, FleetStore):
+            raise ConfigError("upload copies a local store into a bucket: give --store s3://bucket/prefix "
+                              "(or $GRAFTMEM_STORE)")
+        src = Store(source)
+        try:
+            done = store.upload_store(src)
+            total = src.stats().blocks
+        finally:
+            src.close()
+        sent = store.counters["put_bytes"]
+    finally:
+        store.close()
+    _out(args, {"uploaded": done, "blocks": total, "bytes": sent},
+         f"uploaded {len(done)} of {total} blocks ({sent:,} bytes) to {store.url}")
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from .share import export
-    from .store import Store
 
-    store = Store(args.home)
+    store = _store(args)
     try:
         rep = export(store, args.path, args.ids or None, kind=args.kind, sign_key=_sign_key(args),
                      progress=not args.json)
@@ -446,14 +490,13 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 def cmd_push(args: argparse.Namespace) -> int:
     from .share import push
-    from .store import Store
 
     token = args.token or os.environ.get("GRAFTMEM_PUSH_TOKEN")
     if not token:
         from . import ConfigError
 
         raise ConfigError("push needs the server's token: --token or $GRAFTMEM_PUSH_TOKEN")
-    store = Store(args.home)
+    store = _store(args)
     try:
         rep = push(store, args.url, args.ids or None, token=token, kind=args.kind,
                    sign_key=_sign_key(args), progress=not args.json)
@@ -521,9 +564,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
-    from .store import Store
-
-    store = Store(args.home)
+    store = _store(args)
     try:
         bid = store.resolve(args.id)
         gone = store.delete(bid, cascade=args.cascade)
@@ -534,9 +575,7 @@ def cmd_delete(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from .store import Store
-
-    store = Store(args.home)
+    store = _store(args)
     try:
         st = store.stats()
     finally:
@@ -549,9 +588,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from .store import Store
-
-    store = Store(args.home)
+    store = _store(args)
     try:
         fixed = store.reconcile()
         st = store.stats()
@@ -695,6 +732,10 @@ def _global_options(p: argparse.ArgumentParser, default: Any) -> None:
         return argparse.SUPPRESS if default is argparse.SUPPRESS else value
 
     p.add_argument("--home", default=d(None), help="store directory (default: $GRAFTMEM_HOME or the user data dir)")
+    p.add_argument("--store", default=d(None), metavar="URL",
+                   help="s3://bucket/prefix: a fleet store in S3-compatible object storage (endpoint and "
+                        "credentials from the AWS_* variables; docs/fleet.md), or a directory "
+                        "(default: $GRAFTMEM_STORE, else --home)")
     p.add_argument("--model", default=d(None), help="model short name (smollm2, gemma3-270m) or GGUF path "
                                                     "(default: smollm2)")
     p.add_argument("--config", default=d(None), help='engine config as JSON, e.g. \'{"n_ctx": 4096}\'')
@@ -795,6 +836,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default); --no-rederive lands them unverified (never grafted without "
                              "--allow-unverified, never routed)")
 
+    sp = add("upload", cmd_upload, "copy every block of a local store into the fleet store of --store s3://... "
+                                   "(create-once: blocks already there are skipped)")
+    sp.add_argument("source", help="the local store directory (a home)")
     sp = add("export", cmd_export, "write blocks (default all) to one bundle file")
     sp.add_argument("path")
     sp.add_argument("ids", nargs="*", help="block ids or prefixes (default: all)")

@@ -36,6 +36,7 @@ from ..share.client import pull, push
 from ..share.admission import Vetting
 from ..share.manifest import ExportReport, TransferReport
 from ..share.trust import SigningKey, TrustPolicy
+from ..store.fleet import FleetStore, open_store
 from ..store.local import Store
 from ..store.scopes import ScopeIndex
 from .stream import AnswerStream
@@ -159,7 +160,10 @@ class Memory:
     directory (default ``$GRAFTMEM_HOME`` or the user data dir); ``config`` an [`EngineConfig`][graftmem.EngineConfig]
     or a dict of its fields (unknown keys are an error). ``engine`` shares an already loaded
     [`Engine`][graftmem.Engine] between stores (the Memory then does not close it); ``embedder`` replaces the
-    packaged MiniLM for routing.
+    packaged MiniLM for routing. ``store`` instead of ``home``: a directory, ``"s3://bucket/prefix"``
+    (a fleet store in S3-compatible object storage with a local cache, docs/fleet.md; also
+    ``$GRAFTMEM_STORE``) or an open [`Store`][graftmem.Store] / [`FleetStore`][graftmem.FleetStore]
+    (left open at ``close``).
 
     The Memory owns its resources (engine, store, embedder, router, page index) and exposes them as
     properties; every verb hands them explicitly to the feature that does the work
@@ -169,9 +173,17 @@ class Memory:
     def __init__(self, model: str | os.PathLike[str] | None = None, *,
                  home: str | os.PathLike[str] | None = None,
                  config: EngineConfig | Mapping[str, Any] | None = None,
-                 engine: Engine | None = None, embedder: Embedder | None = None) -> None:
+                 engine: Engine | None = None, embedder: Embedder | None = None,
+                 store: "str | os.PathLike[str] | Store | FleetStore | None" = None) -> None:
         if engine is not None and (model is not None or config is not None):
             raise ConfigError("pass either engine= or model=/config=, not both")
+        if store is not None and home is not None:
+            raise ConfigError("pass either home= (a directory) or store= (a directory, s3://bucket/prefix "
+                              "or a Store), not both")
+        if store is None and home is None and os.environ.get("GRAFTMEM_STORE"):
+            store = os.environ["GRAFTMEM_STORE"]
+        if store is not None and not isinstance(store, (Store, FleetStore)):
+            _path("store", store)
         if model is not None:
             _path("model", model)
         if home is not None:
@@ -182,7 +194,11 @@ class Memory:
         if config is not None and config.n_ctx > MAX_N_CTX:
             raise ConfigError(f"n_ctx={config.n_ctx} is beyond what llama.cpp can address ({MAX_N_CTX}); "
                               "give a context the model and memory allow (e.g. 8192)")
-        self._store = Store(home)
+        self._owns_store = not isinstance(store, (Store, FleetStore))  # a store passed in stays open
+        if isinstance(store, (Store, FleetStore)):
+            self._store: "Store | FleetStore" = store
+        else:
+            self._store = open_store(store if store is not None else home)
         self._owns_engine = engine is None
         try:
             self._engine = engine if engine is not None else Engine(model, config)
@@ -193,7 +209,8 @@ class Memory:
         except BaseException:
             if engine is None and getattr(self, "_engine", None) is not None:
                 self._engine.close()
-            self._store.close()
+            if self._owns_store:
+                self._store.close()
             raise
         self._closed = False
         # routing loads torch and MiniLM (seconds): created on the first recall/search, never by learn/ask
@@ -214,7 +231,8 @@ class Memory:
                 self._scopes.close()
             if self._owns_engine:
                 self._engine.close()
-            self._store.close()
+            if self._owns_store:
+                self._store.close()
 
     def __enter__(self) -> "Memory":
         return self
@@ -233,8 +251,9 @@ class Memory:
         return self._engine
 
     @property
-    def store(self) -> Store:
-        """The block store (``home``) this memory learns into and grafts from."""
+    def store(self) -> "Store | FleetStore":
+        """The block store this memory learns into and grafts from: the local directory (``home``) or,
+        for ``store="s3://..."``, the bucket behind its local cache (a [`FleetStore`][graftmem.FleetStore])."""
         return self._store
 
     @property

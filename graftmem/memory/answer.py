@@ -28,7 +28,7 @@ __all__ = ["answer", "ask", "graft", "OnText"]
 OnText = Callable[[str], bool]
 
 #: the receipt's phase fields that ``setup`` may fill (Receipt.read_ms ...)
-_PHASES = ("route_ms", "read_ms", "check_ms", "place_ms", "set_data_ms")
+_PHASES = ("route_ms", "fetch_ms", "read_ms", "check_ms", "place_ms", "set_data_ms")
 
 
 def answer(eng: Engine, block: Block, qtok: list[int], setup: Callable[[], int], *, graft: bool,

@@ -631,5 +631,8 @@ def recall_document(engine: "Engine", store: "Store", index: PageIndex, task: st
         raise BlockNotFound("every page that matched this task has been deleted from the store")
     hits = hits[n:]
     r = answer_graft_way(engine, store, block, prompt if prompt is not None else "\n\n" + task, max_tokens=max_tokens)
+    prefetch = getattr(store, "prefetch", None)  # a fleet store: bring the runner-up pages into its cache
+    if prefetch is not None:
+        prefetch(list(dict.fromkeys(h.page.block_id for h in hits[1:3] if h.page.block_id != block.id)))
     return DocumentAnswer(text=r.text, page=top.page, passage=top, runner_up=hits[1] if len(hits) > 1 else None,
                           recall=r.model_copy(update={"score": top.score}))

@@ -431,15 +431,32 @@ class Router:
     def add_documents(self, ids: Sequence[str], docs: Sequence[tuple[str, Optional[str], str]], *,
                       digests: Sequence[str] | None = None, keys: Sequence[str] | None = None) -> None:
         """Embed and add entries given as ``(name, when_to_use, text)``: the route text, the passages
-        of the text (unless ``passages=False``) and the lexical terms (`route_parts()`)."""
+        of the text (unless ``passages=False``) and the lexical terms (`route_parts()`).
+
+        A store that shares vectors (the fleet store: ``get_vectors`` / ``put_vectors``, keyed by the
+        embedder and the layout) gives the rows it has, checked for their count and width, and gets
+        the rows embedded here: a new worker embeds only what no worker embedded before."""
         parts = [route_parts(n, w, b) for n, w, b in docs]
         texts = [p[0] if self.use_passages else p[0][:1] for p in parts]
-        flat = [t for ts in texts for t in ts]
+        shared = getattr(self.store, "get_vectors", None) if keys is not None else None
+        space = hashlib.sha256(json.dumps([self.embedder_id, self._layout()]).encode()).hexdigest()[:16]
+        names = [f"{i}-{k}" for i, k in zip(ids, keys)] if keys is not None else []
+        have = shared(space, names) if shared is not None else {}
+        have = {n: v for n, v, ts in zip(names, [have.get(n) for n in names], texts)
+                if v is not None and v.ndim == 2 and v.shape[0] == len(ts) and (self.dim is None or v.shape[1] == self.dim)}
+        flat = [t for n, ts in zip(names or [None] * len(texts), texts) if n not in have for t in ts]
         vecs = np.asarray(self.embedder.embed_batch(flat), dtype=np.float32) if flat else np.zeros((0, 1))
-        rows, at = [], 0
-        for ts in texts:
+        rows, at, new = [], 0, {}
+        for j, ts in enumerate(texts):
+            if names and names[j] in have:
+                rows.append(np.asarray(have[names[j]], dtype=np.float32))
+                continue
             rows.append(vecs[at:at + len(ts)])
             at += len(ts)
+            if names:
+                new[names[j]] = rows[-1]
+        if shared is not None and new:
+            self.store.put_vectors(space, new)
         self._add(ids, rows, [p[1] for p in parts], digests, keys)
 
     def add_blocks(self, blocks: Sequence["Block"], *, persist: bool = True) -> None:

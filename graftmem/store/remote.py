@@ -1,0 +1,236 @@
+"""The object-storage client of the fleet store: one S3-compatible bucket (AWS S3, MinIO, R2, Ceph RGW,
+SeaweedFS ...) behind a few calls, with bounded retries and our typed errors.
+
+Why obstore: it is a thin Python binding of the Rust ``object_store`` crate (the one Apache Arrow,
+DataFusion and delta-rs use), with conditional puts (``PutMode.Create`` sends ``If-None-Match: *``),
+multipart uploads that are invisible until completed, streaming range gets, retries with
+exponential back-off and jitter built in, no boto3/aiobotocore dependency tree, and it releases the
+GIL for the transfer, so several threads fetch at once.
+
+Configuration is the standard AWS one and nothing graftmem-specific: ``AWS_ENDPOINT_URL`` (for
+anything that is not AWS itself), ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID`` /
+``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``; an ``http://`` endpoint is allowed as given.
+
+Errors: a missing object is [`BlockNotFound`][graftmem.BlockNotFound]; refused credentials are
+[`AccessDenied`][graftmem.AccessDenied]; a bucket that stays unreachable or answers 5xx through every
+retry is [`TransferError`][graftmem.TransferError] naming the endpoint and what was being done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Iterator, Optional
+from urllib.parse import urlparse
+
+from ..core.errors import AccessDenied, BlockNotFound, ConfigError, TransferError
+
+__all__ = ["Bucket", "RetryPolicy", "parse_url"]
+
+log = logging.getLogger("graftmem")
+
+#: Above this size a block is uploaded in parts (S3 multipart: invisible until completed); below,
+#: in one conditional PUT. 5 GiB is S3's single-PUT limit; parts bound the memory and resend cost.
+MULTIPART_ABOVE = 256 << 20
+PART_SIZE = 16 << 20
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounded retries with exponential back-off and jitter (obstore's own), per request.
+
+    ``retries`` attempts after the first, all within ``retry_timeout`` seconds; ``connect_timeout``
+    bounds one connection attempt and ``timeout`` one whole request (a 100 MB block on a slow link
+    needs minutes: raise it there)."""
+
+    retries: int = 4
+    retry_timeout: float = 20.0
+    init_backoff: float = 0.1
+    max_backoff: float = 4.0
+    connect_timeout: float = 5.0
+    timeout: float = 300.0
+
+
+def parse_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/prefix`` -> ``("bucket", "prefix")`` (prefix without slashes at its ends)."""
+    if not isinstance(url, str):
+        raise ConfigError(f"a store URL is a str like s3://bucket/prefix, got {type(url).__name__}")
+    p = urlparse(url)
+    if p.scheme != "s3" or not p.netloc:
+        raise ConfigError(f"{url!r} is not an object-store URL: give s3://bucket[/prefix]")
+    if p.query or p.fragment:
+        raise ConfigError(f"{url!r}: a store URL has no query or fragment (configure the endpoint with "
+                          "AWS_ENDPOINT_URL)")
+    return p.netloc, p.path.strip("/")
+
+
+def _endpoint() -> Optional[str]:
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+class Bucket:
+    """One bucket and prefix; keys passed to the methods are relative to the prefix."""
+
+    def __init__(self, url: str, *, retry: RetryPolicy = RetryPolicy()) -> None:
+        try:
+            from obstore.store import S3Store
+        except ImportError as exc:
+            raise ConfigError("an s3:// store needs obstore: pip install 'graftmem[s3]'") from exc
+
+        self.url = url
+        self.bucket, self.prefix = parse_url(url)
+        self.endpoint = _endpoint()
+        config: dict[str, Any] = {}
+        if self.endpoint:
+            config["endpoint"] = self.endpoint
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if region:
+            config["region"] = region
+        client: dict[str, Any] = {"connect_timeout": timedelta(seconds=retry.connect_timeout),
+                                  "timeout": timedelta(seconds=retry.timeout)}
+        if self.endpoint and self.endpoint.startswith("http://"):
+            client["allow_http"] = True
+        retry_config = {"max_retries": retry.retries, "retry_timeout": timedelta(seconds=retry.retry_timeout),
+                        "backoff": {"init_backoff": timedelta(seconds=retry.init_backoff),
+                                    "max_backoff": timedelta(seconds=retry.max_backoff), "base": 2}}
+        try:
+            self.store = S3Store(self.bucket, prefix=self.prefix or None, config=config, client_options=client,
+                                 retry_config=retry_config)
+        except Exception as exc:  # obstore's configuration errors (unknown key, bad URL)
+            raise ConfigError(f"cannot configure the object store for {url}: {exc}") from exc
+        self.where = f"{url} ({self.endpoint or 'AWS'})"
+        self.multipart_above = MULTIPART_ABOVE  #: bytes above which an upload goes in parts
+        self.part_size = PART_SIZE  #: bytes per part (S3: at least 5 MiB but the last)
+
+    # ------------------------------------------------------------------ errors
+    @contextlib.contextmanager
+    def _errors(self, doing: str, key: str) -> Iterator[None]:
+        from obstore import exceptions as ox
+
+        try:
+            yield
+        except (ox.NotFoundError, FileNotFoundError) as exc:  # obstore raises the latter for a 404
+            raise BlockNotFound(f"{key} is not in {self.where} ({doing})") from exc
+        except (ox.PermissionDeniedError, ox.UnauthenticatedError) as exc:
+            raise AccessDenied(f"{self.where} refused the credentials while {doing} {key}: check "
+                               f"AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY ({_short(exc)})") from exc
+        except ox.AlreadyExistsError:
+            raise
+        except (ox.BaseError, OSError) as exc:
+            msg = str(exc)
+            if "403" in msg or "SignatureDoesNotMatch" in msg or "InvalidAccessKeyId" in msg or "AccessDenied" in msg:
+                raise AccessDenied(f"{self.where} refused the credentials while {doing} {key}: check "
+                                   f"AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY ({_short(exc)})") from exc
+            if "NoSuchBucket" in msg:
+                raise TransferError(f"the bucket of {self.where} does not exist ({doing} {key}); create it "
+                                    "first") from exc
+            raise TransferError(f"object storage {self.where} failed while {doing} {key} after retries with "
+                                f"back-off: {_short(exc)}") from exc
+
+    # ------------------------------------------------------------------ calls
+    def put(self, key: str, data: "bytes | memoryview | Path", *, create: bool, size: Optional[int] = None) -> Optional[str]:
+        """Write an object; return its ETag, or None if ``create`` and it already existed (nothing was
+        written). ``create`` sends ``If-None-Match: *`` (one PUT); a ``Path`` above `MULTIPART_ABOVE`
+        without ``create`` goes up in parts (never visible before the last part is completed)."""
+        import obstore
+        from obstore import exceptions as ox
+
+        n = size if size is not None else (data.stat().st_size if isinstance(data, Path) else len(data))
+        multipart = not create and n > self.multipart_above
+        with self._errors("writing", key):
+            try:
+                if isinstance(data, Path):
+                    with open(data, "rb") as f:
+                        body: Any = f if multipart else f.read()
+                        res = obstore.put(self.store, key, body, mode="create" if create else "overwrite",
+                                          use_multipart=multipart, chunk_size=self.part_size, max_concurrency=4)
+                else:
+                    res = obstore.put(self.store, key, data, mode="create" if create else "overwrite",
+                                      use_multipart=multipart, chunk_size=self.part_size, max_concurrency=4)
+            except (ox.AlreadyExistsError, ox.PreconditionError):
+                return None
+        return res.get("e_tag") or ""
+
+    def get(self, key: str) -> Any:
+        """The whole object as a buffer (obstore ``Bytes``: no copy into Python)."""
+        import obstore
+
+        with self._errors("reading", key):
+            return obstore.get(self.store, key).bytes()
+
+    def get_to_file(self, key: str, fd: int, size: int, *, parts: int = 4) -> int:
+        """Download an object of known ``size`` into the open file ``fd`` in ``parts`` concurrent range
+        requests (each written at its offset as it lands: the transfer of one part overlaps the
+        write of another); return the object's size as seen (more than ``size`` if it is longer: the
+        caller refuses it). A size of 0 (unknown) is one plain GET."""
+        import obstore
+
+        if size <= 0 or parts <= 1 or size < (8 << 20):
+            data = self.get(key)
+            os.pwrite(fd, memoryview(data), 0)
+            return len(data)
+        step = -(-size // parts)
+
+        def part(i: int) -> int:
+            start, end = i * step, min(size, (i + 1) * step)
+            last = end == size  # one byte past the end: a longer object shows itself (and is refused)
+            with self._errors("reading", key):
+                data = obstore.get_range(self.store, key, start=start, end=end + 1 if last else end)
+            view = memoryview(data)
+            if len(view) > end - start:
+                return len(view)  # longer than expected: the caller compares with size
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], start + done)
+            return len(view)
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=parts) as pool:
+            return sum(pool.map(part, range(parts)))
+
+    def get_ranges(self, key: str, starts: list[int], ends: list[int]) -> list[Any]:
+        import obstore
+
+        with self._errors("reading", key):
+            return obstore.get_ranges(self.store, key, starts=starts, ends=ends)
+
+    def head(self, key: str) -> Optional[dict[str, Any]]:
+        """The object's metadata (size, e_tag, last_modified), or None if there is none."""
+        import obstore
+
+        try:
+            with self._errors("looking up", key):
+                return dict(obstore.head(self.store, key))
+        except BlockNotFound:
+            return None
+
+    def list(self, prefix: str) -> list[dict[str, Any]]:
+        """Every object under ``prefix`` (path relative to the store's prefix, size, e_tag,
+        last_modified), following the listing's pages."""
+        import obstore
+
+        out: list[dict[str, Any]] = []
+        with self._errors("listing", prefix):
+            for batch in obstore.list(self.store, prefix=prefix, chunk_size=1000):
+                out.extend(dict(o) for o in batch)
+        return out
+
+    def delete(self, key: str) -> None:
+        """Delete an object (absent is fine: S3 answers 204 either way)."""
+        import obstore
+
+        try:
+            with self._errors("deleting", key):
+                obstore.delete(self.store, key)
+        except BlockNotFound:
+            pass
+
+
+def _short(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text[:400] + ("..." if len(text) > 400 else "")
