@@ -19,6 +19,7 @@ segments of about 256 tokens (`graftmem.server.chat.chunk_prompt`) and uses the 
 from __future__ import annotations
 
 import asyncio
+import logging
 import json
 import threading
 import time
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
 
 __all__ = ["OpenAIRoutes", "RECEIPT_HEADER"]
 
+log = logging.getLogger("graftmem")
+
 RECEIPT_HEADER = "X-Graftmem-Receipt"
 DEFAULT_MAX_TOKENS = 256
 
@@ -63,6 +66,12 @@ def _num(body: dict[str, Any], name: str, default: Any, kind: type, lo: float, h
         raise HTTPError(400, f"{name} must be {'a number' if kind is float else 'an integer'} in "
                         f"[{lo:g}, {hi:g}], got {v!r}", param=name, code="invalid_value")
     return kind(v)
+
+
+def _log_late_failure(fut: "asyncio.Future[Result]") -> None:
+    """A request that failed after its answer was sent (while storing its prefix): logged, not lost."""
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning("serve: a request failed after answering: %r", fut.exception())
 
 
 class OpenAIRoutes:
@@ -202,7 +211,10 @@ class OpenAIRoutes:
             except BaseException as exc:  # noqa: BLE001 - handed to the request, which reports it
                 outcome = (None, exc)
             finally:
-                loop.call_soon_threadsafe(finish, *outcome)
+                try:
+                    loop.call_soon_threadsafe(finish, *outcome)
+                except RuntimeError:  # the server stopped while this request was storing its prefix
+                    log.debug("serve: request finished after the event loop closed")
 
         def finish(result: Optional[Result], exc: Optional[BaseException]) -> None:
             self.pool.release(engine)  # first: a client that has its answer finds the engine free
@@ -225,9 +237,19 @@ class OpenAIRoutes:
         if not stream:
             engine = await self.pool.acquire()
             done: asyncio.Future[Result] = loop.create_future()
+            answered: asyncio.Future[Result] = loop.create_future()
+
+            def on_done(r: Result) -> None:
+                if not answered.done():
+                    answered.set_result(r)
+
+            # the answer is sent as soon as it is decoded; storing a learned prefix happens after it
+            job.emit = lambda kind, payload: loop.call_soon_threadsafe(on_done, payload) if kind == "done" else None
             self._start(engine, job, loop, done)
+            done.add_done_callback(_log_late_failure)
             try:
-                result = await done
+                await asyncio.wait({answered, done}, return_when=asyncio.FIRST_COMPLETED)
+                result = answered.result() if answered.done() else done.result()
             except GraftmemError as exc:  # the engine refused (context full, ...): say so, no local paths
                 raise HTTPError(500, public_message(str(exc), str(self.store.home)), code=type(exc).__name__) from exc
             result.receipt = self._receipt(job, result)
