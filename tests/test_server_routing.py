@@ -1,8 +1,11 @@
-"""Routed recall and search through the server never pick an automatic prefix block: those are pieces of
-conversations the prompt cache kept, not knowledge learned for tasks, even when their text matches the
-task better than any manual (which the unfiltered router shows here)."""
+"""Routed recall and search (through the server, or a Memory on the same home) never pick an automatic
+prefix block: those are pieces of conversations the prompt cache kept, not knowledge learned for tasks,
+even when their text matches the task better than any manual (the router ranked one first before it
+left them out of its index)."""
 
 from __future__ import annotations
+
+import time
 
 import httpx
 import openai
@@ -23,10 +26,16 @@ def test_search_and_routed_recall_skip_automatic_blocks(smol, tmp_path):
                      {"role": "user", "content": TASK}, {"role": "assistant", "content": "Let me check."},
                      {"role": "user", "content": "Thanks."}]
             c.chat.completions.create(model="smollm2", messages=convo, max_tokens=2, temperature=0)
-            autos = {b.id for b in m.store.list(kind=AUTO_KIND)}
+            deadline = time.monotonic() + 60  # the answer is sent before the request stores its prefix
+            while not (autos := {b.id for b in m.store.list(kind=AUTO_KIND)}) and time.monotonic() < deadline:
+                time.sleep(0.05)
             assert autos
-            unfiltered = [bid for bid, _ in m.router.search(TASK, 5)]
-            assert autos & set(unfiltered)  # the router alone would offer an automatic block
+            # the router never indexes them (it used to rank one first for this task), so a Memory opened
+            # on the server's home does not offer them either
+            m.router.sync(force=True)
+            assert not autos & {bid for bid, _ in m.router.search(TASK, 5)}
+            local = m.search(TASK, top_k=5)
+            assert local and local[0].block_id == manual.id and not autos & {h.block_id for h in local}
             hits = httpx.post(srv.url + "/v1/memory/search", json={"query": TASK, "top_k": 5}, timeout=120).json()["hits"]
             assert hits and hits[0]["block_id"] == manual.id and not autos & {h["block_id"] for h in hits}
             r = c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": TASK}], max_tokens=2,

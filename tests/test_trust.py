@@ -125,7 +125,7 @@ def test_forged_state_without_rederive_lands_unverified_and_is_never_grafted(att
     assert b.provenance == "unverified" and not b.trusted and b.labels_trusted is False
     with pytest.raises(UnverifiedBlock, match="allow_unverified"):
         mem.ask(a["id"], QUERY, max_tokens=1)
-    assert mem.store.routing_rows(exclude_kind="page") == []  # never steers routing
+    assert mem.store.routing_rows(exclude_kinds=("page",)) == []  # never steers routing
     with pytest.raises(UnverifiedBlock):  # nor serves as the parent of a new chain
         mem.learn(" and then", parent=a["id"])
     r = mem.ask(a["id"], QUERY, max_tokens=1, allow_unverified=True)  # consent: grafted, receipt says so
@@ -185,14 +185,14 @@ def test_default_import_rederives_a_chain_and_keeps_foreign_labels_out_of_routin
     for bid in rep.added:
         b = mem.get(bid)
         assert b.provenance == "rederived" and b.labels_trusted is False
-    assert mem.store.routing_rows(exclude_kind="page") == []  # labels no signature covers: not embedded
+    assert mem.store.routing_rows(exclude_kinds=("page",)) == []  # labels no signature covers: not embedded
     r = mem.ask(source_bundle["child"], QUERY, max_tokens=1)  # the chain grafts exactly as at the source
     assert r.receipt.first_logits_sha256 == source_bundle["receipt"].first_logits_sha256
     assert r.receipt.provenance == "rederived"
     # labels given here make them this store's own: routed from then on
     b = mem.learn(REFUND, name="refunds here", when_to_use="refunds and returns")
     assert b.labels_trusted and b.provenance == "rederived" and b.name == "refunds here"
-    assert [row[0] for row in mem.store.routing_rows(exclude_kind="page")] == [source_bundle["b1"]]
+    assert [row[0] for row in mem.store.routing_rows(exclude_kinds=("page",))] == [source_bundle["b1"]]
 
 
 def test_trusted_signature_lands_signed_without_a_prefill(source_bundle, mem):
@@ -203,7 +203,7 @@ def test_trusted_signature_lands_signed_without_a_prefill(source_bundle, mem):
     for bid in rep.added:
         b = mem.get(bid)
         assert b.provenance == f"signed:{key.public_key.key_id}" and b.labels_trusted
-    assert len(mem.store.routing_rows(exclude_kind="page")) == 2
+    assert len(mem.store.routing_rows(exclude_kinds=("page",))) == 2
     # a signature by a key the policy does not list vouches for nothing: re-derived as unsigned
     with Memory(engine=mem.engine, home=mem.store.home.parent / "other") as o:
         rep = o.import_bundle(source_bundle["signed"])

@@ -320,6 +320,11 @@ def route_parts(name: str, when_to_use: Optional[str], body: str) -> tuple[list[
 
 #: kind of the page blocks of long documents; routed per passage by _pager, never by this index
 PAGE_KIND = "page"
+#: kind of the prefix blocks the server keeps automatically (pieces of conversations, not knowledge
+#: anyone learned for tasks): never routed, in the server or in a Memory opened on the same home
+AUTO_KIND = "auto"
+#: kinds this index leaves out
+UNROUTED_KINDS = (PAGE_KIND, AUTO_KIND)
 
 
 class Router:
@@ -461,8 +466,9 @@ class Router:
 
     def add_blocks(self, blocks: Sequence["Block"], *, persist: bool = True) -> None:
         """Embed blocks (route text, passages, lexical terms), add them, and write the index file.
-        Document pages are left out: they are routed per passage by `graftmem.memory.pager`."""
-        blocks = [b for b in blocks if b.kind != PAGE_KIND]
+        Document pages are left out (routed per passage by `graftmem.memory.pager`), and so are the
+        server's automatic prefix blocks."""
+        blocks = [b for b in blocks if b.kind not in UNROUTED_KINDS]
         if not blocks:
             return
         self.add_documents([b.id for b in blocks],
@@ -519,7 +525,7 @@ class Router:
     def _store_rows(self) -> dict[str, tuple[str, str]]:
         """``{block id: (fingerprint digest, entry key)}`` for every block in the store."""
         assert self.store is not None
-        rows = self.store.routing_rows(exclude_kind=PAGE_KIND)
+        rows = self.store.routing_rows(exclude_kinds=UNROUTED_KINDS)
         return {r[0]: (r[2], _entry_key(r[1], r[3])) for r in rows}
 
     def sync(self, *, force: bool = False) -> bool:

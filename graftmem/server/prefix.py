@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from ..core.blocks import PROVENANCE_LOCAL, Block, Fingerprint, block_id_for
 from ..core.format import state_digest
 from ..core.errors import ConfigError, GraftmemError
+from ..memory.router import AUTO_KIND
 from ..store.chain import chain_of, full_state, make_delta
 
 if TYPE_CHECKING:
@@ -52,9 +53,6 @@ if TYPE_CHECKING:
 __all__ = ["AUTO_KIND", "PrefixCache", "Match", "prefix_keys", "routable"]
 
 log = logging.getLogger("graftmem")
-
-AUTO_KIND = "auto"
-
 
 def routable(block: Block) -> bool:
     """Whether routed recall and search may pick ``block``: not an automatic prefix block (a piece of

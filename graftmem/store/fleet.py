@@ -50,13 +50,13 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from ..core.blocks import PROVENANCE_LOCAL, PROVENANCE_UNVERIFIED, Block, Fingerprint, StoreStats
 from ..core.errors import BlockCorrupted, BlockNotFound, ConfigError, StoreError, TransferError
 from ..core.format import HEADER, TRAILER_LEN, parse_header, parse_manifest
 from .home import BLOCK_SUFFIX, Home
-from .local import Store, read_block_file
+from .local import Store, _marks, read_block_file
 from .remote import Bucket, RetryPolicy, parse_url
 
 __all__ = ["FleetStore", "default_cache_dir", "DEFAULT_CACHE_BYTES", "DEFAULT_POLL_INTERVAL", "is_remote"]
@@ -363,15 +363,15 @@ class FleetStore:
         st = self.cache.stats()
         return {"blocks": st.blocks, "bytes": st.bytes_on_disk, "cap": self.cache_bytes, **self.counters}
 
-    def routing_rows(self, *, exclude_kind: str) -> list[tuple[str, str, str, str | None]]:
+    def routing_rows(self, *, exclude_kinds: Sequence[str] = ()) -> list[tuple[str, str, str, str | None]]:
         """As [`Store.routing_rows()`][graftmem.Store.routing_rows], over the bucket's blocks."""
         self.refresh()
         with self._tlock:
             return self._db.execute(
                 "SELECT id, json_extract(manifest, '$.name'), fp_digest, "
                 "json_extract(manifest, '$.metadata.when_to_use') FROM remote "
-                "WHERE kind != ? AND provenance != ? AND labels_trusted = 1",
-                (exclude_kind, PROVENANCE_UNVERIFIED)).fetchall()
+                f"WHERE kind NOT IN ({_marks(len(exclude_kinds))}) AND provenance != ? "
+                "AND labels_trusted = 1", (*exclude_kinds, PROVENANCE_UNVERIFIED)).fetchall()
 
     def reconcile(self) -> dict[str, int]:
         """List the bucket now and reconcile the cache's own index with its files."""

@@ -36,7 +36,7 @@ import stat
 import threading
 import time
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator, Optional
+from typing import BinaryIO, Callable, Iterator, Optional, Sequence
 
 from ..core.blocks import (PROVENANCE_LOCAL, PROVENANCE_UNVERIFIED, Block, Fingerprint, StoreStats,
                            provenance_is_trusted)
@@ -90,6 +90,11 @@ def default_home() -> Path:
     import platformdirs
 
     return Path(platformdirs.user_data_dir("graftmem"))
+
+
+def _marks(n: int) -> str:
+    """SQL placeholders for ``n`` values of an ``IN (...)`` list (an empty list matches nothing)."""
+    return ",".join("?" * n) or "NULL"
 
 
 def fsync_path(path: Path) -> None:
@@ -618,16 +623,16 @@ class Store:
         with self._tlock:
             return int(self._db.execute("PRAGMA data_version").fetchone()[0])
 
-    def routing_rows(self, *, exclude_kind: str) -> list[tuple[str, str, str, str | None]]:
-        """``(id, name, fingerprint digest, metadata.when_to_use)`` of every block not of ``exclude_kind``
+    def routing_rows(self, *, exclude_kinds: Sequence[str] = ()) -> list[tuple[str, str, str, str | None]]:
+        """``(id, name, fingerprint digest, metadata.when_to_use)`` of every block not of ``exclude_kinds``
         that may steer routing: its provenance is not ``unverified`` and its labels were given here or
         signed by a trusted key (a foreign label could say "weather report" over the refund manual's
         tokens). Read from the index without parsing manifests (the router syncs from this)."""
         with self._tlock:
             return self._db.execute(
                 "SELECT id, name, fp_digest, json_extract(manifest, '$.metadata.when_to_use') FROM blocks "
-                "WHERE kind != ? AND provenance != ? AND labels_trusted = 1",
-                (exclude_kind, PROVENANCE_UNVERIFIED)).fetchall()
+                f"WHERE kind NOT IN ({_marks(len(exclude_kinds))}) AND provenance != ? "
+                "AND labels_trusted = 1", (*exclude_kinds, PROVENANCE_UNVERIFIED)).fetchall()
 
     # ------------------------------------------------------------------ write / delete
     def put(self, block: Block, state: memoryview | bytes, *, replace: bool = False,
