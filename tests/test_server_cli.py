@@ -15,7 +15,8 @@ from graftmem.server import api_server
 from graftmem.store.local import Store
 
 ROOT = Path(__file__).resolve().parents[1]
-HEAVY = ("torch", "llama_cpp", "starlette", "uvicorn", "sentence_transformers", "faiss", "pydantic", "httpx")
+HEAVY = ("torch", "llama_cpp", "starlette", "uvicorn", "sentence_transformers", "faiss", "pydantic", "httpx",
+         "numpy")
 PROBE = ("import json, sys\nfrom graftmem.cli import main\nrc = main(sys.argv[1:])\n"
          "print('MODULES=' + json.dumps(sorted({m.split('.')[0] for m in sys.modules} & set(%r))))\n"
          "sys.exit(rc)\n") % (HEAVY,)

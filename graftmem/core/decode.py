@@ -15,11 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
-import numpy as np
-
 from .errors import ConfigError
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from .engine import Engine
 
 __all__ = ["Sampling", "Decoded", "OnToken", "decode", "AnswerText", "check_stops", "MAX_STOPS"]
@@ -67,6 +67,8 @@ class Decoded:
 
 
 def _pick(x: np.ndarray, sampling: Sampling, rng: Optional[np.random.Generator]) -> int:
+    import numpy as np
+
     if sampling.greedy:
         return int(np.argmax(x))
     z = x / sampling.temperature
@@ -100,6 +102,8 @@ def decode(engine: "Engine", max_tokens: int, *, first_logits: Optional[np.ndarr
     draws several seeded samples from one prefix). Hold ``engine.lock`` (or an [`Engine.session()`][graftmem.Engine.session])
     around the call and the prefill before it.
     """
+    import numpy as np  # here, not at the top: a CLI client of a running server never decodes
+
     if max_tokens < 1:
         raise ConfigError(f"max_tokens must be at least 1, got {max_tokens!r}")
     if rng is None and not sampling.greedy:
