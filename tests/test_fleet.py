@@ -347,3 +347,23 @@ def test_a_document_asked_from_a_bucket_prefetches_the_runner_up_pages(smol, buc
         cached = {x.id for x in store.cache.list()}
         assert ans.page.block_id in cached and 2 <= len(cached) <= 3 < rep.pages
     store.close()
+
+
+@pytest.mark.parametrize("message, error", [
+    ("Error performing HEAD http://127.0.0.1:40331/fleet/k in 51ms - error sending request", TransferError),
+    ("Error performing GET http://127.0.0.1:9000/fleet/blocks/a4/a403f.gmb - connection refused", TransferError),
+    ("HTTP status client error (403 Forbidden) for url (http://127.0.0.1:9000/fleet/k)", AccessDenied),
+    ("<Code>SignatureDoesNotMatch</Code>", AccessDenied),
+])
+def test_errors_are_told_apart_by_what_they_say_not_by_digits(message, error, monkeypatch):
+    """A refused connection to a port like 40331 was read as refused credentials ("403" in the text)."""
+    from graftmem.store.remote import Bucket
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    b = Bucket("s3://fleet/t")
+    with pytest.raises(TransferError) as ei:  # AccessDenied is a TransferError too: compare the class
+        with b._errors("reading", "k"):
+            raise OSError(message)
+    assert type(ei.value) is error, ei.value

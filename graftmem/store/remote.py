@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -28,6 +29,8 @@ from typing import Any, Iterator, Optional
 from urllib.parse import urlparse
 
 from ..core.errors import AccessDenied, BlockNotFound, ConfigError, TransferError
+
+_FORBIDDEN = re.compile(r"\b403 Forbidden\b|\bstatus(?: code)?:? 403\b")
 
 __all__ = ["Bucket", "RetryPolicy", "parse_url"]
 
@@ -122,7 +125,10 @@ class Bucket:
             raise
         except (ox.BaseError, OSError) as exc:
             msg = str(exc)
-            if "403" in msg or "SignatureDoesNotMatch" in msg or "InvalidAccessKeyId" in msg or "AccessDenied" in msg:
+            # an HTTP 403 as the client words it ("403 Forbidden"), or S3's error codes; never a bare "403"
+            # (it is in port numbers and hex keys: a refused connection to 127.0.0.1:40331 read as bad keys)
+            if (_FORBIDDEN.search(msg) or "SignatureDoesNotMatch" in msg or "InvalidAccessKeyId" in msg
+                    or "AccessDenied" in msg):
                 raise AccessDenied(f"{self.where} refused the credentials while {doing} {key}: check "
                                    f"AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY ({_short(exc)})") from exc
             if "NoSuchBucket" in msg:
