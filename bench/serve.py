@@ -260,6 +260,7 @@ def main() -> None:
     ap.add_argument("--words", type=int, default=2000, help="manual words in the system prompt (~3,000 tokens)")
     ap.add_argument("--cli-reps", type=int, default=10)
     ap.add_argument("--only", default="graftmem,llama-server,llama-cpp-python")
+    ap.add_argument("--out", default=str(HERE / "results" / "serve.json"))
     args = ap.parse_args()
     only = set(args.only.split(","))
     load_before = os.getloadavg()
@@ -367,7 +368,7 @@ def main() -> None:
                 for k, v in res.items()},
     }
     (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "serve.json").write_text(json.dumps(out, indent=2))
+    Path(args.out).write_text(json.dumps(out, indent=2))
     print(f"{'way':<20}{'turn-1 TTFT ms':>16}{'[min, max]':>20}{'5-turn sum ms':>16}   per turn (median ms)")
     for k, s in summ.items():
         f, t = s["first_turn_ttft_ms"], s["session_sum_ttft_ms"]

@@ -256,6 +256,11 @@ def test_resume_after_a_killed_build(dmem, tmp_path):
         proc.wait()
     killed_with = len(list((home / "blocks").glob("*/*.gmb")))
     assert killed_with >= 1
+    # pages whose index row was committed before the kill; a file the kill left without its row is
+    # adopted as unverified on the next open (nothing vouches for it) and prefilled again, not reused
+    idx = sqlite3.connect(home / "index.sqlite")
+    committed = idx.execute("SELECT count(*) FROM blocks WHERE kind = 'page'").fetchone()[0]
+    idx.close()
     db = sqlite3.connect(home / "pages" / "index.sqlite")
     complete = db.execute("SELECT complete FROM documents").fetchall()
     assert complete in ([], [(0,)])  # the killed build did not claim to be done
@@ -264,7 +269,8 @@ def test_resume_after_a_killed_build(dmem, tmp_path):
     with Memory(engine=dmem.engine, home=home, embedder=dmem.embedder) as m2:
         rep = m2.learn_document(_document(), document="town", window=256, overlap=32, progress=False)
         assert rep.complete
-        assert rep.pages_skipped >= killed_with and rep.pages_learned == rep.pages - rep.pages_skipped
+        assert rep.pages_skipped >= committed and rep.pages_learned == rep.pages - rep.pages_skipped
+        assert rep.pages_skipped <= killed_with
         blocks = m2.get_all(kind=PAGE_KIND)
         assert len(blocks) == rep.pages == len({b.id for b in blocks})
         assert sorted(b.metadata["page"] for b in blocks) == list(range(rep.pages))
