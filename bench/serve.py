@@ -154,10 +154,15 @@ def started(factory: Callable[[], Proc]) -> Iterator[Proc]:
         p.close()
 
 
+#: extra ``graftmem serve`` flags for the whole run (``--serve-args "--sightings 1"``)
+SERVE_ARGS: list[str] = []
+
+
 def graftmem_server(home: Path, work: Path) -> Proc:
     port = cpp_peer.free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    return Proc("graftmem", [sys.executable, "-m", "graftmem", "serve", "--home", str(home), "--port", str(port)],
+    return Proc("graftmem", [sys.executable, "-m", "graftmem", "serve", "--home", str(home), "--port", str(port),
+                             *SERVE_ARGS],
                 port, "/v1/models", work / f"graftmem-{time.time_ns()}.log", cwd=ROOT, env=env)
 
 
@@ -261,8 +266,10 @@ def main() -> None:
     ap.add_argument("--cli-reps", type=int, default=10)
     ap.add_argument("--only", default="graftmem,llama-server,llama-cpp-python")
     ap.add_argument("--out", default=str(HERE / "results" / "serve.json"))
+    ap.add_argument("--serve-args", default="", help='extra `graftmem serve` flags, e.g. "--sightings 1"')
     args = ap.parse_args()
     only = set(args.only.split(","))
+    SERVE_ARGS[:] = args.serve_args.split()
     load_before = os.getloadavg()
     cfg = EngineConfig()
     threads = cfg.n_threads or usable_cores()

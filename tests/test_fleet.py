@@ -367,3 +367,22 @@ def test_errors_are_told_apart_by_what_they_say_not_by_digits(message, error, mo
         with b._errors("reading", "k"):
             raise OSError(message)
     assert type(ei.value) is error, ei.value
+
+
+def test_an_id_learned_elsewhere_is_usable_at_once_without_a_listing(smol, bucket_url, tmp_path):
+    """An id handed over from another worker (a queue message) grafts at once: one HEAD and one GET of its
+    marker, no listing of the bucket. It raced before: a worker that had listed < 0.25 s earlier said
+    BlockNotFound."""
+    with _worker(smol, bucket_url, tmp_path, "a") as a:
+        block = a.learn(long_text(70, seed=41), name="handed over")
+        fresh = a.ask(block.id, QUERY, max_tokens=1).receipt.first_logits_sha256
+    store = FleetStore(bucket_url, cache_dir=tmp_path / "cache-b", poll_interval=3600)
+    with Memory(engine=smol, store=store) as b:
+        store._last_poll = time.monotonic()  # as if b had listed the bucket just before the learn
+        store._db.execute("DELETE FROM remote")  # ... and not seen it
+        lists = store.counters["lists"]
+        assert b.ask(block.id, QUERY, max_tokens=1).receipt.first_logits_sha256 == fresh
+        assert store.counters["lists"] == lists
+        assert not store.contains("f" * 64)  # an id the bucket does not have: still no listing
+        assert store.counters["lists"] == lists
+    store.close()

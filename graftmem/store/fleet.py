@@ -313,10 +313,27 @@ class FleetStore:
     def _row(self, bid: str) -> Optional[tuple]:
         q = "SELECT manifest, provenance, labels_trusted FROM remote WHERE id=?"
         row = self._one(q, (bid,))
-        if row is None and time.monotonic() - self._last_poll > 0.25:  # learned elsewhere just now?
-            self.refresh(force=True)
+        if row is None and self._lookup(bid):  # learned elsewhere since the last listing?
             row = self._one(q, (bid,))
         return row
+
+    def _lookup(self, bid: str) -> bool:
+        """Bring one block another worker learned since the last listing into the index, at once.
+
+        Why not a listing: an id handed over from another worker (a queue message, a REST call) must
+        be usable now, and a listing costs two LISTs of the whole bucket; this is one HEAD of the
+        block's marker for an id the bucket does not have (the common case: ``contains`` before a
+        learn), plus a HEAD of its tombstone and a GET of the marker when it is there."""
+        head = self.bucket.head(_marker_key(bid))
+        if head is None or self.bucket.head(_tomb_key(bid)) is not None:
+            return False
+        marker = self._fetch_markers([bid]).get(bid)
+        if marker is None:
+            return False
+        with self._tlock:
+            self._upsert(marker, str(head.get("e_tag") or head.get("last_modified")))
+            self._version += 1  # routers re-sync, as after a listing that saw it
+        return True
 
     def get(self, block_id: str) -> Block:
         """The block's manifest (from its marker), with the fleet's provenance."""
