@@ -56,7 +56,7 @@ from ..core.blocks import PROVENANCE_LOCAL, PROVENANCE_UNVERIFIED, Block, Finger
 from ..core.errors import BlockCorrupted, BlockNotFound, ConfigError, StoreError, TransferError
 from ..core.format import HEADER, TRAILER_LEN, parse_header, parse_manifest
 from .home import BLOCK_SUFFIX, Home
-from .local import Store, _marks, read_block_file
+from .local import Store, _marks, checked_id, read_block_file
 from .remote import Bucket, RetryPolicy, parse_url
 
 __all__ = ["FleetStore", "default_cache_dir", "DEFAULT_CACHE_BYTES", "DEFAULT_POLL_INTERVAL", "is_remote"]
@@ -287,16 +287,8 @@ class FleetStore:
 
     def resolve(self, block_id: str) -> str:
         """Full id for an id or a unique prefix of at least 4 hex characters (one fresh listing on a miss)."""
-        if not isinstance(block_id, str):
-            raise ConfigError(f"a block id is a str of lowercase hex, got {type(block_id).__name__}")
-        if not block_id or any(c not in "0123456789abcdef" for c in block_id):
-            raise BlockNotFound(f"{block_id[:80]!r} is not a block id (lowercase hex)")
-        if len(block_id) == 64:
+        if checked_id(block_id):
             return block_id
-        if len(block_id) > 64:
-            raise BlockNotFound(f"{block_id[:80]!r} is longer than a block id (64 hex characters)")
-        if len(block_id) < 4:
-            raise ConfigError(f"block id prefix {block_id!r} is too short: give at least 4 characters")
         for attempt in (0, 1):
             with self._tlock:
                 ids = [r[0] for r in self._db.execute(

@@ -97,6 +97,20 @@ def _marks(n: int) -> str:
     return ",".join("?" * n) or "NULL"
 
 
+def checked_id(block_id: object) -> bool:
+    """Whether ``block_id`` is a whole block id (True) or a usable prefix of one (False); anything else
+    is refused: not hex, too long (`BlockNotFound`), not a str or under 4 characters (`ConfigError`)."""
+    if not isinstance(block_id, str):
+        raise ConfigError(f"a block id is a str of lowercase hex, got {type(block_id).__name__}")
+    if not block_id or any(c not in "0123456789abcdef" for c in block_id):
+        raise BlockNotFound(f"{block_id[:80]!r} is not a block id (lowercase hex)")
+    if len(block_id) > 64:
+        raise BlockNotFound(f"{block_id[:80]!r} is longer than a block id (64 hex characters)")
+    if len(block_id) < 4:
+        raise ConfigError(f"block id prefix {block_id!r} is too short: give at least 4 characters")
+    return len(block_id) == 64
+
+
 def fsync_path(path: Path) -> None:
     """fsync a file or a directory by path (a directory fsync makes a rename inside it durable)."""
     fd = os.open(path, os.O_RDONLY)
@@ -547,16 +561,8 @@ class Store:
 
     def resolve(self, block_id: str) -> str:
         """Full id for an id or a unique prefix of at least 4 hex characters."""
-        if not isinstance(block_id, str):
-            raise ConfigError(f"a block id is a str of lowercase hex, got {type(block_id).__name__}")
-        if not block_id or any(c not in "0123456789abcdef" for c in block_id):
-            raise BlockNotFound(f"{block_id[:80]!r} is not a block id (lowercase hex)")
-        if len(block_id) == 64:
+        if checked_id(block_id):
             return block_id
-        if len(block_id) > 64:
-            raise BlockNotFound(f"{block_id[:80]!r} is longer than a block id (64 hex characters)")
-        if len(block_id) < 4:
-            raise ConfigError(f"block id prefix {block_id!r} is too short: give at least 4 characters")
         with self._tlock:
             ids = [r[0] for r in self._db.execute(
                 "SELECT id FROM blocks WHERE id >= ? AND id < ? LIMIT 2", (block_id, block_id + "g"))]
