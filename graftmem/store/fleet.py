@@ -56,7 +56,7 @@ from ..core.blocks import PROVENANCE_LOCAL, PROVENANCE_UNVERIFIED, Block, Finger
 from ..core.errors import BlockCorrupted, BlockNotFound, ConfigError, StoreError, TransferError
 from ..core.format import HEADER, TRAILER_LEN, parse_header, parse_manifest
 from .home import BLOCK_SUFFIX, Home
-from .local import Store, _marks, checked_id, read_block_file
+from .local import Store, _marks, checked_id, deletion_order, read_block_file
 from .remote import Bucket, RetryPolicy, parse_url
 
 __all__ = ["FleetStore", "default_cache_dir", "DEFAULT_CACHE_BYTES", "DEFAULT_POLL_INTERVAL", "is_remote"]
@@ -646,18 +646,7 @@ class FleetStore:
         """Delete a block (and, with ``cascade``, the blocks chained on it) for every worker: a
         tombstone first, then the marker; the block object stays for `collect_garbage`."""
         bid = self.resolve(block_id)
-        order: list[str] = []
-        todo = [bid]
-        while todo:
-            cur = todo.pop()
-            order.append(cur)
-            todo.extend(self.children(cur))
-        if len(order) > 1 and not cascade:
-            kids = self.children(bid)
-            raise ConfigError(
-                f"block {bid[:12]} has {len(kids)} chained child block(s) ({', '.join(k[:12] for k in kids)}) "
-                f"whose states are rebuilt from its bytes; delete them first or pass cascade=True to delete "
-                f"all {len(order) - 1} descendants")
+        order = deletion_order(bid, self.children, cascade=cascade)
         for cur in reversed(order):  # children first
             self.bucket.put(_tomb_key(cur), b"", create=False)
             self.bucket.delete(_marker_key(cur))

@@ -111,6 +111,25 @@ def checked_id(block_id: object) -> bool:
     return len(block_id) == 64
 
 
+def deletion_order(bid: str, children: Callable[[str], list[str]], *, cascade: bool) -> list[str]:
+    """``bid`` and every block chained on it, parents first (delete in reverse: a kill leaves no
+    orphan). Without ``cascade``, a block with children is refused: their states are rebuilt from its
+    bytes. Shared by the local and the fleet store."""
+    order: list[str] = []
+    todo = [bid]
+    while todo:
+        cur = todo.pop()
+        order.append(cur)
+        todo.extend(children(cur))
+    if len(order) > 1 and not cascade:
+        kids = children(bid)
+        raise ConfigError(
+            f"block {bid[:12]} has {len(kids)} chained child block(s) "
+            f"({', '.join(k[:12] for k in kids)}) whose states are rebuilt from its bytes; "
+            f"delete them first or pass cascade=True to delete all {len(order) - 1} descendants")
+    return order
+
+
 def fsync_path(path: Path) -> None:
     """fsync a file or a directory by path (a directory fsync makes a rename inside it durable)."""
     fd = os.open(path, os.O_RDONLY)
@@ -712,18 +731,7 @@ class Store:
         bid = self.resolve(block_id)
         self._writable(f"delete block {bid[:12]}")
         with self.lock():
-            order: list[str] = []
-            todo = [bid]
-            while todo:
-                cur = todo.pop()
-                order.append(cur)
-                todo.extend(self.children(cur))
-            if len(order) > 1 and not cascade:
-                kids = self.children(bid)
-                raise ConfigError(
-                    f"block {bid[:12]} has {len(kids)} chained child block(s) "
-                    f"({', '.join(k[:12] for k in kids)}) whose states are rebuilt from its bytes; "
-                    f"delete them first or pass cascade=True to delete all {len(order) - 1} descendants")
+            order = deletion_order(bid, self.children, cascade=cascade)
             try:
                 for cur in reversed(order):  # children before parents: a kill leaves no orphan
                     self.path_of(cur).unlink(missing_ok=True)
