@@ -29,18 +29,16 @@ are file and hash work, one process, so the run is cheap per mutation on a share
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
 import shutil
-import signal
 import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -50,6 +48,7 @@ from graftmem import GraftmemError, Memory  # noqa: E402
 from graftmem.core import state_digest  # noqa: E402
 from graftmem.share import import_bundle  # noqa: E402
 from graftmem.store import Store, load_state  # noqa: E402
+from tests.conftest import no_hang  # noqa: E402  (the same guard the store tests use)
 
 ROOT_TEXT = ("Refunds: always ask for the order number first, then check the purchase date. Orders older "
              "than thirty days are refused politely.")
@@ -93,21 +92,6 @@ class Reference:
                                        ("text", "tokens", "pos_start", "name", "parent", "kind", "n_tokens"))
 
 
-@contextlib.contextmanager
-def deadline(seconds: int) -> Iterator[None]:
-    """Raise TimeoutError if the body runs longer than ``seconds`` (a FIFO opened blocking hangs)."""
-    def fire(*_: Any) -> None:
-        raise TimeoutError(f"round hung for {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, fire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
-
 def _flip(path: Path, rng: random.Random) -> str:
     data = bytearray(path.read_bytes())
     n = rng.choice((1, 1, 1, 2, 8))
@@ -125,6 +109,14 @@ def _truncate(path: Path, rng: random.Random) -> str:
     return f"at {cut} of {size}"
 
 
+def _slot(path: Path, elsewhere: Path, rng: random.Random) -> Path:
+    """``path`` on heads, else ``elsewhere`` (one coin flip), emptied for a hostile entry."""
+    target = path if rng.random() < 0.5 else elsewhere
+    target.parent.mkdir(exist_ok=True)
+    target.unlink(missing_ok=True)
+    return target
+
+
 def mutate_store(ref: Reference, home: Path, kind: str, rng: random.Random, outside: Path) -> str:
     bid = rng.choice(sorted(ref.blocks))
     path = home / ref.files[bid].relative_to(ref.home)
@@ -135,29 +127,21 @@ def mutate_store(ref: Reference, home: Path, kind: str, rng: random.Random, outs
     elif kind.startswith("truncate"):
         what = _truncate(path, rng)
     elif kind == "fifo":
-        target = path if rng.random() < 0.5 else odir / f"{other}.gmb"
-        target.parent.mkdir(exist_ok=True)
-        target.unlink(missing_ok=True)
+        target = _slot(path, odir / f"{other}.gmb", rng)
         os.mkfifo(target)
         what = str(target.name[:8])
     elif kind == "dangling-symlink":
-        target = path if rng.random() < 0.5 else odir / f"{other}.gmb"
-        target.parent.mkdir(exist_ok=True)
-        target.unlink(missing_ok=True)
+        target = _slot(path, odir / f"{other}.gmb", rng)
         target.symlink_to(outside / "does-not-exist")
         what = str(target.name[:8])
     elif kind == "symlink-outside":
         victim = outside / "victim.gmb"
         shutil.copyfile(path, victim)  # a valid block file outside the store, linked in
-        target = odir / f"{other}.gmb" if rng.random() < 0.5 else path
-        target.parent.mkdir(exist_ok=True)
-        target.unlink(missing_ok=True)
+        target = _slot(odir / f"{other}.gmb", path, rng)  # the coin as before: heads is the new path
         target.symlink_to(victim)
         what = str(target.name[:8])
     elif kind == "dir-named-block":
-        target = path if rng.random() < 0.5 else odir / f"{other}.gmb"
-        target.parent.mkdir(exist_ok=True)
-        target.unlink(missing_ok=True)
+        target = _slot(path, odir / f"{other}.gmb", rng)
         target.mkdir()
         (target / "x").write_bytes(b"junk")
         what = str(target.name[:8])
@@ -325,7 +309,7 @@ def run(engine: Any, *, mutations: int, seed: int, seconds: float, workdir: Opti
             round_dir.mkdir()
             label = f"#{done} {kind}"
             try:
-                with deadline(ROUND_TIMEOUT_S):
+                with no_hang(ROUND_TIMEOUT_S):
                     if kind in BUNDLE_KINDS:
                         b = round_dir / "b.gmbundle"
                         shutil.copyfile(ref.bundle, b)

@@ -3,7 +3,10 @@ store home per test (GRAFTMEM_HOME points into tmp_path, as simonw/llm does with
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+from typing import Any, Iterator
 
 import pytest
 
@@ -78,3 +81,19 @@ def flip_bit(path, offset: int) -> None:
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ 0x01]))
+
+
+@contextlib.contextmanager
+def no_hang(seconds: int = 30) -> Iterator[None]:
+    """Raise TimeoutError if the body runs longer than ``seconds`` (a FIFO opened blocking hangs).
+    The store's hostile-file tests and bench/fuzz.py's rounds both use it (main thread only: SIGALRM)."""
+    def fire(*_: Any) -> None:
+        raise TimeoutError(f"hung for {seconds} s (a FIFO opened blocking?)")
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

@@ -11,7 +11,6 @@ import contextlib
 import logging
 import os
 import shutil
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -26,22 +25,8 @@ from graftmem.cli import main
 from graftmem.core.errors import StoreReadOnly
 from graftmem.store import Store
 
-from .conftest import long_text
+from .conftest import long_text, no_hang
 from .test_bundle import QUERY
-
-
-@contextlib.contextmanager
-def no_hang(seconds: int = 30):
-    def fire(*_):
-        raise TimeoutError(f"hung for {seconds} s (a FIFO opened blocking?)")
-
-    old = signal.signal(signal.SIGALRM, fire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 @contextlib.contextmanager
