@@ -115,15 +115,22 @@ def test_config_mistakes_are_one_clear_line(tmp_path, capsys, config, why):
     assert err.startswith("error: ") and why in err and "pydantic" not in err and "http" not in err
 
 
-def test_ask_a_chat_block_answers_as_the_next_turn_and_empty_answers_fail(tmp_path, capsys):
+def _chat_manual(tmp_path, capsys, text: str) -> tuple[str, str, str]:
+    """Learn ``text`` as a chat block through the CLI; (home, config, block id) for the next commands."""
     from graftmem.cli import main
 
     home = str(tmp_path / "h")
     cfg = '{"probe": false}'
     manual = tmp_path / "refunds.txt"
-    manual.write_text("Refunds: ask for the order number (NW-12345) first.")
+    manual.write_text(text)
     assert main(["--home", home, "--config", cfg, "--json", "learn", str(manual), "--chat"]) == 0
-    bid = json.loads(capsys.readouterr().out)["id"]
+    return home, cfg, json.loads(capsys.readouterr().out)["id"]
+
+
+def test_ask_a_chat_block_answers_as_the_next_turn_and_empty_answers_fail(tmp_path, capsys):
+    from graftmem.cli import main
+
+    home, cfg, bid = _chat_manual(tmp_path, capsys, "Refunds: ask for the order number (NW-12345) first.")
     assert main(["--home", home, "--config", cfg, "--json", "ask", bid, "What do you ask first?",
                  "--max-tokens", "8"]) == 0
     r = json.loads(capsys.readouterr().out)
@@ -141,12 +148,8 @@ def test_ask_streams_and_stops_like_the_api(tmp_path, capsys):
     the plain answer has that string."""
     from graftmem.cli import main
 
-    home = str(tmp_path / "h")
-    cfg = '{"probe": false}'
-    manual = tmp_path / "refunds.txt"
-    manual.write_text("Refunds: ask for the order number (NW-12345) first, then check the 30-day window.")
-    assert main(["--home", home, "--config", cfg, "--json", "learn", str(manual), "--chat"]) == 0
-    bid = json.loads(capsys.readouterr().out)["id"]
+    home, cfg, bid = _chat_manual(
+        tmp_path, capsys, "Refunds: ask for the order number (NW-12345) first, then check the 30-day window.")
     q = ["ask", bid, "A customer wants a refund. What do you do?", "--max-tokens", "24"]
     assert main(["--home", home, "--config", cfg, "--json", *q]) == 0
     full = json.loads(capsys.readouterr().out)["text"]
