@@ -33,7 +33,7 @@ from typing import BinaryIO, Optional
 
 import xxhash
 
-__all__ = ["CHUNK", "FileVersion", "file_version", "remember", "recall", "forget", "read_hashed", "checksum"]
+__all__ = ["CHUNK", "FileVersion", "file_version", "remember", "recall", "forget", "read_hashed"]
 
 #: Read size of the checked fast path: hashed while still in the core's L2 (1 MiB per core here).
 CHUNK = 1 << 20
@@ -55,11 +55,6 @@ def file_version(fd: int, state_digest: str) -> FileVersion:
     """The key of one version of an open file: what any write through the file system changes."""
     st = os.fstat(fd)
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, state_digest)
-
-
-def checksum(data: memoryview | bytes) -> bytes:
-    """xxh3-128 of ``data`` (16 bytes)."""
-    return xxhash.xxh3_128(data).digest()
 
 
 def remember(key: FileVersion, digest: bytes) -> None:
