@@ -40,7 +40,6 @@ from .chat import chunk_prompt, render_segments, tokenize_segments
 from .generate import Job, Result, check_fits, run_job
 from .http import HTTPError, Limits, guarded, json_object, public_message, read_body
 from .pool import EnginePool
-from .prefix import routable
 from .routing import RouterRef
 from .tools import ToolSpec, ToolStream, parse_calls, parse_tools
 
@@ -178,8 +177,8 @@ class OpenAIRoutes:
             raise HTTPError(400, "routed recall needs a last user message with text content", param="messages")
         digest = self.engine0.fingerprint.digest()
         router = self.router
-        hits = await asyncio.to_thread(lambda: search(router.get(), self.store, digest, task, top_k=1,
-                                                      allow=routable))  # never an automatic prefix block
+        # the router never indexes automatic prefix blocks (memory.router.UNROUTED_KINDS)
+        hits = await asyncio.to_thread(lambda: search(router.get(), self.store, digest, task, top_k=1))
         if not hits or hits[0].score < min_score:
             return {"recall": {"block_id": None, "score": hits[0].score if hits else None, "min_score": min_score}}
         block = self.store.get(hits[0].block_id)

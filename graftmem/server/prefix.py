@@ -50,14 +50,10 @@ if TYPE_CHECKING:
     from ..core.engine import Engine
     from ..store.local import Store
 
-__all__ = ["AUTO_KIND", "PrefixCache", "Match", "prefix_keys", "routable"]
+__all__ = ["AUTO_KIND", "PrefixCache", "Match", "prefix_keys"]
 
 log = logging.getLogger("graftmem")
 
-def routable(block: Block) -> bool:
-    """Whether routed recall and search may pick ``block``: not an automatic prefix block (a piece of
-    some conversation the cache kept, not knowledge anyone learned for tasks)."""
-    return block.kind != AUTO_KIND
 _MAX_SIGHTINGS = 4096
 
 

@@ -33,7 +33,6 @@ from ..memory.recall import continuation_for, recall, search
 from ..store.chain import chain_of
 from .http import HTTPError, Limits, guarded, json_object, public_message, read_body
 from .pool import EnginePool
-from .prefix import routable
 from .routing import RouterRef
 
 if TYPE_CHECKING:
@@ -136,8 +135,7 @@ class MemoryRoutes:
             raise HTTPError(400, "top_k must be an integer in [1, 100]", param="top_k")
         digest = self.pool.engines[0].fingerprint.digest()
         router = self._router
-        hits = await anyio.to_thread.run_sync(lambda: search(router(), self.store, digest, query, top_k=top_k,
-                                                             allow=routable))
+        hits = await anyio.to_thread.run_sync(lambda: search(router(), self.store, digest, query, top_k=top_k))
         return JSONResponse({"hits": [h.model_dump(mode="json") for h in hits]})
 
     async def recall(self, request: Request) -> Response:
@@ -152,7 +150,7 @@ class MemoryRoutes:
         stops = check_stops(body.get("stop"))
         router = await anyio.to_thread.run_sync(self._router)
         r = await self._on_engine(lambda e: recall(e, self.store, router, task, max_tokens=max_tokens,
-                                                   min_score=min_score, allow=routable, stops=stops))
+                                                   min_score=min_score, stops=stops))
         return Response(r.model_dump_json(), media_type="application/json")
 
     async def ask(self, request: Request) -> Response:
