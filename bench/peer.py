@@ -26,7 +26,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -131,18 +131,8 @@ class LlamaServer:
         self.proc = subprocess.Popen(cmd, stdout=self._logf, stderr=subprocess.STDOUT)
         atexit.register(self.close)  # never leave a server behind, also when the bench is stopped
         self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=600.0)
-        deadline = time.monotonic() + startup_s
-        while True:
-            if self.proc.poll() is not None:
-                raise PeerUnavailable(f"llama-server exited with {self.proc.returncode}: "
-                                      f"{self.log.read_text(errors='replace')[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if self.client.get("/health").status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                self.close()
-                raise PeerUnavailable(f"llama-server did not become healthy in {startup_s:.0f} s; see {self.log}")
-            time.sleep(0.2)
+        wait_ready(self.proc, lambda: self.client.get("/health").status_code == 200, "llama-server", self.log,
+                   startup_s, self.close)
 
     def complete(self, tokens: list[int], *, n_predict: int = 1, n_probs: int = 0) -> dict:
         """A completion of exactly these token ids (no BOS added: the ids carry it), greedy."""
@@ -164,14 +154,36 @@ class LlamaServer:
 
     def close(self) -> None:
         self.client.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop(self.proc, 10)
         self._logf.close()
+
+
+def wait_ready(proc: subprocess.Popen, ready: Callable[[], bool], name: str, log: Path, startup_s: float,
+               close: Callable[[], None]) -> None:
+    """Poll ``ready()`` until it is true; a server that exits or misses ``startup_s`` is closed and
+    reported (`PeerUnavailable`, with the end of its log). bench/serve.py starts its servers this way too."""
+    deadline = time.monotonic() + startup_s
+    while True:
+        if proc.poll() is not None:
+            raise PeerUnavailable(f"{name} exited with {proc.returncode}: {log.read_text(errors='replace')[-2000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if ready():
+                return
+        if time.monotonic() > deadline:
+            close()
+            raise PeerUnavailable(f"{name} did not become ready in {startup_s:.0f} s; see {log}")
+        time.sleep(0.1)
+
+
+def stop(proc: subprocess.Popen, wait_s: float) -> None:
+    """Terminate a server, killing it if it is still there after ``wait_s`` seconds."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 @contextlib.contextmanager

@@ -120,28 +120,12 @@ class Proc:
         self.log = log
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd, env=env)
-        deadline = time.monotonic() + startup_s
-        while True:
-            if self.proc.poll() is not None:
-                raise cpp_peer.PeerUnavailable(f"{name} exited with {self.proc.returncode}: "
-                                               f"{log.read_text(errors='replace')[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + ready_path, timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                self.close()
-                raise cpp_peer.PeerUnavailable(f"{name} did not start in {startup_s:.0f} s; see {log}")
-            time.sleep(0.1)
+        cpp_peer.wait_ready(self.proc, lambda: httpx.get(self.url + ready_path, timeout=2).status_code == 200,
+                            name, log, startup_s, self.close)
         self.startup_s = time.perf_counter() - t0
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        cpp_peer.stop(self.proc, 20)
         self._log.close()
 
 
