@@ -527,7 +527,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              max_queue=args.max_queue, min_prefix_tokens=args.min_prefix_tokens,
                              sightings=args.sightings, learn=not args.no_learn,
                              max_auto_bytes=args.max_auto_mb << 20, auto_storage=args.auto_storage,
-                             router=lambda: mem.router)  # loaded on the first routed request
+                             warm=not args.no_warm, router=lambda: mem.router)  # loaded on the first routed request
         elif mem:
             srv = mem.serve(host=args.host, port=args.port, push_token=token, sign_key=_sign_key(args),
                             rederive=args.rederive)
@@ -535,7 +535,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             srv = BlockServer(_home(args), host=args.host, port=args.port, sign_key=_sign_key(args),
                               api_key=api_key)
         try:
+            warmed = getattr(srv, "warm", [])
             what = (f"OpenAI API at {srv.url}/v1 with {1 + len(extra)} engine(s), " if api else "")
+            if warmed:
+                what += f"{sum(w['tokens'] for w in warmed)} prompt tokens warm in RAM, "
             print(f"serving {srv.store.home} at {srv.url} ({what}pushes {'on' if token else 'off'}, "
                   f"listings {'signed' if args.sign else 'unsigned'}, "
                   f"API key {'required' if api_key else 'off'}); Ctrl-C stops", flush=True)
@@ -864,6 +867,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "blocks you learned are never evicted)")
     sp.add_argument("--auto-storage", choices=("full", "delta"), default="full",
                     help="store automatic chained blocks whole (fast grafts) or as deltas over their parent (less disk)")
+    sp.add_argument("--no-warm", action="store_true",
+                    help="start with empty engines instead of grafting the most recently learned prompt prefixes")
     sp.add_argument("--port", type=_port, default=8765, help="0 picks a free port")
     sp.add_argument("--push-token", help="accept pushes with this token (or $GRAFTMEM_PUSH_TOKEN)")
     sp.add_argument("--sign", metavar="KEY", help="sign listings with this private key")

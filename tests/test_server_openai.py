@@ -51,10 +51,23 @@ def home(tmp_path):
     return tmp_path / "home"
 
 
+def _receipt_of(c: openai.OpenAI, messages=MESSAGES):
+    raw = c.chat.completions.with_raw_response.create(
+        model="smollm2", messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    return raw.parse(), json.loads(raw.headers[RECEIPT_HEADER])
+
+
+OTHER = [{"role": "system", "content": "You answer in French. " + long_text(40, seed=5)},
+         {"role": "user", "content": "Bonjour"}]
+
+
 def test_grafted_prefix_is_exact_and_survives_a_restart(smol, home):
+    """Each way a prompt's prefix is reused gives the cold request's bytes: a graft from the store, the
+    cells the previous request left in RAM, the warm start's graft after a restart, a restart without it."""
     store = Store(home)
     try:
         with api_server(store, [smol], min_prefix_tokens=32, sightings=2) as srv:
+            assert srv.warm == []  # nothing learned yet: nothing to warm
             c = _client(srv)
             cold = _ask(c, cache=False)
             assert cold.usage.prompt_tokens_details.cached_tokens == 0
@@ -62,26 +75,37 @@ def test_grafted_prefix_is_exact_and_survives_a_restart(smol, home):
             assert first.usage.prompt_tokens_details.cached_tokens == 0
             kinds = {b.kind for b in store.list()}
             assert kinds == {"auto"}, kinds
-            raw = c.chat.completions.with_raw_response.create(
-                model="smollm2", messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
-            warm = raw.parse()
-            receipt = json.loads(raw.headers[RECEIPT_HEADER])
+            _ask(c, OTHER)  # another prompt takes the engine's cells: the next request grafts from the store
+            warm, receipt = _receipt_of(c)
             n_cached = warm.usage.prompt_tokens_details.cached_tokens
-            assert n_cached > 32 and receipt["tokens_restored"] == n_cached and receipt["block_id"]
+            assert receipt["source"] == "store" and receipt["block_id"]
+            assert n_cached > 32 and receipt["tokens_restored"] == n_cached
             assert warm.model_extra["graftmem"]["block_id"] == receipt["block_id"]
+            # the same prompt again: the previous request's cells, kept in RAM, up to the last message
+            again, receipt2 = _receipt_of(c)
+            assert receipt2["source"] == "ram" and again.usage.prompt_tokens_details.cached_tokens > n_cached
             assert _fingerprint(warm) == _fingerprint(cold) == _fingerprint(first) == _fingerprint(second)
-            # streaming from the grafted prefix gives the same text
+            assert _fingerprint(again) == _fingerprint(cold)
+            # streaming from the kept prefix gives the same text
             parts = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
                 model="smollm2", messages=MESSAGES, max_tokens=8, temperature=0, stream=True) if ch.choices]
             assert "".join(parts) == cold.choices[0].message.content
-        # a new server on the same home (a restart): warm on its first request, same bytes
+        # a new server on the same home (a restart) grafts the learned prefix before serving: in RAM at once
         with api_server(store, [smol], min_prefix_tokens=32) as srv2:
-            again = _ask(_client(srv2))
+            assert [w["block_id"] for w in srv2.warm] == [receipt["block_id"]]
+            r, rec = _receipt_of(_client(srv2))
+            assert rec["source"] == "ram" and rec["block_id"] == receipt["block_id"]
+            assert r.usage.prompt_tokens_details.cached_tokens == n_cached and _fingerprint(r) == _fingerprint(cold)
+        # a restart without the warm start: the first request grafts from the store, same bytes
+        with api_server(store, [smol], min_prefix_tokens=32, warm=False) as srv3:
+            assert srv3.warm == []
+            again = _ask(_client(srv3))
             assert again.usage.prompt_tokens_details.cached_tokens == n_cached
+            assert again.model_extra["graftmem"]["source"] == "store"
             assert _fingerprint(again) == _fingerprint(cold)
-            # the next turn of the conversation grafts the same chain and prefills only the new turns
+            # the next turn of the conversation reuses the same prefix and prefills only the new turns
             longer = MESSAGES + [{"role": "assistant", "content": "Four."}, {"role": "user", "content": "And 3+3?"}]
-            nxt, nxt_cold = _ask(_client(srv2), longer), _ask(_client(srv2), longer, cache=False)
+            nxt, nxt_cold = _ask(_client(srv3), longer), _ask(_client(srv3), longer, cache=False)
             assert nxt.usage.prompt_tokens_details.cached_tokens >= n_cached
             assert _fingerprint(nxt) == _fingerprint(nxt_cold)
     finally:

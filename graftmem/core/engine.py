@@ -165,6 +165,9 @@ class Engine:
         self._batch = C.llama_batch_init(self.config.n_batch, 0, 1)
         self._buf = bytearray()
         self._n_past = 0
+        #: What the last holder left in the cache for a later ``session(resume=True)`` (opaque here:
+        #: the holder's own description); None whenever the cells changed since (see `session()`).
+        self.kept: Optional[object] = None
         self.fingerprint = Fingerprint(
             model_sha256=_file_sha256(self.model_path), model_name=self.model_name,
             llama_cpp_version=llama_cpp.__version__,
@@ -235,21 +238,32 @@ class Engine:
 
     # ----------------------------------------------------------------- compute
     @contextlib.contextmanager
-    def session(self) -> Iterator["Engine"]:
+    def session(self, *, resume: bool = False, keep: bool = False) -> Iterator["Engine"]:
         """Hold the context for one unit of work that starts and ends on an empty cache.
 
         The lock serializes threads; the reset before makes the work start at cell 0 whatever the
         previous holder left; the reset after (in ``finally``, so also on an error or a refused graft)
         leaves no state of this work for the next holder to see. Every caller that prefills, grafts or
         decodes goes through here instead of copying the discipline.
+
+        The server's in-RAM prompt reuse (llama-server's slot reuse) bends the rule in two explicit
+        steps: ``keep=True`` leaves this work's cells in place after a *normal* exit (an error still
+        clears them) and the holder describes them in `kept`; ``resume=True`` starts from whatever
+        is there instead of clearing it. The resuming holder must read `kept` to know what the cells
+        are: every operation that changes them (reset, prefill, restore, trim, shift) sets `kept` to
+        None, so a stale description cannot survive another holder's work.
         """
         with self._lock:
-            if self._n_past:  # a clear costs a memset of the whole cache: skip it when already empty
-                self.reset()
+            if not resume:
+                self.kept = None
+                if self._n_past:  # a clear costs a memset of the whole cache: skip it when already empty
+                    self.reset()
+            ok = False
             try:
                 yield self
+                ok = True
             finally:
-                if not self._closed:
+                if not self._closed and not (keep and ok):
                     self.reset()
 
     @property
@@ -260,6 +274,7 @@ class Engine:
     def reset(self) -> None:
         """Empty the KV cache (data too) so the next graft or prefill starts at cell 0."""
         with self._lock:
+            self.kept = None
             self._check()
             C.llama_memory_clear(C.llama_get_memory(self._ctx), True)
             self._n_past = 0
@@ -290,6 +305,7 @@ class Engine:
                 raise EngineError("this model's KV cache cannot shift positions")
             if self._n_past + delta < 0 or self._n_past + delta > self.n_ctx:
                 raise ConfigError(f"shifting {self._n_past} positions by {delta} leaves 0..{self.n_ctx}")
+            self.kept = None
             C.llama_memory_seq_add(mem, 0, 0, -1, delta)
             self._n_past = C.llama_memory_seq_pos_max(mem, 0) + 1
 
@@ -297,6 +313,7 @@ class Engine:
         """Drop the cells at positions >= n_keep (what a query added), keeping the prefix intact."""
         with self._lock:
             self._check()
+            self.kept = None
             if not C.llama_memory_seq_rm(C.llama_get_memory(self._ctx), 0, n_keep, -1):
                 raise EngineError(f"could not trim sequence 0 to {n_keep} positions")
             self._n_past = min(self._n_past, n_keep)
@@ -309,6 +326,7 @@ class Engine:
             n = len(tokens)
             if n == 0:
                 raise ConfigError("cannot prefill an empty token list")
+            self.kept = None
             if self._n_past + n > self.n_ctx:
                 raise EngineError(f"context full: {self._n_past} + {n} tokens exceed n_ctx={self.n_ctx}")
             b = self._batch
@@ -377,6 +395,7 @@ class Engine:
         with self._lock:
             self._check()
             t0 = time.perf_counter()
+            self.kept = None
             C.llama_memory_clear(C.llama_get_memory(self._ctx), False)
             self._n_past = 0
             size = len(state)

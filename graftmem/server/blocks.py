@@ -34,7 +34,7 @@ import logging
 import os
 import re
 import time
-from typing import AsyncIterator, BinaryIO, Optional
+from typing import AsyncIterator, BinaryIO, Callable, Optional
 
 import anyio
 import anyio.from_thread
@@ -306,6 +306,8 @@ class BlockServer:
             raise ConfigError("the API key is too short: use at least 8 characters")
         self._owns_store = not isinstance(store, Store)
         self.store = store if isinstance(store, Store) else Store(store)
+        #: called by `close()` after the socket stopped (the API server drops the cells it kept in RAM)
+        self.on_close: list[Callable[[], None]] = []
         try:
             self.routes = routes(self.store, push_token=push_token, fingerprint=fingerprint, policy=policy,
                                  sign_key=sign_key, max_push_bytes=max_push_bytes, check=check, limits=limits)
@@ -335,6 +337,9 @@ class BlockServer:
 
     def close(self) -> None:
         self._server.close()
+        for fn in self.on_close:
+            fn()
+        self.on_close.clear()
         if self._owns_store:
             self.store.close()
 

@@ -8,10 +8,20 @@ prefilled one segment per call (see `graftmem.server.chat`), so a request served
 prefix and the same request served cold compute the same bytes: grafting changes the time, never
 the answer. A block that fails any check (digests, fingerprint, llama.cpp refusing the bytes) is
 refused for the rest of the process, logged, and the request is served cold from an empty context.
+
+In-RAM reuse (llama-server's slot reuse, with the same exactness argument as a graft): a request
+leaves its prompt's cells in its engine (`Kept` describes them: the prompt's segment keys and ends);
+the next request on that engine keeps the longest run of whole segments it shares with them, trims
+the rest (the previous answer too) and prefills from there. Segment for segment the kept cells are
+the cells a fresh prefill of the same calls computes, so, as for a graft at a segment boundary, the
+answer's bytes do not change; only the time does. A stored block is grafted instead when it holds
+more of the prompt, or when the request must learn a prefix that has to continue a stored chain.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -20,13 +30,18 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 from ..core.decode import AnswerText, Sampling, decode
 from ..core.errors import GraftmemError
 from ..memory.answer import graft
+from ..store.chain import chain_of
+from .prefix import AUTO_KIND, prefix_keys
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
+    from ..core.blocks import Block
     from ..store.local import Store
     from .prefix import PrefixCache
 
-__all__ = ["Job", "Result", "run_job", "MAX_CAPTURE_BYTES"]
+log = logging.getLogger("graftmem")
+
+__all__ = ["Job", "Kept", "Result", "run_job", "kept_segments", "warm_engines", "MAX_CAPTURE_BYTES"]
 
 #: States one request keeps in memory to learn its prefix; a longer new prefix is learned in part (a
 #: contiguous chain from the grafted block) and the rest by the requests that follow.
@@ -51,6 +66,15 @@ class Job:
     extra: Optional[dict[str, Any]] = None  #: added to the receipt (what routing chose)
     learn_tail: int = 2  #: final segments never learned (see `PrefixCache.learn_target`)
 
+    @functools.cached_property
+    def keys(self) -> list[bytes]:
+        """The prompt's cumulative segment keys (`prefix_keys`), computed once per request."""
+        return prefix_keys(self.segments)
+
+    def prefer(self, engine: "Engine") -> int:
+        """The pool's engine choice: how many of this prompt's segments the engine's cells hold."""
+        return kept_segments(engine, self.keys) if self.use_cache else 0
+
 
 @dataclass
 class Result:
@@ -61,6 +85,72 @@ class Result:
     prompt_tokens: int
     cached_tokens: int
     receipt: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What a request (or the warm start) left in an engine's cache for the next request there: the
+    prompt's segments as cumulative keys (`graftmem.server.prefix.prefix_keys`) and the token count
+    at the end of each; cells past the last end (the answer) are trimmed by whoever reuses them."""
+
+    keys: tuple[bytes, ...]
+    ends: tuple[int, ...]
+    block_id: Optional[str] = None  #: the stored block these cells were grafted from, if any
+
+
+def can_keep(engine: "Engine") -> bool:
+    """Whether trimming this engine's cells back to a segment boundary gives the fresh state: not for an
+    engine measured inexact, nor a sliding-window cache that drops cells (``swa_full=False``)."""
+    return bool(engine.exactness.exact) and (engine.n_swa == 0 or engine.config.swa_full)
+
+
+def kept_segments(engine: "Engine", keys: Sequence[bytes]) -> int:
+    """How many leading segments of a prompt with ``keys`` this engine's kept cells hold (at most all
+    but the last, which a request always prefills to get its first logits)."""
+    kept = engine.kept
+    if not isinstance(kept, Kept):
+        return 0
+    n = min(len(kept.keys), len(keys) - 1)
+    while n > 0 and kept.keys[n - 1] != keys[n - 1]:  # a key covers every segment before it too
+        n -= 1
+    return n
+
+
+def _ends(segments: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    out, n = [], 0
+    for seg in segments:
+        n += len(seg)
+        out.append(n)
+    return tuple(out)
+
+
+def warm_engines(engines: Sequence["Engine"], store: "Store", cache: "PrefixCache") -> list[dict[str, Any]]:
+    """Graft the most recently learned automatic prompt prefixes, one per engine, and keep them: a
+    restarted server finds an agent's last conversation in RAM, as llama-server finds its slot's,
+    instead of reading and checking it from disk on the first request. Each graft is checked
+    (BLAKE3 on this process's first read) like any other; a block that fails is refused and skipped.
+    Returns what each engine got (block id, tokens, milliseconds)."""
+    if not engines:
+        return []
+    digest = engines[0].fingerprint.digest()
+    autos = [b for b in store.list(kind=AUTO_KIND) if b.fingerprint.digest() == digest]
+    leaves = sorted((b for b in autos if not store.children(b.id)), key=lambda b: b.created_at, reverse=True)
+    done: list[dict[str, Any]] = []
+    for engine, block in zip([e for e in engines if can_keep(e)], leaves):
+        t0 = time.perf_counter()
+        try:
+            with engine.session(keep=True):
+                chain = chain_of(store, block)
+                graft(engine, store, block)
+                segs = [c.tokens for c in chain]
+                engine.kept = Kept(tuple(prefix_keys(segs)), _ends(segs), block.id)
+        except GraftmemError as exc:
+            cache.refuse(block.id, str(exc))
+            continue
+        done.append({"block_id": block.id, "tokens": block.pos_end, "ms": round((time.perf_counter() - t0) * 1e3, 1)})
+        log.info("serve: warm start grafted %d tokens (block %s) in %.0f ms", block.pos_end, block.short_id,
+                 done[-1]["ms"])
+    return done
 
 
 def _entry(engine: "Engine", tok: int, lp: float, top: Optional[list[tuple[int, float]]]) -> dict[str, Any]:
@@ -76,7 +166,10 @@ def run_job(engine: "Engine", store: "Store", cache: Optional["PrefixCache"], jo
     """Compute ``job`` on ``engine`` (which the caller holds exclusively); see the module docstring."""
     segs = job.segments
     n_prompt = sum(len(s) for s in segs)
-    match = cache.lookup(segs) if cache is not None and job.use_cache else None
+    caching = cache is not None and job.use_cache
+    keep = caching and can_keep(engine)
+    keys = job.keys
+    match = cache.lookup(segs) if caching else None
     answer = AnswerText(engine.piece, job.stops)  # final text only: no half character, no partial stop
     entries: list[dict[str, Any]] = []
     pending: list[dict[str, Any]] = []  # logprob entries not streamed yet
@@ -97,21 +190,34 @@ def run_job(engine: "Engine", store: "Store", cache: Optional["PrefixCache"], jo
             return "cancelled"
         return None
 
-    with engine.session():
+    with engine.session(resume=keep, keep=keep):
         t0 = time.perf_counter()
-        restored, first_seg, block_id = 0, 0, None
-        if match is not None:
-            try:
-                graft(engine, store, match.block)
-                restored, first_seg, block_id = match.n_tokens, match.n_segments, match.block.id
-            except GraftmemError as exc:
-                assert cache is not None
-                cache.refuse(match.block.id, str(exc))
-                engine.reset()
-                match = None
-        t1 = time.perf_counter()
         # the prefix to learn is decided before the prefill, so its states are captured on the way
-        learn_k = cache.learn_target(segs, job.learn_tail) if cache is not None and job.use_cache else 0
+        learn_k = cache.learn_target(segs, job.learn_tail) if caching else 0
+        m = match.n_segments if match is not None else 0
+        in_ram = kept_segments(engine, keys) if keep else 0
+        if learn_k > m:  # what is learned continues the stored chain at m: start there, not later
+            in_ram = min(in_ram, m)
+        restored, first_seg, block_id, source = 0, 0, None, None
+        if in_ram > 0 and in_ram >= m:
+            kept_block = engine.kept.block_id if isinstance(engine.kept, Kept) else None
+            restored = sum(len(s) for s in segs[:in_ram])
+            engine.trim(restored)
+            first_seg, source = in_ram, "ram"
+            block_id = match.block.id if match is not None and in_ram == m else kept_block
+        else:
+            if engine.n_past:
+                engine.reset()
+            if match is not None:
+                try:
+                    graft(engine, store, match.block)
+                    restored, first_seg, block_id, source = match.n_tokens, m, match.block.id, "store"
+                except GraftmemError as exc:
+                    assert cache is not None
+                    cache.refuse(match.block.id, str(exc))
+                    engine.reset()
+                    match = None
+        t1 = time.perf_counter()
         captured: list[bytes] = []
         held = 0
         for i in range(first_seg, len(segs)):
@@ -124,12 +230,14 @@ def run_job(engine: "Engine", store: "Store", cache: Optional["PrefixCache"], jo
         out = decode(engine, job.max_tokens, first_logits=first, sampling=job.sampling, on_token=on_token,
                      top_logprobs=job.top_logprobs if job.logprobs else 0)
         t3 = time.perf_counter()
+        if keep:
+            engine.kept = Kept(tuple(keys), _ends(segs))
     text = answer.text
     rest = answer.delta(final=True)
     if job.emit is not None and (rest or pending):
         job.emit("delta", (rest, pending[:]))
     receipt = {"block_id": block_id, "tokens_restored": restored, "tokens_prefilled": n_prompt - restored,
-               "restore_ms": round((t1 - t0) * 1e3, 3) if block_id else 0.0,
+               "source": source, "restore_ms": round((t1 - t0) * 1e3, 3) if source else 0.0,
                "prefill_ms": round((t2 - t1) * 1e3, 3), "decode_ms": round((t3 - t2) * 1e3, 3),
                "exact": bool(engine.exactness.exact), "cache": job.use_cache}
     result = Result(text=text, tokens=list(out.tokens), logprobs=entries, finish_reason=out.finish_reason,

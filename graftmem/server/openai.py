@@ -234,7 +234,7 @@ class OpenAIRoutes:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if not stream:
-            engine = await self.pool.acquire()
+            engine = await self.pool.acquire(job.prefer)
             done: asyncio.Future[Result] = loop.create_future()
             answered: asyncio.Future[Result] = loop.create_future()
 
@@ -257,7 +257,7 @@ class OpenAIRoutes:
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         job.emit = lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
-        engine = await self.pool.acquire()  # 429 here, before the stream starts
+        engine = await self.pool.acquire(job.prefer)  # 429 here, before the stream starts
         done = loop.create_future()
         self._start(engine, job, loop, done)
         return StreamingResponse(self._sse(rid, created, job, events, done, chat=chat, usage=include_usage,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from .http import HTTPError
 
@@ -50,8 +50,14 @@ class EnginePool:
     def waiting(self) -> int:
         return sum(1 for w in self._waiters if not w.done())
 
-    async def acquire(self) -> "Engine":
+    async def acquire(self, prefer: Optional[Callable[["Engine"], int]] = None) -> "Engine":
+        """An engine for one request; with ``prefer``, the free engine it scores highest (the one whose
+        kept cells hold most of the request's prompt: llama-server's slot choice by prompt similarity)."""
         if self._free and not self.waiting:
+            if prefer is not None and len(self._free) > 1:
+                best = max(self._free, key=prefer)
+                self._free.remove(best)
+                return best
             return self._free.popleft()
         if self.waiting >= self.max_queue:
             raise HTTPError(429, f"the server is busy: {self.size} engine(s) in use and {self.waiting} "

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import struct
 import threading
 import time
 from collections import OrderedDict
@@ -63,7 +64,7 @@ def prefix_keys(segments: Sequence[Sequence[int]]) -> list[bytes]:
     out = []
     for seg in segments:
         h.update(len(seg).to_bytes(4, "little"))
-        h.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in seg))
+        h.update(struct.pack(f"<{len(seg)}i", *seg))  # each id as 4 little-endian signed bytes
         out.append(h.copy().digest())
     return out
 

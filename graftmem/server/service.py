@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
+from ..core.errors import GraftmemError
 from ..share.admission import BlockCheck
 from ..share.trust import SigningKey
 from .blocks import BlockServer
+from .generate import warm_engines
 from .http import Limits
 from .openai import OpenAIRoutes
 from .pool import EnginePool
@@ -29,7 +31,7 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
                max_queue: int = 16, min_prefix_tokens: int = 256, sightings: int = 2, learn: bool = True,
                max_auto_bytes: Optional[int] = 2 << 30, model_id: Optional[str] = None,
                limits: Optional[Limits] = None, router: Optional[Callable[[], "Router"]] = None,
-               auto_storage: str = "full") -> BlockServer:
+               auto_storage: str = "full", warm: bool = True) -> BlockServer:
     """A `BlockServer` that also answers ``/v1/chat/completions``, ``/v1/completions`` and
     ``/v1/models`` with ``engines`` (one request per engine at a time, ``max_queue`` waiting), grafting
     stored prompt prefixes and learning those seen ``sightings`` times with at least
@@ -37,15 +39,29 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
     evicted first; blocks a user learned are never evicted). ``router`` (called on the first routed
     request) enables ``"graftmem": {"recall": true}`` and ``/v1/memory/search|recall``.
     ``auto_storage``: ``"full"`` (fast grafts, the default) or ``"delta"`` (less disk) for chained
-    automatic blocks (`PrefixCache`). Not started: use it as a context manager or call ``start()``."""
+    automatic blocks (`PrefixCache`). ``warm``: before serving, graft the most recently learned
+    automatic prefixes into the engines and keep them in RAM (`warm_engines`: what a restarted agent
+    sends first is found there; ``srv.warm`` says what each engine got). Not started: use it as a
+    context manager or call ``start()``."""
     pool = EnginePool(engines, max_queue=max_queue)
     cache = PrefixCache(store, engines[0].fingerprint, min_tokens=min_prefix_tokens, sightings=sightings,
                         learn=learn, max_auto_bytes=max_auto_bytes, auto_storage=auto_storage)
+    warmed = warm_engines(engines, store, cache) if warm else []
     ref = RouterRef(router)
     oa = OpenAIRoutes(pool, store, cache, model_id=model_id, limits=limits, router=ref)
     rest = MemoryRoutes(pool, store, ref, limits=limits)
     srv = BlockServer(store, host=host, port=port, push_token=push_token, fingerprint=engines[0].fingerprint,
                       sign_key=sign_key, check=check, api_key=api_key, limits=limits,
                       extra=oa.routes() + rest.routes())
-    srv.pool, srv.cache, srv.openai = pool, cache, oa  # type: ignore[attr-defined]
+    srv.pool, srv.cache, srv.openai, srv.warm = pool, cache, oa, warmed  # type: ignore[attr-defined]
+
+    def forget() -> None:  # the engines may outlive the server (Memory.serve): leave them empty
+        for e in engines:
+            try:
+                with e.session():
+                    pass
+            except GraftmemError:  # closed already: nothing kept
+                pass
+
+    srv.on_close.append(forget)
     return srv

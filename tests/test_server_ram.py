@@ -1,0 +1,84 @@
+"""In-RAM prompt reuse (llama-server's slot reuse): a request keeps its prompt's cells in its engine and
+the next request there trims them to the segments it shares and prefills the rest. Checked through the
+`openai` client against the same requests served cold (cache off): same tokens, same log-probabilities,
+on SmolLM2 with two engines (each conversation goes back to the engine that holds it) and on Gemma 3
+past its sliding window."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+
+from graftmem.core.engine import Engine
+from graftmem.server import RECEIPT_HEADER, api_server
+from graftmem.store.local import Store
+
+from .conftest import long_text
+
+
+def _turns(system: str, n: int) -> list[list[dict]]:
+    """The prompts of an n-turn conversation (fixed assistant answers, so the prompts are known ahead)."""
+    msgs = [{"role": "system", "content": system}]
+    out = []
+    for i in range(n):
+        msgs = msgs + [{"role": "user", "content": f"Question {i}: what is {i} plus {i}?"}]
+        out.append(msgs)
+        msgs = msgs + [{"role": "assistant", "content": f"It is {2 * i}."}]
+    return out
+
+
+def _ask(c: openai.OpenAI, model: str, messages, *, cache: bool = True):
+    raw = c.chat.completions.with_raw_response.create(
+        model=model, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+        extra_body={"graftmem": {"cache": cache}})
+    r = raw.parse()
+    return r, json.loads(raw.headers[RECEIPT_HEADER])
+
+
+def _bytes(r) -> list:
+    return [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in r.choices[0].logprobs.content]
+
+
+def test_two_engines_each_conversation_finds_its_engine(smol, tmp_path):
+    a = _turns("You are a shop's support agent. " + long_text(60, seed=3), 2)
+    b = _turns("You are a travel agent. " + long_text(60, seed=4), 2)
+    store = Store(tmp_path / "home")
+    with Engine(smol.model_path, smol.config) as smol2:
+        try:
+            with api_server(store, [smol, smol2], learn=False) as srv:
+                c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+                cold = {k: _ask(c, "smollm2", m, cache=False)[0] for k, m in
+                        {"a2": a[1], "b2": b[1]}.items()}
+                _, ra1 = _ask(c, "smollm2", a[0])
+                _, rb1 = _ask(c, "smollm2", b[0])
+                assert ra1["source"] is None and rb1["source"] is None  # nothing stored, nothing kept yet
+                # B's next turn first: the engine that served A is first in line, the one holding B is chosen
+                b2, rb2 = _ask(c, "smollm2", b[1])
+                a2, ra2 = _ask(c, "smollm2", a[1])
+                for r, rec, prev in ((b2, rb2, rb1), (a2, ra2, ra1)):
+                    assert rec["source"] == "ram", rec
+                    # everything up to the previous turn's question was kept (its header and answer trimmed)
+                    assert rec["tokens_restored"] >= prev["tokens_prefilled"] - 8
+                    assert r.usage.prompt_tokens_details.cached_tokens == rec["tokens_restored"]
+                assert _bytes(b2) == _bytes(cold["b2"]) and _bytes(a2) == _bytes(cold["a2"])
+                assert b2.choices[0].message.content == cold["b2"].choices[0].message.content
+        finally:
+            store.close()
+    assert smol.kept is None and smol.n_past == 0  # a closed server leaves its engines empty
+
+
+def test_gemma_reuse_past_the_sliding_window_is_exact(gemma, tmp_path):
+    turns = _turns("You are a librarian. " + long_text(520, seed=8), 3)
+    store = Store(tmp_path / "home")
+    try:
+        with api_server(store, [gemma], learn=False) as srv:
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+            colds = [_ask(c, "gemma3-270m", m, cache=False)[0] for m in turns[1:]]
+            _ask(c, "gemma3-270m", turns[0])
+            for m, cold in zip(turns[1:], colds):
+                r, rec = _ask(c, "gemma3-270m", m)
+                assert rec["source"] == "ram" and rec["tokens_restored"] > gemma.n_swa, rec
+                assert _bytes(r) == _bytes(cold)
+    finally:
+        store.close()
