@@ -14,7 +14,7 @@ from graftmem.core.blocks import block_id_for
 from graftmem.store.chain import full_state, full_tokens, segments
 from graftmem.core.engine import logits_sha256
 from graftmem.core import statefmt as sf
-from graftmem.core.decode import decode
+from graftmem.core.decoding import decode
 
 from .conftest import long_text
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from graftmem import EngineConfig
-from graftmem.core.decode import decode
+from graftmem.core.decoding import decode
 from graftmem.core.engine import Engine, logits_sha256
 from graftmem.memory.exactness import kl_divergence, sample_queries
 

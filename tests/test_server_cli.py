@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import httpx
+import pytest
 
 from graftmem.server import api_server
 from graftmem.store.local import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "llama_cpp", "starlette", "uvicorn", "sentence_transformers", "faiss", "pydantic", "httpx",
-         "numpy")
+         "numpy", "email", "dataclasses")  # email: the stdlib's http.client (~20 ms of imports)
 PROBE = ("import json, sys\nfrom graftmem.cli import main\nrc = main(sys.argv[1:])\n"
          "print('MODULES=' + json.dumps(sorted({m.split('.')[0] for m in sys.modules} & set(%r))))\n"
          "sys.exit(rc)\n") % (HEAVY,)
@@ -81,3 +84,40 @@ def test_every_lazy_public_name_resolves():
             assert getattr(mod, name) is not None, (mod.__name__, name)
         lazy = set(getattr(mod, "_LAZY"))
         assert lazy <= set(mod.__all__), lazy - set(mod.__all__)
+
+
+def _one_shot(reply: bytes) -> str:
+    """A real socket on 127.0.0.1 that reads one request and answers ``reply`` (raw bytes), then closes."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(10)
+
+    def serve() -> None:
+        with srv:
+            conn, _ = srv.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(reply)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{srv.getsockname()[1]}"
+
+
+def test_the_light_http_client_reads_what_servers_send():
+    from graftmem.cli import _remote
+    from graftmem.core.errors import TransferError
+
+    chunked = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Type: application/json\r\n\r\n"
+               b"7\r\n{\"a\": [\r\n5\r\n1, 2]\r\n1\r\n}\r\n0\r\n\r\n")
+    assert _remote(_one_shot(chunked), "search", {"query": "q"}) == {"a": [1, 2]}
+    sized = b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\n{\"b\": 1}"
+    assert _remote(_one_shot(sized), "list") == {"b": 1}
+    error = b'HTTP/1.1 404 Not Found\r\nContent-Length: 39\r\n\r\n{"error": {"message": "no such block"}}'
+    with pytest.raises(TransferError, match="answered 404: no such block"):
+        _remote(_one_shot(error), "get/x")
+    short = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"c\":"
+    with pytest.raises(TransferError, match="ended after 5 of 100 bytes"):
+        _remote(_one_shot(short), "list")
+    with pytest.raises(TransferError, match="before the response's headers ended"):
+        _remote(_one_shot(b"HTTP/1.1 200 OK\r\nContent-Le"), "list")
+    with pytest.raises(TransferError, match="not an HTTP response"):
+        _remote(_one_shot(b"SSH-2.0-OpenSSH_9.2\r\n"), "list")

@@ -12,7 +12,7 @@ import asyncio
 import pytest
 
 from graftmem import AnswerStream, AsyncMemory, ConfigError, Memory
-from graftmem.core.decode import AnswerText
+from graftmem.core.decoding import AnswerText
 
 from .conftest import long_text
 

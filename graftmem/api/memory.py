@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Mapping, Opt
 
 from ..core.blocks import (Block, EngineConfig, Exactness, Fingerprint, HistoryEvent, Recall, Scope, SearchHit,
                            StoreStats, VerificationRecord, VerifyReport)
-from ..core.decode import Sampling, check_stops
+from ..core.decoding import Sampling, check_stops
 from ..core.engine import Engine
 from ..core.blocks import PROVENANCE_REDERIVED, PROVENANCE_UNVERIFIED
 from ..core.errors import BlockNotFound, ClosedError, ConfigError, UnverifiedBlock

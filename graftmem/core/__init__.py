@@ -14,16 +14,13 @@ from .errors import *  # noqa: F401,F403 - the error tree, one name per class
 from .errors import __all__ as _errors_all
 from .version import __version__
 
-# eager: the function ``decode`` shares its name with its submodule, and a lazy name would lose to the
-# submodule once anything imported ``graftmem.core.decode`` first
-from .decode import Decoded, Sampling, decode
-
 # Imported on first use (PEP 562): ``graftmem.core.errors`` and the version must not load llama.cpp,
 # numpy or pydantic for a client that only talks to a running server. The imports below are what
 # type checkers, the docs and tests/test_architecture.py read.
 if TYPE_CHECKING:
     from .blocks import (FORMAT_VERSION, Block, EngineConfig, Exactness, Fingerprint, HistoryEvent, Recall, Receipt,
                          SampleResult, Scope, SearchHit, StoreStats, VerificationRecord, VerifyReport, block_id_for)
+    from .decoding import Decoded, Sampling, decode
     from .engine import Engine, logits_sha256, usable_cores
     from .format import state_digest
     from .models import DEFAULT_MODEL, MODELS, resolve_model
@@ -48,6 +45,9 @@ _LAZY: dict[str, tuple[str, str]] = {
     "VerificationRecord": (".blocks", "VerificationRecord"),
     "VerifyReport": (".blocks", "VerifyReport"),
     "block_id_for": (".blocks", "block_id_for"),
+    "Decoded": (".decoding", "Decoded"),
+    "Sampling": (".decoding", "Sampling"),
+    "decode": (".decoding", "decode"),
     "Engine": (".engine", "Engine"),
     "logits_sha256": (".engine", "logits_sha256"),
     "usable_cores": (".engine", "usable_cores"),

@@ -13,7 +13,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from ..core.blocks import Block, Recall, Receipt
-from ..core.decode import GREEDY, AnswerText, Sampling, decode
+from ..core.decoding import GREEDY, AnswerText, Sampling, decode
 from ..core.engine import Engine, logits_sha256
 from ..core.errors import ConfigError
 from ..store.chain import load_state

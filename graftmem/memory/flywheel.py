@@ -47,7 +47,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..core.blocks import Block, Fingerprint, Recall, Receipt, SearchHit
-from ..core.decode import Sampling, decode
+from ..core.decoding import Sampling, decode
 from ..core.errors import BlockNotFound, ConfigError
 from ..core.prompt import detect_format
 from .checks import Candidate, Verdict, Verifier, call_with_timeout, normalize_answer, run_program

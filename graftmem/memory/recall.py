@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Literal, Optional, Sequence
 
 from ..core.blocks import Block, Fingerprint, Recall, Receipt, SearchHit
-from ..core.decode import GREEDY, Sampling
+from ..core.decoding import GREEDY, Sampling
 from ..core.errors import BlockNotFound, ConfigError
 from ..core.prompt import FORMATS, split_ids
 from ..store.chain import chain_of

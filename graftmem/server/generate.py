@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from ..core.decode import AnswerText, Sampling, decode
+from ..core.decoding import AnswerText, Sampling, decode
 from ..core.errors import GraftmemError
 from ..memory.answer import graft
 from ..store.chain import chain_of

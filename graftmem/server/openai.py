@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
-from ..core.decode import Sampling
+from ..core.decoding import Sampling
 from ..core.errors import ConfigError, GraftmemError
 from ..core.prompt import detect_format
 from ..memory.recall import search

@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from ..core.blocks import Block
-from ..core.decode import check_stops
+from ..core.decoding import check_stops
 from ..core.errors import (AccessDenied, BlockNotFound, ConfigError, GraftmemError, IncompatibleBlock, StoreLocked,
                            UnverifiedBlock)
 from ..memory.learn import learn
