@@ -82,3 +82,55 @@ def test_gemma_reuse_past_the_sliding_window_is_exact(gemma, tmp_path):
                 assert _bytes(r) == _bytes(cold)
     finally:
         store.close()
+
+
+def _remembered(store: Store, block) -> bool:
+    import os
+
+    from graftmem.store import verified
+
+    fd = os.open(store.path_of(block.id), os.O_RDONLY)
+    try:
+        return verified.recall(verified.file_version(fd, block.state_digest)) is not None
+    finally:
+        os.close(fd)
+
+
+def _forget(store: Store, block) -> None:
+    import os
+
+    from graftmem.store import verified
+
+    fd = os.open(store.path_of(block.id), os.O_RDONLY)
+    try:
+        verified.forget(verified.file_version(fd, block.state_digest))
+    finally:
+        os.close(fd)
+
+
+def test_warm_start_grafts_the_latest_chain_and_checks_its_earlier_blocks(smol, tmp_path):
+    turns = _turns("You are a shop's support agent. " + long_text(60, seed=9), 4)
+    store = Store(tmp_path / "home")
+    try:
+        with api_server(store, [smol], min_prefix_tokens=16, sightings=1) as srv:
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+            for m in turns:
+                _ask(c, "smollm2", m)
+        autos = store.list(kind="auto")
+        leaves = [b for b in autos if not store.children(b.id)]
+        assert len(autos) >= 3 and len(leaves) == 1, [b.name for b in autos]
+        for warm in (False, True):
+            for b in autos:  # as in a new process: no file version checked yet
+                _forget(store, b)
+            with api_server(store, [smol], warm=warm) as srv:
+                assert [w["block_id"] for w in srv.warm] == ([leaves[0].id] if warm else [])
+                assert smol.n_past == (leaves[0].pos_end if warm else 0)
+                # every block of the chain is checked now: their grafts will check xxh3 only
+                assert all(_remembered(store, b) for b in autos) == warm
+                assert not any(_remembered(store, b) for b in autos) or warm
+                if warm:  # the conversation's next turn: its earlier turns come from RAM
+                    r, rec = _ask(openai.OpenAI(base_url=srv.url + "/v1", api_key="u", max_retries=0), "smollm2",
+                                  turns[-1])
+                    assert rec["source"] == "ram" and rec["tokens_restored"] >= leaves[0].pos_end - 16, rec
+    finally:
+        store.close()

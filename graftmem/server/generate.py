@@ -124,18 +124,27 @@ def _ends(segments: Sequence[Sequence[int]]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def warm_engines(engines: Sequence["Engine"], store: "Store", cache: "PrefixCache") -> list[dict[str, Any]]:
+#: Bytes of the warmed chains' other blocks that the warm start reads and checks (BLAKE3) ahead.
+WARM_CHECK_BYTES = 1 << 30
+
+
+def warm_engines(engines: Sequence["Engine"], store: "Store", cache: "PrefixCache", *,
+                 check_bytes: int = WARM_CHECK_BYTES) -> list[dict[str, Any]]:
     """Graft the most recently learned automatic prompt prefixes, one per engine, and keep them: a
     restarted server finds an agent's last conversation in RAM, as llama-server finds its slot's,
     instead of reading and checking it from disk on the first request. Each graft is checked
     (BLAKE3 on this process's first read) like any other; a block that fails is refused and skipped.
-    Returns what each engine got (block id, tokens, milliseconds)."""
+    Then the other blocks of those chains (the conversation's earlier turns, which the next requests
+    graft once the first one has trimmed the engine's cells to its own prompt) are read and checked
+    too, up to ``check_bytes``: their later grafts in this process check xxh3 only
+    (`graftmem.store.verified`). Returns what each engine got (block id, tokens, milliseconds)."""
     if not engines:
         return []
     digest = engines[0].fingerprint.digest()
     autos = [b for b in store.list(kind=AUTO_KIND) if b.fingerprint.digest() == digest]
     leaves = sorted((b for b in autos if not store.children(b.id)), key=lambda b: b.created_at, reverse=True)
     done: list[dict[str, Any]] = []
+    ahead: list["Block"] = []
     for engine, block in zip([e for e in engines if can_keep(e)], leaves):
         t0 = time.perf_counter()
         try:
@@ -147,9 +156,27 @@ def warm_engines(engines: Sequence["Engine"], store: "Store", cache: "PrefixCach
         except GraftmemError as exc:
             cache.refuse(block.id, str(exc))
             continue
+        ahead += reversed(chain[:-1])  # the latest turns first: the likeliest to be grafted next
         done.append({"block_id": block.id, "tokens": block.pos_end, "ms": round((time.perf_counter() - t0) * 1e3, 1)})
         log.info("serve: warm start grafted %d tokens (block %s) in %.0f ms", block.pos_end, block.short_id,
                  done[-1]["ms"])
+    t0, n, left = time.perf_counter(), 0, check_bytes
+    seen: set[str] = set()
+    for b in ahead:
+        if b.id in seen or b.state_size > left:
+            continue
+        seen.add(b.id)
+        try:
+            with engines[0].lock:  # its buffer is the scratch space: no graft of another holder meanwhile
+                store.read_state(b.id, engines[0].buffer, fingerprint=engines[0].fingerprint)
+        except GraftmemError as exc:
+            cache.refuse(b.id, str(exc))
+            continue
+        left -= b.state_size
+        n += 1
+    if n:
+        log.info("serve: warm start checked %d more block(s), %d MB, in %.0f ms", n, (check_bytes - left) >> 20,
+                 (time.perf_counter() - t0) * 1e3)
     return done
 
 
