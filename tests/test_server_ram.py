@@ -134,3 +134,17 @@ def test_warm_start_grafts_the_latest_chain_and_checks_its_earlier_blocks(smol, 
                     assert rec["source"] == "ram" and rec["tokens_restored"] >= leaves[0].pos_end - 16, rec
     finally:
         store.close()
+
+
+def test_token_cache_returns_what_tokenizing_returns(smol):
+    from graftmem.server.chat import TokenCache
+
+    cache = TokenCache(max_chars=300)
+    texts = ["<|im_start|>system\n" + long_text(30, seed=i) for i in range(4)]
+    for t in texts + texts[::-1]:
+        for bos in (True, False):
+            ids = cache.tokenize(smol, t, bos)
+            assert ids == smol.tokenize(t, add_special=bos)
+            ids.append(-1)  # the caller's list is its own
+            assert cache.tokenize(smol, t, bos) == smol.tokenize(t, add_special=bos)
+    assert cache._chars <= 300 and len(cache._ids) < 8  # bounded: the oldest texts were dropped

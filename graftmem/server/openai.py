@@ -36,7 +36,7 @@ from ..core.prompt import detect_format
 from ..memory.recall import search
 from ..memory.router import DEFAULT_MIN_SCORE, LEX_WEIGHT
 from ..store.chain import chain_of
-from .chat import chunk_prompt, render_segments, tokenize_segments
+from .chat import TokenCache, chunk_prompt, render_segments, tokenize_segments
 from .generate import Job, Result, check_fits, run_job
 from .http import HTTPError, Limits, guarded, json_object, public_message, read_body
 from .pool import EnginePool
@@ -84,6 +84,7 @@ class OpenAIRoutes:
         self.limits = limits or Limits()
         engine = pool.engines[0]
         self.engine0 = engine
+        self.tokens = TokenCache()  #: ids of the segments agents keep re-sending
         self.model_id = model_id or engine.fingerprint.model_name
         self.fmt = detect_format(engine)
         self.created = int(time.time())
@@ -153,7 +154,7 @@ class OpenAIRoutes:
                             "/v1/completions", code="unsupported_model")
         tools = parse_tools(body)
         texts = render_segments(self.fmt, body.get("messages"), tools)
-        segments = tokenize_segments(self.engine0, texts)
+        segments = tokenize_segments(self.engine0, texts, self.tokens)
         routed = await self._recall(body, segments, texts)
         job = self._job(body, segments, texts, chat=True)
         job.extra = routed
