@@ -41,6 +41,11 @@ class ServerThread:
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family in (socket.AF_INET, socket.AF_INET6):
+                # accepted connections inherit it (Linux): a response's headers and body go out at once.
+                # Without it, on a kept-alive connection the body waited for the client's delayed ACK of
+                # the headers: measured 44 ms per JSON request for 1 ms of work
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.bind((host, port))
             sock.listen(128)
         except OSError as exc:
