@@ -143,9 +143,20 @@ def started(factory: Callable[[], Proc]) -> Iterator[Proc]:
 SERVE_ARGS: list[str] = []
 
 
+def python_env(work: Path, **extra: str) -> dict[str, str]:
+    """The environment of a Python process the bench starts, run as an installed package runs:
+    byte-compiled once into a cache outside the repo, not compiled again on every start as
+    PYTHONDONTWRITEBYTECODE (set on some machines) would make it: a server's first request would
+    otherwise compile the modules it imports lazily, inside the measured time to first token."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env.update({"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "PYTHONPYCACHEPREFIX": str(work / "pycache"),
+                **extra})
+    return env
+
+
 def graftmem_server(home: Path, work: Path) -> Proc:
     port = cpp_peer.free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    env = python_env(work)
     return Proc("graftmem", [sys.executable, "-m", "graftmem", "serve", "--home", str(home), "--port", str(port),
                              *SERVE_ARGS],
                 port, "/v1/models", work / f"graftmem-{time.time_ns()}.log", cwd=ROOT, env=env)
@@ -167,7 +178,8 @@ def lcp_server(model: Path, cfg: EngineConfig, threads: int, cache_cwd: Path, wo
            "--n_threads", str(threads), "--n_threads_batch", str(threads),
            "--flash_attn", str(cfg.flash_attn).lower(), "--cache", "true", "--cache_type", "disk",
            "--cache_size", str(2 << 30), "--verbose", "false"]
-    return Proc("llama-cpp-python", cmd, port, "/v1/models", work / f"lcp-{time.time_ns()}.log", cwd=cache_cwd)
+    return Proc("llama-cpp-python", cmd, port, "/v1/models", work / f"lcp-{time.time_ns()}.log", cwd=cache_cwd,
+                env=python_env(work))
 
 
 # --------------------------------------------------------------------------- client
@@ -217,9 +229,7 @@ def cli_search(url: str, reps: int, work: Path) -> dict[str, Any]:
             http_ms.append((time.perf_counter() - t0) * 1e3)
     # as an installed package runs: byte-compiled once (a cache outside the repo), not compiled on every
     # start as PYTHONDONTWRITEBYTECODE would make it; the first run fills that cache and is not timed
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    env.update({"PYTHONPATH": str(ROOT), "GRAFTMEM_URL": url, "HF_HUB_OFFLINE": "1",
-                "PYTHONPYCACHEPREFIX": str(work / "pycache")})
+    env = python_env(work, GRAFTMEM_URL=url)
     cli_ms, out = [], ""
     subprocess.run([sys.executable, "-m", "graftmem", "search", q["query"]], cwd=work, env=env,
                    capture_output=True, timeout=120)

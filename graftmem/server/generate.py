@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from ..core.engine import Engine
     from ..core.blocks import Block
     from ..store.local import Store
+    from .chat import TokenCache
     from .prefix import PrefixCache
 
 log = logging.getLogger("graftmem")
@@ -129,7 +130,7 @@ WARM_CHECK_BYTES = 1 << 30
 
 
 def warm_engines(engines: Sequence["Engine"], store: "Store", cache: "PrefixCache", *,
-                 check_bytes: int = WARM_CHECK_BYTES) -> list[dict[str, Any]]:
+                 check_bytes: int = WARM_CHECK_BYTES, tokens: Optional["TokenCache"] = None) -> list[dict[str, Any]]:
     """Graft the most recently learned automatic prompt prefixes, one per engine, and keep them: a
     restarted server finds an agent's last conversation in RAM, as llama-server finds its slot's,
     instead of reading and checking it from disk on the first request. Each graft is checked
@@ -137,7 +138,10 @@ def warm_engines(engines: Sequence["Engine"], store: "Store", cache: "PrefixCach
     Then the other blocks of those chains (the conversation's earlier turns, which the next requests
     graft once the first one has trimmed the engine's cells to its own prompt) are read and checked
     too, up to ``check_bytes``: their later grafts in this process check xxh3 only
-    (`graftmem.store.verified`). Returns what each engine got (block id, tokens, milliseconds)."""
+    (`graftmem.store.verified`). The prefix index is built and, with ``tokens``, the chains' message
+    texts are tokenized into that cache, so the first request does none of it either. Returns what
+    each engine got (block id, tokens, milliseconds)."""
+    cache.refresh()
     if not engines:
         return []
     digest = engines[0].fingerprint.digest()
@@ -157,6 +161,9 @@ def warm_engines(engines: Sequence["Engine"], store: "Store", cache: "PrefixCach
             cache.refuse(block.id, str(exc))
             continue
         ahead += reversed(chain[:-1])  # the latest turns first: the likeliest to be grafted next
+        if tokens is not None:
+            for i, c in enumerate(chain):  # what the agent sends next starts with these texts
+                tokens.tokenize(engine, c.text, i == 0)
         done.append({"block_id": block.id, "tokens": block.pos_end, "ms": round((time.perf_counter() - t0) * 1e3, 1)})
         log.info("serve: warm start grafted %d tokens (block %s) in %.0f ms", block.pos_end, block.short_id,
                  done[-1]["ms"])

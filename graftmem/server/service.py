@@ -46,9 +46,9 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
     pool = EnginePool(engines, max_queue=max_queue)
     cache = PrefixCache(store, engines[0].fingerprint, min_tokens=min_prefix_tokens, sightings=sightings,
                         learn=learn, max_auto_bytes=max_auto_bytes, auto_storage=auto_storage)
-    warmed = warm_engines(engines, store, cache) if warm else []
     ref = RouterRef(router)
     oa = OpenAIRoutes(pool, store, cache, model_id=model_id, limits=limits, router=ref)
+    warmed = warm_engines(engines, store, cache, tokens=oa.tokens) if warm else []
     rest = MemoryRoutes(pool, store, ref, limits=limits)
     srv = BlockServer(store, host=host, port=port, push_token=push_token, fingerprint=engines[0].fingerprint,
                       sign_key=sign_key, check=check, api_key=api_key, limits=limits,
