@@ -39,8 +39,8 @@ def test_conversation_chain_is_exact_after_a_restart(smol, tmp_path, storage):
             c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
             for n in range(len(TURNS) + 1):  # the conversation grows; each turn learns its prefix
                 _ask(c, _messages(n))
-            children = [b for b in store.list(kind="auto") if b.parent is not None]
-            assert children and {b.storage for b in children} == {storage}
+        children = [b for b in store.list(kind="auto") if b.parent is not None]  # closing waited for them
+        assert children and {b.storage for b in children} == {storage}
         with api_server(store, [smol], auto_storage=storage) as srv2:
             c2 = openai.OpenAI(base_url=srv2.url + "/v1", api_key="unused", max_retries=0)
             warm, warm_bytes = _ask(c2, _messages(len(TURNS)))

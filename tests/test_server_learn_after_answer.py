@@ -37,3 +37,26 @@ def test_answer_comes_before_the_prefix_is_stored(smol, tmp_path, monkeypatch):
             assert second.usage.prompt_tokens_details.cached_tokens > 16  # it waited for the engine: stored
     finally:
         store.close()
+
+
+def test_closing_waits_for_what_requests_learn(smol, tmp_path, monkeypatch):
+    """Graceful shutdown covers the learning after the answer: a server closed right after answering
+    has stored the prefix when close() returns."""
+    store = Store(tmp_path / "home")
+    try:
+        with api_server(store, [smol], min_prefix_tokens=16, sightings=1) as srv:
+            real = srv.cache.store_captured
+
+            def slow_store(*a, **kw):
+                time.sleep(1.5)
+                return real(*a, **kw)
+
+            monkeypatch.setattr(srv.cache, "store_captured", slow_store)
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+            msgs = [{"role": "system", "content": long_text(40, seed=10)}, {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Thanks"}]
+            c.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, temperature=0)
+            assert store.list(kind="auto") == []  # answered, not stored yet
+        assert store.list(kind="auto"), "close() returned before the request stored what it learned"
+    finally:
+        store.close()

@@ -73,6 +73,7 @@ def test_grafted_prefix_is_exact_and_survives_a_restart(smol, home):
             assert cold.usage.prompt_tokens_details.cached_tokens == 0
             first, second = _ask(c), _ask(c)  # two sightings: learned after the second
             assert first.usage.prompt_tokens_details.cached_tokens == 0
+            assert srv.openai.wait_idle()  # the answer comes before the prefix is stored
             kinds = {b.kind for b in store.list()}
             assert kinds == {"auto"}, kinds
             _ask(c, OTHER)  # another prompt takes the engine's cells: the next request grafts from the store
@@ -334,6 +335,7 @@ def test_auto_blocks_are_evicted_lru_leaf_first_and_user_blocks_never(smol, home
             c = _client(srv)
             _ask(c, convo("apples"), max_tokens=1)   # chained on the user's block: 2 auto blocks
             _ask(c, convo("pears"), max_tokens=1)    # a chain of its own: 3 auto blocks
+            assert srv.openai.wait_idle()  # stored after the answer
             auto = {b.id: b for b in m.store.list(kind="auto")}
             assert len(auto) == 5
             apples_leaf = next(b for b in auto.values() if b.text.startswith("<|im_start|>assistant")

@@ -85,6 +85,8 @@ class OpenAIRoutes:
         engine = pool.engines[0]
         self.engine0 = engine
         self.tokens = TokenCache()  #: ids of the segments agents keep re-sending
+        self._workers: set[threading.Thread] = set()
+        self._workers_lock = threading.Lock()
         self.model_id = model_id or engine.fingerprint.model_name
         self.fmt = detect_format(engine)
         self.created = int(time.time())
@@ -224,7 +226,20 @@ class OpenAIRoutes:
                 else:
                     done.set_result(result)  # type: ignore[arg-type]
 
-        threading.Thread(target=work, name="graftmem-request", daemon=True).start()
+        worker = threading.Thread(target=work, name="graftmem-request", daemon=True)
+        with self._workers_lock:
+            self._workers = {t for t in self._workers if t.is_alive()} | {worker}
+        worker.start()
+
+    def wait_idle(self, timeout: float = 60.0) -> bool:
+        """Wait until every request's worker has finished, learning included (a non-streamed answer is
+        sent before its request stores what it learned); False if some are still running at ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self._workers_lock:
+            workers = list(self._workers)
+        for t in workers:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in workers)
 
     async def _serve(self, body: dict[str, Any], job: Job, *, chat: bool,
                      tools: Optional[ToolSpec] = None) -> Response:

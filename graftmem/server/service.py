@@ -3,6 +3,7 @@ engine pool and its prefix cache, on one uvicorn socket (what ``graftmem serve``
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from ..core.errors import GraftmemError
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from ..store.local import Store
 
 __all__ = ["api_server"]
+
+log = logging.getLogger("graftmem")
 
 
 def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.0.0.1", port: int = 0,
@@ -55,8 +58,11 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
                       extra=oa.routes() + rest.routes())
     srv.pool, srv.cache, srv.openai, srv.warm = pool, cache, oa, warmed  # type: ignore[attr-defined]
 
-    def forget() -> None:  # the engines may outlive the server (Memory.serve): leave them empty
-        for e in engines:
+    def forget() -> None:
+        # running requests finish (what they learn is stored), bounded like uvicorn's graceful shutdown
+        if not oa.wait_idle(oa.limits.graceful_shutdown):
+            log.warning("serve: closed with requests still running; what they learn may not be stored")
+        for e in engines:  # the engines may outlive the server (Memory.serve): leave them empty
             try:
                 with e.session():
                     pass
