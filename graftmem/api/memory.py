@@ -4,11 +4,16 @@ the verbs (learn, ask, get, delete, verify, stats) into engine and store calls. 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
 import os
+import sqlite3
+import tempfile
 import threading
+import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Mapping, Optional, Sequence
 
 from ..core.blocks import (Block, EngineConfig, Exactness, Fingerprint, HistoryEvent, Recall, Scope, SearchHit,
@@ -16,7 +21,7 @@ from ..core.blocks import (Block, EngineConfig, Exactness, Fingerprint, HistoryE
 from ..core.decoding import Sampling, check_stops
 from ..core.engine import Engine
 from ..core.blocks import PROVENANCE_REDERIVED, PROVENANCE_UNVERIFIED
-from ..core.errors import BlockNotFound, ClosedError, ConfigError, UnverifiedBlock
+from ..core.errors import BlockNotFound, ClosedError, ConfigError, GraftmemError, UnverifiedBlock
 from ..core.prompt import detect_format
 from ..memory.answer import OnText
 from ..memory.answer import ask as ask_block
@@ -47,6 +52,10 @@ if TYPE_CHECKING:
 __all__ = ["Memory"]
 
 log = logging.getLogger("graftmem")
+
+#: Where a fleet's workers publish their documents' page indexes (one SQLite file per document and
+#: engine, `PageIndex.export_document`), relative to the store's prefix.
+PAGE_DOCS = "files/pages/docs/"
 
 #: The largest n_ctx llama.cpp can be asked for (its context parameters are 32-bit): a larger value
 #: would wrap around silently (2**32 + 128 ran with 256).
@@ -322,7 +331,56 @@ class Memory:
         with self._lazy_lock:
             if self._pages is None:
                 self._pages = PageIndex(self._store.home, embedder)
-            return self._pages
+                self._pages_synced: set[str] = set()
+                self._pages_synced_at = -math.inf
+            pages = self._pages
+        self._sync_pages()
+        return pages
+
+    # ------------------------------------------------------------------ a fleet's page indexes
+    def _sync_pages(self, *, force: bool = False) -> int:
+        """On a fleet store, merge the document indexes other workers published in the bucket
+        (``files/pages/docs/``) that this worker has not merged yet; at most once per the store's
+        ``poll_interval`` unless ``force``. Returns the passages added. A file that cannot be read or
+        merged is logged and skipped (routing then misses that document, nothing else changes)."""
+        store = self._store
+        if not isinstance(store, FleetStore) or self._pages is None:
+            return 0
+        now = time.monotonic()
+        with self._lazy_lock:
+            if not force and now - self._pages_synced_at < store.poll_interval:
+                return 0
+            self._pages_synced_at = now
+        added = 0
+        for obj in store.bucket.list(PAGE_DOCS):
+            name = obj["path"].rsplit("/", 1)[-1]
+            tag = f"{name}@{obj.get('e_tag') or obj.get('size')}"
+            if tag in self._pages_synced or not name.endswith(".sqlite"):
+                continue
+            with tempfile.TemporaryDirectory(prefix="graftmem-pages-") as tmp:
+                local = Path(tmp) / name
+                try:
+                    if store.get_file(f"pages/docs/{name}", local):
+                        added += self._pages.merge_from(local)
+                except (sqlite3.Error, GraftmemError, OSError) as exc:
+                    log.warning("fleet store %s: document index %s not merged: %s", store.url, name, exc)
+                    continue
+            self._pages_synced.add(tag)
+        if added:
+            log.info("fleet store %s: %d passages of other workers' documents merged", store.url, added)
+        return added
+
+    def _publish_pages(self, document: str) -> None:
+        """On a fleet store, put this document's index rows in the bucket for the other workers."""
+        store = self._store
+        if not isinstance(store, FleetStore):
+            return
+        fpd = self._engine.fingerprint.digest()
+        name = f"{hashlib.sha256(document.encode()).hexdigest()[:32]}-{fpd[:16]}.sqlite"
+        with tempfile.TemporaryDirectory(prefix="graftmem-pages-") as tmp:
+            local = Path(tmp) / name
+            self.pages.export_document(document, fpd, local)
+            store.put_file(f"pages/docs/{name}", local)
 
     # ------------------------------------------------------------------ learn
     def learn(self, text: "str | Sequence[Mapping[str, Any]]", *, name: Optional[str] = None,
@@ -563,9 +621,11 @@ class Memory:
         _int("window", window, lo=16, optional=True)
         _int("overlap", overlap, lo=0, optional=True)
         _flag("progress", progress)
-        return learn_document(self._engine, self._store, self.pages, source, document=document, name=name,
-                                     window=window, overlap=DEFAULT_OVERLAP if overlap is None else overlap,
-                                     progress=progress)
+        report = learn_document(self._engine, self._store, self.pages, source, document=document, name=name,
+                                window=window, overlap=DEFAULT_OVERLAP if overlap is None else overlap,
+                                progress=progress)
+        self._publish_pages(report.document)
+        return report
 
     def recall_document(self, task: str, *, prompt: Optional[str] = None, document: Optional[str] = None,
                         max_tokens: int = 32, min_score: Optional[float] = None) -> "DocumentAnswer":
@@ -577,8 +637,12 @@ class Memory:
         _text("document", document, optional=True)
         _int("max_tokens", max_tokens, lo=1)
         _score("min_score", min_score)
-        return recall_document(self._engine, self._store, self.pages, task, prompt=prompt,
-                                      document=document, max_tokens=max_tokens, min_score=min_score)
+        pages = self.pages
+        if document is not None and isinstance(self._store, FleetStore) and not any(
+                d["id"] == document for d in pages.documents()):
+            self._sync_pages(force=True)  # published by another worker since the last look
+        return recall_document(self._engine, self._store, pages, task, prompt=prompt,
+                               document=document, max_tokens=max_tokens, min_score=min_score)
 
     # ------------------------------------------------------------------ store verbs
     def get(self, block_id: str) -> Block:

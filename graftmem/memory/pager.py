@@ -32,6 +32,7 @@ tokenization of the text.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -418,6 +419,65 @@ class PageIndex:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+    # ------------------------------------------------------------------ sharing (a fleet's bucket)
+    def export_document(self, document: str, fp_digest: str, dest: Path) -> int:
+        """Write one document's rows (its record, its pages, their passages and vectors) into a new
+        SQLite file ``dest``; return the passages written. What a worker of a fleet publishes beside the
+        blocks, so that other workers route to the pages without embedding the document again; one
+        file per document (and engine), so workers that learn different documents never overwrite each
+        other's rows (a whole-index snapshot would)."""
+        dest = Path(dest)
+        dest.unlink(missing_ok=True)
+        with contextlib.closing(sqlite3.connect(dest)) as out:
+            out.executescript(_SCHEMA)
+            out.execute(f"PRAGMA user_version={_USER_VERSION}")
+        with self._lock:
+            self._db.execute("ATTACH DATABASE ? AS out", (str(dest),))
+            try:
+                self._db.execute("BEGIN")
+                try:
+                    args = (document, fp_digest)
+                    self._db.execute("INSERT INTO out.documents SELECT * FROM documents WHERE id=? AND fp_digest=?",
+                                     args)
+                    self._db.execute("INSERT INTO out.pages SELECT * FROM pages WHERE document=? AND fp_digest=?",
+                                     args)
+                    n = self._db.execute(
+                        "INSERT INTO out.passages SELECT * FROM passages WHERE block_id IN "
+                        "(SELECT block_id FROM pages WHERE document=? AND fp_digest=?)", args).rowcount
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+            finally:
+                self._db.execute("DETACH DATABASE out")
+        return n
+
+    def merge_from(self, path: Path) -> int:
+        """Add the rows of a file written by `export_document()` (this or another worker's) to this
+        index; return the passages added. Idempotent: pages and passages already here are kept (the
+        passages get rowids of this index, so the router's incremental load picks them up), a
+        document's progress only grows. A file that is not such an index raises ``sqlite3.Error``."""
+        with self._lock:
+            self._db.execute("ATTACH DATABASE ? AS src", (str(path),))
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    self._db.execute(
+                        "INSERT INTO documents SELECT * FROM src.documents WHERE true ON CONFLICT(id, fp_digest) "
+                        "DO UPDATE SET pages_done=max(pages_done, excluded.pages_done), "
+                        "complete=max(complete, excluded.complete), updated_at=max(updated_at, excluded.updated_at)")
+                    self._db.execute("INSERT OR IGNORE INTO pages SELECT * FROM src.pages")
+                    cols = "block_id, document, page, idx, char_start, char_end, token_start, text, embedder, vec"
+                    n = self._db.execute(f"INSERT OR IGNORE INTO passages ({cols}) SELECT {cols} FROM src.passages "
+                                         "ORDER BY rowid").rowcount
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+            finally:
+                self._db.execute("DETACH DATABASE src")
+        return n
 
     # ------------------------------------------------------------------ writes
     def start_document(self, plan: DocumentPlan, fp_digest: str) -> None:
