@@ -42,7 +42,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
@@ -421,6 +421,23 @@ class PageIndex:
             self._db.close()
 
     # ------------------------------------------------------------------ sharing (a fleet's bucket)
+    @contextlib.contextmanager
+    def _attached(self, path: Path, alias: str, begin: str = "BEGIN") -> Iterator[None]:
+        """Another index file attached as ``alias`` for one transaction: committed if the block ends
+        normally, rolled back on an error, detached in any case."""
+        with self._lock:
+            self._db.execute(f"ATTACH DATABASE ? AS {alias}", (str(path),))
+            try:
+                self._db.execute(begin)
+                try:
+                    yield
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+            finally:
+                self._db.execute(f"DETACH DATABASE {alias}")
+
     def export_document(self, document: str, fp_digest: str, dest: Path) -> int:
         """Write one document's rows (its record, its pages, their passages and vectors) into a new
         SQLite file ``dest``; return the passages written. What a worker of a fleet publishes beside the
@@ -432,52 +449,27 @@ class PageIndex:
         with contextlib.closing(sqlite3.connect(dest)) as out:
             out.executescript(_SCHEMA)
             out.execute(f"PRAGMA user_version={_USER_VERSION}")
-        with self._lock:
-            self._db.execute("ATTACH DATABASE ? AS out", (str(dest),))
-            try:
-                self._db.execute("BEGIN")
-                try:
-                    args = (document, fp_digest)
-                    self._db.execute("INSERT INTO out.documents SELECT * FROM documents WHERE id=? AND fp_digest=?",
-                                     args)
-                    self._db.execute("INSERT INTO out.pages SELECT * FROM pages WHERE document=? AND fp_digest=?",
-                                     args)
-                    n = self._db.execute(
-                        "INSERT INTO out.passages SELECT * FROM passages WHERE block_id IN "
-                        "(SELECT block_id FROM pages WHERE document=? AND fp_digest=?)", args).rowcount
-                    self._db.execute("COMMIT")
-                except BaseException:
-                    self._db.execute("ROLLBACK")
-                    raise
-            finally:
-                self._db.execute("DETACH DATABASE out")
-        return n
+        args = (document, fp_digest)
+        with self._attached(dest, "out"):
+            self._db.execute("INSERT INTO out.documents SELECT * FROM documents WHERE id=? AND fp_digest=?", args)
+            self._db.execute("INSERT INTO out.pages SELECT * FROM pages WHERE document=? AND fp_digest=?", args)
+            return self._db.execute("INSERT INTO out.passages SELECT * FROM passages WHERE block_id IN "
+                                    "(SELECT block_id FROM pages WHERE document=? AND fp_digest=?)", args).rowcount
 
     def merge_from(self, path: Path) -> int:
         """Add the rows of a file written by `export_document()` (this or another worker's) to this
         index; return the passages added. Idempotent: pages and passages already here are kept (the
         passages get rowids of this index, so the router's incremental load picks them up), a
         document's progress only grows. A file that is not such an index raises ``sqlite3.Error``."""
-        with self._lock:
-            self._db.execute("ATTACH DATABASE ? AS src", (str(path),))
-            try:
-                self._db.execute("BEGIN IMMEDIATE")
-                try:
-                    self._db.execute(
-                        "INSERT INTO documents SELECT * FROM src.documents WHERE true ON CONFLICT(id, fp_digest) "
-                        "DO UPDATE SET pages_done=max(pages_done, excluded.pages_done), "
-                        "complete=max(complete, excluded.complete), updated_at=max(updated_at, excluded.updated_at)")
-                    self._db.execute("INSERT OR IGNORE INTO pages SELECT * FROM src.pages")
-                    cols = "block_id, document, page, idx, char_start, char_end, token_start, text, embedder, vec"
-                    n = self._db.execute(f"INSERT OR IGNORE INTO passages ({cols}) SELECT {cols} FROM src.passages "
-                                         "ORDER BY rowid").rowcount
-                    self._db.execute("COMMIT")
-                except BaseException:
-                    self._db.execute("ROLLBACK")
-                    raise
-            finally:
-                self._db.execute("DETACH DATABASE src")
-        return n
+        cols = "block_id, document, page, idx, char_start, char_end, token_start, text, embedder, vec"
+        with self._attached(path, "src", "BEGIN IMMEDIATE"):
+            self._db.execute(
+                "INSERT INTO documents SELECT * FROM src.documents WHERE true ON CONFLICT(id, fp_digest) "
+                "DO UPDATE SET pages_done=max(pages_done, excluded.pages_done), "
+                "complete=max(complete, excluded.complete), updated_at=max(updated_at, excluded.updated_at)")
+            self._db.execute("INSERT OR IGNORE INTO pages SELECT * FROM src.pages")
+            return self._db.execute(f"INSERT OR IGNORE INTO passages ({cols}) SELECT {cols} FROM src.passages "
+                                    "ORDER BY rowid").rowcount
 
     # ------------------------------------------------------------------ writes
     def start_document(self, plan: DocumentPlan, fp_digest: str) -> None:
