@@ -54,9 +54,9 @@ from typing import Any, Callable, Optional, Sequence
 
 from ..core.blocks import PROVENANCE_LOCAL, PROVENANCE_UNVERIFIED, Block, Fingerprint, StoreStats
 from ..core.errors import BlockCorrupted, BlockNotFound, ConfigError, StoreError, TransferError
-from ..core.format import HEADER, TRAILER_LEN, parse_header, parse_manifest
+from ..core.format import HEADER, TRAILER_LEN, parse_header, parse_manifest, state_hasher
 from .home import BLOCK_SUFFIX, Home
-from .local import Store, _marks, checked_id, deletion_order, read_block_file
+from .local import Store, _marks, check_head, checked_id, deletion_order, incompatibility
 from .remote import Bucket, RetryPolicy, parse_url
 
 __all__ = ["FleetStore", "default_cache_dir", "DEFAULT_CACHE_BYTES", "DEFAULT_POLL_INTERVAL", "is_remote"]
@@ -157,6 +157,8 @@ class FleetStore:
         self._closed = False
         self._inflight: set[str] = set()
         self._prefetcher: Optional[ThreadPoolExecutor] = None
+        self._writer: Optional[ThreadPoolExecutor] = None  #: writes fetched blocks into the cache
+        self._writes: dict[str, Future] = {}  #: block id -> its cache write in progress
         self.counters = {"gets": 0, "get_bytes": 0, "puts": 0, "put_bytes": 0, "lists": 0, "cache_hits": 0}
         try:
             self._db = sqlite3.connect(root / "fleet.sqlite", timeout=lock_timeout, check_same_thread=False,
@@ -179,6 +181,10 @@ class FleetStore:
             pool, self._prefetcher = self._prefetcher, None
         if pool is not None:  # let running prefetches land (they write into the cache), drop queued ones
             pool.shutdown(wait=True, cancel_futures=True)
+        with self._tlock:
+            writer, self._writer = self._writer, None
+        if writer is not None:  # blocks fetched so far enter the cache before it closes
+            writer.shutdown(wait=True)
         with self._tlock:
             with contextlib.suppress(sqlite3.Error):
                 self._db.close()
@@ -368,7 +374,9 @@ class FleetStore:
                           kinds={str(k): int(v) for k, v in kinds.items()})
 
     def cache_stats(self) -> dict[str, int]:
-        """Blocks and bytes in this worker's cache, its cap, and the request counters of this process."""
+        """Blocks and bytes in this worker's cache, its cap, and the request counters of this process
+        (after the cache writes in progress)."""
+        self.flush()
         st = self.cache.stats()
         return {"blocks": st.blocks, "bytes": st.bytes_on_disk, "cap": self.cache_bytes, **self.counters}
 
@@ -395,6 +403,7 @@ class FleetStore:
             self._db.execute("INSERT OR REPLACE INTO used (id, at) VALUES (?, ?)", (bid, time.time()))
 
     def _drop_cached(self, bid: str) -> None:
+        self._wait_cached(bid)  # a write behind would bring it back
         if self.cache.contains(bid):
             with contextlib.suppress(BlockNotFound):
                 self.cache.delete(bid, cascade=True)
@@ -407,8 +416,10 @@ class FleetStore:
     def path_of(self, block_id: str) -> Path:
         """The cached file of a block, fetched (and checked) first if it is not cached."""
         bid = self.resolve(block_id)
+        self._wait_cached(bid)
         if not self.cache.contains(bid):
             self.read_state(bid, lambda n: memoryview(bytearray(n)))
+            self._wait_cached(bid)
         return self.cache.path_of(bid)
 
     def read_state(self, block_id: str, buffer: Callable[[int], memoryview], *,
@@ -423,6 +434,7 @@ class FleetStore:
         manifest; a block file whose state digest differs from its marker's is refused."""
         bid = self.resolve(block_id)
         meta = self.get(bid)
+        self._wait_cached(bid)  # fetched a moment ago and being written: read it from the cache
         if self.cache.contains(bid):
             try:
                 _, view = self.cache.read_state(bid, buffer, fingerprint=fingerprint, timings=timings)
@@ -440,52 +452,143 @@ class FleetStore:
 
     def _fetch(self, bid: str, meta: Block, buffer: Callable[[int], memoryview],
                fingerprint: Optional[Fingerprint], timings: Optional[dict[str, float]]) -> tuple[Block, memoryview]:
-        stage_dir = self.layout.staging
-        stage_dir.mkdir(parents=True, exist_ok=True)
-        tmp = stage_dir / f"{bid}.{os.getpid()}.{threading.get_ident()}{BLOCK_SUFFIX}"
+        """Download a block file into memory, check all of it, return its state; cache it behind.
+
+        Why in memory: writing 69 MB into a new file and reading it back cost more than the download
+        itself. The parts land in memory (``fetch_parts`` concurrent range requests); each part's state
+        bytes are copied into ``buffer`` as it lands, where the marker says the state lies. Then the
+        whole file is checked as the local reader checks it (`check_head`: header, trailer, manifest,
+        id, size; the fingerprint; BLAKE3 of the bytes now in ``buffer``; the marker's digest) before
+        anything is returned, so before anything is grafted. Only then is the cache file written, from
+        the same downloaded bytes, on the cache writer thread (`flush` waits for it; a read of the same
+        block waits for it too); it is checked again with BLAKE3 on its first read, as any new file."""
+        key = _block_key(bid)
+        where = f"{self.url}/{key}"
         t0 = time.perf_counter()
         row = self._one("SELECT file_size FROM remote WHERE id=?", (bid,))
         size = int(row[0]) if row else 0
+        slen = meta.state_size
+        soff = size - slen - TRAILER_LEN  # where the marker says the state lies: the header must agree
+        view = buffer(slen) if size and soff >= HEADER.size else None
+        copied: list[int] = []
+
+        def on_part(start: int, data: memoryview) -> None:  # in the part's thread, while others arrive
+            if view is None:
+                return
+            a, b = max(start, soff), min(start + len(data), soff + slen)
+            if a < b:
+                view[a - soff:b - soff] = data[a - start:b - start]
+                copied.append(b - a)
+
         try:
+            parts = self.bucket.get_parts(key, size, parts=self.fetch_parts, on_part=on_part)
+        except TransferError:
+            head = self.bucket.head(key) if size else None
+            if head is not None and int(head["size"]) != size:  # ranges past a shorter object's end
+                raise BlockCorrupted(f"{where}: {head['size']} bytes, its marker says {size}; refused",
+                                     path=where) from None
+            raise
+        got = sum(len(data) for _, data in parts)
+        self.counters["gets"] += 1
+        self.counters["get_bytes"] += got
+        t1 = time.perf_counter()
+        if size and got != size:
+            raise BlockCorrupted(f"{where}: the object has {'more' if got > size else 'fewer'} bytes than "
+                                 f"its marker's {size}; it was not cached and nothing was grafted", path=where)
+
+        def read(offset: int, n: int) -> bytes:
+            out = bytearray()
+            for start, data in parts:
+                a, b = max(offset, start), min(offset + n, start + len(data))
+                if a < b:
+                    out += memoryview(data)[a - start:b - start]
+            return bytes(out)
+
+        try:
+            block, hoff, hlen = check_head(read, got, where=where, expect_id=bid)
+            if view is None or (hoff, hlen) != (soff, slen):
+                if view is not None:  # a marker whose size disagrees with its object's header
+                    raise BlockCorrupted(f"{where}: the header puts the state at {hoff}+{hlen}, its marker "
+                                         f"at {soff}+{slen}", path=where)
+                view = buffer(hlen)  # no size in the marker: one GET, copied now
+                soff, slen = hoff, hlen
+                for start, data in parts:
+                    on_part(start, memoryview(data))
+            if sum(copied) != slen:
+                raise BlockCorrupted(f"{where}: {sum(copied)} of {slen} state bytes arrived", path=where)
+            if fingerprint is not None:
+                err = incompatibility(block, fingerprint)
+                if err is not None:
+                    raise err
+            h = state_hasher(slen)
+            h.update(view)
+            actual = "blake3:" + h.hexdigest()
+            if actual != block.state_digest:
+                raise BlockCorrupted(f"{where}: state digest mismatch: expected {block.state_digest}, actual "
+                                     f"{actual}", path=where, expected=block.state_digest, actual=actual)
+        except BlockCorrupted as exc:
+            raise BlockCorrupted(f"{where}: the object fails its check ({exc}); it was not cached and "
+                                 "nothing was grafted", path=where, expected=exc.expected,
+                                 actual=exc.actual) from exc
+        if block.state_digest != meta.state_digest:
+            raise BlockCorrupted(f"{where}: its state digest {block.state_digest} differs from its "
+                                 f"marker's {meta.state_digest} (a swapped object?)", path=where,
+                                 expected=meta.state_digest, actual=block.state_digest)
+        if timings is not None:
+            t2 = time.perf_counter()
+            timings["fetch_ms"] = timings.get("fetch_ms", 0.0) + (t1 - t0) * 1e3
+            timings["check_ms"] = timings.get("check_ms", 0.0) + (t2 - t1) * 1e3
+        self._cache_behind(bid, meta, parts, got)
+        return meta, view
+
+    def _cache_behind(self, bid: str, meta: Block, parts: list[tuple[int, Any]], size: int) -> None:
+        """Write checked bytes into the cache on the writer thread (the graft does not wait for it)."""
+        with self._tlock:
+            if bid in self._writes or (self._closed and self._writer is None):
+                return  # on its way already; or closed (running prefetches still land: close waits)
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="graftmem-cache-write")
+            self._writes[bid] = self._writer.submit(self._write_cached, bid, meta, parts, size)
+
+    def _write_cached(self, bid: str, meta: Block, parts: list[tuple[int, Any]], size: int) -> None:
+        stage_dir = self.layout.staging
+        tmp = stage_dir / f"{bid}.{os.getpid()}.{threading.get_ident()}{BLOCK_SUFFIX}"
+        try:
+            stage_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
             try:
-                got = self.bucket.get_to_file(_block_key(bid), fd, size, parts=self.fetch_parts)
-            except TransferError:
-                head = self.bucket.head(_block_key(bid)) if size else None
-                if head is not None and int(head["size"]) != size:  # ranges past a shorter object's end
-                    raise BlockCorrupted(f"{self.url}/{_block_key(bid)}: {head['size']} bytes, its marker says "
-                                         f"{size}; refused", path=f"{self.url}/{_block_key(bid)}") from None
-                raise
+                for start, data in parts:
+                    view = memoryview(data)
+                    done = 0
+                    while done < len(view):
+                        done += os.pwrite(fd, view[done:], start + done)
             finally:
                 os.close(fd)
-            self.counters["gets"] += 1
-            self.counters["get_bytes"] += got
-            t1 = time.perf_counter()
-            where = f"{self.url}/{_block_key(bid)}"
-            if size and got != size:
-                raise BlockCorrupted(f"{where}: the object has {'more' if got > size else 'fewer'} bytes than "
-                                     f"its marker's {size}; it was not cached and nothing was grafted", path=where)
-            try:
-                block, view = read_block_file(tmp, buffer, expect_id=bid, fingerprint=fingerprint, timings=timings)
-            except BlockCorrupted as exc:
-                raise BlockCorrupted(f"{where}: the object fails its check ({exc}); it was not cached and "
-                                     "nothing was grafted", path=where) from exc
-            if block.state_digest != meta.state_digest:
-                raise BlockCorrupted(f"{where}: its state digest {block.state_digest} differs from its "
-                                     f"marker's {meta.state_digest} (a swapped object?)", path=where,
-                                     expected=meta.state_digest, actual=block.state_digest)
-            if timings is not None:
-                timings["fetch_ms"] = timings.get("fetch_ms", 0.0) + (t1 - t0) * 1e3
+            if os.stat(tmp).st_size != size:
+                raise OSError(f"{tmp}: {os.stat(tmp).st_size} bytes written of {size}")
             staged = meta.model_copy(update={"provenance": meta.provenance, "labels_trusted": meta.labels_trusted})
-            with contextlib.suppress(StoreError):  # a cache that cannot take it still served the read
-                self.cache.adopt([(staged, tmp)])
-                self._touch(bid)
-                self._evict(keep=bid)
-        except OSError as exc:
-            raise StoreError(f"cannot stage block {bid[:12]} in {stage_dir}: {exc}") from exc
+            self.cache.adopt([(staged, tmp)])
+            self._touch(bid)
+            self._evict(keep=bid)
+        except (OSError, StoreError) as exc:  # a cache that cannot take it: the read was served anyway
+            log.warning("fleet store %s: block %s not cached: %s", self.url, bid[:12], exc)
         finally:
             tmp.unlink(missing_ok=True)
-        return meta, view
+            with self._tlock:
+                self._writes.pop(bid, None)
+
+    def _wait_cached(self, bid: str) -> None:
+        with self._tlock:
+            fut = self._writes.get(bid)
+        if fut is not None:
+            fut.result()
+
+    def flush(self) -> None:
+        """Wait until the blocks fetched so far are in the cache (they are written behind the graft)."""
+        with self._tlock:
+            futs = list(self._writes.values())
+        for fut in futs:
+            fut.result()
 
     def prefetch(self, block_ids: list[str]) -> list[Future]:
         """Fetch blocks into the cache in the background (two at a time), checked on arrival as any
@@ -494,7 +597,7 @@ class FleetStore:
         futures = []
         for bid in block_ids:
             with self._tlock:
-                if bid in self._inflight or self._closed:
+                if bid in self._inflight or bid in self._writes or self._closed:
                     continue
                 if self.cache.contains(bid):
                     continue
@@ -508,6 +611,7 @@ class FleetStore:
         try:
             if not self.cache.contains(bid):
                 self.read_state(bid, lambda n: memoryview(bytearray(n)))
+                self._wait_cached(bid)  # done means cached
             return True
         except Exception as exc:  # a prefetch is a hint: the graft that needs the block fetches it again
             log.warning("fleet store %s: prefetch of %s failed: %s", self.url, bid[:12], exc)
