@@ -386,3 +386,65 @@ def test_an_id_learned_elsewhere_is_usable_at_once_without_a_listing(smol, bucke
         assert not store.contains("f" * 64)  # an id the bucket does not have: still no listing
         assert store.counters["lists"] == lists
     store.close()
+
+
+def test_a_flipped_bit_in_any_downloaded_part_is_refused_and_never_cached(smol, bucket_url, tmp_path, seaweed):
+    """A large block comes down in 4 concurrent ranges, each copied into the engine buffer and hashed
+    as it lands: one flipped bit in the first, a middle or the last range's state bytes, in the
+    manifest or in the trailer is refused before the graft (nothing cached, nothing staged), and the
+    intact object still grafts exactly, from the bucket and then from the cache it entered."""
+    from graftmem.core.format import HEADER, parse_header
+
+    with _worker(smol, bucket_url, tmp_path, "a") as a:
+        big = a.learn(long_text(500, seed=80), name="big")
+        raw = a.store.cache.path_of(big.id).read_bytes()
+    _, soff, slen = parse_header(raw[:HEADER.size], where="big", file_size=len(raw))
+    step = -(-len(raw) // 4)
+    assert len(raw) > 8 << 20 and soff < step  # 4 ranges, the state begins in the first
+    client = seaweed.client()
+    flips = {"first range": soff + 100, "middle range": 2 * step + 7, "last range": len(raw) - 32 - 100,
+             "manifest": HEADER.size + 10, "trailer": len(raw) - 5}
+    for where, offset in flips.items():
+        bad = bytearray(raw)
+        bad[offset] ^= 1
+        obstore.put(client, _block_key(bucket_url, big.id), bytes(bad))
+        with _worker(smol, bucket_url, tmp_path, where.replace(" ", "-")) as b:
+            with pytest.raises(BlockCorrupted, match="digest|manifest|id/size") as err:
+                b.ask(big.id, QUERY, max_tokens=1)
+            assert "nothing was grafted" in str(err.value), where
+            b.store.flush()
+            assert b.store.cache_stats()["blocks"] == 0, where
+            assert not list((tmp_path / f"cache-{where.replace(' ', '-')}" / ".staging").glob("*"))
+    obstore.put(client, _block_key(bucket_url, big.id), raw)
+    with _worker(smol, bucket_url, tmp_path, "good") as c:
+        cold = c.ask(big.id, QUERY, max_tokens=1).receipt.first_logits_sha256
+        assert c.store.path_of(big.id).read_bytes() == raw  # the cache file: the object's bytes
+        warm = c.ask(big.id, QUERY, max_tokens=1).receipt.first_logits_sha256
+        assert c.store.cache_stats()["cache_hits"] == 1
+    assert cold == warm == _fresh_sha(smol, big.text)
+
+
+def test_parts_landing_in_any_order_hash_as_the_whole_state_and_a_missing_one_is_refused():
+    """`_Landing` copies parts into the buffer as they come and hashes in file order: any arrival
+    order gives the digest of the whole state; a part that never came (or came short) is refused."""
+    import itertools
+    import os
+
+    from graftmem.core.format import state_digest
+    from graftmem.store.fleet import _Landing
+
+    soff, state = 4096, os.urandom(3 * 1000 + 17)
+    file = bytes(soff) + state + bytes(32)
+    cuts = [0, 1500, 4096 + 1000, 4096 + 2999, len(file)]
+    parts = [(a, memoryview(file)[a:b]) for a, b in zip(cuts, cuts[1:])]
+    for order in itertools.permutations(parts):
+        landing = _Landing(memoryview(bytearray(len(state))), soff)
+        for start, data in order:
+            landing.land(start, data)
+        view, digest = landing.digest()
+        assert bytes(view) == state and digest == state_digest(state)
+    landing = _Landing(memoryview(bytearray(len(state))), soff)
+    for start, data in parts[:2] + parts[3:]:
+        landing.land(start, data)
+    with pytest.raises(BlockCorrupted, match="state bytes arrived"):
+        landing.digest()

@@ -190,7 +190,7 @@ class Bucket:
             last = end == size  # one byte past the end: a longer object shows itself (and is refused)
             with self._errors("reading", key):
                 data = obstore.get_range(self.store, key, start=start, end=end + 1 if last else end)
-            if on_part is not None:
+            if on_part is not None and (last or len(data) == end - start):  # else the caller refuses it
                 on_part(start, memoryview(data))
             return start, data
 
