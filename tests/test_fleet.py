@@ -163,7 +163,8 @@ def test_a_deleted_block_is_tombstoned_for_every_worker_and_can_be_learned_again
         again = b.learn(text, name="back")
         assert again.id == block.id and [x.name for x in a.get_all()] == ["back"]
         a.delete(block.id)
-        assert a.store.collect_garbage(grace=0) == {"blocks_removed": 1, "tombstones_removed": 1}
+        assert a.store.collect_garbage(grace=0) == {"blocks_removed": 1, "tombstones_removed": 1,
+                                                    "uploads_removed": 0}
         assert not list(obstore.list(client, prefix=_key(bucket_url, "blocks")).collect())
 
 
@@ -448,3 +449,51 @@ def test_parts_landing_in_any_order_hash_as_the_whole_state_and_a_missing_one_is
         landing.land(start, data)
     with pytest.raises(BlockCorrupted, match="state bytes arrived"):
         landing.digest()
+
+
+def test_a_large_upload_that_loses_a_race_writes_nothing_over_the_winner(smol, bucket_url, tmp_path, seaweed):
+    """Above the multipart threshold a block goes up in parts under uploads/ and is then copied to its
+    key only if nothing is there (a multipart copy completed with If-None-Match: *, which SeaweedFS
+    refuses with 412 like S3). A worker that looked, saw nothing, and lost the race to another
+    writer leaves the winner's object as it was: here other bytes under the key, refused by the
+    check that follows; no upload is left behind, and collect_garbage removes one a killed worker left."""
+    text = long_text(500, seed=62)
+
+    def lowered(name):
+        store = FleetStore(bucket_url, cache_dir=tmp_path / f"cache-{name}", poll_interval=0)
+        store.bucket.multipart_above, store.bucket.part_size = 6 << 20, 5 << 20
+        return store
+
+    a_store = lowered("a")
+    with Memory(engine=smol, store=a_store) as a:
+        big = a.learn(text, name="big")
+        other = a.learn(long_text(60, seed=63), name="other")
+        other_raw = a_store.cache.path_of(other.id).read_bytes()
+        a.delete(big.id)  # the marker goes, the object stays: a learn uploads again
+    a_store.close()
+    client = seaweed.client()
+    key = _block_key(bucket_url, big.id)
+    assert obstore.head(client, key)["size"] > 6 << 20
+    obstore.put(client, key, other_raw)  # the race's winner, written after the loser looked
+    c_store = lowered("c")
+    real_head, looked = c_store.bucket.head, []
+
+    def head(k):  # the loser's one look at the block key finds nothing (the winner lands just after)
+        if k.endswith(f"{big.id}.gmb") and not looked:
+            looked.append(k)
+            return None
+        return real_head(k)
+
+    c_store.bucket.head = head
+    with Memory(engine=smol, store=c_store) as c:
+        with pytest.raises(BlockCorrupted, match="holds other content"):
+            c.learn(text, name="big again")
+    c_store.close()
+    assert looked and bytes(obstore.get(client, key).bytes()) == other_raw  # not written over
+    uploads = _key(bucket_url, "uploads/")
+    assert not obstore.list(client, prefix=uploads).collect()  # the staging upload was removed
+    obstore.put(client, uploads + f"{big.id}.1.2.3.gmb", b"left by a killed worker")
+    g_store = FleetStore(bucket_url, cache_dir=tmp_path / "cache-g", poll_interval=0)
+    assert g_store.collect_garbage(grace=0)["uploads_removed"] == 1
+    g_store.close()
+    assert not obstore.list(client, prefix=uploads).collect()

@@ -7,7 +7,8 @@ Bucket layout (keys under the URL's prefix)::
     blocks/<id[:2]>/<id>.gmb   the block file, the same bytes as a local one (self-verifying: header,
                                manifest with the id and the state's BLAKE3 digest, trailer); written
                                ONCE (If-None-Match: *; above 256 MiB: a look first, then a multipart
-                               upload, invisible until complete, of the same state whoever wins)
+                               upload under uploads/ and a server-side copy completed with
+                               If-None-Match: *, so of two racing workers one writes)
     index/<id>.json            the marker: manifest, provenance, labels_trusted, file size. Written
                                after the block file, so a listing of index/ shows complete blocks only
                                (a worker killed mid-upload leaves at most an unlisted block object)
@@ -105,6 +106,11 @@ def default_cache_dir(url: str) -> Path:
 
 def _block_key(bid: str) -> str:
     return f"blocks/{bid[:2]}/{bid}{BLOCK_SUFFIX}"
+
+
+def _upload_key(bid: str) -> str:
+    """Where a large block goes up before its conditional copy to its key: a name of this writer's own."""
+    return f"uploads/{bid}.{os.getpid()}.{threading.get_ident()}.{time.time_ns()}{BLOCK_SUFFIX}"
 
 
 def _marker_key(bid: str) -> str:
@@ -700,9 +706,10 @@ class FleetStore:
         size = path.stat().st_size
         key = _block_key(block.id)
         if size > self.bucket.multipart_above:
-            # multipart cannot be conditional: look first; two workers racing here upload the same
-            # state (same id: same tokens and engine) and the last completed upload stands
-            tag = None if self.bucket.head(key) is not None else self.bucket.put(key, path, create=False, size=size)
+            # in parts under a staging key, then a conditional server-side copy (Bucket.put_large_once):
+            # of two workers racing here exactly one writes; a look first skips the upload when it is there
+            tag = None if self.bucket.head(key) is not None else self.bucket.put_large_once(
+                key, path, _upload_key(block.id), size=size)
         else:
             tag = self.bucket.put(key, path, create=True, size=size)
         self.counters["puts"] += 1
@@ -885,9 +892,9 @@ class FleetStore:
 
     def collect_garbage(self, *, grace: float = DEFAULT_GRACE) -> dict[str, int]:
         """Remove block objects without a marker (deleted, or left by a worker killed between its
-        block and its marker) and tombstones whose marker is gone, once older than ``grace`` seconds.
-        Safe while workers run: a reader that listed a block before its delete has ``grace`` seconds
-        to fetch it."""
+        block and its marker), tombstones whose marker is gone and large uploads left in ``uploads/`` by
+        a worker killed before their copy, once older than ``grace`` seconds. Safe while workers run: a
+        reader that listed a block before its delete has ``grace`` seconds to fetch it."""
         now = time.time()
         markers = {bid for o in self.bucket.list("index") if (bid := _id_of(o["path"], "index", ".json"))}
         removed = tombs = 0
@@ -901,7 +908,12 @@ class FleetStore:
             if bid and bid not in markers and now - o["last_modified"].timestamp() > grace:
                 self.bucket.delete(_tomb_key(bid))
                 tombs += 1
-        return {"blocks_removed": removed, "tombstones_removed": tombs}
+        uploads = 0
+        for o in self.bucket.list("uploads"):
+            if now - o["last_modified"].timestamp() > grace:
+                self.bucket.delete("uploads/" + o["path"].rsplit("/", 1)[-1])
+                uploads += 1
+        return {"blocks_removed": removed, "tombstones_removed": tombs, "uploads_removed": uploads}
 
     def upload_store(self, source: Store, *, progress: Optional[Callable[[int, int], None]] = None) -> list[str]:
         """Upload every block of a local store (block files as they are, markers with their

@@ -87,7 +87,9 @@ class Bucket:
         self.url = url
         self.bucket, self.prefix = parse_url(url)
         self.endpoint = _endpoint()
-        config: dict[str, Any] = {}
+        # copy-if-not-exists as S3 does it natively: a multipart copy completed with If-None-Match: *
+        # (`put_large_once`; SeaweedFS 4.48 answers 412 there too, tests/test_fleet.py)
+        config: dict[str, Any] = {"copy_if_not_exists": "multipart"}
         if self.endpoint:
             config["endpoint"] = self.endpoint
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
@@ -160,6 +162,32 @@ class Bucket:
             except (ox.AlreadyExistsError, ox.PreconditionError):
                 return None
         return res.get("e_tag") or ""
+
+    def put_large_once(self, key: str, path: Path, staging_key: str, *, size: Optional[int] = None) -> Optional[str]:
+        """Write a large file under ``key`` only if nothing is there; return "" once written, or None if
+        an object was there (nothing was written over it).
+
+        Why not `put` with ``create``: obstore sends a conditional write as ONE PUT only (it reads the
+        whole file into memory, and S3 takes at most 5 GiB in one PUT), and its multipart upload has
+        no condition. So the file goes up in parts, unconditionally, under ``staging_key`` (a name
+        only this writer uses), then is copied server-side to ``key`` as S3 makes a copy conditional:
+        a multipart copy completed with ``If-None-Match: *``, refused (412) if ``key`` exists by then,
+        so of two racing writers exactly one wins. The staging object is deleted either way (a writer
+        killed in between leaves it for `FleetStore.collect_garbage`). S3 copies one part of at most
+        5 GiB: a larger file fails here with a `TransferError`."""
+        from obstore import exceptions as ox
+        import obstore
+
+        self.put(staging_key, path, create=False, size=size)
+        try:
+            with self._errors("copying to", key):
+                try:
+                    obstore.copy(self.store, staging_key, key, overwrite=False)
+                except (ox.AlreadyExistsError, ox.PreconditionError):
+                    return None
+        finally:
+            self.delete(staging_key)
+        return ""
 
     def get(self, key: str) -> Any:
         """The whole object as a buffer (obstore ``Bytes``: no copy into Python)."""
