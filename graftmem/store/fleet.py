@@ -508,7 +508,7 @@ class FleetStore:
         """Download a block file into memory, check all of it, return its state; cache it behind.
 
         Why in memory: writing 69 MB into a new file and reading it back cost more than the download
-        itself. The parts land in memory (``fetch_parts`` concurrent range requests); each part's state
+        itself (bench/fleet.py: fetch 190 ms staged on disk, 55-80 ms in memory). The parts land in memory (``fetch_parts`` concurrent range requests); each part's state
         bytes are copied into ``buffer`` as it lands, where the marker says the state lies. Then the
         whole file is checked as the local reader checks it (`check_head`: header, trailer, manifest,
         id, size; the fingerprint; BLAKE3 of the bytes now in ``buffer``; the marker's digest) before
