@@ -28,8 +28,8 @@ immediately (strong read-after-write), so the delay is the poll interval.
 
 The cache is a local `Store` under the platform cache dir (``platformdirs.user_cache_dir``, one
 directory per bucket URL) capped at ``cache_bytes`` with LRU eviction: a block is fetched once,
-checked on arrival (header, trailer, manifest id, fingerprint, BLAKE3 of the state, all by the same
-reader as a local store) before it enters the cache, and checked again on every graft as today. A
+checked on arrival (header, trailer, manifest id, fingerprint, BLAKE3 of the state, the local store's
+checks) before it is grafted or enters the cache, and checked again on every graft as today. A
 corrupted or swapped object raises [`BlockCorrupted`][graftmem.BlockCorrupted] and never enters the
 cache; a bucket that is down or slow raises [`TransferError`][graftmem.TransferError] after bounded
 retries with back-off, and the cache is left as it was.
@@ -481,9 +481,10 @@ class FleetStore:
         """Read a block's state into ``buffer(n)``, checked, from the cache or else from the bucket.
 
         A cache hit is a local read (the same checks as [`Store.read_state()`][graftmem.Store.read_state]);
-        a miss downloads the block file into the cache's staging area, checks it there with the same
-        reader (header, trailer, manifest id, fingerprint, BLAKE3), and only then moves it into the
-        cache. ``timings`` also gets ``fetch_ms`` on a miss. The block returned is the marker's
+        a miss downloads the block file into memory, checks all of it as the local reader does (header,
+        trailer, manifest id, fingerprint, BLAKE3) while copying its state into ``buffer``, and only
+        then writes it into the cache, behind the graft (`_fetch`). ``timings`` also gets ``fetch_ms``
+        on a miss (the download, with the copy and the hash that overlap it). The block returned is the marker's
         manifest; a block file whose state digest differs from its marker's is refused."""
         bid = self.resolve(block_id)
         meta = self.get(bid)
@@ -508,11 +509,13 @@ class FleetStore:
         """Download a block file into memory, check all of it, return its state; cache it behind.
 
         Why in memory: writing 69 MB into a new file and reading it back cost more than the download
-        itself (bench/fleet.py: fetch 190 ms staged on disk, 55-80 ms in memory). The parts land in memory (``fetch_parts`` concurrent range requests); each part's state
-        bytes are copied into ``buffer`` as it lands, where the marker says the state lies. Then the
-        whole file is checked as the local reader checks it (`check_head`: header, trailer, manifest,
-        id, size; the fingerprint; BLAKE3 of the bytes now in ``buffer``; the marker's digest) before
-        anything is returned, so before anything is grafted. Only then is the cache file written, from
+        itself (bench/fleet.py: fetch 190-260 ms staged on disk, 55-80 ms into memory). The parts land
+        in memory (``fetch_parts`` concurrent range requests); each part's state bytes are copied into
+        ``buffer`` as it lands, where the marker says the state lies, and hashed in file order as soon
+        as every part before it has landed (`_Landing`). Then the whole file is checked as the local
+        reader checks it (`check_head`: header, trailer, manifest, id, size; the parts join up; the
+        fingerprint; BLAKE3 of the bytes in ``buffer``; the marker's digest) before anything is
+        returned, so before anything is grafted. Only then is the cache file written, from
         the same downloaded bytes, on the cache writer thread (`flush` waits for it; a read of the same
         block waits for it too); it is checked again with BLAKE3 on its first read, as any new file."""
         key = _block_key(bid)
