@@ -149,6 +149,7 @@ def test_a_deleted_block_is_tombstoned_for_every_worker_and_can_be_learned_again
     with _worker(smol, bucket_url, tmp_path, "a") as a, _worker(smol, bucket_url, tmp_path, "b") as b:
         block = a.learn(text, name="gone")
         b.ask(block.id, QUERY, max_tokens=1)  # b has it cached
+        b.store.flush()  # the cache file is written behind the graft
         assert b.store.cache.contains(block.id)
         assert a.delete(block.id) == [block.id]
         client = seaweed.client()
@@ -176,6 +177,7 @@ def test_the_cache_is_capped_least_recently_used_first(smol, bucket_url, tmp_pat
         shas = [b.ask(x.id, QUERY, max_tokens=1).receipt.first_logits_sha256 for x in blocks]
         b.ask(blocks[1].id, QUERY, max_tokens=1)  # b1 is now the most recently used
         b.ask(blocks[0].id, QUERY, max_tokens=1)  # fetches b0 again, evicting b2 (least recent)
+        b.store.flush()  # the cache file is written (and the cap enforced) behind the graft
         cached = {x.id for x in b.store.cache.list()}
         assert b.store.cache_stats()["bytes"] <= cap
         assert cached == {blocks[0].id, blocks[1].id}

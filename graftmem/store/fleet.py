@@ -183,7 +183,8 @@ class FleetStore:
 
     ``url`` is ``s3://bucket[/prefix]``; ``cache_dir`` defaults to `default_cache_dir`; ``cache_bytes``
     caps the cache (LRU eviction, the block being read is never evicted); ``poll_interval`` is the
-    seconds between listings; ``retry`` the bounded retries of each request.
+    seconds between listings; ``retry`` the bounded retries of each request. A fetched block enters
+    ``cache`` (a local `Store`) behind the graft that fetched it: `flush` before looking into it.
     """
 
     def __init__(self, url: str, *, cache_dir: str | os.PathLike[str] | None = None,
