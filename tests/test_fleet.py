@@ -149,6 +149,7 @@ def test_a_deleted_block_is_tombstoned_for_every_worker_and_can_be_learned_again
     with _worker(smol, bucket_url, tmp_path, "a") as a, _worker(smol, bucket_url, tmp_path, "b") as b:
         block = a.learn(text, name="gone")
         b.ask(block.id, QUERY, max_tokens=1)  # b has it cached
+        b.store.flush()  # the cache file is written behind the graft
         assert b.store.cache.contains(block.id)
         assert a.delete(block.id) == [block.id]
         client = seaweed.client()
@@ -163,7 +164,8 @@ def test_a_deleted_block_is_tombstoned_for_every_worker_and_can_be_learned_again
         again = b.learn(text, name="back")
         assert again.id == block.id and [x.name for x in a.get_all()] == ["back"]
         a.delete(block.id)
-        assert a.store.collect_garbage(grace=0) == {"blocks_removed": 1, "tombstones_removed": 1}
+        assert a.store.collect_garbage(grace=0) == {"blocks_removed": 1, "tombstones_removed": 1,
+                                                    "uploads_removed": 0}
         assert not list(obstore.list(client, prefix=_key(bucket_url, "blocks")).collect())
 
 
@@ -175,6 +177,7 @@ def test_the_cache_is_capped_least_recently_used_first(smol, bucket_url, tmp_pat
         shas = [b.ask(x.id, QUERY, max_tokens=1).receipt.first_logits_sha256 for x in blocks]
         b.ask(blocks[1].id, QUERY, max_tokens=1)  # b1 is now the most recently used
         b.ask(blocks[0].id, QUERY, max_tokens=1)  # fetches b0 again, evicting b2 (least recent)
+        b.store.flush()  # the cache file is written (and the cap enforced) behind the graft
         cached = {x.id for x in b.store.cache.list()}
         assert b.store.cache_stats()["bytes"] <= cap
         assert cached == {blocks[0].id, blocks[1].id}
@@ -386,3 +389,113 @@ def test_an_id_learned_elsewhere_is_usable_at_once_without_a_listing(smol, bucke
         assert not store.contains("f" * 64)  # an id the bucket does not have: still no listing
         assert store.counters["lists"] == lists
     store.close()
+
+
+def test_a_flipped_bit_in_any_downloaded_part_is_refused_and_never_cached(smol, bucket_url, tmp_path, seaweed):
+    """A large block comes down in 4 concurrent ranges, each copied into the engine buffer and hashed
+    as it lands: one flipped bit in the first, a middle or the last range's state bytes, in the
+    manifest or in the trailer is refused before the graft (nothing cached, nothing staged), and the
+    intact object still grafts exactly, from the bucket and then from the cache it entered."""
+    from graftmem.core.format import HEADER, parse_header
+
+    with _worker(smol, bucket_url, tmp_path, "a") as a:
+        big = a.learn(long_text(500, seed=80), name="big")
+        raw = a.store.cache.path_of(big.id).read_bytes()
+    _, soff, slen = parse_header(raw[:HEADER.size], where="big", file_size=len(raw))
+    step = -(-len(raw) // 4)
+    assert len(raw) > 8 << 20 and soff < step  # 4 ranges, the state begins in the first
+    client = seaweed.client()
+    flips = {"first range": soff + 100, "middle range": 2 * step + 7, "last range": len(raw) - 32 - 100,
+             "manifest": HEADER.size + 10, "trailer": len(raw) - 5}
+    for where, offset in flips.items():
+        bad = bytearray(raw)
+        bad[offset] ^= 1
+        obstore.put(client, _block_key(bucket_url, big.id), bytes(bad))
+        with _worker(smol, bucket_url, tmp_path, where.replace(" ", "-")) as b:
+            with pytest.raises(BlockCorrupted, match="digest|manifest|id/size") as err:
+                b.ask(big.id, QUERY, max_tokens=1)
+            assert "nothing was grafted" in str(err.value), where
+            b.store.flush()
+            assert b.store.cache_stats()["blocks"] == 0, where
+            assert not list((tmp_path / f"cache-{where.replace(' ', '-')}" / ".staging").glob("*"))
+    obstore.put(client, _block_key(bucket_url, big.id), raw)
+    with _worker(smol, bucket_url, tmp_path, "good") as c:
+        cold = c.ask(big.id, QUERY, max_tokens=1).receipt.first_logits_sha256
+        assert c.store.path_of(big.id).read_bytes() == raw  # the cache file: the object's bytes
+        warm = c.ask(big.id, QUERY, max_tokens=1).receipt.first_logits_sha256
+        assert c.store.cache_stats()["cache_hits"] == 1
+    assert cold == warm == _fresh_sha(smol, big.text)
+
+
+def test_parts_landing_in_any_order_hash_as_the_whole_state_and_a_missing_one_is_refused():
+    """`_Landing` copies parts into the buffer as they come and hashes in file order: any arrival
+    order gives the digest of the whole state; a part that never came (or came short) is refused."""
+    import itertools
+    import os
+
+    from graftmem.core.format import state_digest
+    from graftmem.store.fleet import _Landing
+
+    soff, state = 4096, os.urandom(3 * 1000 + 17)
+    file = bytes(soff) + state + bytes(32)
+    cuts = [0, 1500, 4096 + 1000, 4096 + 2999, len(file)]
+    parts = [(a, memoryview(file)[a:b]) for a, b in zip(cuts, cuts[1:])]
+    for order in itertools.permutations(parts):
+        landing = _Landing(memoryview(bytearray(len(state))), soff)
+        for start, data in order:
+            landing.land(start, data)
+        view, digest = landing.digest()
+        assert bytes(view) == state and digest == state_digest(state)
+    landing = _Landing(memoryview(bytearray(len(state))), soff)
+    for start, data in parts[:2] + parts[3:]:
+        landing.land(start, data)
+    with pytest.raises(BlockCorrupted, match="state bytes arrived"):
+        landing.digest()
+
+
+def test_a_large_upload_that_loses_a_race_writes_nothing_over_the_winner(smol, bucket_url, tmp_path, seaweed):
+    """Above the multipart threshold a block goes up in parts under uploads/ and is then copied to its
+    key only if nothing is there (a multipart copy completed with If-None-Match: *, which SeaweedFS
+    refuses with 412 like S3). A worker that looked, saw nothing, and lost the race to another
+    writer leaves the winner's object as it was: here other bytes under the key, refused by the
+    check that follows; no upload is left behind, and collect_garbage removes one a killed worker left."""
+    text = long_text(500, seed=62)
+
+    def lowered(name):
+        store = FleetStore(bucket_url, cache_dir=tmp_path / f"cache-{name}", poll_interval=0)
+        store.bucket.multipart_above, store.bucket.part_size = 6 << 20, 5 << 20
+        return store
+
+    a_store = lowered("a")
+    with Memory(engine=smol, store=a_store) as a:
+        big = a.learn(text, name="big")
+        other = a.learn(long_text(60, seed=63), name="other")
+        other_raw = a_store.cache.path_of(other.id).read_bytes()
+        a.delete(big.id)  # the marker goes, the object stays: a learn uploads again
+    a_store.close()
+    client = seaweed.client()
+    key = _block_key(bucket_url, big.id)
+    assert obstore.head(client, key)["size"] > 6 << 20
+    obstore.put(client, key, other_raw)  # the race's winner, written after the loser looked
+    c_store = lowered("c")
+    real_head, looked = c_store.bucket.head, []
+
+    def head(k):  # the loser's one look at the block key finds nothing (the winner lands just after)
+        if k.endswith(f"{big.id}.gmb") and not looked:
+            looked.append(k)
+            return None
+        return real_head(k)
+
+    c_store.bucket.head = head
+    with Memory(engine=smol, store=c_store) as c:
+        with pytest.raises(BlockCorrupted, match="holds other content"):
+            c.learn(text, name="big again")
+    c_store.close()
+    assert looked and bytes(obstore.get(client, key).bytes()) == other_raw  # not written over
+    uploads = _key(bucket_url, "uploads/")
+    assert not obstore.list(client, prefix=uploads).collect()  # the staging upload was removed
+    obstore.put(client, uploads + f"{big.id}.1.2.3.gmb", b"left by a killed worker")
+    g_store = FleetStore(bucket_url, cache_dir=tmp_path / "cache-g", poll_interval=0)
+    assert g_store.collect_garbage(grace=0)["uploads_removed"] == 1
+    g_store.close()
+    assert not obstore.list(client, prefix=uploads).collect()

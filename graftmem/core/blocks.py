@@ -261,7 +261,9 @@ class Receipt(_Strict):
     # ``restore_ms`` is their sum for the graft steps (read + check + place + set_data), plus the
     # small bookkeeping between them; ``prefill_ms`` is the task's prefill and ``decode_ms`` the decode.
     route_ms: Optional[float] = None  #: routing the task to a block (embedding + vector search)
-    fetch_ms: Optional[float] = None  #: downloading the block from object storage (a fleet store's cache miss)
+    #: downloading the block from object storage, its parts copied and hashed as they land (a fleet
+    #: store's cache miss)
+    fetch_ms: Optional[float] = None
     read_ms: Optional[float] = None  #: reading the block file(s) into the engine's buffer
     check_ms: Optional[float] = None  #: header, trailer, fingerprint and state digest checks
     place_ms: Optional[float] = None  #: sliding-window cells put back at their fresh indices (Gemma)

@@ -33,7 +33,7 @@ import blake3
 from .blocks import FORMAT_VERSION, Block
 from .errors import BlockCorrupted
 
-__all__ = ["MAGIC", "HEADER", "ALIGN", "state_digest", "encode_prefix", "trailer_digest",
+__all__ = ["MAGIC", "HEADER", "ALIGN", "state_digest", "state_hasher", "encode_prefix", "trailer_digest",
            "parse_header", "parse_manifest", "layout", "TRAILER_LEN", "write_block"]
 
 MAGIC = b"GRAFTMEM"
@@ -43,9 +43,16 @@ TRAILER_LEN = 32
 assert HEADER.size == 64
 
 
+def state_hasher(size: int) -> "blake3.blake3":
+    """The BLAKE3 hasher of a state of ``size`` bytes (multi-threaded for large states), for a state
+    that arrives in pieces: ``"blake3:" + h.hexdigest()`` after updating it with every piece in order
+    equals `state_digest` of the whole."""
+    return blake3.blake3(max_threads=blake3.blake3.AUTO if size > (1 << 20) else 1)
+
+
 def state_digest(state: memoryview | bytes) -> str:
     """``blake3:<hex>`` of the state bytes (multi-threaded for large states)."""
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO if len(state) > (1 << 20) else 1)
+    h = state_hasher(len(state))
     h.update(state)
     return "blake3:" + h.hexdigest()
 

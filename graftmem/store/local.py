@@ -230,19 +230,26 @@ def _os_error(exc: OSError, home: Path, doing: str) -> StoreError:
     return StoreError(f"{doing} in {home} failed: {exc}")
 
 
-def _read_head(f: BinaryIO, where: str, expect_id: str) -> tuple[Block, int, int]:
-    """The manifest of an open block file and where its state lies (offset, length), with header,
-    trailer and padding checked and the manifest's id and size matched against the file."""
-    size = os.fstat(f.fileno()).st_size
-    _, soff, slen = parse_header(f.read(HEADER.size), where=where, file_size=size)
-    f.seek(0)
-    prefix = f.read(soff)
-    f.seek(soff + slen)
-    trailer = f.read(TRAILER_LEN)
-    block = parse_manifest(prefix, trailer, where=where)
+def check_head(read: Callable[[int, int], bytes], size: int, *, where: str,
+               expect_id: str) -> tuple[Block, int, int]:
+    """The manifest of a block file of ``size`` bytes and where its state lies (offset, length), with
+    header, trailer and padding checked and the manifest's id and size matched against the file.
+    ``read(offset, n)`` returns the file's bytes there (fewer at its end): a file on disk, or the
+    parts of an object downloaded into memory (`graftmem.store.fleet`)."""
+    _, soff, slen = parse_header(read(0, HEADER.size), where=where, file_size=size)
+    block = parse_manifest(read(0, soff), read(soff + slen, TRAILER_LEN), where=where)
     if block.id != expect_id or block.state_size != slen:
         raise BlockCorrupted(f"{where}: manifest id/size do not match the file", path=where)
     return block, soff, slen
+
+
+def _read_head(f: BinaryIO, where: str, expect_id: str) -> tuple[Block, int, int]:
+    """`check_head` of an open block file."""
+    def read(offset: int, n: int) -> bytes:
+        f.seek(offset)
+        return f.read(n)
+
+    return check_head(read, os.fstat(f.fileno()).st_size, where=where, expect_id=expect_id)
 
 
 def read_block_file(path: Path, buffer: Callable[[int], memoryview], *, expect_id: str,

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 from urllib.parse import urlparse
 
 from ..core.errors import AccessDenied, BlockNotFound, ConfigError, TransferError
@@ -87,7 +87,9 @@ class Bucket:
         self.url = url
         self.bucket, self.prefix = parse_url(url)
         self.endpoint = _endpoint()
-        config: dict[str, Any] = {}
+        # copy-if-not-exists as S3 does it natively: a multipart copy completed with If-None-Match: *
+        # (`put_large_once`; SeaweedFS 4.48 answers 412 there too, tests/test_fleet.py)
+        config: dict[str, Any] = {"copy_if_not_exists": "multipart"}
         if self.endpoint:
             config["endpoint"] = self.endpoint
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
@@ -161,6 +163,32 @@ class Bucket:
                 return None
         return res.get("e_tag") or ""
 
+    def put_large_once(self, key: str, path: Path, staging_key: str, *, size: Optional[int] = None) -> Optional[str]:
+        """Write a large file under ``key`` only if nothing is there; return "" once written, or None if
+        an object was there (nothing was written over it).
+
+        Why not `put` with ``create``: obstore sends a conditional write as ONE PUT only (it reads the
+        whole file into memory, and S3 takes at most 5 GiB in one PUT), and its multipart upload has
+        no condition. So the file goes up in parts, unconditionally, under ``staging_key`` (a name
+        only this writer uses), then is copied server-side to ``key`` as S3 makes a copy conditional:
+        a multipart copy completed with ``If-None-Match: *``, refused (412) if ``key`` exists by then,
+        so of two racing writers exactly one wins. The staging object is deleted either way (a writer
+        killed in between leaves it for `FleetStore.collect_garbage`). S3 copies one part of at most
+        5 GiB: a larger file fails here with a `TransferError`."""
+        from obstore import exceptions as ox
+        import obstore
+
+        self.put(staging_key, path, create=False, size=size)
+        try:
+            with self._errors("copying to", key):
+                try:
+                    obstore.copy(self.store, staging_key, key, overwrite=False)
+                except (ox.AlreadyExistsError, ox.PreconditionError):
+                    return None
+        finally:
+            self.delete(staging_key)
+        return ""
+
     def get(self, key: str) -> Any:
         """The whole object as a buffer (obstore ``Bytes``: no copy into Python)."""
         import obstore
@@ -168,36 +196,37 @@ class Bucket:
         with self._errors("reading", key):
             return obstore.get(self.store, key).bytes()
 
-    def get_to_file(self, key: str, fd: int, size: int, *, parts: int = 4) -> int:
-        """Download an object of known ``size`` into the open file ``fd`` in ``parts`` concurrent range
-        requests (each written at its offset as it lands: the transfer of one part overlaps the
-        write of another); return the object's size as seen (more than ``size`` if it is longer: the
-        caller refuses it). A size of 0 (unknown) is one plain GET."""
+    def get_parts(self, key: str, size: int, *, parts: int = 4,
+                  on_part: Optional[Callable[[int, memoryview], None]] = None) -> list[tuple[int, Any]]:
+        """Download an object of known ``size`` into memory in ``parts`` concurrent range requests;
+        return ``(offset, bytes)`` per part, in order. ``on_part(offset, view)`` is called in the part's
+        thread as it lands (the caller copies it on while other parts are in flight); every call has
+        returned when this returns or raises. The last range asks one byte past ``size``: a longer
+        object shows itself as more bytes than ``size`` in total (the caller refuses it). A size of 0
+        (unknown) or below 8 MiB is one plain GET."""
         import obstore
 
         if size <= 0 or parts <= 1 or size < (8 << 20):
             data = self.get(key)
-            os.pwrite(fd, memoryview(data), 0)
-            return len(data)
+            if on_part is not None:
+                on_part(0, memoryview(data))
+            return [(0, data)]
         step = -(-size // parts)
 
-        def part(i: int) -> int:
+        def part(i: int) -> tuple[int, Any]:
             start, end = i * step, min(size, (i + 1) * step)
             last = end == size  # one byte past the end: a longer object shows itself (and is refused)
             with self._errors("reading", key):
                 data = obstore.get_range(self.store, key, start=start, end=end + 1 if last else end)
-            view = memoryview(data)
-            if len(view) > end - start:
-                return len(view)  # longer than expected: the caller compares with size
-            done = 0
-            while done < len(view):
-                done += os.pwrite(fd, view[done:], start + done)
-            return len(view)
+            if on_part is not None and (last or len(data) == end - start):  # else the caller refuses it
+                on_part(start, memoryview(data))
+            return start, data
 
         from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(max_workers=parts) as pool:
-            return sum(pool.map(part, range(parts)))
+        with ThreadPoolExecutor(max_workers=parts) as pool:  # waits for every part, also on an error
+            futures = [pool.submit(part, i) for i in range(parts)]
+            return [f.result() for f in futures]
 
     def get_ranges(self, key: str, starts: list[int], ends: list[int]) -> list[Any]:
         import obstore
