@@ -54,8 +54,8 @@ __all__ = ["Memory"]
 log = logging.getLogger("graftmem")
 
 #: Where a fleet's workers publish their documents' page indexes (one SQLite file per document and
-#: engine, `PageIndex.export_document`), relative to the store's prefix.
-PAGE_DOCS = "files/pages/docs/"
+#: engine, `PageIndex.export_document`), as `FleetStore.put_file` names.
+PAGE_DOCS = "pages/docs/"
 
 #: The largest n_ctx llama.cpp can be asked for (its context parameters are 32-bit): a larger value
 #: would wrap around silently (2**32 + 128 ran with 256).
@@ -226,6 +226,8 @@ class Memory:
         self._embedder = embedder
         self._router: Optional[Router] = None
         self._pages: Optional[PageIndex] = None
+        self._pages_synced: set[str] = set()  #: the fleet's document index files merged (name@etag)
+        self._pages_synced_at = -math.inf
         self._scopes: Optional[ScopeIndex] = None
         self._lazy_lock = threading.Lock()
 
@@ -331,8 +333,6 @@ class Memory:
         with self._lazy_lock:
             if self._pages is None:
                 self._pages = PageIndex(self._store.home, embedder)
-                self._pages_synced: set[str] = set()
-                self._pages_synced_at = -math.inf
             pages = self._pages
         self._sync_pages()
         return pages
@@ -352,15 +352,15 @@ class Memory:
                 return 0
             self._pages_synced_at = now
         added = 0
-        for obj in store.bucket.list(PAGE_DOCS):
-            name = obj["path"].rsplit("/", 1)[-1]
-            tag = f"{name}@{obj.get('e_tag') or obj.get('size')}"
+        for f in store.list_files(PAGE_DOCS):
+            name = f["name"]
+            tag = f"{name}@{f['e_tag'] or f['size']}"
             if tag in self._pages_synced or not name.endswith(".sqlite"):
                 continue
             with tempfile.TemporaryDirectory(prefix="graftmem-pages-") as tmp:
-                local = Path(tmp) / name
+                local = Path(tmp) / "index.sqlite"
                 try:
-                    if store.get_file(f"pages/docs/{name}", local):
+                    if store.get_file(name, local):
                         added += self._pages.merge_from(local)
                 except (sqlite3.Error, GraftmemError, OSError) as exc:
                     log.warning("fleet store %s: document index %s not merged: %s", store.url, name, exc)
@@ -378,9 +378,9 @@ class Memory:
         fpd = self._engine.fingerprint.digest()
         name = f"{hashlib.sha256(document.encode()).hexdigest()[:32]}-{fpd[:16]}.sqlite"
         with tempfile.TemporaryDirectory(prefix="graftmem-pages-") as tmp:
-            local = Path(tmp) / name
+            local = Path(tmp) / "index.sqlite"
             self.pages.export_document(document, fpd, local)
-            store.put_file(f"pages/docs/{name}", local)
+            store.put_file(PAGE_DOCS + name, local)
 
     # ------------------------------------------------------------------ learn
     def learn(self, text: "str | Sequence[Mapping[str, Any]]", *, name: Optional[str] = None,

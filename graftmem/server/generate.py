@@ -31,7 +31,7 @@ from ..core.decoding import AnswerText, Sampling, decode
 from ..core.errors import GraftmemError
 from ..memory.answer import graft
 from ..store.chain import chain_of
-from .prefix import AUTO_KIND, prefix_keys
+from .prefix import AUTO_KIND, prefix_keys, segment_ends
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -117,21 +117,8 @@ def kept_segments(engine: "Engine", keys: Sequence[bytes]) -> int:
     return n
 
 
-def _ends(segments: Sequence[Sequence[int]]) -> tuple[int, ...]:
-    out, n = [], 0
-    for seg in segments:
-        n += len(seg)
-        out.append(n)
-    return tuple(out)
-
-
 #: Bytes of the warmed chains' other blocks that the warm start reads and checks (BLAKE3) ahead.
 WARM_CHECK_BYTES = 1 << 30
-
-
-def segs_last_token(chain: Sequence["Block"]) -> list[int]:
-    """A one-token batch to warm a context with (the chain's last token again; its cell is trimmed)."""
-    return [int(chain[-1].tokens[-1])]
 
 
 def warm_engines(engines: Sequence["Engine"], store: "Store", cache: "PrefixCache", *,
@@ -163,10 +150,10 @@ def warm_engines(engines: Sequence["Engine"], store: "Store", cache: "PrefixCach
                 # one throwaway token after the grafted cells, then trimmed away: the first decode over a
                 # context this long sizes llama.cpp's compute buffers and faults their pages in (measured:
                 # a restarted server's first request prefilled its 4 tokens in 70-93 ms, later ones in 55)
-                engine.prefill(segs_last_token(chain))
+                engine.prefill([int(block.tokens[-1])])  # the chain's last token again
                 engine.trim(block.pos_end)
                 segs = [c.tokens for c in chain]
-                engine.kept = Kept(tuple(prefix_keys(segs)), _ends(segs), block.id)
+                engine.kept = Kept(tuple(prefix_keys(segs)), tuple(segment_ends(segs)), block.id)
         except GraftmemError as exc:
             cache.refuse(block.id, str(exc))
             continue
@@ -209,11 +196,12 @@ def _entry(engine: "Engine", tok: int, lp: float, top: Optional[list[tuple[int, 
 def run_job(engine: "Engine", store: "Store", cache: Optional["PrefixCache"], job: Job) -> Result:
     """Compute ``job`` on ``engine`` (which the caller holds exclusively); see the module docstring."""
     segs = job.segments
-    n_prompt = sum(len(s) for s in segs)
     caching = cache is not None and job.use_cache
     keep = caching and can_keep(engine)
     keys = job.keys
-    match = cache.lookup(segs) if caching else None
+    ends = segment_ends(segs)
+    n_prompt = ends[-1]
+    match = cache.lookup(segs, keys) if caching else None
     answer = AnswerText(engine.piece, job.stops)  # final text only: no half character, no partial stop
     entries: list[dict[str, Any]] = []
     pending: list[dict[str, Any]] = []  # logprob entries not streamed yet
@@ -237,7 +225,7 @@ def run_job(engine: "Engine", store: "Store", cache: Optional["PrefixCache"], jo
     with engine.session(resume=keep, keep=keep):
         t0 = time.perf_counter()
         # the prefix to learn is decided before the prefill, so its states are captured on the way
-        learn_k = cache.learn_target(segs, job.learn_tail) if caching else 0
+        learn_k = cache.learn_target(segs, job.learn_tail, keys) if caching else 0
         m = match.n_segments if match is not None else 0
         in_ram = kept_segments(engine, keys) if keep else 0
         if learn_k > m:  # what is learned continues the stored chain at m: start there, not later
@@ -245,7 +233,7 @@ def run_job(engine: "Engine", store: "Store", cache: Optional["PrefixCache"], jo
         restored, first_seg, block_id, source = 0, 0, None, None
         if in_ram > 0 and in_ram >= m:
             kept_block = engine.kept.block_id if isinstance(engine.kept, Kept) else None
-            restored = sum(len(s) for s in segs[:in_ram])
+            restored = ends[in_ram - 1]
             engine.trim(restored)
             first_seg, source = in_ram, "ram"
             block_id = match.block.id if match is not None and in_ram == m else kept_block
@@ -275,7 +263,7 @@ def run_job(engine: "Engine", store: "Store", cache: Optional["PrefixCache"], jo
                      top_logprobs=job.top_logprobs if job.logprobs else 0)
         t3 = time.perf_counter()
         if keep:
-            engine.kept = Kept(tuple(keys), _ends(segs))
+            engine.kept = Kept(tuple(keys), tuple(ends))
     text = answer.text
     rest = answer.delta(final=True)
     if job.emit is not None and (rest or pending):

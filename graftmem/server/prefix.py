@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from ..core.engine import Engine
     from ..store.local import Store
 
-__all__ = ["AUTO_KIND", "PrefixCache", "Match", "prefix_keys"]
+__all__ = ["AUTO_KIND", "PrefixCache", "Match", "prefix_keys", "segment_ends"]
 
 log = logging.getLogger("graftmem")
 
@@ -66,6 +66,15 @@ def prefix_keys(segments: Sequence[Sequence[int]]) -> list[bytes]:
         h.update(len(seg).to_bytes(4, "little"))
         h.update(struct.pack(f"<{len(seg)}i", *seg))  # each id as 4 little-endian signed bytes
         out.append(h.copy().digest())
+    return out
+
+
+def segment_ends(segments: Sequence[Sequence[int]]) -> list[int]:
+    """``ends[k]`` is the number of tokens in the first ``k + 1`` segments."""
+    out, n = [], 0
+    for seg in segments:
+        n += len(seg)
+        out.append(n)
     return out
 
 
@@ -123,10 +132,12 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._index)
 
-    def lookup(self, segments: Sequence[Sequence[int]]) -> Optional[Match]:
-        """The longest indexed prefix of ``segments`` that leaves at least one segment to prefill."""
+    def lookup(self, segments: Sequence[Sequence[int]], keys: Optional[Sequence[bytes]] = None) -> Optional[Match]:
+        """The longest indexed prefix of ``segments`` that leaves at least one segment to prefill.
+        ``keys``: the prompt's `prefix_keys()`, if the caller has them already (they are cumulative, so
+        the first ``k`` keys of the whole prompt are the keys of its first ``k`` segments)."""
         self.refresh()
-        keys = prefix_keys(segments[:-1])
+        keys = (prefix_keys(segments) if keys is None else keys)[:len(segments) - 1]
         with self._lock:
             for k in range(len(keys), 0, -1):
                 bid = self._index.get(keys[k - 1])
@@ -149,7 +160,8 @@ class PrefixCache:
         log.warning("prefix cache: block %s refused, the request is served cold: %s", block_id[:12], why)
 
     # ------------------------------------------------------------------ learning
-    def learn_target(self, segments: Sequence[Sequence[int]], tail: int = 2) -> int:
+    def learn_target(self, segments: Sequence[Sequence[int]], tail: int = 2,
+                     keys: Optional[Sequence[bytes]] = None) -> int:
         """How many segments of this prompt to learn (0: none), decided before the prompt is prefilled.
 
         Every prefix of the prompt up to the start of its last message is counted as seen once; the
@@ -162,10 +174,8 @@ class PrefixCache:
         assistant's header; 1 for a raw completion prompt: its last chunk)."""
         if not self.learn_enabled or len(segments) < tail + 1:
             return 0
-        keys = prefix_keys(segments[:len(segments) - tail])
-        lengths = [0]
-        for seg in segments[:len(keys)]:
-            lengths.append(lengths[-1] + len(seg))
+        keys = (prefix_keys(segments) if keys is None else keys)[:len(segments) - tail]
+        lengths = [0, *segment_ends(segments[:len(keys)])]
         best = 0
         with self._lock:
             for k, key in enumerate(keys, start=1):

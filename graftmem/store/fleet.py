@@ -879,6 +879,12 @@ class FleetStore:
         self.bucket.put(f"files/{name}", Path(path), create=False)
         self.counters["puts"] += 1
 
+    def list_files(self, prefix: str) -> list[dict[str, Any]]:
+        """The files shared under ``prefix`` (`put_file()` names): ``name``, ``size`` and ``e_tag`` each."""
+        base = f"files/{prefix}"
+        return [{"name": o["path"][len("files/"):], "size": o.get("size"), "e_tag": o.get("e_tag")}
+                for o in self.bucket.list(base) if o["path"].startswith(base)]
+
     def get_file(self, name: str, dest: Path) -> bool:
         """Download ``files/<name>`` to ``dest`` (atomically); False if there is none."""
         from .local import atomic_file
