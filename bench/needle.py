@@ -196,6 +196,8 @@ def build(args: argparse.Namespace) -> dict:
             for nd in needles:
                 first += [p for p in plan.pages_holding(nd["char_start"], nd["char_end"])[:1] if p not in first]
         order = first + [p.page for p in plan.pages if p.page not in first]
+        if args.reverse:  # a second builder on the same store works from the other end (pages are skipped
+            order.reverse()  # once stored, so two processes meet in the middle with at most one page twice)
         done_tokens = 0
         t_build = time.perf_counter()
         chunk = max(1, args.chunk)
@@ -480,6 +482,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=8, help="pages per progress line")
     ap.add_argument("--needles-first", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--reverse", action="store_true",
+                    help="build the pages in reverse order (run a second builder on the same store: one core each)")
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False)
     ap.add_argument("--check-exact", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--ask-only", action="store_true")

@@ -198,15 +198,27 @@ def _exchange(url: str, method: str, path: str, headers: dict[str, str], data: O
     if fields.get("transfer-encoding", "").lower() == "chunked":
         out, rest = [], body
         while True:
-            size_line, _, rest = rest.partition(b"\r\n")
-            n = int(size_line.split(b";")[0] or b"0", 16)
+            size_line, found, rest = rest.partition(b"\r\n")
+            try:
+                n = int(size_line.split(b";")[0].strip(), 16)
+            except ValueError:
+                n = -1
+            if not found or n < 0:
+                raise OSError(f"a malformed chunked body (chunk size line {size_line[:20]!r})")
             if n == 0:
                 break
+            if len(rest) < n + 2 or rest[n:n + 2] != b"\r\n":
+                raise OSError(f"the response ended inside a chunk of {n} bytes")
             out.append(rest[:n])
             rest = rest[n + 2:]
         body = b"".join(out)
     elif "content-length" in fields:
-        n = int(fields["content-length"])
+        try:
+            n = int(fields["content-length"])
+        except ValueError:
+            n = -1
+        if n < 0:
+            raise OSError(f"a malformed Content-Length: {fields['content-length'][:20]!r}")
         if len(body) < n:
             raise OSError(f"the response ended after {len(body)} of {n} bytes")
         body = body[:n]
@@ -234,7 +246,11 @@ def _remote(url: str, path: str, body: Optional[dict[str, Any]] = None) -> Any:
         except (ValueError, KeyError, TypeError):
             msg = raw[:200].decode("utf-8", "replace")
         raise TransferError(f"the server at {url} answered {status}: {msg}")
-    return json.loads(raw)
+    try:
+        return json.loads(raw)
+    except ValueError:  # a proxy's HTML page, or not a graftmem server at all
+        raise TransferError(f"the server at {url} answered {status} with a body that is not JSON: "
+                            f"{raw[:60]!r}; is it a graftmem server?") from None
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:

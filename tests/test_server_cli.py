@@ -121,3 +121,15 @@ def test_the_light_http_client_reads_what_servers_send():
         _remote(_one_shot(b"HTTP/1.1 200 OK\r\nContent-Le"), "list")
     with pytest.raises(TransferError, match="not an HTTP response"):
         _remote(_one_shot(b"SSH-2.0-OpenSSH_9.2\r\n"), "list")
+    # hostile or broken framing: a graftmem error naming the fault, never a bare ValueError or a short body
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    with pytest.raises(TransferError, match="malformed chunked body"):
+        _remote(_one_shot(head + b"zz\r\n{}\r\n0\r\n\r\n"), "list")
+    with pytest.raises(TransferError, match="ended inside a chunk of 16 bytes"):
+        _remote(_one_shot(head + b"10\r\n{\"a\": 1}"), "list")
+    with pytest.raises(TransferError, match="malformed chunked body"):
+        _remote(_one_shot(head + b"2\r\n{}\r\n"), "list")  # no last chunk: cut short
+    with pytest.raises(TransferError, match="malformed Content-Length"):
+        _remote(_one_shot(b"HTTP/1.1 200 OK\r\nContent-Length: ten\r\n\r\n{}"), "list")
+    with pytest.raises(TransferError, match="not JSON"):
+        _remote(_one_shot(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\n<html>"), "list")
