@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -196,6 +197,8 @@ def build(args: argparse.Namespace) -> dict:
             for nd in needles:
                 first += [p for p in plan.pages_holding(nd["char_start"], nd["char_end"])[:1] if p not in first]
         order = first + [p.page for p in plan.pages if p.page not in first]
+        if args.max_pages is not None:  # e.g. only the pages that hold needles: a same-questions comparison
+            order = order[:args.max_pages]
         if args.reverse:  # a second builder on the same store works from the other end (pages are skipped
             order.reverse()  # once stored, so two processes meet in the middle with at most one page twice)
         done_tokens = 0
@@ -429,6 +432,61 @@ def sizes(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def _median(xs: list[float]) -> Optional[float]:
+    xs = sorted(x for x in xs if x is not None)
+    return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
+
+
+def compare(paths: list[str]) -> str:
+    """What the page size trades, side by side: one column per results file (a markdown table).
+
+    Per-question values are medians over the asked needles; ``fetch`` is over the questions whose page
+    came from the bucket (the others were in the cache: fetched ahead as a runner-up, or asked before)."""
+    cols = []
+    for p in paths:
+        d = json.loads(Path(p).read_text())
+        a, qs = d["ask"], d["ask"]["questions"]
+        fl = a.get("fleet") or {}
+
+        def med(key: str, scale: float = 1.0, nd: int = 0) -> str:
+            m = _median([q.get(key) for q in qs])
+            return "–" if m is None else f"{m * scale:,.{nd}f}"
+
+        fetched = [q for q in qs if q.get("fetch_ms") is not None]
+        ex = a.get("exactness") or {}
+        cols.append({
+            "results file": Path(p).name,
+            "document tokens": f"{a['document_tokens']:,}",
+            "page size (window)": f"{d['window']:,}",
+            "pages stored / in document": f"{a['pages_stored']} / {a['pages_in_document']}",
+            "passages indexed (routing units)": f"{a['passages_indexed']:,}",
+            "bytes per stored token": f"{a['bytes_per_token']:,.0f}",
+            "page state MB (median)": med("restore_bytes", 1e-6, 1),
+            "needles found": f"{a['found']}/{a['asked']}",
+            "routed to the needle's page": f"{sum(q['routed_to_needle_page'] for q in qs)}/{len(qs)}",
+            "served from": fl.get("bucket", "local store"),
+            "pages fetched from the bucket": f"{len(fetched)} of {len(qs)}" if fl else "–",
+            "fetch ms (median of fetched)": (f"{_median([q['fetch_ms'] for q in fetched]):,.0f}" if fetched else "–"),
+            "check ms": med("check_ms", nd=1),
+            "first restore ms (incl. fetch)": med("restore_ms"),
+            "restore ms once local (median of reps)": med("restore_ms_median", nd=1),
+            "question tokens prefilled": med("tokens_prefilled"),
+            "question prefill ms": med("prefill_ms"),
+            "decode ms (10 tokens)": med("decode_ms"),
+            "total ms per question": med("total_ms"),
+            "peak RSS MB": f"{a['peak_rss_mb']:,.0f}",
+            "bytes fetched per question (MB)": (f"{fl['get_bytes'] / len(qs) / 1e6:,.1f}" if fl else "–"),
+            "graft = fresh prefill (SHA-256 of logits)": ("–" if not ex else
+                                                          f"{'equal' if ex['equal'] else 'DIFFERENT'} (page {ex['page']}, "
+                                                          f"{ex['page_tokens']:,} tokens)"),
+        })
+    keys = list(cols[0])
+    lines = ["| | " + " | ".join(f"{c['page size (window)']}-token pages" for c in cols) + " |",
+             "|---|" + "---|" * len(cols)]
+    lines += [f"| {k} | " + " | ".join(c[k] for c in cols) + " |" for k in keys]
+    return "\n".join(lines)
+
+
 def plot(paths: list[str], out: str) -> None:
     import matplotlib
 
@@ -482,6 +540,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=8, help="pages per progress line")
     ap.add_argument("--needles-first", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--max-pages", type=int, default=None,
+                    help="build only the first N pages of the build order (with --needles-first: the needle pages)")
     ap.add_argument("--reverse", action="store_true",
                     help="build the pages in reverse order (run a second builder on the same store: one core each)")
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False)
@@ -491,6 +551,8 @@ def main() -> None:
     ap.add_argument("--sizes", action="store_true")
     ap.add_argument("--size-pages", type=int, nargs="+", default=[1024, 2048, 4096])
     ap.add_argument("--plot", nargs="*", default=None)
+    ap.add_argument("--compare", nargs="+", default=None, metavar="RESULTS",
+                    help="print a markdown table of what the page size trades, one column per results file")
     ap.add_argument("--plot-out", default=str(ROOT / "docs" / "img" / "needle_restore_vs_depth.png"))
     ap.add_argument("--out", default=None)
     ap.add_argument("--build-log", default=None, help="with --ask-only: record the progress lines of this build log")
@@ -503,6 +565,9 @@ def main() -> None:
 
     if args.plot is not None:
         plot(args.plot, args.plot_out)
+        return
+    if args.compare:
+        print(compare(args.compare))
         return
     if args.sizes:
         rows = sizes(args)
