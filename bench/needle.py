@@ -33,11 +33,11 @@ import json
 import os
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -432,11 +432,6 @@ def sizes(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def _median(xs: list[float]) -> Optional[float]:
-    xs = sorted(x for x in xs if x is not None)
-    return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
-
-
 def compare(paths: list[str]) -> str:
     """What the page size trades, side by side: one column per results file (a markdown table).
 
@@ -448,9 +443,9 @@ def compare(paths: list[str]) -> str:
         a, qs = d["ask"], d["ask"]["questions"]
         fl = a.get("fleet") or {}
 
-        def med(key: str, scale: float = 1.0, nd: int = 0) -> str:
-            m = _median([q.get(key) for q in qs])
-            return "–" if m is None else f"{m * scale:,.{nd}f}"
+        def med(key: str, scale: float = 1.0, nd: int = 0) -> str:  # over the questions that have the key
+            xs = [q[key] for q in qs if q.get(key) is not None]
+            return "–" if not xs else f"{statistics.median(xs) * scale:,.{nd}f}"
 
         fetched = [q for q in qs if q.get("fetch_ms") is not None]
         ex = a.get("exactness") or {}
@@ -466,7 +461,7 @@ def compare(paths: list[str]) -> str:
             "routed to the needle's page": f"{sum(q['routed_to_needle_page'] for q in qs)}/{len(qs)}",
             "served from": fl.get("bucket", "local store"),
             "pages fetched from the bucket": f"{len(fetched)} of {len(qs)}" if fl else "–",
-            "fetch ms (median of fetched)": (f"{_median([q['fetch_ms'] for q in fetched]):,.0f}" if fetched else "–"),
+            "fetch ms (median of fetched)": med("fetch_ms"),
             "check ms": med("check_ms", nd=1),
             "first restore ms (incl. fetch)": med("restore_ms"),
             "restore ms once local (median of reps)": med("restore_ms_median", nd=1),
