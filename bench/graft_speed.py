@@ -96,7 +96,8 @@ def bench_model(model: str, lengths: list[int], reps: int, home: Path, server_ex
             srv = cpp_peer.LlamaServer(server_exe, eng.model_path, Path(tempfile.mkdtemp(dir=home)),
                                        n_ctx=N_CTX, n_batch=N_BATCH, n_ubatch=N_UBATCH, threads=THREADS,
                                        swa_full=eng.config.swa_full and eng.n_swa > 0,
-                                       cache_type_k=eng.config.type_k, cache_type_v=eng.config.type_v)
+                                       cache_type_k=eng.config.type_k, cache_type_v=eng.config.type_v,
+                                       extra_bufts=eng.extra_bufts)
         except cpp_peer.PeerUnavailable as exc:
             server_note = f"llama-server did not start: {exc}"
             print(f"!! {server_note}; the server columns are skipped", flush=True)

@@ -99,6 +99,12 @@ def build_record(version: str = VERSION) -> dict:
     return json.loads(p.read_text()) if p.exists() else {}
 
 
+def weight_buffer_args(extra_bufts: bool) -> list[str]:
+    """llama-server's flags for the weight buffers graftmem's engine uses: ``--no-repack`` unless the
+    engine runs llama.cpp's extra (repack/AMX) buffer types too, so both sides run the same kernels."""
+    return [] if extra_bufts else ["--no-repack"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -114,7 +120,7 @@ class LlamaServer:
 
     def __init__(self, exe: Path, model: Path, slot_dir: Path, *, n_ctx: int, n_batch: int, n_ubatch: int,
                  threads: int, swa_full: bool, cache_type_k: str = "f16", cache_type_v: str = "f16",
-                 startup_s: float = 120.0) -> None:
+                 startup_s: float = 120.0, extra_bufts: bool = False) -> None:
         self.port = free_port()
         self.slot_dir = slot_dir
         cmd = [str(exe), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
@@ -122,7 +128,7 @@ class LlamaServer:
                "-tb", str(threads), "-np", "1", "--slot-save-path", str(slot_dir), "-ctk", cache_type_k,
                "-ctv", cache_type_v, "--no-warmup",
                # only slot save/restore may reuse state: no RAM prompt cache, no context checkpoints
-               "--cache-ram", "0", "--ctx-checkpoints", "0"]
+               "--cache-ram", "0", "--ctx-checkpoints", "0", *weight_buffer_args(extra_bufts)]
         if swa_full:
             cmd.append("--swa-full")
         self.cmd = cmd

@@ -167,7 +167,7 @@ def llama_server(exe: Path, model: Path, cfg: EngineConfig, threads: int, work: 
     cmd = [str(exe), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", str(cfg.n_ctx),
            "-b", str(cfg.n_batch), "-ub", str(cfg.n_ubatch), "-fa", "on" if cfg.flash_attn else "off",
            "-t", str(threads), "-tb", str(threads), "-np", "1", "-ctk", cfg.type_k, "-ctv", cfg.type_v,
-           "--no-warmup"]
+           "--no-warmup", *cpp_peer.weight_buffer_args(cfg.extra_bufts == "on")]
     return Proc("llama-server", cmd, port, "/health", work / f"llama-server-{time.time_ns()}.log")
 
 
@@ -375,6 +375,8 @@ def main() -> None:
         "graftmem_answers_equal_across_sessions": gm_equal, "first_session_answers": texts,
         "startup_s": {k: [round(x, 2) for x in v] for k, v in startup.items()},
         "cli_search": cli, "peers": peers_note, "llama_server_build": cpp_peer.build_record(),
+        "weight_buffers": {"graftmem_extra_bufts": cfg.extra_bufts,
+                           "llama_server": " ".join(cpp_peer.weight_buffer_args(cfg.extra_bufts == "on")) or "repack on"},
         "raw": {k: [[{kk: t[kk] for kk in ("ttft_ms", "total_ms", "cached_tokens", "tokens_prefilled", "restore_ms",
                                            "prefill_ms") if t.get(kk) is not None} for t in s] for s in v]
                 for k, v in res.items()},

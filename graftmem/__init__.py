@@ -20,7 +20,8 @@ from .core.version import __version__
 if TYPE_CHECKING:
     from .api import AnswerStream, AsyncAnswerStream, AsyncMemory, Memory
     from .core import (Block, Engine, EngineConfig, Exactness, Fingerprint, HistoryEvent, Recall, Receipt, SampleResult,
-                       Sampling, Scope, SearchHit, StoreStats, VerificationRecord, VerifyReport, logits_sha256)
+                       Sampling, Scope, SearchHit, StoreStats, VerificationRecord, VerifyReport, logits_sha256,
+                       system_report)
     from .core.errors import (AccessDenied, BlockCorrupted, BlockNotFound, BlockRejected, BundleRejected,
                               ClosedError, ConfigError, EngineError, GraftmemError, IncompatibleBlock,
                               ModelNotFound, StoreError, StoreFull, StoreLocked, StoreReadOnly, TransferError,
@@ -54,6 +55,7 @@ _LAZY: dict[str, str] = {
     "VerificationRecord": ".core",
     "VerifyReport": ".core",
     "logits_sha256": ".core",
+    "system_report": ".core",
     "AccessDenied": ".core.errors",
     "BlockCorrupted": ".core.errors",
     "BlockNotFound": ".core.errors",
@@ -195,4 +197,5 @@ __all__ = [
     "logits_sha256",
     "resolve_model",
     "run_program",
+    "system_report",
 ]

@@ -21,6 +21,12 @@ setup() {
         return 0
     fi
     echo "graftmem: installing into $VENV (llama-cpp-python builds from source once: ~7 min on 2 cores)" >&2
+    # what the build will target: llama.cpp compiles for this CPU (GGML_NATIVE) unless CMAKE_ARGS says otherwise;
+    # graftmem loads weights without llama.cpp's repack/AMX buffers unless asked (docs/exactness.md)
+    local flags
+    flags=$(grep -m1 '^flags\|^Features' /proc/cpuinfo 2>/dev/null | tr ' ' '\n' \
+        | grep -x -E 'avx2|avx512f|avx512_vnni|avx512_bf16|amx_tile|amx_int8|asimd|sve|i8mm' | sort -u | tr '\n' ' ' || true)
+    echo "graftmem: building for $(uname -m), CPU flags: ${flags:-none of avx2/avx512/amx/neon}; CMAKE_ARGS=${CMAKE_ARGS:-<none: native build>}" >&2
     [ -x "$PY" ] || python3 -m venv "$VENV"
     "$PY" -m pip install -q --upgrade pip
     # torch first, pinned to the CPU build, so that nothing later resolves a CUDA build

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from datetime import datetime, timezone
 from typing import Any, ClassVar, Literal, Mapping, Optional
 
@@ -28,6 +29,21 @@ __all__ = [
 FORMAT_VERSION = 1
 
 KVType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
+
+#: llama.cpp's "extra buffer types" for weights (CPU repack, AMX): ``off`` (the default: plain buffers),
+#: ``on`` (llama.cpp's own default), ``auto`` (on only where a probe in a child process has shown that
+#: they decode without crashing and graft exactly on this build and CPU; the verdict is cached).
+ExtraBufts = Literal["off", "on", "auto"]
+
+#: Environment variable that sets the default of `EngineConfig.extra_bufts` (an explicit config wins).
+EXTRA_BUFTS_ENV = "GRAFTMEM_EXTRA_BUFTS"
+
+
+def _default_extra_bufts() -> str:
+    value = os.environ.get(EXTRA_BUFTS_ENV, "off").strip().lower() or "off"
+    if value not in ("off", "on", "auto"):
+        raise ConfigError(f"{EXTRA_BUFTS_ENV}={value!r}: expected off, on or auto")
+    return value
 
 
 class _Strict(BaseModel):
@@ -51,6 +67,13 @@ class EngineConfig(_Strict):
     flash_attn: bool = True
     swa_full: bool = True
     probe: bool = Field(True, description="run the graft-vs-fresh exactness probe at load time")
+    extra_bufts: ExtraBufts = Field(default_factory=_default_extra_bufts, description=(
+        "llama.cpp's extra weight buffer types (CPU repack, AMX): off (default, safe), on, or auto "
+        "(on where a child-process probe showed they run and stay exact here); default from "
+        f"${EXTRA_BUFTS_ENV}"))
+    n_gpu_layers: int = Field(0, ge=0, description=(
+        "layers offloaded to a GPU backend (needs a llama-cpp-python built with CUDA/Metal/Vulkan; "
+        "999 offloads all); 0 keeps the CPU backend, the one measured exact"))
 
     @classmethod
     def coerce(cls, config: "EngineConfig | Mapping[str, Any] | None") -> "EngineConfig":
@@ -100,11 +123,23 @@ class Fingerprint(_Strict):
     cpu_features: str
     n_threads: int
     format_version: int = FORMAT_VERSION
+    #: The buffer types llama.cpp put the weights in, as its load log names them ("CPU" for plain
+    #: host memory, mapped or not; "CPU+CPU_REPACK" or "AMX+CPU" where extra buffer types repacked
+    #: tensors; a GPU's name where layers were offloaded). Repacked weights run other kernels: another
+    #: computation. None in fingerprints written before graftmem 0.3 (see `identity`).
+    weight_buffers: Optional[str] = None
+    #: Layers offloaded to a GPU backend (0: none).
+    n_gpu_layers: int = 0
 
     INFO_FIELDS: ClassVar[frozenset[str]] = frozenset({"model_name", "n_threads"})
+    #: Identity fields left out of the digest while they hold the value every block before them had
+    #: (plain CPU weight buffers, no offload), so the ids of those blocks do not change; any other
+    #: value is part of the identity and of the diff.
+    LEGACY_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {"weight_buffers": (None, "CPU"), "n_gpu_layers": (0,)}
 
     def identity(self) -> dict[str, Any]:
-        return {k: v for k, v in self.model_dump().items() if k not in self.INFO_FIELDS}
+        return {k: v for k, v in self.model_dump().items()
+                if k not in self.INFO_FIELDS and v not in self.LEGACY_VALUES.get(k, ())}
 
     def digest(self) -> str:
         blob = json.dumps(self.identity(), sort_keys=True, separators=(",", ":")).encode()
@@ -113,7 +148,8 @@ class Fingerprint(_Strict):
     def diff(self, other: "Fingerprint") -> dict[str, tuple[Any, Any]]:
         """Identity fields whose values differ, as ``{field: (self, other)}``."""
         a, b = self.identity(), other.identity()
-        return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+        full_a, full_b = self.model_dump(), other.model_dump()
+        return {k: (full_a.get(k), full_b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 
 class Exactness(_Strict):

@@ -20,8 +20,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import json
 import logging
 import os
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -31,12 +36,13 @@ import numpy as np
 
 import llama_cpp
 from llama_cpp import llama_cpp as C
+from pydantic import BaseModel, ConfigDict
 
-from .blocks import FORMAT_VERSION, EngineConfig, Exactness, Fingerprint
+from .blocks import EXTRA_BUFTS_ENV, FORMAT_VERSION, EngineConfig, Exactness, Fingerprint
 from .errors import ClosedError, ConfigError, EngineError
-from .models import resolve_model
+from .models import model_cache_dir, resolve_model
 
-__all__ = ["Engine", "logits_sha256"]
+__all__ = ["Engine", "logits_sha256", "system_report", "KernelVerdict", "probe_kernels"]
 
 log = logging.getLogger("graftmem")
 _llama_log = logging.getLogger("graftmem.llama")
@@ -51,11 +57,30 @@ _backend_lock = threading.Lock()
 _backend_ready = False
 
 
+#: While a model loads, llama.cpp's log is also collected here (under `_load_lock`): the load log is
+#: the only place llama.cpp names the buffer types it put the weights in.
+_load_log: Optional[list[str]] = None
+_load_lock = threading.Lock()
+
+
 @C.llama_log_callback
 def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     # llama.cpp logs every tensor on load; route it to logging at DEBUG instead of stderr.
+    if _load_log is not None:
+        _load_log.append(text.decode("utf-8", "replace"))
     if _llama_log.isEnabledFor(logging.DEBUG):
         _llama_log.debug(text.decode("utf-8", "replace").rstrip())
+
+
+_MODEL_BUFFER = re.compile(r"(\S+)\s+model buffer size\s*=")
+
+
+def _weight_buffers(load_log: Sequence[str]) -> str:
+    """The weight buffer types named in a load log ("load_tensors: CPU_REPACK model buffer size =
+    ..."), "+"-joined and sorted; host memory, mapped or not, is "CPU"."""
+    names = {("CPU" if m.group(1) in ("CPU_Mapped", "CPU") else m.group(1))
+             for m in _MODEL_BUFFER.finditer("".join(load_log))}
+    return "+".join(sorted(names)) or "CPU"
 
 
 def _init_backend() -> None:
@@ -74,12 +99,9 @@ def logits_sha256(logits: np.ndarray) -> str:
 
 def _file_sha256(path: Path) -> str:
     """SHA-256 of a GGUF, memoized beside graftmem's model cache by (path, size, mtime)."""
-    import platformdirs
-
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:32]
-    memo = Path(os.environ.get("GRAFTMEM_MODEL_CACHE") or
-                Path(platformdirs.user_cache_dir("graftmem")) / "models") / "sha256" / key
+    memo = model_cache_dir() / "sha256" / key
     try:
         cached = memo.read_text().strip()
         if len(cached) == 64:
@@ -107,6 +129,45 @@ def _cpu_features() -> str:
     return " ".join(info.split())
 
 
+def _backend_devices() -> list[str]:
+    """The ggml devices this build registered ("CPU: AMD EPYC ...", "CUDA0: NVIDIA H200"), read
+    through ggml's device registry; empty where the shared library does not export it."""
+    try:
+        from llama_cpp._ggml import libggml as G
+
+        G.ggml_backend_dev_count.restype = ctypes.c_size_t
+        G.ggml_backend_dev_get.restype = ctypes.c_void_p
+        G.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+        G.ggml_backend_dev_name.restype = ctypes.c_char_p
+        G.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
+        G.ggml_backend_dev_description.restype = ctypes.c_char_p
+        G.ggml_backend_dev_description.argtypes = [ctypes.c_void_p]
+        out = []
+        for i in range(G.ggml_backend_dev_count()):
+            dev = G.ggml_backend_dev_get(i)
+            out.append(f"{G.ggml_backend_dev_name(dev).decode()}: {G.ggml_backend_dev_description(dev).decode()}")
+        return out
+    except (ImportError, AttributeError, OSError):
+        return []
+
+
+def system_report() -> dict[str, Any]:
+    """What llama.cpp sees on this machine, before any model is loaded (so it can be printed before
+    anything can crash): its CPU feature line, the devices of this build, whether it can offload."""
+    _init_backend()
+    return {"llama_cpp_version": llama_cpp.__version__,
+            "llama_build": C.llama_version().decode() if hasattr(C, "llama_version") else "unknown",
+            "system_info": _cpu_features(), "devices": _backend_devices(),
+            "gpu_offload": bool(C.llama_supports_gpu_offload())}
+
+
+def _backend_of(weight_buffers: str) -> str:
+    """"cpu", or the lower-cased name of the first non-host buffer ("cuda0", "metal") when layers
+    were offloaded."""
+    gpu = [b for b in weight_buffers.split("+") if b not in ("CPU", "CPU_REPACK", "AMX") and not b.startswith("CPU")]
+    return gpu[0].lower() if gpu else "cpu"
+
+
 def usable_cores() -> int:
     """The cores this process may run on (its CPU affinity: a container's or taskset's cpuset), not
     the host's count: more llama.cpp threads than usable cores makes every decode wait on a thread
@@ -115,6 +176,119 @@ def usable_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # not Linux
         return os.cpu_count() or 1
+
+
+#: Set in the child process of a kernel probe: that engine decides nothing and spawns no child.
+_CHILD_ENV = "GRAFTMEM_KERNEL_PROBE_CHILD"
+#: Fault injection for the tests of the crash path: the probe child dereferences NULL right before its
+#: first decode (a real SIGSEGV in a real child process), as the AMX kernels did on some Xeons; "on" or
+#: "off" crash only the children probing that weight-buffer choice, any other value every child.
+_CRASH_ENV = "GRAFTMEM_TEST_CRASH_PROBE_CHILD"
+_CHILD_TIMEOUT_S = 600.0
+
+
+class KernelVerdict(BaseModel):
+    """What a probe in a child process found for one weight-buffer choice on this build and CPU: whether
+    the first decode ran (a native crash there kills only the child) and whether graft == fresh."""
+
+    model_config = ConfigDict(frozen=True)
+
+    extra_bufts: bool
+    ran: bool
+    exact: bool = False
+    weight_buffers: str = ""
+    reason: str = ""
+    key: str = ""
+
+
+def _kernel_key(model_sha256: str, config: EngineConfig, extra: bool) -> str:
+    """The verdict cache key: what decides which kernels run (build, CPU, weights, buffer choice,
+    offload, attention and KV types); n_ctx and threads do not change whether a kernel crashes."""
+    info = system_report()
+    blob = json.dumps({"model": model_sha256, "version": info["llama_cpp_version"], "build": info["llama_build"],
+                       "cpu": info["system_info"], "devices": info["devices"], "extra_bufts": extra,
+                       "n_gpu_layers": config.n_gpu_layers, "flash_attn": config.flash_attn,
+                       "type_k": config.type_k, "type_v": config.type_v, "swa_full": config.swa_full},
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def kernel_verdict(model_path: Path, model_sha256: str, config: EngineConfig, extra: bool) -> KernelVerdict:
+    """The cached verdict for these kernels on this machine, probing in a child process the first time.
+
+    Why a child: a kernel that crashes (llama.cpp's AMX weight buffers segfaulted in the first
+    ``llama_decode`` on a Sapphire Rapids VM) takes the whole process down with a bare "Segmentation
+    fault". In a child, the crash becomes a verdict the caller can report with the setting to change.
+    The verdict is cached under the model cache by `_kernel_key`, so a machine pays this once per
+    build, CPU and kernel choice.
+    """
+    key = _kernel_key(model_sha256, config, extra)
+    path = model_cache_dir() / "kernel-probes" / f"{key}.json"
+    try:
+        return KernelVerdict.model_validate_json(path.read_text())
+    except (OSError, ValueError):
+        pass
+    child_cfg = config.model_copy(update={"extra_bufts": "on" if extra else "off", "probe": True,
+                                          "n_ctx": min(config.n_ctx, 4096), "n_threads": config.n_threads})
+    env = {**os.environ, _CHILD_ENV: "1"}
+    code = ("import json,sys;from graftmem.core.engine import _probe_child_main;"
+            "_probe_child_main(sys.argv[1],sys.argv[2])")
+    log.info("probing %s weight buffers for %s in a child process (once per build and CPU)",
+             "extra" if extra else "plain", model_path.name)
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, str(model_path), child_cfg.model_dump_json()],
+                              capture_output=True, text=True, env=env, timeout=_CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return KernelVerdict(extra_bufts=extra, ran=False, key=key, reason=(
+            f"the probe child did not finish within {_CHILD_TIMEOUT_S:.0f} s"))  # not cached: may be load
+    if proc.returncode == 0:
+        try:
+            out = json.loads(proc.stdout.strip().splitlines()[-1])
+            verdict = KernelVerdict(extra_bufts=extra, ran=True, exact=bool(out["exact"]), key=key,
+                                    weight_buffers=str(out["weight_buffers"]), reason=str(out["reason"]))
+        except (ValueError, KeyError, IndexError):
+            return KernelVerdict(extra_bufts=extra, ran=False, key=key,
+                                 reason=f"the probe child printed no verdict: {proc.stderr[-500:]}")
+    elif proc.returncode < 0:
+        sig = signal.Signals(-proc.returncode).name if -proc.returncode in signal.valid_signals() else proc.returncode
+        verdict = KernelVerdict(extra_bufts=extra, ran=False, key=key, reason=(
+            f"llama.cpp died with {sig} in its first decode with "
+            f"{'extra (repacked/AMX)' if extra else 'plain'} weight buffers on this CPU"))
+    else:  # a Python error in the child (a bad model, a bad config): not a kernel verdict, not cached
+        tail = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+        return KernelVerdict(extra_bufts=extra, ran=False, key=key, reason=f"the probe child failed: {tail}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(verdict.model_dump_json())
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache only costs another child next time
+        pass
+    return verdict
+
+
+def probe_kernels(model: str | os.PathLike[str] | None, config: EngineConfig | Mapping[str, Any] | None = None,
+                  *, extra_bufts: bool) -> KernelVerdict:
+    """Run (or read the cached verdict of) the child-process kernel probe for a model with llama.cpp's
+    extra weight buffers on or off, without loading the model in this process: what `auto` decides on,
+    and what a bench or `doctor` can ask before choosing."""
+    cfg = EngineConfig.coerce(config)
+    _, path = resolve_model(model)
+    _init_backend()
+    return kernel_verdict(path, _file_sha256(path), cfg, extra_bufts)
+
+
+def _probe_child_main(model_path: str, config_json: str) -> None:
+    """Entry point of the probe child: load, probe, print one JSON line (see `kernel_verdict`)."""
+    with Engine(model_path, EngineConfig.model_validate_json(config_json)) as eng:
+        ex = eng.exactness
+        sys.stdout.write(json.dumps({"exact": ex.exact, "reason": ex.reason,
+                                     "weight_buffers": eng.fingerprint.weight_buffers}) + "\n")
+
+
+def _setting_hint(value: str) -> str:
+    return (f"EngineConfig(extra_bufts={value!r}), graftmem --config '{{\"extra_bufts\": \"{value}\"}}' "
+            f"or {EXTRA_BUFTS_ENV}={value}")
 
 
 class Engine:
@@ -133,11 +307,31 @@ class Engine:
         self._lock = threading.RLock()
         self.lock = self._lock  #: hold it to run several steps (restore, prefill, logits) atomically
         self._closed = False
+        model_sha256 = _file_sha256(self.model_path)
+        #: whether llama.cpp's extra weight buffer types are in use (see `EngineConfig.extra_bufts`)
+        self.extra_bufts = self._choose_extra_bufts(model_sha256)
+        offload = self.config.n_gpu_layers if C.llama_supports_gpu_offload() else 0
+        if self.config.n_gpu_layers and not offload:
+            log.warning("n_gpu_layers=%d asked, but this llama-cpp-python build has no GPU backend: running on "
+                        "the CPU (docs/exactness.md says how to build it with CUDA or Metal)", self.config.n_gpu_layers)
         mparams = C.llama_model_default_params()
-        mparams.n_gpu_layers = 0  # the CPU backend is the one measured exact; see docs/exactness.md
-        self._model = C.llama_model_load_from_file(str(self.model_path).encode(), mparams)
+        # CPU unless asked: the CPU backend is the one measured exact; GPU offload is probed (docs/exactness.md)
+        mparams.n_gpu_layers = offload
+        # plain weight buffers unless chosen: llama.cpp's repack/AMX buffers are other kernels, and the
+        # AMX ones crashed the first decode on a Sapphire Rapids VM (docs/exactness.md)
+        mparams.use_extra_bufts = self.extra_bufts
+        global _load_log
+        load_log: list[str] = []
+        with _load_lock:
+            _load_log = load_log
+            try:
+                self._model = C.llama_model_load_from_file(str(self.model_path).encode(), mparams)
+            finally:
+                _load_log = None
         if not self._model:
             raise EngineError(f"llama.cpp could not load {self.model_path}")
+        #: the weight buffer types llama.cpp used, from its load log ("CPU", "CPU+CPU_REPACK", "AMX+CPU")
+        self.weight_buffers = _weight_buffers(load_log)
         threads = self.config.n_threads or usable_cores()
         self.n_threads = threads
         cp = C.llama_context_default_params()
@@ -169,17 +363,45 @@ class Engine:
         #: the holder's own description); None whenever the cells changed since (see `session()`).
         self.kept: Optional[object] = None
         self.fingerprint = Fingerprint(
-            model_sha256=_file_sha256(self.model_path), model_name=self.model_name,
+            model_sha256=model_sha256, model_name=self.model_name,
             llama_cpp_version=llama_cpp.__version__,
             llama_build=(C.llama_version().decode() if hasattr(C, "llama_version") else "unknown"),
             n_ctx=self.n_ctx, n_batch=self.config.n_batch, n_ubatch=self.config.n_ubatch,
             type_k=self.config.type_k, type_v=self.config.type_v, flash_attn=self.config.flash_attn,
-            swa_full=self.config.swa_full, backend="cpu", cpu_features=_cpu_features(),
-            n_threads=threads, format_version=FORMAT_VERSION,
+            swa_full=self.config.swa_full, backend=_backend_of(self.weight_buffers), cpu_features=_cpu_features(),
+            n_threads=threads, format_version=FORMAT_VERSION, weight_buffers=self.weight_buffers,
+            n_gpu_layers=offload,
         )
         self.exactness = self._static_exactness()
         if self.exactness.exact and self.config.probe:
             self.exactness = self.probe()
+
+    def _choose_extra_bufts(self, model_sha256: str) -> bool:
+        """Resolve `EngineConfig.extra_bufts` and guard the first decode (see `kernel_verdict`).
+
+        ``off``/``on`` are taken as asked; ``auto`` is ``on`` only where a probe child showed the extra
+        buffers decode and graft exactly here. With ``probe`` on, the chosen kernels are first run in a
+        child once per machine, so a crash is reported as an EngineError naming the setting to change.
+        """
+        choice = self.config.extra_bufts
+        if os.environ.get(_CHILD_ENV) or not self.config.probe:
+            return choice == "on"
+        if choice == "auto":
+            trial = kernel_verdict(self.model_path, model_sha256, self.config, True)
+            if trial.ran and trial.exact:
+                return True
+            log.info("extra weight buffers not used: %s", trial.reason or "the probe found them inexact")
+        want = choice == "on"
+        verdict = kernel_verdict(self.model_path, model_sha256, self.config, want)
+        if not verdict.ran and verdict.reason.startswith("llama.cpp died"):
+            fix = (f"turn them off with {_setting_hint('off')}" if want else
+                   "no setting of graftmem avoids it; rebuild llama-cpp-python without -march=native "
+                   "(CMAKE_ARGS=\"-DGGML_NATIVE=OFF\") and report the CPU flags")
+            raise EngineError(f"{verdict.reason} (probed in a child process; verdict cached as "
+                              f"{verdict.key}): {fix}")
+        if not verdict.ran:
+            log.warning("kernel probe inconclusive (%s); loading in this process", verdict.reason)
+        return want
 
     # ----------------------------------------------------------------- lifecycle
     def close(self) -> None:
@@ -434,6 +656,9 @@ class Engine:
         text = " ".join(words[(i * 7) % len(words)] for i in range(n))
         tokens = self.tokenize(text)[:n]
         query = self.tokenize(" and then", add_special=False)
+        crash = os.environ.get(_CRASH_ENV) if os.environ.get(_CHILD_ENV) else None
+        if crash and (crash not in ("on", "off") or (crash == "on") == self.extra_bufts):
+            ctypes.string_at(0)  # the fault the crash-path tests inject: SIGSEGV before the first decode
         with self.session():
             self.prefill(tokens)
             state = bytes(self.capture())

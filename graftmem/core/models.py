@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .errors import ModelNotFound
 
-__all__ = ["ModelSpec", "MODELS", "DEFAULT_MODEL", "resolve_model"]
+__all__ = ["ModelSpec", "MODELS", "DEFAULT_MODEL", "resolve_model", "model_cache_dir"]
 
 DEFAULT_MODEL = "smollm2"
 
@@ -65,7 +65,8 @@ def _missing(spec: ModelSpec, detail: str) -> ModelNotFound:
     )
 
 
-def _cache_dir() -> Path:
+def model_cache_dir() -> Path:
+    """graftmem's cache of derived model files (assembled GGUFs, hashes, probe verdicts): never the store."""
     import platformdirs
 
     root = os.environ.get("GRAFTMEM_MODEL_CACHE")
@@ -91,7 +92,7 @@ def _assemble(spec: ModelSpec) -> Path:
                         if line.strip().endswith(spec.filename))
     except (OSError, StopIteration) as exc:
         raise _missing(spec, f"no SHA-256 for {spec.filename} in {sums}") from exc
-    target = _cache_dir() / expected[:16] / spec.filename
+    target = model_cache_dir() / expected[:16] / spec.filename
     stamp = target.with_suffix(".verified")
     if target.exists() and stamp.exists() and stamp.read_text() == expected:
         return target
