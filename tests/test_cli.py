@@ -68,6 +68,14 @@ def test_doctor_reports_fingerprint_and_exactness(tmp_path):
     rep = json.loads(r.stdout)
     assert rep["exactness"]["exact"] is True
     assert rep["fingerprint"]["model_name"] == "smollm2" and len(rep["fingerprint_digest"]) == 64
+    # what llama.cpp sees and which weight buffers the engine uses (a user on an odd CPU reads this)
+    assert "CPU :" in rep["system"]["system_info"] and rep["system"]["devices"], rep["system"]
+    assert rep["weights"] == {"extra_bufts": "off", "extra_bufts_used": False, "weight_buffers": "CPU"}
+    human = run(tmp_path / "h", "doctor")
+    assert human.returncode == 0, human.stderr
+    first = human.stdout.splitlines()[:3]  # printed before the model loads
+    assert first[0].startswith("llama.cpp    llama-cpp-python") and first[2].startswith("cpu          CPU :"), first
+    assert "weights      CPU buffers (extra_bufts=off" in human.stdout, human.stdout
 
 
 def test_demo_learns_recalls_and_verifies(tmp_path):
@@ -76,6 +84,8 @@ def test_demo_learns_recalls_and_verifies(tmp_path):
     proc = run(tmp_path / "home", "--home", str(tmp_path / "demo"), "demo", "--samples", "4")
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
+    assert out.startswith("system: llama.cpp ") and "CPU :" in out.splitlines()[0], out
+    assert "weights in CPU buffers (extra_bufts=off)" in out, out
     assert "route:  -> refund-manual" in out, out
     assert "answer: 'REFUND APPROVED. Ticket code: RF-20417.'" in out, out  # what the manual says
     assert "answer and logits identical: yes" in out, out
