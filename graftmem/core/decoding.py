@@ -20,7 +20,7 @@ from .errors import ConfigError
 if TYPE_CHECKING:
     import numpy as np
 
-    from .engine import Engine
+    from .engine import Engine, Grammar
 
 __all__ = ["Sampling", "Decoded", "OnToken", "decode", "AnswerText", "check_stops", "MAX_STOPS"]
 
@@ -92,13 +92,15 @@ OnToken = Callable[[int, float, Optional[list[tuple[int, float]]]], Optional[str
 
 def decode(engine: "Engine", max_tokens: int, *, first_logits: Optional[np.ndarray] = None,
            sampling: Sampling = GREEDY, rng: Optional[np.random.Generator] = None,
-           on_token: Optional[OnToken] = None, top_logprobs: int = 0) -> Decoded:
+           on_token: Optional[OnToken] = None, top_logprobs: int = 0,
+           grammar: Optional["Grammar"] = None) -> Decoded:
     """Decode up to ``max_tokens`` tokens from the engine's current logits (or ``first_logits``).
 
     Stops at end-of-generation (not included), when the context is full, or when ``on_token`` returns
     a finish reason (how the server streams tokens, applies stop strings and drops a request whose
     client disconnected, without a second loop). ``top_logprobs`` records that many alternatives per
-    token in ``Decoded.top``. ``rng`` overrides the generator made from ``sampling.seed`` (the flywheel
+    token in ``Decoded.top``. ``grammar`` (an [`Engine.grammar()`][graftmem.Engine.grammar]) masks the
+    tokens it forbids before the pick; log-probabilities stay the model's own. ``rng`` overrides the generator made from ``sampling.seed`` (the flywheel
     draws several seeded samples from one prefix). Hold ``engine.lock`` (or an [`Engine.session()`][graftmem.Engine.session])
     around the call and the prefill before it.
     """
@@ -113,13 +115,21 @@ def decode(engine: "Engine", max_tokens: int, *, first_logits: Optional[np.ndarr
         logits = engine.logits() if first_logits is None else first_logits
         for _ in range(max_tokens):
             x = logits.astype(np.float64)
-            tok = _pick(x, sampling, rng)
+            if grammar is None:
+                tok = _pick(x, sampling, rng)
+            else:
+                allowed = grammar.mask(logits).astype(np.float64)
+                if not np.isfinite(allowed).any():
+                    raise ConfigError("the grammar allows no token here (the output cannot be completed)")
+                tok = _pick(allowed, sampling, rng)
             m = x.max()
             lp = float(x[tok] - m - np.log(np.exp(x - m).sum()))
             if engine.is_eog(tok):
                 out.finish_reason = "stop"
                 out.stop_logprob = lp
                 break
+            if grammar is not None:
+                grammar.accept(tok)
             out.tokens.append(tok)
             out.logprobs.append(lp)
             if top_logprobs > 0:

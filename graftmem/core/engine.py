@@ -42,7 +42,7 @@ from .blocks import EXTRA_BUFTS_ENV, FORMAT_VERSION, EngineConfig, Exactness, Fi
 from .errors import ClosedError, ConfigError, EngineError
 from .models import model_cache_dir, resolve_model
 
-__all__ = ["Engine", "logits_sha256", "system_report", "KernelVerdict", "probe_kernels"]
+__all__ = ["Engine", "Grammar", "json_grammar", "logits_sha256", "system_report", "KernelVerdict", "probe_kernels"]
 
 log = logging.getLogger("graftmem")
 _llama_log = logging.getLogger("graftmem.llama")
@@ -291,6 +291,68 @@ def _setting_hint(value: str) -> str:
             f"or {EXTRA_BUFTS_ENV}={value}")
 
 
+class Grammar:
+    """A llama.cpp grammar sampler over one engine's vocabulary: masks the tokens the grammar forbids.
+
+    Why llama.cpp's sampler: the grammar engine (GBNF, partial UTF-8, lazy triggers) is the one
+    llama-server and llama-cpp-python constrain `response_format` with; graftmem only feeds it the
+    logits of each step and tells it the token picked. It changes which token is *chosen*, never the
+    logits the model computed, so grafts stay exactly as exact (the receipts hash the raw logits).
+    Not thread-safe: one grammar per answer.
+    """
+
+    def __init__(self, engine: "Engine", gbnf: str, root: str = "root") -> None:
+        engine._check()
+        self._smpl = C.llama_sampler_init_grammar(engine._vocab, gbnf.encode("utf-8"), root.encode())
+        if not self._smpl:
+            raise ConfigError(f"llama.cpp could not parse the grammar (root {root!r}); its log says why "
+                              f"(logger graftmem.llama at DEBUG). Grammar starts: {gbnf[:120]!r}")
+        self.gbnf = gbnf
+        self._n = engine.n_vocab
+        self._cands = np.zeros(self._n, dtype=np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")]))
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """``logits`` with every token the grammar forbids here set to -inf (a new array)."""
+        c = self._cands
+        c["id"] = np.arange(self._n, dtype=np.int32)
+        c["logit"] = logits
+        c["p"] = 0.0
+        arr = C.llama_token_data_array(data=ctypes.cast(c.ctypes.data, ctypes.POINTER(C.llama_token_data)),
+                                       size=self._n, selected=-1, sorted=False)
+        C.llama_sampler_apply(self._smpl, ctypes.byref(arr))
+        out = np.full(self._n, -np.inf, dtype=np.float32)
+        kept = c[: arr.size]
+        out[kept["id"]] = kept["logit"]
+        return out
+
+    def accept(self, token: int) -> None:
+        """Advance the grammar past the token that was picked."""
+        C.llama_sampler_accept(self._smpl, int(token))
+
+    def close(self) -> None:
+        if self._smpl:
+            C.llama_sampler_free(self._smpl)
+            self._smpl = None
+
+    def __del__(self) -> None:  # a forgotten grammar must not leak its sampler
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def json_grammar(schema: Optional[Mapping[str, Any]] = None) -> str:
+    """GBNF for any JSON object (``schema=None``: OpenAI's ``json_object``) or for a JSON schema, with
+    llama.cpp's own schema converter (as llama-cpp-python ships it): the grammars llama-server uses."""
+    from llama_cpp import llama_grammar as LG
+
+    if schema is None:
+        # an object at the top, as OpenAI's json_object mode promises
+        return LG.json_schema_to_gbnf(json.dumps({"type": "object"}))
+    try:
+        return LG.json_schema_to_gbnf(json.dumps(dict(schema)))
+    except Exception as exc:  # the converter raises bare errors on unsupported schema features
+        raise ConfigError(f"this JSON schema cannot be turned into a grammar: {exc}") from exc
+
+
 class Engine:
     """One llama.cpp model and context under a pinned configuration (see [`EngineConfig`][graftmem.EngineConfig]).
 
@@ -457,6 +519,10 @@ class Engine:
 
     def is_eog(self, token: int) -> bool:
         return bool(C.llama_vocab_is_eog(self._vocab, token))
+
+    def grammar(self, gbnf: str, root: str = "root") -> Grammar:
+        """A [`Grammar`][graftmem.core.engine.Grammar] over this engine's vocabulary, for `decode(grammar=)`."""
+        return Grammar(self, gbnf, root)
 
     # ----------------------------------------------------------------- compute
     @contextlib.contextmanager

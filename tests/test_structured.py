@@ -1,0 +1,55 @@
+"""Structured outputs in the one decode loop: a llama.cpp grammar (from a JSON schema, with llama.cpp's
+own converter) masks the tokens it forbids, so the answer parses; the log-probabilities stay the model's."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from graftmem import ConfigError
+from graftmem.core import decode, json_grammar
+
+PROMPT = "<|im_start|>user\nDescribe a customer as JSON with name and age.<|im_end|>\n<|im_start|>assistant\n"
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def _answer(eng, grammar_text):
+    with eng.session():
+        eng.prefill(eng.tokenize(PROMPT))
+        raw = eng.logits().astype(np.float64)
+        grammar = eng.grammar(grammar_text) if grammar_text else None
+        try:
+            d = decode(eng, 48, grammar=grammar)
+        finally:
+            if grammar is not None:
+                grammar.close()
+    d.raw_log_softmax = raw - raw.max() - np.log(np.exp(raw - raw.max()).sum())
+    return d, eng.detokenize(d.tokens)
+
+
+def test_a_schema_grammar_makes_the_answer_parse(smol):
+    free, free_text = _answer(smol, None)
+    with pytest.raises(json.JSONDecodeError):  # the model on its own answers with prose and code
+        json.loads(free_text)
+    d, text = _answer(smol, json_grammar(SCHEMA))
+    obj = json.loads(text)
+    assert set(obj) == {"name", "age"} and isinstance(obj["name"], str) and isinstance(obj["age"], int), text
+    assert d.finish_reason == "stop" and len(obj["name"]) <= 16
+    # the first token's log-probability is the model's own, not the masked (renormalized) distribution's
+    assert d.logprobs[0] == pytest.approx(d.raw_log_softmax[d.tokens[0]], abs=1e-9)
+    assert d.tokens[0] != free.tokens[0] and d.logprobs[0] < free.logprobs[0]
+
+
+def test_json_object_mode_gives_an_object(smol):
+    _, text = _answer(smol, json_grammar())
+    assert isinstance(json.loads(text), dict), text
+
+
+def test_bad_grammars_and_schemas_are_config_errors(smol):
+    with pytest.raises(ConfigError, match="could not parse the grammar"):
+        smol.grammar("root ::= (")
+    with pytest.raises(ConfigError, match="JSON schema"):
+        json_grammar({"type": "object", "properties": {"x": {"$ref": "#/definitions/missing"}}})
