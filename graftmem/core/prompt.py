@@ -24,15 +24,20 @@ checked too; a recall whose seam does merge is reported with ``receipt.exact = F
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from .errors import ConfigError
+from .template import ChatTemplate, TemplateError, load_template, model_template
 
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["ChatFormat", "CHATML", "GEMMA", "FORMATS", "detect_format", "format_named", "split_ids"]
+__all__ = ["ChatFormat", "CHATML", "GEMMA", "FORMATS", "detect_format", "format_named", "format_of",
+           "split_ids", "template_format", "clean_seam", "seam_before", "LEGACY_RULE"]
+
+log = logging.getLogger("graftmem")
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,13 @@ class ChatFormat:
     turn_open: str = ""        #: a turn's header, with ``{role}`` for the role name
     turn_close: str = ""       #: a turn's end
     roles: tuple[tuple[str, str], ...] = ()  #: OpenAI role -> this template's role
+    #: the model's own template this format was derived from (None: a hand-written format)
+    template: Optional[ChatTemplate] = field(default=None, compare=False, repr=False)
+
+    @property
+    def parts(self) -> list[str]:
+        """What a block learned through a derived format stores to rebuild it (`format_of`)."""
+        return [self.block_head, self.block_tail, self.task_head, self.task_tail]
 
     def turn(self, role: str, content: str) -> str:
         """One complete turn of ``role`` (an OpenAI role: system, user, assistant, tool)."""
@@ -64,6 +76,8 @@ class ChatFormat:
     def render(self, messages: Sequence[Mapping[str, Any]], *, generation_prompt: bool = False) -> str:
         """Chat messages (``[{"role": ..., "content": ...}]``) as this template's text; with
         ``generation_prompt`` the header of the assistant's turn follows, ready for decoding."""
+        if self.template is not None:
+            return self.template.render(messages, add_generation_prompt=generation_prompt)
         parts = []
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
@@ -118,17 +132,123 @@ def format_named(name: str) -> ChatFormat:
         raise ConfigError(f"unknown chat format {name!r}; known: {', '.join(sorted(FORMATS))}") from None
 
 
-def detect_format(engine: "Engine") -> Optional[ChatFormat]:
-    """The format whose probe token is a single special token in this engine's vocabulary.
+#: Why SmolLM2 and Gemma 3 keep the hand-written formats (a deliberate choice, docs/models.md): their
+#: own templates render no tools (graftmem's Hermes tool text would be dropped), SmolLM2's adds a default
+#: system turn when a conversation has none and Gemma 3's folds the system text into the first user
+#: turn (so a manual alone renders as nothing but BOS): a block must hold the manual as a turn of its
+#: own. Keeping them keeps every prompt and every block learned before byte-identical.
+LEGACY_RULE = ("the GGUF's template renders no tools and the vocabulary has the hand-written format's "
+               "markers: the hand-written format is kept (blocks learned before keep grafting)")
 
-    Detected from the vocabulary rather than from the GGUF's Jinja template: the template would need
-    a Jinja renderer and its seam is not ours to choose; the vocabulary says which markers exist.
+
+def detect_format(engine: "Engine", template: "ChatTemplate | str | None" = None) -> Optional[ChatFormat]:
+    """The chat format of this engine's requests and chat blocks.
+
+    ``template`` (a `ChatTemplate` or a file path, as llama-server's ``--chat-template-file``) wins.
+    Otherwise the GGUF's own ``tokenizer.chat_template``, cut into a block part and a task part by
+    `template_format`; except where `LEGACY_RULE` keeps a hand-written format (SmolLM2, Gemma 3).
+    A GGUF without a template falls back to the hand-written format whose marker is a single special
+    token in the vocabulary; None when nothing fits.
     """
+    if template is not None:
+        tpl = template if isinstance(template, ChatTemplate) else load_template(template, engine)
+        return template_format(engine, tpl)
+    cache = getattr(engine, "_graftmem_formats", None)
+    if cache is None:
+        cache = {}
+        try:
+            engine._graftmem_formats = cache  # type: ignore[attr-defined]
+        except AttributeError:
+            pass
+    if "auto" in cache:
+        return cache["auto"]
+    legacy = None
     for fmt in FORMATS.values():
         ids = engine.tokenize(fmt.probe, add_special=False)
         if len(ids) == 1:
-            return fmt
+            legacy = fmt
+            break
+    tpl = model_template(engine)
+    chosen: Optional[ChatFormat] = legacy
+    if tpl is not None and not (legacy is not None and not tpl.uses_tools):
+        try:
+            chosen = template_format(engine, tpl)
+        except TemplateError as exc:
+            log.warning("model %s: its chat template cannot hold a manual as a turn of its own (%s); %s",
+                        engine.fingerprint.model_name, exc,
+                        f"using the hand-written {legacy.name!r} format" if legacy else "chat is unavailable")
+            chosen = legacy
+    cache["auto"] = chosen
+    return chosen
+
+
+def format_of(metadata: Mapping[str, Any]) -> Optional[ChatFormat]:
+    """The format a chat block was learned with, from its metadata: a hand-written one by name, a
+    template-derived one from the four parts it stored (so recall needs neither engine nor template)."""
+    name = str(metadata.get("chat_format", ""))
+    if name in FORMATS:
+        return FORMATS[name]
+    parts = metadata.get("chat_parts")
+    if name.startswith("template:") and isinstance(parts, list) and len(parts) == 4 \
+            and all(isinstance(p, str) for p in parts):
+        return ChatFormat(name=name, block_head=parts[0], block_tail=parts[1], task_head=parts[2],
+                          task_tail=parts[3], probe="")
     return None
+
+
+def clean_seam(engine: "Engine", text: str, cut: int, *, add_special: bool = True) -> bool:
+    """Whether ``text`` may be cut at ``cut``: the rest starts with a special token (llama.cpp splits
+    fragments at special tokens before BPE, so nothing merges across) and the two halves tokenized
+    apart give the ids of the whole."""
+    rest = text[cut:]
+    if not rest:
+        return True
+    if cut == 0:
+        return False
+    a = engine.tokenize(rest, add_special=False)
+    b = engine.tokenize(rest, add_special=False, parse_special=False)
+    if not a or a[:1] == b[:1]:
+        return False
+    return engine.tokenize(text[:cut], add_special=add_special) + a == engine.tokenize(text, add_special=add_special)
+
+
+def seam_before(engine: "Engine", text: str, hi: int, lo: int = 1, *, add_special: bool = True) -> Optional[int]:
+    """The last clean seam (`clean_seam`) in ``text[lo..hi]``, None if there is none."""
+    for c in range(min(hi, len(text)), max(lo, 1) - 1, -1):
+        if (c == len(text) or text[c] in "<[") and clean_seam(engine, text, c, add_special=add_special):
+            return c
+    return None
+
+
+_MANUAL, _TASK = "GRAFTMEMMANUALQZ", "GRAFTMEMTASKQZ"
+
+
+def template_format(engine: "Engine", tpl: ChatTemplate) -> ChatFormat:
+    """A `ChatFormat` cut out of a model's own template: render ``[system: M, user: T]`` with the
+    generation prompt, and ``[system: M]`` alone; the block ends where the two stop agreeing (the
+    system turn's end where the template extends cleanly; before Phi-3.5's EOS, which it writes only
+    when nothing follows), moved back to a special-token seam. Raises `TemplateError` when the manual
+    cannot be a turn of its own (Gemma 2's template refuses a system role; Mistral-Nemo's puts it in
+    the last user turn)."""
+    msgs = [{"role": "system", "content": _MANUAL}, {"role": "user", "content": _TASK}]
+    full = tpl.render(msgs, add_generation_prompt=True)
+    alone = tpl.render(msgs[:1])
+    i_m, i_t = full.find(_MANUAL), full.find(_TASK)
+    if i_m < 0 or i_t < 0 or i_t < i_m or alone.find(_MANUAL) != i_m:
+        raise TemplateError(f"template {tpl.name!r} does not render a system message as a turn before the user's")
+    agree = next((i for i, (a, b) in enumerate(zip(alone, full)) if a != b), min(len(alone), len(full)))
+    end = i_m + len(_MANUAL)
+    cut = seam_before(engine, full, min(agree, i_t), end)
+    if cut is None:
+        raise TemplateError(f"template {tpl.name!r}: no special-token seam between the system turn and the user's")
+    fmt = ChatFormat(name=f"template:{tpl.digest[:12]}", block_head=full[:i_m], block_tail=full[end:cut],
+                     task_head=full[cut:i_t], task_tail=full[i_t + len(_TASK):], probe="", template=tpl)
+    # the derived parts must give what the template renders, with other texts than the placeholders
+    check = tpl.render([{"role": "system", "content": "You help."}, {"role": "user", "content": "Hi there"}],
+                       add_generation_prompt=True)
+    if fmt.prefix("You help.") + fmt.continuation("Hi there") != check:
+        raise TemplateError(f"template {tpl.name!r} renders a text differently from its placeholders")
+    return fmt
 
 
 def split_ids(engine: "Engine", prefix_tokens: Sequence[int], prefix_text: str,

@@ -15,18 +15,21 @@ its remaining segments computes the same bytes as a request served cold.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from ..core.prompt import ChatFormat
+from ..core.prompt import ChatFormat, seam_before
+from ..core.template import ChatTemplate, TemplateError
 from .http import HTTPError
 from .tools import ToolSpec, render_calls, render_tool_result, tools_prompt
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
 
-__all__ = ["message_text", "render_segments", "tokenize_segments", "chunk_prompt", "CHUNK_TOKENS", "TokenCache"]
+__all__ = ["answer_text", "message_text", "render_segments", "template_messages", "template_segments", "tokenize_segments",
+           "chunk_prompt", "CHUNK_TOKENS", "TokenCache"]
 
 #: A raw prompt (``/v1/completions``) is cut into segments of about this many tokens.
 CHUNK_TOKENS = 256
@@ -88,6 +91,124 @@ def render_segments(fmt: ChatFormat, messages: Sequence[Any], tools: Optional[To
         segs.append(f"{head}{text}{fmt.block_tail}")
     segs.append(fmt.task_tail[len(fmt.block_tail):])  # the assistant's header
     return segs
+
+
+def _text_content(msg: dict[str, Any], i: int) -> str:
+    content = msg.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise HTTPError(400, f"messages[{i}].content[{j}]: only text parts are supported",
+                                param=f"messages[{i}].content")
+            parts.append(part["text"])
+        return "".join(parts)
+    if not isinstance(content, str):
+        raise HTTPError(400, f"messages[{i}].content must be a string or a list of text parts",
+                        param=f"messages[{i}].content")
+    return content
+
+
+def template_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI messages in the shape chat templates expect (transformers' convention): text content as
+    a string, ``developer`` as ``system``, a tool call's ``arguments`` as an object (templates write
+    ``arguments | tojson`` or iterate its items; OpenAI sends a JSON string), tool results with their
+    ``tool_call_id`` and ``name``."""
+    if not isinstance(messages, list) or not messages:
+        raise HTTPError(400, "messages must be a non-empty list", param="messages")
+    out = []
+    for i, msg in enumerate(messages):
+        role, _ = message_text({k: v for k, v in msg.items() if k != "tool_calls"} if isinstance(msg, dict) else msg, i)
+        m: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": _text_content(msg, i)}
+        if msg.get("tool_calls"):
+            if role != "assistant" or not isinstance(msg["tool_calls"], list):
+                raise HTTPError(400, f"messages[{i}]: only assistant messages carry a list of tool_calls",
+                                param=f"messages[{i}].tool_calls")
+            calls = []
+            for j, call in enumerate(msg["tool_calls"]):
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise HTTPError(400, f"messages[{i}].tool_calls[{j}] must have function.name",
+                                    param=f"messages[{i}].tool_calls")
+                args = fn.get("arguments", "{}")
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args) if args.strip() else {}
+                    except ValueError:
+                        pass  # kept as the string the client sent
+                calls.append({"id": str(call.get("id") or ""), "type": "function",
+                              "function": {"name": fn["name"], "arguments": args}})
+            m["tool_calls"] = calls
+        for key in ("tool_call_id", "name", "reasoning_content"):
+            if isinstance(msg.get(key), str):
+                m[key] = msg[key]
+        out.append(m)
+    return out
+
+
+def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools: Optional[ToolSpec] = None,
+                      kwargs: Optional[dict[str, Any]] = None) -> tuple[list[str], list[str]]:
+    """A request rendered by the model's own template, cut into one segment per message where the
+    template allows it, and why it did not where it does not.
+
+    The whole prompt is ``render(messages, add_generation_prompt=True)``, always: the cut never changes
+    what is prefilled. A cut after message k is placed where ``render(messages[:k])`` stops agreeing
+    with the whole prompt (its end, for the 57 of 70 templates that extend cleanly), moved back to the
+    last special-token seam that tokenizes apart (`graftmem.core.prompt.clean_seam`). A template that
+    re-renders a message once another follows (Phi-3.5's EOS, Qwen3's empty think block, reasoning
+    dropped at a new user turn) thus gives a shorter stable prefix, and the note says which message.
+    """
+    msgs = template_messages(messages)
+    kw = dict(kwargs or {})
+    tool_list = None
+    if tools is not None:
+        if tpl.uses_tools:
+            tool_list = [{"type": "function", "function": f} for f in tools.functions]
+        else:  # the template renders no tools: graftmem's Hermes tool text in the system message
+            if msgs[0]["role"] == "system":
+                msgs[0] = {**msgs[0], "content": f"{msgs[0]['content']}\n\n{tools_prompt(tools)}"}
+            else:
+                msgs.insert(0, {"role": "system", "content": tools_prompt(tools)})
+    try:
+        full = tpl.render(msgs, add_generation_prompt=True, tools=tool_list, **kw)
+    except TemplateError as exc:
+        raise HTTPError(400, f"the model's chat template refused these messages: {exc}", param="messages",
+                        code="template_error") from exc
+    if not full:
+        raise HTTPError(400, "the model's chat template rendered these messages as nothing", param="messages")
+    cuts: list[int] = []
+    notes: list[str] = []
+    for k in range(1, len(msgs) + 1):
+        try:
+            part = tpl.render(msgs[:k], add_generation_prompt=False, tools=tool_list, **kw)
+        except TemplateError as exc:
+            notes.append(f"messages[:{k}] do not render on their own ({exc}): no cut after message {k - 1}")
+            continue
+        agree = len(part) if full.startswith(part) else \
+            next(i for i, (a, b) in enumerate(zip(part, full)) if a != b)
+        if agree < len(part):
+            notes.append(f"message {k - 1} renders differently once more follows: cut moved back")
+        lo = cuts[-1] + 1 if cuts else 1
+        if agree < lo:
+            continue
+        c = seam_before(engine, full, agree, lo)
+        if c is not None and c < len(full):
+            cuts.append(c)
+    bounds = [0, *cuts, len(full)]
+    return [full[a:b] for a, b in zip(bounds, bounds[1:])], notes
+
+
+def answer_text(engine: "Engine", tokens: Sequence[int]) -> str:
+    """Generated tokens as text, control tokens written out (``engine.piece`` leaves them empty): what
+    a family's tool-call parser needs to see its markers."""
+    out = bytearray()
+    for t in tokens:
+        if engine.is_eog(t):
+            break
+        out += engine.token_text(t).encode() if engine.is_control(t) else engine.piece(t)
+    return out.decode("utf-8", "replace")
 
 
 class TokenCache:

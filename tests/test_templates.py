@@ -1,0 +1,181 @@
+"""Any model: the GGUF's own chat template renders every chat prompt, checked on tiny models that carry
+real families' tokenizers and templates (scripts/tiny_models.py), through the engine, `Memory` and the
+OpenAI API. The hand-written formats stay for SmolLM2 and Gemma 3 (docs/models.md says why)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from graftmem import Memory
+from graftmem.core.engine import Engine
+from graftmem.core.prompt import CHATML, GEMMA, detect_format, format_of, template_format
+from graftmem.core.template import ChatTemplate, TemplateError, load_template, model_template
+from graftmem.server import RECEIPT_HEADER, api_server
+from graftmem.server.chat import template_segments, tokenize_segments
+from graftmem.server.tools import parse_tools, tools_prompt
+from graftmem.store.local import Store
+
+from .tiny import template_path, tiny_models, tiny_path
+
+FAMILIES = ("llama31", "phi35", "gemma4")
+MANUAL = "Refunds: open the order page, press Refund, and quote the ticket number."
+TASK = "How do I refund order 42?"
+SYSTEM = "You are the support agent of a shop. Answer in one line. " * 6
+CONVO = [{"role": "system", "content": SYSTEM},
+         {"role": "user", "content": "Hello"},
+         {"role": "assistant", "content": "Hello! How can I help?"},
+         {"role": "user", "content": "What is two plus two?"}]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def tiny(request):
+    with Engine(tiny_path(request.param)) as e:
+        e.family = request.param  # type: ignore[attr-defined]
+        yield e
+
+
+def own(engine: Engine) -> ChatTemplate:
+    tpl = model_template(engine)
+    assert tpl is not None
+    return tpl
+
+
+# --------------------------------------------------------------------------- jinja, no engine
+def _tpl(name: str, **kw) -> ChatTemplate:
+    return load_template(template_path(name)).__class__(source=template_path(name).read_text(), name=name, **kw)
+
+
+def test_template_environment_is_transformers_like():
+    """tojson without HTML escaping, raise_exception, the generation tag, loop controls, list.append
+    (mutable sandbox only where needed), and the sandbox refusing Python internals."""
+    t = ChatTemplate("{{ messages[0] | tojson }}{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
+                     "{% generation %}[{{ m.content }}]{% endgeneration %}{% endfor %}")
+    assert t.render([{"role": "user", "content": "<a & 'b'>"}, {"role": "user", "content": "x"}]) == \
+        '{"role": "user", "content": "<a & \'b\'>"}[<a & \'b\'>]'
+    with pytest.raises(TemplateError, match="nope"):
+        ChatTemplate("{{ raise_exception('nope') }}").render([])
+    assert ChatTemplate("{% set l = [] %}{% set _ = l.append(1) %}{{ l }}").render([]) == "[1]"
+    with pytest.raises(TemplateError):
+        ChatTemplate("{{ messages.__class__.__mro__ }}").render([])
+    import datetime as dt
+
+    t = ChatTemplate("{{ strftime_now('%d %b %Y') }}", now=dt.datetime(2026, 1, 2))
+    assert t.render([]) == "02 Jan 2026"
+
+
+def test_bos_is_not_added_twice():
+    """Llama 3.1's template writes <|begin_of_text|>; the vocabulary adds it too: one BOS in the ids."""
+    with Engine(tiny_path("llama31")) as e:
+        text = own(e).render(CONVO, add_generation_prompt=True)
+        assert not text.startswith("<|begin_of_text|>")
+        ids = e.tokenize(text)
+        assert ids.count(e.special_tokens()["bos"]) == 1 and ids[0] == e.special_tokens()["bos"]
+
+
+# --------------------------------------------------------------------------- the tiny models
+def test_tiny_model_loads_exact_with_its_template(tiny):
+    """The tiny model is a real llama.cpp model: the load-time probe grafts byte-exact, and its
+    GGUF carries the family's template verbatim."""
+    assert tiny.exactness.exact, tiny.exactness.reason
+    fam = tiny_models().FAMILIES[tiny.family]
+    assert tiny.chat_template() == template_path(fam.template).read_text()
+
+
+def test_format_is_derived_from_the_template(tiny):
+    """learn(chat=True) + recall through the derived format is the template's own prompt, id for id."""
+    fmt = detect_format(tiny)
+    assert fmt is not None and fmt.template is not None and fmt.name.startswith("template:")
+    whole = own(tiny).render([{"role": "system", "content": MANUAL}, {"role": "user", "content": TASK}],
+                             add_generation_prompt=True)
+    assert fmt.prefix(MANUAL) + fmt.continuation(TASK) == whole
+    block_ids = tiny.tokenize(fmt.prefix(MANUAL))
+    assert block_ids + tiny.tokenize(fmt.continuation(TASK), add_special=False) == tiny.tokenize(whole)
+
+
+def test_chat_learn_and_recall_graft_exact(tiny, tmp_path):
+    """A chat block learned through the model's template grafts, and the recall's first logits equal
+    a fresh prefill of the template's whole prompt (block + task), byte for byte."""
+    from graftmem.core.engine import logits_sha256
+    from graftmem.memory import continuation_for
+
+    with Memory(engine=tiny, home=tmp_path / "store") as mem:
+        block = mem.learn(MANUAL, chat=True)
+        assert format_of(block.metadata) == detect_format(tiny)
+        assert block.metadata["chat_template_sha256"] == own(tiny).digest
+        r = mem.ask(block.id, continuation_for(block, TASK), max_tokens=2)
+        assert r.receipt.exact and r.receipt.tokens_restored == len(block.tokens)
+        whole = own(tiny).render([{"role": "system", "content": MANUAL}, {"role": "user", "content": TASK}],
+                                 add_generation_prompt=True)
+        with tiny.session():
+            tiny.prefill(tiny.tokenize(whole))
+            assert logits_sha256(tiny.logits()) == r.receipt.first_logits_sha256
+
+
+def test_legacy_formats_kept_for_smollm2_and_gemma3(smol, gemma):
+    """SmolLM2's and Gemma 3's templates render no tools: the hand-written formats stay (prompts and
+    blocks learned before are unchanged)."""
+    assert detect_format(smol) is CHATML and detect_format(gemma) is GEMMA
+    # where both exist and a system message is given, SmolLM2's own template agrees with CHATML
+    tpl = own(smol)
+    assert tpl.render(CONVO, add_generation_prompt=True) == CHATML.render(CONVO, generation_prompt=True)
+    # without one, SmolLM2's template adds its default system turn; Gemma 3's folds the system text
+    assert "SmolLM" in tpl.render(CONVO[1:], add_generation_prompt=True)
+    # Gemma 3 270M's GGUF carries no template: GEMMA is the fallback; Gemma's template (the 2-2b-it one
+    # vendored) agrees with it on user / model turns, refuses a system role (GEMMA makes it a user turn)
+    assert model_template(gemma) is None
+    g2 = ChatTemplate(template_path("google-gemma-2-2b-it").read_text(), bos_token="<bos>", strip_bos=True)
+    assert g2.render(CONVO[1:], add_generation_prompt=True) == GEMMA.render(CONVO[1:], generation_prompt=True)
+    with pytest.raises(TemplateError, match="System role not supported"):
+        g2.render(CONVO)
+    assert template_format(smol, tpl).parts == CHATML.parts
+
+
+# --------------------------------------------------------------------------- the OpenAI API
+def _post(url: str, body: dict) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+
+
+def test_server_prompt_is_the_models_template_and_grafts_exact(tiny, tmp_path):
+    """/v1/chat/completions answers with the template's prompt (count and ids), streamed and with
+    tools; a repeated request is served from the cache and grafts byte for byte what cold computes."""
+    tpl = own(tiny)
+    expect = tiny.tokenize(tpl.render(CONVO, add_generation_prompt=True))
+    with api_server(Store(tmp_path / "home"), [tiny], min_prefix_tokens=16, sightings=1) as srv:
+        body = {"model": "m", "messages": CONVO, "max_tokens": 6, "temperature": 0, "logprobs": True}
+        cold = _post(srv.url, {**body, "graftmem": {"cache": False}})
+        assert cold.status_code == 200, cold.text
+        assert cold.json()["usage"]["prompt_tokens"] == len(expect)
+        # the ids the server prefills are the template's, one for one
+        oa = srv.openai
+        texts, _ = template_segments(tiny, tpl, CONVO)
+        assert [t for seg in tokenize_segments(tiny, texts) for t in seg] == expect
+        assert len(texts) >= 3, texts  # cut per message: a conversation's prefix is reusable
+        assert RECEIPT_HEADER in cold.headers and oa.fmt.template is not None
+        first = _post(srv.url, body)
+        assert srv.openai.wait_idle()
+        second = _post(srv.url, body)
+        assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        for r in (first, second):
+            assert r.json()["choices"][0]["logprobs"] == cold.json()["choices"][0]["logprobs"]
+            assert r.json()["choices"][0]["message"]["content"] == cold.json()["choices"][0]["message"]["content"]
+        # with tools: the template's own tool rendering
+        if tpl.uses_tools:
+            expect_t = tiny.tokenize(tpl.render(CONVO, add_generation_prompt=True, tools=TOOLS))
+        else:  # Phi-3.5's template renders no tools: graftmem's Hermes tool text joins the system message
+            hermes = [{**CONVO[0], "content": CONVO[0]["content"] + "\n\n" + tools_prompt(parse_tools({"tools": TOOLS}))},
+                      *CONVO[1:]]
+            expect_t = tiny.tokenize(tpl.render(hermes, add_generation_prompt=True))
+        r = _post(srv.url, {**body, "tools": TOOLS})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(expect_t) != len(expect)
+        # streamed
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=120, json={
+                **body, "stream": True, "stream_options": {"include_usage": True}}) as s:
+            lines = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+        assert lines[-1]["usage"]["prompt_tokens"] == len(expect)
