@@ -19,6 +19,7 @@ segments of about 256 tokens (`graftmem.server.chat.chunk_prompt`) and uses the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import json
 import threading
@@ -33,10 +34,11 @@ from starlette.routing import BaseRoute, Route
 from ..core.decoding import Sampling
 from ..core.errors import ConfigError, GraftmemError
 from ..core.prompt import detect_format
+from ..core.toolcalls import tool_format
 from ..memory.recall import search
 from ..memory.router import DEFAULT_MIN_SCORE, LEX_WEIGHT
 from ..store.chain import chain_of
-from .chat import TokenCache, chunk_prompt, render_segments, tokenize_segments
+from .chat import TokenCache, answer_text, chunk_prompt, render_segments, template_segments, tokenize_segments
 from .generate import Job, Result, check_fits, run_job
 from .http import HTTPError, Limits, guarded, json_object, public_message, read_body
 from .pool import EnginePool
@@ -155,11 +157,28 @@ class OpenAIRoutes:
             raise HTTPError(400, f"model {self.model_id!r} has no chat template graftmem knows; use "
                             "/v1/completions", code="unsupported_model")
         tools = parse_tools(body)
-        texts = render_segments(self.fmt, body.get("messages"), tools)
+        notes: Optional[list[str]] = None
+        if tools is not None and self.fmt.template is not None and self.fmt.template.uses_tools:
+            # the template renders the tools: the model answers in its family's call grammar
+            tools = dataclasses.replace(tools, fmt=tool_format(self.fmt.template.source))
+        if self.fmt.template is not None:  # the model's own template (graftmem.core.template)
+            kwargs = body.get("chat_template_kwargs") or {}
+            if not isinstance(kwargs, dict):
+                raise HTTPError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
+            texts, notes = template_segments(self.engine0, self.fmt.template, body.get("messages"), tools, kwargs)
+        else:
+            texts = render_segments(self.fmt, body.get("messages"), tools)
         segments = tokenize_segments(self.engine0, texts, self.tokens)
+        if notes is not None and len(segments) > 1 and \
+                [t for s in segments for t in s] != self.tokens.tokenize(self.engine0, "".join(texts), True):
+            # the cuts tokenize apart one by one; if together they do not, the prompt is one segment
+            segments, texts = [self.tokens.tokenize(self.engine0, "".join(texts), True)], ["".join(texts)]
+            notes.append("the segments do not tokenize apart as the whole prompt: served as one segment")
         routed = await self._recall(body, segments, texts)
         job = self._job(body, segments, texts, chat=True)
         job.extra = routed
+        if notes:
+            job.extra = {**(routed or {}), "template": {"notes": notes}}
         return await self._serve(body, job, chat=True, tools=tools)
 
     async def _recall(self, body: dict[str, Any], segments: list[list[int]], texts: list[str]) -> Optional[dict]:
@@ -284,7 +303,7 @@ class OpenAIRoutes:
                    done: "asyncio.Future[Result]", *, chat: bool, usage: bool,
                    tools: Optional[ToolSpec] = None) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
-        held = ToolStream() if tools is not None and tools.parse else None
+        held = ToolStream(tools.fmt) if tools is not None and tools.parse else None
 
         def chunk(choice: dict[str, Any], **extra: Any) -> bytes:
             d = {"id": rid, "object": obj, "created": created, "model": self.model_id,
@@ -326,7 +345,7 @@ class OpenAIRoutes:
                     result = done.result()
                 reason = "stop" if result.finish_reason in ("stop", "cancelled") else result.finish_reason
                 if held is not None:
-                    _, calls = parse_calls(result.text, tools)
+                    _, calls = parse_calls(self._answer(result, tools), tools)
                     if rest := held.rest(result.text, calls):
                         yield chunk({"index": 0, "delta": {"content": rest}, "logprobs": None, "finish_reason": None})
                     if calls:
@@ -350,6 +369,13 @@ class OpenAIRoutes:
         finally:
             job.cancel.set()  # a client that went away stops the decode at the next token
 
+    def _answer(self, r: Result, tools: Optional[ToolSpec]) -> str:
+        """The answer as the parser of the tools' family reads it: with the text of control tokens
+        (Mistral's ``[TOOL_CALLS]``, harmony's ``<|channel|>``), which the streamed text leaves out."""
+        if tools is None or tools.fmt.name in ("hermes", "qwen-xml") or not r.tokens:
+            return r.text
+        return answer_text(self.engine0, r.tokens)
+
     @staticmethod
     def _receipt(job: Job, r: Result) -> dict[str, Any]:
         return {**r.receipt, **(job.extra or {})}
@@ -364,7 +390,7 @@ class OpenAIRoutes:
                tools: Optional[ToolSpec] = None) -> dict[str, Any]:
         reason = "stop" if r.finish_reason in ("stop", "cancelled") else r.finish_reason
         if chat:
-            content, calls = parse_calls(r.text, tools)
+            content, calls = parse_calls(self._answer(r, tools), tools)
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = calls

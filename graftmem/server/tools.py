@@ -26,9 +26,11 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from ..core import toolcalls
+from ..core.toolcalls import ToolCallFormat
 from .http import HTTPError
 
 __all__ = ["ToolSpec", "CALL_OPEN", "CALL_CLOSE", "parse_tools", "tools_prompt", "render_calls",
@@ -49,6 +51,11 @@ class ToolSpec:
 
     functions: tuple[dict[str, Any], ...]
     parse: bool
+    #: the family's call grammar (`graftmem.core.toolcalls`): Hermes unless the model's own template
+    #: renders the tools, then the family its template writes
+    fmt: ToolCallFormat = field(default=toolcalls.HERMES)
+    #: split ``<think>`` / harmony analysis off into ``reasoning_content`` (model templates only)
+    reasoning: bool = False
 
     @property
     def names(self) -> set[str]:
@@ -128,6 +135,9 @@ def render_tool_result(content: str) -> str:
 
 def parse_calls(text: str, spec: Optional[ToolSpec]) -> tuple[Optional[str], list[dict[str, Any]]]:
     """The content and the tool calls in an answer (no calls: the text unchanged and an empty list)."""
+    if spec is not None and spec.parse and spec.fmt is not toolcalls.HERMES:
+        parsed = toolcalls.parse(text, spec.fmt, spec.names)
+        return (parsed.content, parsed.calls) if parsed.calls else (text, [])
     if spec is None or not spec.parse or CALL_OPEN not in text:
         return text, []
     calls = []
@@ -152,10 +162,13 @@ class ToolStream:
     """Streams an answer's content while holding back anything that may be a tool call.
 
     Text is passed on until ``<tool_call>`` appears (or may be appearing: a suffix that is a prefix of
-    it is held); from there on nothing is streamed, and `finish()` decides from the whole answer."""
+    it is held); from there on nothing is streamed, and `finish()` decides from the whole answer.
+    Families whose call markers are control tokens (Llama 3's bare JSON, Mistral, harmony, DeepSeek,
+    Gemma 4: the streamed text never shows them) are held whole and decided at the end."""
 
-    def __init__(self) -> None:
-        self.buf, self.sent, self.held = "", 0, False
+    def __init__(self, fmt: ToolCallFormat = toolcalls.HERMES) -> None:
+        self.buf, self.sent = "", 0
+        self.held = fmt not in (toolcalls.HERMES, toolcalls.QWEN_XML)
 
     def feed(self, text: str) -> str:
         self.buf += text
