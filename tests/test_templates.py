@@ -174,8 +174,38 @@ def test_server_prompt_is_the_models_template_and_grafts_exact(tiny, tmp_path):
         r = _post(srv.url, {**body, "tools": TOOLS})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] == len(expect_t) != len(expect)
-        # streamed
-        with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=120, json={
-                **body, "stream": True, "stream_options": {"include_usage": True}}) as s:
-            lines = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
-        assert lines[-1]["usage"]["prompt_tokens"] == len(expect)
+        # streamed, without and with tools
+        for extra, n in (({}, len(expect)), ({"tools": TOOLS}, len(expect_t))):
+            with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=120, json={
+                    **body, **extra, "stream": True, "stream_options": {"include_usage": True}}) as s:
+                assert s.status_code == 200
+                lines = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+            assert lines[-1]["usage"]["prompt_tokens"] == n
+            assert lines[-2]["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
+        # Phi-3.5 writes EOS after a turn only when nothing follows: the receipt says the cut moved
+        notes = json.loads(cold.headers[RECEIPT_HEADER]).get("template", {}).get("notes", [])
+        assert bool(notes) == (tiny.family == "phi35"), notes
+
+
+def test_user_template_file_wins(smol):
+    """A template file (llama-server's --chat-template-file) replaces the model's: SmolLM2 with
+    Qwen 2.5's template renders Qwen's default-free ChatML with its tool section."""
+    path = template_path("Qwen-Qwen2.5-7B-Instruct")
+    fmt = detect_format(smol, template=str(path))
+    assert fmt is not None and fmt.template is not None and fmt.template.uses_tools
+    tpl = load_template(path, smol)
+    assert fmt.prefix(MANUAL) + fmt.continuation(TASK) == tpl.render(
+        [{"role": "system", "content": MANUAL}, {"role": "user", "content": TASK}], add_generation_prompt=True)
+
+
+def test_date_is_pinned_per_day():
+    """strftime_now is the same in every render of a day: a template printing the date (Llama 3.2)
+    renders the same prefix all day, so its blocks keep matching."""
+    import datetime as dt
+
+    from graftmem.core.template import today
+
+    tpl = ChatTemplate(template_path("meta-llama-Llama-3.2-3B-Instruct").read_text())
+    a = tpl.render(CONVO, now=today())
+    assert today().strftime("%d %b %Y") in a and a == tpl.render(CONVO, now=today())
+    assert tpl.render(CONVO, now=dt.datetime(2020, 1, 1)) != a

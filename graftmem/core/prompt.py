@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from .errors import ConfigError
-from .template import ChatTemplate, TemplateError, load_template, model_template
+from .template import ChatTemplate, TemplateError, load_template, model_template, today
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -231,8 +231,9 @@ def template_format(engine: "Engine", tpl: ChatTemplate) -> ChatFormat:
     cannot be a turn of its own (Gemma 2's template refuses a system role; Mistral-Nemo's puts it in
     the last user turn)."""
     msgs = [{"role": "system", "content": _MANUAL}, {"role": "user", "content": _TASK}]
-    full = tpl.render(msgs, add_generation_prompt=True)
-    alone = tpl.render(msgs[:1])
+    day = today()
+    full = tpl.render(msgs, add_generation_prompt=True, now=day)
+    alone = tpl.render(msgs[:1], now=day)
     i_m, i_t = full.find(_MANUAL), full.find(_TASK)
     if i_m < 0 or i_t < 0 or i_t < i_m or alone.find(_MANUAL) != i_m:
         raise TemplateError(f"template {tpl.name!r} does not render a system message as a turn before the user's")
@@ -245,7 +246,7 @@ def template_format(engine: "Engine", tpl: ChatTemplate) -> ChatFormat:
                      task_head=full[cut:i_t], task_tail=full[i_t + len(_TASK):], probe="", template=tpl)
     # the derived parts must give what the template renders, with other texts than the placeholders
     check = tpl.render([{"role": "system", "content": "You help."}, {"role": "user", "content": "Hi there"}],
-                       add_generation_prompt=True)
+                       add_generation_prompt=True, now=day)
     if fmt.prefix("You help.") + fmt.continuation("Hi there") != check:
         raise TemplateError(f"template {tpl.name!r} renders a text differently from its placeholders")
     return fmt

@@ -32,7 +32,7 @@ from .errors import ConfigError
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["ChatTemplate", "TemplateError", "load_template", "model_template"]
+__all__ = ["ChatTemplate", "TemplateError", "load_template", "model_template", "today"]
 
 log = logging.getLogger("graftmem")
 
@@ -135,13 +135,14 @@ class ChatTemplate:
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False,
                tools: Optional[Sequence[Mapping[str, Any]]] = None,
                documents: Optional[Sequence[Mapping[str, Any]]] = None,
-               **kwargs: Any) -> str:
+               now: Optional[_dt.datetime] = None, **kwargs: Any) -> str:
         """The template's text for ``messages``; ``kwargs`` are ``chat_template_kwargs`` such as
-        ``enable_thinking`` or ``reasoning_effort``. BOS is dropped where the vocabulary adds it."""
+        ``enable_thinking`` or ``reasoning_effort``; ``now`` pins ``strftime_now`` for this render
+        (else the template's ``now``, else the clock). BOS is dropped where the vocabulary adds it."""
         import jinja2
         from jinja2.exceptions import SecurityError
 
-        now = self.now
+        now = now or self.now
 
         def strftime_now(fmt: str) -> str:
             return (now or _dt.datetime.now()).strftime(fmt)
@@ -170,6 +171,14 @@ class ChatTemplate:
         if self.strip_bos and self.bos_token and text.startswith(self.bos_token):
             text = text[len(self.bos_token):]
         return text
+
+
+def today() -> _dt.datetime:
+    """Midnight of today: what renders pin ``strftime_now`` to. Every render of one request (the whole
+    prompt and its growing prefixes) must see the same time, or a template that prints the time would
+    never extend; a day's granularity keeps a template that prints the date (GPT-OSS, Llama 3.2)
+    rendering the same prefix, hence grafting it, all day."""
+    return _dt.datetime.combine(_dt.date.today(), _dt.time())
 
 
 def load_template(path: str | Path, engine: Optional["Engine"] = None) -> ChatTemplate:

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ..core.prompt import ChatFormat, seam_before
-from ..core.template import ChatTemplate, TemplateError
+from ..core.template import ChatTemplate, TemplateError, today
 from .http import HTTPError
 from .tools import ToolSpec, render_calls, render_tool_result, tools_prompt
 
@@ -161,7 +161,7 @@ def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools:
     dropped at a new user turn) thus gives a shorter stable prefix, and the note says which message.
     """
     msgs = template_messages(messages)
-    kw = dict(kwargs or {})
+    kw = {**dict(kwargs or {}), "now": today()}
     tool_list = None
     if tools is not None:
         if tpl.uses_tools:
