@@ -131,8 +131,9 @@ def test_legacy_formats_kept_for_smollm2_and_gemma3(smol, gemma):
     assert model_template(gemma) is None
     g2 = ChatTemplate(template_path("google-gemma-2-2b-it").read_text(), bos_token="<bos>", strip_bos=True)
     assert g2.render(CONVO[1:], add_generation_prompt=True) == GEMMA.render(CONVO[1:], generation_prompt=True)
-    with pytest.raises(TemplateError, match="System role not supported"):
-        g2.render(CONVO)
+    # it raises on a system role; as llama.cpp does, the system text then opens the first user turn
+    assert not g2.supports_system
+    assert g2.render(CONVO).startswith(f"<start_of_turn>user\n{SYSTEM}\n\nHello<end_of_turn>\n")
     assert template_format(smol, tpl).parts == CHATML.parts
 
 
@@ -156,7 +157,7 @@ def test_server_prompt_is_the_models_template_and_grafts_exact(tiny, tmp_path):
         texts, _ = template_segments(tiny, tpl, CONVO)
         assert [t for seg in tokenize_segments(tiny, texts) for t in seg] == expect
         assert len(texts) >= 3, texts  # cut per message: a conversation's prefix is reusable
-        assert RECEIPT_HEADER in cold.headers and oa.fmt.template is not None
+        assert RECEIPT_HEADER in cold.headers and oa.template is not None
         first = _post(srv.url, body)
         assert srv.openai.wait_idle()
         second = _post(srv.url, body)
@@ -185,6 +186,26 @@ def test_server_prompt_is_the_models_template_and_grafts_exact(tiny, tmp_path):
         # Phi-3.5 writes EOS after a turn only when nothing follows: the receipt says the cut moved
         notes = json.loads(cold.headers[RECEIPT_HEADER]).get("template", {}).get("notes", [])
         assert bool(notes) == (tiny.family == "phi35"), notes
+
+
+@pytest.mark.parametrize("family", ["qwen25", "qwen3", "qwen35", "command-r"])
+def test_more_families_render_requests_and_graft_chat_blocks(family, tmp_path):
+    """Qwen 2.5 / 3 / 3.5 and Command R+: requests are the template's prompt id for id; a chat block
+    grafts exactly. Qwen3.5's template refuses a system message alone ("No user query found"): its
+    chat blocks fall back to the hand-written ChatML cut, its requests still use its template."""
+    from graftmem.core.prompt import request_template
+    from graftmem.memory import continuation_for
+
+    with Engine(tiny_path(family)) as e:
+        tpl = request_template(e)
+        assert tpl is not None and tpl.source == e.chat_template()
+        texts, _ = template_segments(e, tpl, CONVO)
+        assert [t for s in tokenize_segments(e, texts) for t in s] == e.tokenize(tpl.render(CONVO, add_generation_prompt=True))
+        fmt = detect_format(e)
+        assert (fmt is CHATML) == (family == "qwen35")
+        with Memory(engine=e, home=tmp_path / "s") as mem:
+            block = mem.learn(MANUAL, chat=True)
+            assert mem.ask(block.id, continuation_for(block, TASK), max_tokens=1).receipt.exact
 
 
 def test_user_template_file_wins(smol):

@@ -34,7 +34,7 @@ from .template import ChatTemplate, TemplateError, load_template, model_template
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["ChatFormat", "CHATML", "GEMMA", "FORMATS", "detect_format", "format_named", "format_of",
+__all__ = ["ChatFormat", "CHATML", "GEMMA", "FORMATS", "detect_format", "format_named", "format_of", "request_template",
            "split_ids", "template_format", "clean_seam", "seam_before", "LEGACY_RULE"]
 
 log = logging.getLogger("graftmem")
@@ -180,6 +180,22 @@ def detect_format(engine: "Engine", template: "ChatTemplate | str | None" = None
             chosen = legacy
     cache["auto"] = chosen
     return chosen
+
+
+def request_template(engine: "Engine", template: "ChatTemplate | str | None" = None) -> Optional[ChatTemplate]:
+    """The template a chat *request* is rendered with: ``template`` (an object or a file) if given,
+    else the GGUF's own, except where `LEGACY_RULE` keeps the hand-written format (None: render with
+    `detect_format`'s format). Unlike a chat block's format, a request needs no block/task cut, so a
+    template that cannot render a system turn alone (Qwen3.5 raises "No user query found") still
+    renders every request."""
+    if template is not None:
+        return template if isinstance(template, ChatTemplate) else load_template(template, engine)
+    tpl = model_template(engine)
+    if tpl is None:
+        return None
+    if not tpl.uses_tools and any(len(engine.tokenize(f.probe, add_special=False)) == 1 for f in FORMATS.values()):
+        return None
+    return tpl
 
 
 def format_of(metadata: Mapping[str, Any]) -> Optional[ChatFormat]:

@@ -110,6 +110,7 @@ class ChatTemplate:
     strip_bos: bool = False  #: the vocabulary adds BOS itself: drop a leading BOS text from renders
     now: Optional[_dt.datetime] = None
     _compiled: dict[int, Any] = field(default_factory=dict, repr=False, compare=False)
+    _supports_system: Optional[bool] = field(default=None, repr=False, compare=False)
 
     @property
     def digest(self) -> str:
@@ -139,6 +140,36 @@ class ChatTemplate:
         """The template's text for ``messages``; ``kwargs`` are ``chat_template_kwargs`` such as
         ``enable_thinking`` or ``reasoning_effort``; ``now`` pins ``strftime_now`` for this render
         (else the template's ``now``, else the clock). BOS is dropped where the vocabulary adds it."""
+        msgs = [dict(m) for m in messages]
+        if msgs and msgs[0].get("role") == "system" and not self.supports_system:
+            # as llama.cpp does for templates that refuse a system role (Gemma 2): its text opens the
+            # first user message
+            first = next((i for i, m in enumerate(msgs) if m.get("role") == "user"), None)
+            sys_text = str(msgs[0].get("content") or "")
+            if first is None:
+                msgs = [{"role": "user", "content": sys_text}] + msgs[1:]
+            else:
+                msgs[first] = {**msgs[first], "content": f"{sys_text}\n\n{msgs[first].get('content') or ''}"}
+                msgs = msgs[1:]
+        return self._render(msgs, add_generation_prompt=add_generation_prompt, tools=tools,
+                            documents=documents, now=now, **kwargs)
+
+    @property
+    def supports_system(self) -> bool:
+        """Whether the template accepts a system message (Gemma 2's raises on one)."""
+        if self._supports_system is None:
+            try:
+                out = self._render([{"role": "system", "content": "GRAFTMEMSYSQZ"},
+                                    {"role": "user", "content": "hi"}], add_generation_prompt=True)
+                self._supports_system = "GRAFTMEMSYSQZ" in out
+            except TemplateError:
+                self._supports_system = False
+        return self._supports_system
+
+    def _render(self, msgs: list[dict[str, Any]], *, add_generation_prompt: bool,
+                tools: Optional[Sequence[Mapping[str, Any]]] = None,
+                documents: Optional[Sequence[Mapping[str, Any]]] = None,
+                now: Optional[_dt.datetime] = None, **kwargs: Any) -> str:
         import jinja2
         from jinja2.exceptions import SecurityError
 
@@ -147,7 +178,7 @@ class ChatTemplate:
         def strftime_now(fmt: str) -> str:
             return (now or _dt.datetime.now()).strftime(fmt)
 
-        ctx = {"messages": [dict(m) for m in messages], "add_generation_prompt": add_generation_prompt,
+        ctx = {"messages": msgs, "add_generation_prompt": add_generation_prompt,
                "bos_token": self.bos_token, "eos_token": self.eos_token, "strftime_now": strftime_now,
                **kwargs}
         if tools is not None:

@@ -33,7 +33,7 @@ from starlette.routing import BaseRoute, Route
 
 from ..core.decoding import Sampling
 from ..core.errors import ConfigError, GraftmemError
-from ..core.prompt import detect_format
+from ..core.prompt import detect_format, request_template
 from ..core.toolcalls import tool_format
 from ..memory.recall import search
 from ..memory.router import DEFAULT_MIN_SCORE, LEX_WEIGHT
@@ -80,7 +80,7 @@ class OpenAIRoutes:
 
     def __init__(self, pool: EnginePool, store: "Store", cache: Optional["PrefixCache"], *,
                  model_id: Optional[str] = None, limits: Optional[Limits] = None,
-                 router: Optional[RouterRef] = None) -> None:
+                 router: Optional[RouterRef] = None, chat_template: Optional[str] = None) -> None:
         self.pool, self.store, self.cache = pool, store, cache
         self.router = router or RouterRef(None)  #: loaded on the first routed request
         self.limits = limits or Limits()
@@ -91,6 +91,8 @@ class OpenAIRoutes:
         self._workers_lock = threading.Lock()
         self.model_id = model_id or engine.fingerprint.model_name
         self.fmt = detect_format(engine)
+        #: the model's own template renders every chat request (None: the hand-written ``fmt``)
+        self.template = request_template(engine, chat_template)
         self.created = int(time.time())
 
     def routes(self) -> list[BaseRoute]:
@@ -153,20 +155,21 @@ class OpenAIRoutes:
     # ------------------------------------------------------------------ endpoints
     async def chat(self, request: Request) -> Response:
         body = await self._parse(request)
-        if self.fmt is None:
+        if self.fmt is None and self.template is None:
             raise HTTPError(400, f"model {self.model_id!r} has no chat template graftmem knows; use "
                             "/v1/completions", code="unsupported_model")
         tools = parse_tools(body)
         notes: Optional[list[str]] = None
-        if tools is not None and self.fmt.template is not None and self.fmt.template.uses_tools:
+        if tools is not None and self.template is not None and self.template.uses_tools:
             # the template renders the tools: the model answers in its family's call grammar
-            tools = dataclasses.replace(tools, fmt=tool_format(self.fmt.template.source))
-        if self.fmt.template is not None:  # the model's own template (graftmem.core.template)
+            tools = dataclasses.replace(tools, fmt=tool_format(self.template.source))
+        if self.template is not None:  # the model's own template (graftmem.core.template)
             kwargs = body.get("chat_template_kwargs") or {}
             if not isinstance(kwargs, dict):
                 raise HTTPError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
-            texts, notes = template_segments(self.engine0, self.fmt.template, body.get("messages"), tools, kwargs)
+            texts, notes = template_segments(self.engine0, self.template, body.get("messages"), tools, kwargs)
         else:
+            assert self.fmt is not None
             texts = render_segments(self.fmt, body.get("messages"), tools)
         segments = tokenize_segments(self.engine0, texts, self.tokens)
         if notes is not None and len(segments) > 1 and \
