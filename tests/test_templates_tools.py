@@ -38,7 +38,7 @@ def canned_call(name: str) -> tuple[ChatTemplate, str]:
     head = tpl.render(user, add_generation_prompt=True, tools=TOOLS)
     full = tpl.render(user + [{"role": "assistant", "content": "", "tool_calls": [CALL]}], tools=TOOLS)
     k = next((i for i, (a, b) in enumerate(zip(head, full)) if a != b), min(len(head), len(full)))
-    while k and full[k - 1] in "<|":  # a marker split by the comparison: keep it whole
+    while k and full[k - 1] not in "\n>]":  # a marker split by the comparison ("<think>" vs "<tool_call>")
         k -= 1
     out, changed = full[k:], True
     while changed:
