@@ -186,6 +186,37 @@ def test_server_prompt_is_the_models_template_and_grafts_exact(tiny, tmp_path):
         # Phi-3.5 writes EOS after a turn only when nothing follows: the receipt says the cut moved
         notes = json.loads(cold.headers[RECEIPT_HEADER]).get("template", {}).get("notes", [])
         assert bool(notes) == (tiny.family == "phi35"), notes
+        # the server's answer path on a canned answer of the family, as generated ids: markers that
+        # are control tokens (Gemma 4's <|tool_call>) are read from the ids, not the streamed text
+        check_answer_path(srv.openai, tiny)
+
+
+CANNED = {"llama31": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+          "gemma4": '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>',
+          "phi35": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'}
+
+
+def check_answer_path(oa, engine: Engine) -> None:
+    import dataclasses
+
+    from graftmem.core.toolcalls import tool_format
+    from graftmem.server.generate import Result
+
+    spec = parse_tools({"tools": TOOLS})
+    if oa.template.uses_tools:
+        spec = dataclasses.replace(spec, fmt=tool_format(oa.template.source))
+    ids = engine.tokenize(CANNED[engine.family], add_special=False)
+    r = Result(text=engine.detokenize(ids), tokens=ids, logprobs=[], finish_reason="stop", prompt_tokens=1,
+               cached_tokens=0, receipt={})
+    msg = oa._final("id", 0, r, chat=True, tools=spec)["choices"][0]
+    assert msg["finish_reason"] == "tool_calls", msg
+    call = msg["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Paris"}
+    think = engine.tokenize("<think>add 2 and 2</think>\nFour.", add_special=False)
+    r = dataclasses.replace(r, text=engine.detokenize(think), tokens=think)
+    m = oa._final("id", 0, r, chat=True)["choices"][0]["message"]
+    assert (m["reasoning_content"], m["content"]) == ("add 2 and 2", "Four.")
+    assert "<think>" in oa._final("id", 0, r, chat=True, reasoning=False)["choices"][0]["message"]["content"]
 
 
 @pytest.mark.parametrize("family", ["qwen25", "qwen3", "qwen35", "command-r"])

@@ -31,7 +31,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-__all__ = ["ToolCallFormat", "Parsed", "FORMATS", "tool_format", "parse", "call_id"]
+__all__ = ["ToolCallFormat", "Parsed", "FORMATS", "tool_format", "parse", "call_id", "split_reasoning"]
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,14 @@ def _split_think(text: str) -> tuple[Optional[str], str]:
     if m and ("<think>" in text[:m.end()] or "</think>" in text):
         return m.group(1).strip() or None, text[m.end():]
     return None, text
+
+
+def split_reasoning(text: str) -> tuple[Optional[str], str]:
+    """``(reasoning, rest)`` of an answer that thinks first (``<think>...</think>``, or an answer that
+    starts inside a think block its template opened); ``(None, text)`` when it does not."""
+    if "</think>" not in text:
+        return None, text
+    return _split_think(text)
 
 
 def parse(text: str, fmt: ToolCallFormat, names: Optional[Iterable[str]] = None, *,

@@ -34,7 +34,7 @@ from starlette.routing import BaseRoute, Route
 from ..core.decoding import Sampling
 from ..core.errors import ConfigError, GraftmemError
 from ..core.prompt import detect_format, request_template
-from ..core.toolcalls import tool_format
+from ..core.toolcalls import split_reasoning, tool_format
 from ..memory.recall import search
 from ..memory.router import DEFAULT_MIN_SCORE, LEX_WEIGHT
 from ..store.chain import chain_of
@@ -290,7 +290,8 @@ class OpenAIRoutes:
             except GraftmemError as exc:  # the engine refused (context full, ...): say so, no local paths
                 raise HTTPError(500, public_message(str(exc), str(self.store.home)), code=type(exc).__name__) from exc
             result.receipt = self._receipt(job, result)
-            payload = self._final(rid, created, result, chat=chat, tools=tools)
+            payload = self._final(rid, created, result, chat=chat, tools=tools,
+                                  reasoning=body.get("reasoning_format", "auto") != "none")
             return JSONResponse(payload, headers={RECEIPT_HEADER: json.dumps(result.receipt)})
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
@@ -390,11 +391,17 @@ class OpenAIRoutes:
                 "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
 
     def _final(self, rid: str, created: int, r: Result, *, chat: bool,
-               tools: Optional[ToolSpec] = None) -> dict[str, Any]:
+               tools: Optional[ToolSpec] = None, reasoning: bool = True) -> dict[str, Any]:
         reason = "stop" if r.finish_reason in ("stop", "cancelled") else r.finish_reason
         if chat:
             content, calls = parse_calls(self._answer(r, tools), tools)
             message: dict[str, Any] = {"role": "assistant", "content": content}
+            if self.template is not None and reasoning and content:
+                # a thinking model's reasoning apart from its answer (llama-server's default
+                # --reasoning-format; "reasoning_format": "none" keeps it in the content)
+                thought, rest = split_reasoning(content)
+                if thought is not None:
+                    message["reasoning_content"], message["content"] = thought, rest.strip() or None
             if calls:
                 message["tool_calls"] = calls
                 reason = "tool_calls"
