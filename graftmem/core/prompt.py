@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 __all__ = ["ChatFormat", "CHATML", "GEMMA", "FORMATS", "detect_format", "format_named", "format_of", "request_template",
-           "split_ids", "template_format", "clean_seam", "seam_before", "LEGACY_RULE"]
+           "split_ids", "template_format", "clean_seam", "seam_before", "starts_special", "LEGACY_RULE"]
 
 log = logging.getLogger("graftmem")
 
@@ -212,26 +212,43 @@ def format_of(metadata: Mapping[str, Any]) -> Optional[ChatFormat]:
     return None
 
 
-def clean_seam(engine: "Engine", text: str, cut: int, *, add_special: bool = True) -> bool:
+def clean_seam(engine: "Engine", text: str, cut: int, *, add_special: bool = True,
+               whole: Optional[Sequence[int]] = None) -> bool:
     """Whether ``text`` may be cut at ``cut``: the rest starts with a special token (llama.cpp splits
     fragments at special tokens before BPE, so nothing merges across) and the two halves tokenized
-    apart give the ids of the whole."""
+    apart give the ids of the whole (``whole``: those ids, when the caller has them)."""
     rest = text[cut:]
     if not rest:
         return True
-    if cut == 0:
+    if cut == 0 or not starts_special(engine, text, cut):
         return False
     a = engine.tokenize(rest, add_special=False)
-    b = engine.tokenize(rest, add_special=False, parse_special=False)
-    if not a or a[:1] == b[:1]:
-        return False
-    return engine.tokenize(text[:cut], add_special=add_special) + a == engine.tokenize(text, add_special=add_special)
+    if whole is None:
+        whole = engine.tokenize(text, add_special=add_special)
+    return engine.tokenize(text[:cut], add_special=add_special) + a == list(whole)
 
 
-def seam_before(engine: "Engine", text: str, hi: int, lo: int = 1, *, add_special: bool = True) -> Optional[int]:
-    """The last clean seam (`clean_seam`) in ``text[lo..hi]``, None if there is none."""
+def starts_special(engine: "Engine", text: str, at: int) -> bool:
+    """Whether ``text[at:]`` starts with a special token's text (parsed as one token only when special
+    tokens are parsed); a window is enough: no special token's text is 64 characters long."""
+    window = text[at:at + 64]
+    a = engine.tokenize(window, add_special=False)
+    b = engine.tokenize(window, add_special=False, parse_special=False)
+    return bool(a) and a[:1] != b[:1]
+
+
+def seam_before(engine: "Engine", text: str, hi: int, lo: int = 1, *, add_special: bool = True,
+                whole: Optional[Sequence[int]] = None, check: bool = True) -> Optional[int]:
+    """The last clean seam (`clean_seam`) in ``text[lo..hi]``, None if there is none. ``check=False``
+    only asks that the rest start with a special token (the caller then checks the ids of all its
+    cuts at once, as `graftmem.server.chat.template_segments`' caller does)."""
     for c in range(min(hi, len(text)), max(lo, 1) - 1, -1):
-        if (c == len(text) or text[c] in "<[") and clean_seam(engine, text, c, add_special=add_special):
+        if c == len(text):
+            return c
+        if text[c] not in "<[":
+            continue
+        if (clean_seam(engine, text, c, add_special=add_special, whole=whole) if check
+                else starts_special(engine, text, c)):
             return c
     return None
 

@@ -15,6 +15,7 @@ its remaining segments computes the same bytes as a request served cold.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from collections import OrderedDict
@@ -148,6 +149,43 @@ def template_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
+class _Renders:
+    """Renders of conversation prefixes, least recently used dropped past ``max_chars``.
+
+    Cutting a request renders each of its growing prefixes: O(n^2) template work for n messages, and a
+    template such as Gemma 4's takes tens of milliseconds per render. An agent re-sends the same
+    conversation plus one turn, so all but the newest prefixes were rendered by its previous request;
+    a render is a function of the template, the messages, the tools, the kwargs and the pinned day,
+    which make the key."""
+
+    def __init__(self, max_chars: int = 32 << 20) -> None:
+        self.max_chars, self._chars = max_chars, 0
+        self._texts: "OrderedDict[str, str]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def render(self, tpl: ChatTemplate, msgs: list[dict[str, Any]], tools: Any, kw: dict[str, Any],
+               gen: bool) -> str:
+        key = hashlib.sha256(json.dumps([tpl.digest, tpl.bos_token, tpl.eos_token, tpl.strip_bos, msgs, tools,
+                                         kw, gen], sort_keys=True, default=str).encode()).hexdigest()
+        with self._lock:
+            text = self._texts.get(key)
+            if text is not None:
+                self._texts.move_to_end(key)
+                return text
+        text = tpl.render(msgs, add_generation_prompt=gen, tools=tools, **kw)
+        with self._lock:
+            if key not in self._texts and len(text) <= self.max_chars:
+                self._texts[key] = text
+                self._chars += len(text)
+            while self._chars > self.max_chars:
+                _, old = self._texts.popitem(last=False)
+                self._chars -= len(old)
+        return text
+
+
+_RENDERS = _Renders()
+
+
 def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools: Optional[ToolSpec] = None,
                       kwargs: Optional[dict[str, Any]] = None) -> tuple[list[str], list[str]]:
     """A request rendered by the model's own template, cut into one segment per message where the
@@ -172,7 +210,7 @@ def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools:
             else:
                 msgs.insert(0, {"role": "system", "content": tools_prompt(tools)})
     try:
-        full = tpl.render(msgs, add_generation_prompt=True, tools=tool_list, **kw)
+        full = _RENDERS.render(tpl, msgs, tool_list, kw, True)
     except TemplateError as exc:
         raise HTTPError(400, f"the model's chat template refused these messages: {exc}", param="messages",
                         code="template_error") from exc
@@ -182,7 +220,7 @@ def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools:
     notes: list[str] = []
     for k in range(1, len(msgs) + 1):
         try:
-            part = tpl.render(msgs[:k], add_generation_prompt=False, tools=tool_list, **kw)
+            part = _RENDERS.render(tpl, msgs[:k], tool_list, kw, False)
         except TemplateError as exc:
             notes.append(f"messages[:{k}] do not render on their own ({exc}): no cut after message {k - 1}")
             continue
@@ -193,7 +231,7 @@ def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools:
         lo = cuts[-1] + 1 if cuts else 1
         if agree < lo:
             continue
-        c = seam_before(engine, full, agree, lo)
+        c = seam_before(engine, full, agree, lo, check=False)  # the caller checks all cuts' ids at once
         if c is not None and c < len(full):
             cuts.append(c)
     bounds = [0, *cuts, len(full)]
