@@ -35,7 +35,8 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 __all__ = ["ChatFormat", "CHATML", "GEMMA", "FORMATS", "detect_format", "format_named", "format_of", "request_template",
-           "split_ids", "template_format", "clean_seam", "seam_before", "starts_special", "LEGACY_RULE"]
+           "split_ids", "template_format", "clean_seam", "seam_before", "starts_special", "LEGACY_RULE",
+           "has_special_text", "tokenize_literal"]
 
 log = logging.getLogger("graftmem")
 
@@ -226,6 +227,32 @@ def clean_seam(engine: "Engine", text: str, cut: int, *, add_special: bool = Tru
     if whole is None:
         whole = engine.tokenize(text, add_special=add_special)
     return engine.tokenize(text[:cut], add_special=add_special) + a == list(whole)
+
+
+def has_special_text(engine: "Engine", text: str) -> bool:
+    """Whether ``text`` spells a special token (``"<|eot_id|>"`` typed by a user): tokenized with and
+    without special-token parsing it gives other ids."""
+    return engine.tokenize(text, add_special=False) != engine.tokenize(text, add_special=False, parse_special=False)
+
+
+def tokenize_literal(engine: "Engine", text: str, spans: Sequence[tuple[int, int]], *,
+                     add_special: bool = True) -> list[int]:
+    """Ids of ``text`` with the character ``spans`` tokenized as plain text (special-token text inside
+    them stays text) and the rest, the template's own markers, with special tokens parsed: what
+    llama-server does with message content, so a user cannot forge a turn. The pieces are tokenized
+    apart, so the ids are a function of the text and the spans, the same for a graft and a cold prefill."""
+    ids: list[int] = []
+    pos = 0
+    for a, b in sorted(spans):
+        if a > pos:
+            ids += engine.tokenize(text[pos:a], add_special=add_special and not ids and pos == 0)
+        elif pos == 0 and add_special:
+            ids += engine.tokenize("", add_special=True)
+        ids += engine.tokenize(text[a:b], add_special=False, parse_special=False)
+        pos = b
+    if pos < len(text):
+        ids += engine.tokenize(text[pos:], add_special=add_special and pos == 0)
+    return ids
 
 
 def starts_special(engine: "Engine", text: str, at: int) -> bool:

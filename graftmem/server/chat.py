@@ -21,7 +21,7 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from ..core.prompt import ChatFormat, seam_before
+from ..core.prompt import ChatFormat, has_special_text, seam_before, tokenize_literal
 from ..core.template import ChatTemplate, TemplateError, today
 from .http import HTTPError
 from .tools import ToolSpec, render_calls, render_tool_result, tools_prompt
@@ -186,8 +186,11 @@ class _Renders:
 _RENDERS = _Renders()
 
 
+Spans = list[tuple[int, int]]
+
+
 def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools: Optional[ToolSpec] = None,
-                      kwargs: Optional[dict[str, Any]] = None) -> tuple[list[str], list[str]]:
+                      kwargs: Optional[dict[str, Any]] = None) -> tuple[list[str], list[str], list[Spans]]:
     """A request rendered by the model's own template, cut into one segment per message where the
     template allows it, and why it did not where it does not.
 
@@ -197,6 +200,11 @@ def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools:
     last special-token seam that tokenizes apart (`graftmem.core.prompt.clean_seam`). A template that
     re-renders a message once another follows (Phi-3.5's EOS, Qwen3's empty think block, reasoning
     dropped at a new user turn) thus gives a shorter stable prefix, and the note says which message.
+
+    Untrusted text stays text: the third result holds, per segment, the character spans of user and
+    tool messages that spell a special token (``"<|eot_id|>"`` typed by a user); `tokenize_segments`
+    tokenizes them without special-token parsing (`graftmem.core.prompt.tokenize_literal`), while the
+    template's own markers stay special. No cut falls inside such a span.
     """
     msgs = template_messages(messages)
     kw = {**dict(kwargs or {}), "now": today()}
@@ -234,8 +242,30 @@ def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools:
         c = seam_before(engine, full, agree, lo, check=False)  # the caller checks all cuts' ids at once
         if c is not None and c < len(full):
             cuts.append(c)
+    spans: Spans = []
+    at = 0
+    for i, m in enumerate(msgs):
+        content = m.get("content")
+        if not isinstance(content, str) or not content.strip():
+            continue
+        j = full.find(content, at)
+        if j < 0:  # the template trims content (Llama 3.x): look for the trimmed text
+            content = content.strip()
+            j = full.find(content, at)
+        if m["role"] not in ("user", "tool") or not has_special_text(engine, content):
+            at = j + len(content) if j >= 0 else at
+            continue
+        if j < 0:
+            notes.append(f"message {i} spells a special token but is not verbatim in the render: parsed as is")
+            continue
+        spans.append((j, j + len(content)))
+        at = j + len(content)
+        notes.append(f"message {i} spells a special token: tokenized as text, its segment not learned")
+    cuts = [c for c in cuts if not any(a < c < b for a, b in spans)]
     bounds = [0, *cuts, len(full)]
-    return [full[a:b] for a, b in zip(bounds, bounds[1:])], notes
+    literal = [[(max(a, lo) - lo, min(b, hi) - lo) for a, b in spans if a < hi and b > lo]
+               for lo, hi in zip(bounds, bounds[1:])]
+    return [full[a:b] for a, b in zip(bounds, bounds[1:])], notes, literal
 
 
 def answer_text(engine: "Engine", tokens: Sequence[int]) -> str:
@@ -282,8 +312,14 @@ class TokenCache:
         return ids
 
 
-def tokenize_segments(engine: "Engine", segs: Sequence[str], cache: Optional[TokenCache] = None) -> list[list[int]]:
-    """Token ids per segment: the first with the model's BOS, the others without."""
+def tokenize_segments(engine: "Engine", segs: Sequence[str], cache: Optional[TokenCache] = None,
+                      literal: Optional[Sequence[Spans]] = None) -> list[list[int]]:
+    """Token ids per segment: the first with the model's BOS, the others without; a segment with
+    ``literal`` spans has them tokenized as text (`template_segments`), never from the cache."""
+    if literal is not None and any(literal):
+        return [tokenize_literal(engine, s, literal[i], add_special=i == 0) if literal[i] else
+                (cache.tokenize(engine, s, i == 0) if cache is not None else engine.tokenize(s, add_special=i == 0))
+                for i, s in enumerate(segs)]
     if cache is None:
         return [engine.tokenize(s, add_special=i == 0) for i, s in enumerate(segs)]
     return [cache.tokenize(engine, s, i == 0) for i, s in enumerate(segs)]

@@ -160,6 +160,7 @@ class OpenAIRoutes:
                             "/v1/completions", code="unsupported_model")
         tools = parse_tools(body)
         notes: Optional[list[str]] = None
+        literal = None
         if tools is not None and self.template is not None and self.template.uses_tools:
             # the template renders the tools: the model answers in its family's call grammar
             tools = dataclasses.replace(tools, fmt=tool_format(self.template.source))
@@ -167,12 +168,13 @@ class OpenAIRoutes:
             kwargs = body.get("chat_template_kwargs") or {}
             if not isinstance(kwargs, dict):
                 raise HTTPError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
-            texts, notes = template_segments(self.engine0, self.template, body.get("messages"), tools, kwargs)
+            texts, notes, literal = template_segments(self.engine0, self.template, body.get("messages"), tools,
+                                                      kwargs)
         else:
             assert self.fmt is not None
             texts = render_segments(self.fmt, body.get("messages"), tools)
-        segments = tokenize_segments(self.engine0, texts, self.tokens)
-        if notes is not None and len(segments) > 1 and \
+        segments = tokenize_segments(self.engine0, texts, self.tokens, literal)
+        if notes is not None and len(segments) > 1 and not any(literal or []) and \
                 [t for s in segments for t in s] != self.tokens.tokenize(self.engine0, "".join(texts), True):
             # the cuts tokenize apart one by one; if together they do not, the prompt is one segment
             segments, texts = [self.tokens.tokenize(self.engine0, "".join(texts), True)], ["".join(texts)]
@@ -180,6 +182,11 @@ class OpenAIRoutes:
         routed = await self._recall(body, segments, texts)
         job = self._job(body, segments, texts, chat=True)
         job.extra = routed
+        if literal and any(literal):
+            # a segment whose ids are not tokenize(its text) must not become a block (its text would
+            # not re-derive its tokens): it and what follows are never learned; reuse before it stays
+            first = next(i for i, spans in enumerate(literal) if spans)
+            job.learn_tail = max(job.learn_tail, len(segments) - first)
         if notes:
             job.extra = {**(routed or {}), "template": {"notes": notes}}
         return await self._serve(body, job, chat=True, tools=tools)
