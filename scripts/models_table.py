@@ -134,6 +134,10 @@ def row(path: Path) -> dict[str, str]:
                 for e in ENDS:
                     if text.endswith(e):
                         text, changed = text[:-len(e)], True
+            if not text.strip():
+                out["tools"] = f"{fmt.name}: the template renders no call"
+                out["date"] = "pinned per day" if "strftime_now" in tpl.source else "-"
+                return out
             p = toolcalls.parse(text, fmt, ["get_weather"])
             parsed = len(p.calls) == 1 and json.loads(p.calls[0]["function"]["arguments"]) == ARGS
             out["tools"] = f"{fmt.name}: {'parsed' if parsed else 'NOT parsed'}"

@@ -45,6 +45,9 @@ class ToolCallFormat:
     bare_json: bool = False
     #: the id shape the family's template demands
     id_style: str = "openai"
+    #: for JSON calls between markers: the markers (an empty close: up to the end of the answer)
+    open: str = ""
+    close: str = ""
 
 
 @dataclass
@@ -63,13 +66,37 @@ MISTRAL = ToolCallFormat("mistral", ("[TOOL_CALLS]",), id_style="mistral")
 HARMONY = ToolCallFormat("harmony", ("to=functions.", "<|channel|>", "<|start|>"))
 DEEPSEEK = ToolCallFormat("deepseek", ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"))
 GEMMA4 = ToolCallFormat("gemma4", ("<|tool_call>",))
-FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (HERMES, QWEN_XML, LLAMA3, MISTRAL, HARMONY, DEEPSEEK, GEMMA4)}
+GLM = ToolCallFormat("glm", ("<tool_call",))
+INVOKE_XML = ToolCallFormat("invoke-xml", ("invoke name=",))
+KIMI = ToolCallFormat("kimi", ("<|tool_calls_section_begin|>", "<|tool_call_begin|>"))
+SOLAR = ToolCallFormat("solar", ("<|tool_call:begin|>",))
+MINICPM = ToolCallFormat("minicpm", ('<function name="',))
+COHERE = ToolCallFormat("cohere", ("<|START_ACTION|>",), open="<|START_ACTION|>", close="<|END_ACTION|>")
+COMMAND_R = ToolCallFormat("command-r", ("Action:",), open="Action:", close="")
+APERTUS = ToolCallFormat("apertus", ("<|tools_prefix|>",), open="<|tools_prefix|>", close="<|tools_suffix|>")
+NEMOTRON = ToolCallFormat("nemotron", ("<TOOLCALL>",), open="<TOOLCALL>", close="</TOOLCALL>")
+TOOL_CALLS_JSON = ToolCallFormat("tool-calls-json", ("<tool_calls>",), open="<tool_calls>", close="</tool_calls>")
+GIGACHAT = ToolCallFormat("gigachat", ("function call",), open="function call<|role_sep|>", close="<|message_sep|>")
+GIGACHAT31 = ToolCallFormat("gigachat31", ("<|function_call|>",), open="<|function_call|>", close="<|message_sep|>")
+FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (
+    HERMES, QWEN_XML, LLAMA3, MISTRAL, HARMONY, DEEPSEEK, GEMMA4, GLM, INVOKE_XML, KIMI, SOLAR, MINICPM,
+    COHERE, COMMAND_R, APERTUS, NEMOTRON, TOOL_CALLS_JSON, GIGACHAT, GIGACHAT31)}
 
 
 def tool_format(template_source: Optional[str]) -> ToolCallFormat:
     """The family whose markers the template writes (Hermes when it writes none of them: the format
     graftmem's hand-written tool prompt asks for)."""
     src = template_source or ""
+    for marker, fmt in (("<|tool_calls_section_begin|>", KIMI), ("<|tool_call:begin|>", SOLAR), ("<arg_key", GLM),
+                        ("invoke name=", INVOKE_XML), ('<function name="', MINICPM), ("<|START_ACTION|>", COHERE),
+                        ("<|tools_prefix|>", APERTUS), ("<TOOLCALL>", NEMOTRON), ("<tool_calls>", TOOL_CALLS_JSON),
+                        ("<|function_call|>", GIGACHAT31)):
+        if marker in src:
+            return fmt
+    if "Action:" in src and "tool_name" in src:
+        return COMMAND_R
+    if "function call" in src and "<|role_sep|>" in src:
+        return GIGACHAT
     if "<function=" in src:
         return QWEN_XML
     if "<tool_call>" in src:
@@ -168,7 +195,13 @@ _XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 def _qwen_xml(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, None]:
     calls = []
     for m in _XML_CALL.finditer(text):
-        args: dict[str, Any] = {}
+        args: Any = {}
+        body = m.group(2).strip()
+        if body.startswith("{"):  # Functionary v3.1: <function=NAME>{json}</function>
+            try:
+                args = json.loads(body)
+            except ValueError:
+                return text, [], None
         for p in _XML_PARAM.finditer(m.group(2)):
             raw = p.group(2)
             try:
@@ -349,5 +382,124 @@ def _gemma4(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, None]:
     return "".join(out), calls, None
 
 
-_PARSERS = {"hermes": _hermes, "qwen-xml": _qwen_xml, "llama3": _llama3, "mistral": _mistral,
+def _value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def _spans_out(text: str, spans: list[tuple[int, int]]) -> str:
+    out, last = [], 0
+    for a, b in spans:
+        out.append(text[last:a])
+        last = b
+    out.append(text[last:])
+    return "".join(out)
+
+
+_GLM_CALL = re.compile(r"<tool_call(?::\w+)?>\s*([^<\n]+?)\s*(?:<tool_sep(?::\w+)?>)?\s*((?:<arg_key.*?)?)</tool_call(?::\w+)?>", re.S)
+_GLM_ARG = re.compile(r"<arg_key(?::\w+)?>(.*?)</arg_key(?::\w+)?>\s*<arg_value(?::\w+)?>(.*?)</arg_value(?::\w+)?>", re.S)
+
+
+def _glm(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, None]:
+    calls, spans = [], []
+    for m in _GLM_CALL.finditer(text):
+        args = {k.strip(): _value(v) for k, v in _GLM_ARG.findall(m.group(2))}
+        calls.append(_call(m.group(1).strip(), args, fmt.id_style))
+        spans.append(m.span())
+    if not calls:
+        return text, [], None
+    rest = re.sub(r"</?tool_calls(?::\w+)?>", "", _spans_out(text, spans))
+    return rest, calls, None
+
+
+_INVOKE = re.compile(r'<([^<>\s]*?)invoke name="([^"]+)">(.*?)</\1invoke>', re.S)
+
+
+def _invoke_xml(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, None]:
+    calls, spans = [], []
+    for m in _INVOKE.finditer(text):
+        prefix = re.escape(m.group(1))
+        params = re.finditer(rf'<{prefix}parameter name="([^"]+)"(?: string="(true|false)")?>(.*?)</{prefix}parameter>',
+                             m.group(3), re.S)
+        args = {p.group(1): (p.group(3) if p.group(2) == "true" else _value(p.group(3))) for p in params}
+        calls.append(_call(m.group(2), args, fmt.id_style))
+        spans.append(m.span())
+    if not calls:
+        return text, [], None
+    rest = re.sub(r"</?[^<>\s]*?(?:function_calls|tool_call)>", "", _spans_out(text, spans))
+    return rest, calls, None
+
+
+_KIMI = re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?([^:<\s]+)(?::\d+)?\s*<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>", re.S)
+_SOLAR = re.compile(r"<\|tool_call:begin\|>[^<]*<\|tool_call:name\|>([^<]+)<\|tool_call:args\|>(.*?)<\|tool_call:end\|>", re.S)
+_MINICPM = re.compile(r'<function name="([^"]+)">(.*?)</function>', re.S)
+_MINICPM_P = re.compile(r'<param name="([^"]+)">(.*?)</param>', re.S)
+
+
+def _regex_calls(rx: "re.Pattern[str]", json_args: bool, strip: str):
+    def parser(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, None]:
+        calls, spans = [], []
+        for m in rx.finditer(text):
+            if json_args:
+                try:
+                    args = json.loads(m.group(2))
+                except ValueError:
+                    return text, [], None
+            else:
+                args = {k: _value(v) for k, v in _MINICPM_P.findall(m.group(2))}
+            calls.append(_call(m.group(1).strip(), args, fmt.id_style))
+            spans.append(m.span())
+        if not calls:
+            return text, [], None
+        return re.sub(strip, "", _spans_out(text, spans)) if strip else _spans_out(text, spans), calls, None
+    return parser
+
+
+def _json_calls(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, None]:
+    """JSON call objects between two markers: ``{"name", "arguments"}``, Cohere's ``{"tool_name",
+    "parameters"}``, Apertus' ``{"NAME": {args}}``; a list, or objects one after another."""
+    i = text.find(fmt.open)
+    if i < 0:
+        return text, [], None
+    j = text.find(fmt.close, i + len(fmt.open)) if fmt.close else -1
+    body = text[i + len(fmt.open):j if j >= 0 else len(text)].strip()
+    if body.startswith("```"):  # Command R+: Action:\n```json\n[...]```
+        fence = body.find("```", 3)
+        if fence < 0:
+            return text, [], None
+        j = i + len(fmt.open) + (len(text[i + len(fmt.open):]) - len(text[i + len(fmt.open):].lstrip())) + fence
+        body = body[3:fence].strip()
+        body = body[4:] if body.startswith("json") else body
+    values, rest = [], body
+    try:
+        while rest.strip():
+            v, end = _json_prefix(rest)
+            values.extend(v if isinstance(v, list) else [v])
+            rest = rest[end:].lstrip().lstrip(",")
+    except ValueError:
+        return text, [], None
+    calls = []
+    for v in values:
+        if not isinstance(v, dict):
+            return text, [], None
+        name = v.get("name", v.get("tool_name"))
+        args = v.get("arguments", v.get("parameters"))
+        if name is None and len(v) == 1:  # Apertus: {"NAME": {args}}
+            name, args = next(iter(v.items()))
+        if not isinstance(name, str):
+            return text, [], None
+        calls.append(_call(name, args if args is not None else {}, fmt.id_style))
+    end = (j + (3 if fmt.close == "" else len(fmt.close))) if j >= 0 else len(text)
+    return text[:i] + text[end:], calls, None
+
+
+_PARSERS = {"glm": _glm, "invoke-xml": _invoke_xml,
+            "kimi": _regex_calls(_KIMI, True, r"<\|tool_calls_section_(?:begin|end)\|>"),
+            "solar": _regex_calls(_SOLAR, True, r"<\|tool_calls\|>|<\|calls\|>"),
+            "minicpm": _regex_calls(_MINICPM, False, ""),
+            "cohere": _json_calls, "command-r": _json_calls, "apertus": _json_calls, "nemotron": _json_calls,
+            "tool-calls-json": _json_calls, "gigachat": _json_calls, "gigachat31": _json_calls,
+            "hermes": _hermes, "qwen-xml": _qwen_xml, "llama3": _llama3, "mistral": _mistral,
             "harmony": _harmony, "deepseek": _deepseek, "gemma4": _gemma4}
