@@ -98,3 +98,18 @@ def test_malformed_calls_stay_text():
         assert p.calls == [] and p.content == text.strip(), fam
     # plain prose that happens to start with a brace is not a Llama call
     assert tc.parse('{"a": 1} is JSON', tc.FORMATS["llama3"]).calls == []
+
+
+def test_stream_holds_back_by_family():
+    """Hermes streams prose and holds from <tool_call>; Llama 3 holds an answer that opens with a brace
+    and streams one that does not; control-token families are held whole."""
+    from graftmem.server.tools import ToolStream
+
+    s = ToolStream(tc.FORMATS["hermes"])
+    assert s.feed("Sure. ") + s.feed("<tool") + s.feed("_call>{") == "Sure. "
+    s = ToolStream(tc.FORMATS["llama3"])
+    assert s.feed(" ") + s.feed('{"name"') == "" and s.held
+    s = ToolStream(tc.FORMATS["llama3"])
+    assert s.feed("") + s.feed("It is") + s.feed(" 4.") == "It is 4."
+    s = ToolStream(tc.FORMATS["mistral"])
+    assert s.feed("It is 4.") == "" and s.rest("It is 4.", []) == "It is 4."

@@ -163,15 +163,22 @@ class ToolStream:
 
     Text is passed on until ``<tool_call>`` appears (or may be appearing: a suffix that is a prefix of
     it is held); from there on nothing is streamed, and `finish()` decides from the whole answer.
-    Families whose call markers are control tokens (Llama 3's bare JSON, Mistral, harmony, DeepSeek,
+    Llama 3's bare JSON is held until the answer's first character: ``{`` holds it whole, anything
+    else streams. Other families whose call markers may be control tokens (Mistral, harmony, DeepSeek,
     Gemma 4: the streamed text never shows them) are held whole and decided at the end."""
 
     def __init__(self, fmt: ToolCallFormat = toolcalls.HERMES) -> None:
         self.buf, self.sent = "", 0
-        self.held = fmt not in (toolcalls.HERMES, toolcalls.QWEN_XML)
+        self.bare_json = fmt.bare_json
+        self.held = fmt not in (toolcalls.HERMES, toolcalls.QWEN_XML) and not fmt.bare_json
 
     def feed(self, text: str) -> str:
         self.buf += text
+        if self.bare_json:
+            head = self.buf.lstrip()
+            if not head:
+                return ""
+            self.bare_json, self.held = False, head.startswith("{")
         if self.held:
             return ""
         cut = self.buf.find(CALL_OPEN, self.sent)
