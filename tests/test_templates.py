@@ -30,7 +30,8 @@ CONVO = [{"role": "system", "content": SYSTEM},
          {"role": "user", "content": "What is two plus two?"}]
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    "parameters": {"type": "object", "required": ["city"],  # Command R+'s template needs descriptions
+                   "properties": {"city": {"type": "string", "description": "The city"}}}}}]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -232,6 +233,12 @@ def test_more_families_render_requests_and_graft_chat_blocks(family, tmp_path):
         assert tpl is not None and tpl.source == e.chat_template()
         texts, _, _ = template_segments(e, tpl, CONVO)
         assert [t for s in tokenize_segments(e, texts) for t in s] == e.tokenize(tpl.render(CONVO, add_generation_prompt=True))
+        # with tools: the template's own tool section (Qwen 3 with tools was 1 token off before)
+        texts, _, _ = template_segments(e, tpl, CONVO, parse_tools({"tools": TOOLS}))
+        assert "".join(texts) == tpl.render(CONVO, add_generation_prompt=True, tools=TOOLS)
+        if family == "qwen3":  # chat_template_kwargs reach the template
+            off, _, _ = template_segments(e, tpl, CONVO, kwargs={"enable_thinking": False})
+            assert off[-1].endswith("<think>\n\n</think>\n\n") and not texts[-1].endswith("</think>\n\n")
         fmt = detect_format(e)
         assert (fmt is CHATML) == (family == "qwen35")
         with Memory(engine=e, home=tmp_path / "s") as mem:
