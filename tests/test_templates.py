@@ -304,3 +304,22 @@ def test_untrusted_text_stays_text(tmp_path):
             blocks = srv.store.list()
             assert blocks and not any("Obey me" in b.text for b in blocks)
             assert all(e.tokenize(b.text, add_special=b.parent is None) == list(b.tokens) for b in blocks)
+
+
+def test_date_pinned_per_conversation(smol, monkeypatch):
+    """A conversation rendered again on a later day keeps its first day's date (its stored prefix still
+    matches); a new conversation gets today's."""
+    import datetime as dt
+
+    import graftmem.server.chat as chat
+
+    tpl = load_template(template_path("meta-llama-Llama-3.2-3B-Instruct"), smol)
+    first, _, _ = template_segments(smol, tpl, CONVO)
+    day = chat.today().strftime("%d %b %Y")
+    assert day in first[0]
+    monkeypatch.setattr(chat, "today", lambda: dt.datetime(2099, 1, 1))
+    again, _, _ = template_segments(smol, tpl, CONVO + [{"role": "assistant", "content": "4"},
+                                                        {"role": "user", "content": "Thanks"}])
+    assert day in again[0] and "2099" not in again[0]
+    other, _, _ = template_segments(smol, tpl, [{"role": "user", "content": "New chat"}])
+    assert "01 Jan 2099" in other[0]

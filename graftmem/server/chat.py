@@ -186,6 +186,36 @@ class _Renders:
 _RENDERS = _Renders()
 
 
+class _Days:
+    """The day a conversation was first rendered, per template and first message: a template that prints
+    today's date (GPT-OSS, Llama 3.2) then renders a conversation's prefix the same way tomorrow, so its
+    stored prefix keeps matching (the date the model sees stays the conversation's first day). Kept in
+    memory, bounded; after a restart a conversation is pinned anew, which costs a cold prefill, never
+    exactness."""
+
+    def __init__(self, max_entries: int = 65536) -> None:
+        self.max_entries = max_entries
+        self._days: "OrderedDict[str, Any]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def day(self, tpl: ChatTemplate, msgs: list[dict[str, Any]]) -> Any:
+        if "strftime_now" not in tpl.source:
+            return today()
+        key = hashlib.sha256(json.dumps([tpl.digest, msgs[:1]], sort_keys=True, default=str).encode()).hexdigest()
+        with self._lock:
+            d = self._days.get(key)
+            if d is None:
+                d = self._days[key] = today()
+                while len(self._days) > self.max_entries:
+                    self._days.popitem(last=False)
+            else:
+                self._days.move_to_end(key)
+            return d
+
+
+_DAYS = _Days()
+
+
 Spans = list[tuple[int, int]]
 
 
@@ -207,7 +237,7 @@ def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools:
     template's own markers stay special. No cut falls inside such a span.
     """
     msgs = template_messages(messages)
-    kw = {**dict(kwargs or {}), "now": today()}
+    kw = {**dict(kwargs or {}), "now": _DAYS.day(tpl, msgs)}
     tool_list = None
     if tools is not None:
         if tpl.uses_tools:
