@@ -12,7 +12,8 @@ Supported: ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p`
 to 4 strings; the text ends before the first one), ``logprobs`` / ``top_logprobs`` (chat) and
 ``logprobs: int`` (completions, non-streamed), ``stream`` (SSE ``data:`` chunks, then ``data: [DONE]``;
 ``stream_options.include_usage``), ``n = 1`` only, ``tools`` / ``tool_choice`` and tool messages
-(Hermes ``<tool_call>`` format, see `graftmem.server.tools`). ``/v1/completions`` cuts its prompt into
+(the model's own template and its family's call grammar, else the Hermes ``<tool_call>`` format; see
+`graftmem.server.tools`, `graftmem.core.toolcalls`, docs/models.md). ``/v1/completions`` cuts its prompt into
 segments of about 256 tokens (`graftmem.server.chat.chunk_prompt`) and uses the same prefix cache.
 """
 
