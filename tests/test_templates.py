@@ -323,3 +323,20 @@ def test_date_pinned_per_conversation(smol, monkeypatch):
     assert day in again[0] and "2099" not in again[0]
     other, _, _ = template_segments(smol, tpl, [{"role": "user", "content": "New chat"}])
     assert "01 Jan 2099" in other[0]
+
+
+def test_thinking_model_streams_what_it_answers(tmp_path):
+    """Qwen 3 (a thinking template): the streamed reasoning and content, joined, are the non-streamed
+    message's reasoning_content and content, with and without tools (greedy: the same tokens)."""
+    with Engine(tiny_path("qwen3")) as e:
+        with api_server(Store(tmp_path / "home"), [e], min_prefix_tokens=16, sightings=1) as srv:
+            for extra in ({}, {"tools": TOOLS}):
+                body = {"model": "m", "messages": CONVO, "max_tokens": 12, "temperature": 0, **extra}
+                whole = _post(srv.url, body).json()["choices"][0]["message"]
+                with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=120,
+                                  json={**body, "stream": True}) as s:
+                    deltas = [json.loads(x[6:])["choices"][0]["delta"] for x in s.iter_lines()
+                              if x.startswith("data: {") and '"choices": [{' in x]
+                content = "".join(d.get("content") or "" for d in deltas)
+                thought = "".join(d.get("reasoning_content") or "" for d in deltas)
+                assert content == (whole["content"] or "") and thought == (whole.get("reasoning_content") or "")

@@ -113,3 +113,21 @@ def test_stream_holds_back_by_family():
     assert s.feed("") + s.feed("It is") + s.feed(" 4.") == "It is 4."
     s = ToolStream(tc.FORMATS["mistral"])
     assert s.feed("It is 4.") == "" and s.rest("It is 4.", []) == "It is 4."
+
+
+@pytest.mark.parametrize("pieces", [["<think>add", " 2 and 2</think>", "\n\nFour."],
+                                    ["<th", "ink>add 2 and 2</th", "ink>\n", "\nFour."],
+                                    ["<think>add 2 and 2</think>\n\nFour."]])
+def test_think_stream_matches_the_whole_split(pieces):
+    """Reasoning streamed piece by piece equals the whole-answer split, wherever the tags are cut."""
+    from graftmem.server.tools import ThinkStream
+
+    s = ThinkStream()
+    got = [s.feed(p) for p in pieces] + [s.flush()]
+    assert "".join(t for t, _ in got) == "add 2 and 2" and "".join(c for _, c in got) == "Four."
+    assert tc.split_reasoning("".join(pieces)) == ("add 2 and 2", "Four.")
+    inside = ThinkStream(inside=True)
+    got = [inside.feed("first 2"), inside.feed("</think>"), inside.feed("Four."), inside.flush()]
+    assert ("".join(t for t, _ in got), "".join(c for _, c in got)) == ("first 2", "Four.")
+    plain = ThinkStream()
+    assert [plain.feed("It is"), plain.feed(" 4.")] == [("", "It is"), ("", " 4.")]

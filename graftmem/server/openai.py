@@ -44,7 +44,7 @@ from .generate import Job, Result, check_fits, run_job
 from .http import HTTPError, Limits, guarded, json_object, public_message, read_body
 from .pool import EnginePool
 from .routing import RouterRef
-from .tools import ToolSpec, ToolStream, parse_calls, parse_tools
+from .tools import ThinkStream, ToolSpec, ToolStream, parse_calls, parse_tools
 
 if TYPE_CHECKING:
     from ..store.local import Store
@@ -307,13 +307,18 @@ class OpenAIRoutes:
         engine = await self.pool.acquire(job.prefer)  # 429 here, before the stream starts
         done = loop.create_future()
         self._start(engine, job, loop, done)
+        think = None
+        if chat and self.template is not None and "</think>" in self.template.source and \
+                body.get("reasoning_format", "auto") != "none":
+            # a thinking model: its reasoning streams as reasoning_content (inside: the prompt opened it)
+            think = ThinkStream(inside=bool(job.texts) and job.texts[-1].rstrip().endswith("<think>"))
         return StreamingResponse(self._sse(rid, created, job, events, done, chat=chat, usage=include_usage,
-                                           tools=tools),
+                                           tools=tools, think=think),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _sse(self, rid: str, created: int, job: Job, events: "asyncio.Queue[tuple[str, Any]]",
                    done: "asyncio.Future[Result]", *, chat: bool, usage: bool,
-                   tools: Optional[ToolSpec] = None) -> AsyncIterator[bytes]:
+                   tools: Optional[ToolSpec] = None, think: Optional[ThinkStream] = None) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         held = ToolStream(tools.fmt) if tools is not None and tools.parse else None
 
@@ -323,6 +328,16 @@ class OpenAIRoutes:
             return b"data: " + json.dumps(d).encode() + b"\n\n"
 
         def delta(text: str, entries: list[dict[str, Any]]) -> bytes:
+            if think is not None:
+                thought, text = think.feed(text)
+                out = chunk({"index": 0, "delta": {"reasoning_content": thought}, "logprobs": None,
+                             "finish_reason": None}) if thought else b""
+                if not text and not entries:
+                    return out
+                return out + content_delta(text, entries)
+            return content_delta(text, entries)
+
+        def content_delta(text: str, entries: list[dict[str, Any]]) -> bytes:
             if held is not None:
                 text = held.feed(text)
                 if not text and not entries:
@@ -356,9 +371,21 @@ class OpenAIRoutes:
                             yield piece
                     result = done.result()
                 reason = "stop" if result.finish_reason in ("stop", "cancelled") else result.finish_reason
+                final_text = result.text
+                if think is not None:
+                    thought, tail = think.flush()
+                    if thought:
+                        yield chunk({"index": 0, "delta": {"reasoning_content": thought}, "logprobs": None,
+                                     "finish_reason": None})
+                    if tail and held is None:
+                        yield chunk({"index": 0, "delta": {"content": tail}, "logprobs": None, "finish_reason": None})
+                    elif tail:
+                        held.feed(tail)
+                    if "</think>" in final_text:
+                        final_text = split_reasoning(final_text)[1]
                 if held is not None:
                     _, calls = parse_calls(self._answer(result, tools), tools)
-                    if rest := held.rest(result.text, calls):
+                    if rest := held.rest(final_text, calls):
                         yield chunk({"index": 0, "delta": {"content": rest}, "logprobs": None, "finish_reason": None})
                     if calls:
                         yield chunk({"index": 0, "delta": {"tool_calls": [{"index": j, **c} for j, c in enumerate(calls)]},

@@ -34,7 +34,7 @@ from ..core.toolcalls import ToolCallFormat
 from .http import HTTPError
 
 __all__ = ["ToolSpec", "CALL_OPEN", "CALL_CLOSE", "parse_tools", "tools_prompt", "render_calls",
-           "render_tool_result", "parse_calls", "ToolStream"]
+           "render_tool_result", "parse_calls", "ToolStream", "ThinkStream"]
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL_RE = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.S)
@@ -199,3 +199,56 @@ class ToolStream:
         if calls:
             return ""
         return final_text[self.sent:] if final_text.startswith(self.buf[:self.sent]) else ""
+
+
+class ThinkStream:
+    """Splits a streamed answer into reasoning and content at ``<think>...</think>``, as
+    `graftmem.core.toolcalls.split_reasoning` splits a whole one.
+
+    ``inside``: the prompt opened the think block (Qwen3's and DeepSeek R1's generation prompts end with
+    ``<think>``), so the answer starts as reasoning. A suffix that may be the start of a tag is held
+    until the next piece decides; whitespace right after ``</think>`` is dropped, as the whole-answer
+    split drops it, so the streamed content equals the final one."""
+
+    OPEN, CLOSE = "<think>", "</think>"
+
+    def __init__(self, inside: bool = False) -> None:
+        self.buf, self.state = "", "think" if inside else "start"
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """``(reasoning, content)`` that may be sent now."""
+        self.buf += text
+        think, content = "", ""
+        while True:
+            if self.state == "start":
+                head = self.buf.lstrip()
+                if not head or (self.OPEN.startswith(head) and head != self.OPEN):
+                    return think, content  # nothing yet, or maybe "<think>" arriving
+                if head.startswith(self.OPEN):
+                    self.buf, self.state = head[len(self.OPEN):], "think"
+                    continue
+                self.state = "content"
+            if self.state == "think":
+                i = self.buf.find(self.CLOSE)
+                if i >= 0:
+                    think += self.buf[:i]
+                    self.buf, self.state = self.buf[i + len(self.CLOSE):], "after"
+                    continue
+                keep = next((n for n in range(min(len(self.CLOSE) - 1, len(self.buf)), 0, -1)
+                             if self.CLOSE.startswith(self.buf[-n:])), 0)
+                think += self.buf[:len(self.buf) - keep]
+                self.buf = self.buf[len(self.buf) - keep:]
+                return think, content
+            if self.state == "after":
+                self.buf = self.buf.lstrip()
+                if not self.buf:
+                    return think, content
+                self.state = "content"
+            content += self.buf
+            self.buf = ""
+            return think, content
+
+    def flush(self) -> tuple[str, str]:
+        """What is left at the end of the answer (a held partial tag is text after all)."""
+        rest, self.buf = self.buf, ""
+        return (rest, "") if self.state == "think" else ("", rest if self.state != "after" else rest.lstrip())
