@@ -20,6 +20,11 @@ loop treats it. Escape such text before recall if your tasks come from untrusted
 
 `split_ids()` checks the equality for any prefix/continuation pair, so raw (non-chat) blocks are
 checked too; a recall whose seam does merge is reported with ``receipt.exact = False``.
+
+Which format: the model's own chat template (`graftmem.core.template`), cut into the same four parts
+by `template_format()` at a special-token seam; the two hand-written formats below stay for SmolLM2
+and Gemma 3 (`LEGACY_RULE`) and for GGUFs without a template. docs/models.md has the reasons and the
+differences.
 """
 
 from __future__ import annotations
