@@ -126,6 +126,61 @@ def _gguf():
     return gguf
 
 
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
+
+
+def read_kv(path: Path) -> dict[str, tuple[int, int, object]]:
+    """The key-value section of a GGUF as ``{key: (type, array item type, value)}``.
+
+    Why not ``gguf.GGUFReader``: it builds a numpy view per array item, 70 s for the half a million
+    merges of a vocab on these CPUs; this reads the same values in about a second (arrays of numbers
+    as numpy arrays, strings as ``str``)."""
+    import struct
+
+    import numpy as np
+
+    data = path.read_bytes()
+    if data[:4] != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file")
+    _version, _n_tensors, n_kv = struct.unpack_from("<IQQ", data, 4)
+    pos = 24
+
+    def string() -> str:
+        nonlocal pos
+        (n,) = struct.unpack_from("<Q", data, pos)
+        s = data[pos + 8:pos + 8 + n].decode("utf-8")
+        pos += 8 + n
+        return s
+
+    def scalar(t: int) -> object:
+        nonlocal pos
+        if t == 8:
+            return string()
+        fmt = _SCALARS[t]
+        (v,) = struct.unpack_from(fmt, data, pos)
+        pos += struct.calcsize(fmt)
+        return v
+
+    out: dict[str, tuple[int, int, object]] = {}
+    for _ in range(n_kv):
+        key = string()
+        (t,) = struct.unpack_from("<I", data, pos)
+        pos += 4
+        if t != 9:
+            out[key] = (t, -1, scalar(t))
+            continue
+        sub, n = struct.unpack_from("<IQ", data, pos)
+        pos += 12
+        if sub == 8:
+            out[key] = (t, sub, [string() for _ in range(n)])
+        else:
+            arr = np.frombuffer(data, dtype=_NUMPY[sub], count=n, offset=pos)
+            pos += arr.nbytes
+            out[key] = (t, sub, arr)
+    return out
+
+
 def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -148,8 +203,8 @@ def build(family: str | Family, *, template: Optional[Path] = None, n_embd: int 
     gguf = _gguf()
     import numpy as np
 
-    reader = gguf.GGUFReader(str(vocab))
-    n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    kv = read_kv(vocab)
+    n_vocab = len(kv["tokenizer.ggml.tokens"][2])  # type: ignore[arg-type]
     tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
     w = gguf.GGUFWriter(str(tmp), "llama")
     w.add_name(f"graftmem tiny {fam.name}")
@@ -165,14 +220,14 @@ def build(family: str | Family, *, template: Optional[Path] = None, n_embd: int 
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(n_vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    for name, field in reader.fields.items():
+    for name, (vtype, sub, value) in kv.items():
         if not name.startswith("tokenizer.") or name.startswith("tokenizer.chat_template"):
             continue
-        vtype = field.types[0]
         if vtype == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(name, field.contents(), vtype, sub_type=field.types[-1])
+            items = value.tolist() if hasattr(value, "tolist") else value
+            w.add_key_value(name, items, gguf.GGUFValueType(vtype), sub_type=gguf.GGUFValueType(sub))
         else:
-            w.add_key_value(name, field.contents(), vtype)
+            w.add_key_value(name, value, gguf.GGUFValueType(vtype))
     w.add_chat_template(tpl.read_text(encoding="utf-8"))
     rng = np.random.default_rng(seed)
 

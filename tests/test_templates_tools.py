@@ -131,3 +131,21 @@ def test_think_stream_matches_the_whole_split(pieces):
     assert ("".join(t for t, _ in got), "".join(c for _, c in got)) == ("first 2", "Four.")
     plain = ThinkStream()
     assert [plain.feed("It is"), plain.feed(" 4.")] == [("", "It is"), ("", " 4.")]
+
+
+def test_tiny_builder_reads_a_vocab_as_gguf_reader_does():
+    """scripts/tiny_models.py's fast GGUF key-value reader gives gguf-py's values (Phi-3's vocab:
+    strings, string arrays, float and int arrays, bools)."""
+    import gguf
+    import numpy as np
+
+    from .tiny import tiny_models
+
+    path = tiny_models().vocab_path("phi-3")
+    ours = tiny_models().read_kv(path)
+    ref = gguf.GGUFReader(str(path))
+    assert set(ours) == {k for k in ref.fields if not k.startswith("GGUF.")}
+    for key, (vtype, _, value) in ours.items():
+        expect = ref.fields[key].contents()
+        assert vtype == ref.fields[key].types[0]
+        assert (np.asarray(value).tolist() if hasattr(value, "tolist") else value) == expect, key
