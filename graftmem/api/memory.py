@@ -451,7 +451,10 @@ class Memory:
                               "learn the conversation as a text")
         text = fmt.render(messages)
         last_user = next((m["content"] for m in reversed(messages) if m.get("role") == "user"), text)
-        return text, name or default_name(last_user), {**dict(metadata or {}), "chat_format": fmt.name}
+        meta = {**dict(metadata or {}), "chat_format": fmt.name}
+        if fmt.template is not None:
+            meta["chat_parts"] = fmt.parts
+        return text, name or default_name(last_user), meta
 
     add = learn
 

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     from .progress import progress_bar
     from .statefmt import join as join_states
     from .statefmt import needs_placing, place_cells_into
-    from .prompt import CHATML, FORMATS, GEMMA, ChatFormat, detect_format, split_ids
+    from .prompt import CHATML, FORMATS, GEMMA, ChatFormat, detect_format, request_template, split_ids
+    from .template import ChatTemplate, TemplateError, load_template, model_template
 
 _LAZY: dict[str, tuple[str, str]] = {
     "FORMAT_VERSION": (".blocks", "FORMAT_VERSION"),
@@ -70,6 +71,11 @@ _LAZY: dict[str, tuple[str, str]] = {
     "ChatFormat": (".prompt", "ChatFormat"),
     "detect_format": (".prompt", "detect_format"),
     "split_ids": (".prompt", "split_ids"),
+    "request_template": (".prompt", "request_template"),
+    "ChatTemplate": (".template", "ChatTemplate"),
+    "TemplateError": (".template", "TemplateError"),
+    "load_template": (".template", "load_template"),
+    "model_template": (".template", "model_template"),
 }
 
 
@@ -87,4 +93,5 @@ __all__ = sorted([
     "SearchHit", "StoreStats", "VerificationRecord", "VerifyReport", "block_id_for", "Decoded", "Sampling",
     "decode", "Engine", "logits_sha256", "system_report", "probe_kernels", "KernelVerdict", "Grammar", "json_grammar", "usable_cores", "state_digest", "DEFAULT_MODEL", "MODELS",
     "resolve_model", "progress_bar", "join_states", "needs_placing", "place_cells_into", "CHATML", "FORMATS", "GEMMA", "ChatFormat", "detect_format", "split_ids",
+    "request_template", "ChatTemplate", "TemplateError", "load_template", "model_template",
     "__version__", *_errors_all])

@@ -524,6 +524,52 @@ class Engine:
         """A [`Grammar`][graftmem.core.engine.Grammar] over this engine's vocabulary, for `decode(grammar=)`."""
         return Grammar(self, gbnf, root)
 
+    # ----------------------------------------------------------------- model metadata (chat templates)
+    def metadata(self) -> dict[str, str]:
+        """The GGUF's scalar metadata as strings (llama.cpp prints arrays as a summary), for the chat
+        template layer: ``tokenizer.chat_template``, ``general.name``, ..."""
+        self._check()
+        out: dict[str, str] = {}
+        for i in range(C.llama_model_meta_count(self._model)):
+            out[self._meta_str(C.llama_model_meta_key_by_index, i)] = self._meta_str(
+                C.llama_model_meta_val_str_by_index, i)
+        return out
+
+    def _meta_str(self, fn: Callable[..., int], i: int) -> str:
+        size = 256
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = fn(self._model, i, buf, size)
+            if n < 0:
+                return ""
+            if n < size:
+                return buf.value.decode("utf-8", "replace")
+            size = n + 1
+
+    def chat_template(self, name: Optional[str] = None) -> Optional[str]:
+        """The GGUF's ``tokenizer.chat_template`` (or ``tokenizer.chat_template.<name>``), None if absent."""
+        self._check()
+        ptr = C.llama_model_chat_template(self._model, name.encode() if name else None)
+        return ptr.decode("utf-8", "replace") if ptr else None
+
+    def token_text(self, token: int) -> str:
+        """A token's text as the vocabulary spells it (special tokens included: ``<|eot_id|>``)."""
+        self._check()
+        raw = C.llama_vocab_get_text(self._vocab, int(token))
+        return raw.decode("utf-8", "replace") if raw else ""
+
+    def special_tokens(self) -> dict[str, Any]:
+        """BOS / EOS ids and texts and whether tokenizing adds BOS: what a chat template is rendered with."""
+        self._check()
+        bos, eos = C.llama_vocab_bos(self._vocab), C.llama_vocab_eos(self._vocab)
+        return {"bos": bos, "eos": eos, "bos_text": self.token_text(bos) if bos >= 0 else "",
+                "eos_text": self.token_text(eos) if eos >= 0 else "",
+                "add_bos": bool(C.llama_vocab_get_add_bos(self._vocab))}
+
+    def is_control(self, token: int) -> bool:
+        """Whether ``token`` is a control (special) token: a chat template's marker, never user text."""
+        return bool(C.llama_vocab_is_control(self._vocab, int(token)))
+
     # ----------------------------------------------------------------- compute
     @contextlib.contextmanager
     def session(self, *, resume: bool = False, keep: bool = False) -> Iterator["Engine"]:

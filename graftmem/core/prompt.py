@@ -20,19 +20,30 @@ loop treats it. Escape such text before recall if your tasks come from untrusted
 
 `split_ids()` checks the equality for any prefix/continuation pair, so raw (non-chat) blocks are
 checked too; a recall whose seam does merge is reported with ``receipt.exact = False``.
+
+Which format: the model's own chat template (`graftmem.core.template`), cut into the same four parts
+by `template_format()` at a special-token seam; the two hand-written formats below stay for SmolLM2
+and Gemma 3 (`LEGACY_RULE`) and for GGUFs without a template. docs/models.md has the reasons and the
+differences.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from .errors import ConfigError
+from .template import ChatTemplate, TemplateError, load_template, model_template, today
 
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["ChatFormat", "CHATML", "GEMMA", "FORMATS", "detect_format", "format_named", "split_ids"]
+__all__ = ["ChatFormat", "CHATML", "GEMMA", "FORMATS", "detect_format", "format_named", "format_of", "request_template",
+           "split_ids", "template_format", "clean_seam", "seam_before", "starts_special", "LEGACY_RULE",
+           "has_special_text", "tokenize_literal"]
+
+log = logging.getLogger("graftmem")
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,13 @@ class ChatFormat:
     turn_open: str = ""        #: a turn's header, with ``{role}`` for the role name
     turn_close: str = ""       #: a turn's end
     roles: tuple[tuple[str, str], ...] = ()  #: OpenAI role -> this template's role
+    #: the model's own template this format was derived from (None: a hand-written format)
+    template: Optional[ChatTemplate] = field(default=None, compare=False, repr=False)
+
+    @property
+    def parts(self) -> list[str]:
+        """What a block learned through a derived format stores to rebuild it (`format_of`)."""
+        return [self.block_head, self.block_tail, self.task_head, self.task_tail]
 
     def turn(self, role: str, content: str) -> str:
         """One complete turn of ``role`` (an OpenAI role: system, user, assistant, tool)."""
@@ -64,6 +82,8 @@ class ChatFormat:
     def render(self, messages: Sequence[Mapping[str, Any]], *, generation_prompt: bool = False) -> str:
         """Chat messages (``[{"role": ..., "content": ...}]``) as this template's text; with
         ``generation_prompt`` the header of the assistant's turn follows, ready for decoding."""
+        if self.template is not None:
+            return self.template.render(messages, add_generation_prompt=generation_prompt)
         parts = []
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
@@ -118,17 +138,183 @@ def format_named(name: str) -> ChatFormat:
         raise ConfigError(f"unknown chat format {name!r}; known: {', '.join(sorted(FORMATS))}") from None
 
 
-def detect_format(engine: "Engine") -> Optional[ChatFormat]:
-    """The format whose probe token is a single special token in this engine's vocabulary.
+#: Why SmolLM2 and Gemma 3 keep the hand-written formats (a deliberate choice, docs/models.md): their
+#: own templates render no tools (graftmem's Hermes tool text would be dropped), SmolLM2's adds a default
+#: system turn when a conversation has none and Gemma 3's folds the system text into the first user
+#: turn (so a manual alone renders as nothing but BOS): a block must hold the manual as a turn of its
+#: own. Keeping them keeps every prompt and every block learned before byte-identical.
+LEGACY_RULE = ("the GGUF's template renders no tools and the vocabulary has the hand-written format's "
+               "markers: the hand-written format is kept (blocks learned before keep grafting)")
 
-    Detected from the vocabulary rather than from the GGUF's Jinja template: the template would need
-    a Jinja renderer and its seam is not ours to choose; the vocabulary says which markers exist.
+
+def detect_format(engine: "Engine", template: "ChatTemplate | str | None" = None) -> Optional[ChatFormat]:
+    """The chat format of this engine's requests and chat blocks.
+
+    ``template`` (a `ChatTemplate` or a file path, as llama-server's ``--chat-template-file``) wins.
+    Otherwise the GGUF's own ``tokenizer.chat_template``, cut into a block part and a task part by
+    `template_format`; except where `LEGACY_RULE` keeps a hand-written format (SmolLM2, Gemma 3).
+    A GGUF without a template falls back to the hand-written format whose marker is a single special
+    token in the vocabulary; None when nothing fits.
     """
+    if template is not None:
+        tpl = template if isinstance(template, ChatTemplate) else load_template(template, engine)
+        return template_format(engine, tpl)
+    cache = getattr(engine, "_graftmem_formats", None)
+    if cache is None:
+        cache = {}
+        try:
+            engine._graftmem_formats = cache  # type: ignore[attr-defined]
+        except AttributeError:
+            pass
+    if "auto" in cache:
+        return cache["auto"]
+    legacy = None
     for fmt in FORMATS.values():
         ids = engine.tokenize(fmt.probe, add_special=False)
         if len(ids) == 1:
-            return fmt
+            legacy = fmt
+            break
+    tpl = model_template(engine)
+    chosen: Optional[ChatFormat] = legacy
+    if tpl is not None and not (legacy is not None and not tpl.uses_tools):
+        try:
+            chosen = template_format(engine, tpl)
+        except TemplateError as exc:
+            log.warning("model %s: its chat template cannot hold a manual as a turn of its own (%s); %s",
+                        engine.fingerprint.model_name, exc,
+                        f"using the hand-written {legacy.name!r} format" if legacy else "chat is unavailable")
+            chosen = legacy
+    cache["auto"] = chosen
+    return chosen
+
+
+def request_template(engine: "Engine", template: "ChatTemplate | str | None" = None) -> Optional[ChatTemplate]:
+    """The template a chat *request* is rendered with: ``template`` (an object or a file) if given,
+    else the GGUF's own, except where `LEGACY_RULE` keeps the hand-written format (None: render with
+    `detect_format`'s format). Unlike a chat block's format, a request needs no block/task cut, so a
+    template that cannot render a system turn alone (Qwen3.5 raises "No user query found") still
+    renders every request."""
+    if template is not None:
+        return template if isinstance(template, ChatTemplate) else load_template(template, engine)
+    tpl = model_template(engine)
+    if tpl is None:
+        return None
+    if not tpl.uses_tools and any(len(engine.tokenize(f.probe, add_special=False)) == 1 for f in FORMATS.values()):
+        return None
+    return tpl
+
+
+def format_of(metadata: Mapping[str, Any]) -> Optional[ChatFormat]:
+    """The format a chat block was learned with, from its metadata: a hand-written one by name, a
+    template-derived one from the four parts it stored (so recall needs neither engine nor template)."""
+    name = str(metadata.get("chat_format", ""))
+    if name in FORMATS:
+        return FORMATS[name]
+    parts = metadata.get("chat_parts")
+    if name.startswith("template:") and isinstance(parts, list) and len(parts) == 4 \
+            and all(isinstance(p, str) for p in parts):
+        return ChatFormat(name=name, block_head=parts[0], block_tail=parts[1], task_head=parts[2],
+                          task_tail=parts[3], probe="")
     return None
+
+
+def clean_seam(engine: "Engine", text: str, cut: int, *, add_special: bool = True,
+               whole: Optional[Sequence[int]] = None) -> bool:
+    """Whether ``text`` may be cut at ``cut``: the rest starts with a special token (llama.cpp splits
+    fragments at special tokens before BPE, so nothing merges across) and the two halves tokenized
+    apart give the ids of the whole (``whole``: those ids, when the caller has them)."""
+    rest = text[cut:]
+    if not rest:
+        return True
+    if cut == 0 or not starts_special(engine, text, cut):
+        return False
+    a = engine.tokenize(rest, add_special=False)
+    if whole is None:
+        whole = engine.tokenize(text, add_special=add_special)
+    return engine.tokenize(text[:cut], add_special=add_special) + a == list(whole)
+
+
+def has_special_text(engine: "Engine", text: str) -> bool:
+    """Whether ``text`` spells a special token (``"<|eot_id|>"`` typed by a user): tokenized with and
+    without special-token parsing it gives other ids."""
+    return engine.tokenize(text, add_special=False) != engine.tokenize(text, add_special=False, parse_special=False)
+
+
+def tokenize_literal(engine: "Engine", text: str, spans: Sequence[tuple[int, int]], *,
+                     add_special: bool = True) -> list[int]:
+    """Ids of ``text`` with the character ``spans`` tokenized as plain text (special-token text inside
+    them stays text) and the rest, the template's own markers, with special tokens parsed: what
+    llama-server does with message content, so a user cannot forge a turn. The pieces are tokenized
+    apart, so the ids are a function of the text and the spans, the same for a graft and a cold prefill."""
+    ids: list[int] = []
+    pos = 0
+    for a, b in sorted(spans):
+        if a > pos:
+            ids += engine.tokenize(text[pos:a], add_special=add_special and not ids and pos == 0)
+        elif pos == 0 and add_special:
+            ids += engine.tokenize("", add_special=True)
+        ids += engine.tokenize(text[a:b], add_special=False, parse_special=False)
+        pos = b
+    if pos < len(text):
+        ids += engine.tokenize(text[pos:], add_special=add_special and pos == 0)
+    return ids
+
+
+def starts_special(engine: "Engine", text: str, at: int) -> bool:
+    """Whether ``text[at:]`` starts with a special token's text (parsed as one token only when special
+    tokens are parsed); a window is enough: no special token's text is 64 characters long."""
+    window = text[at:at + 64]
+    a = engine.tokenize(window, add_special=False)
+    b = engine.tokenize(window, add_special=False, parse_special=False)
+    return bool(a) and a[:1] != b[:1]
+
+
+def seam_before(engine: "Engine", text: str, hi: int, lo: int = 1, *, add_special: bool = True,
+                whole: Optional[Sequence[int]] = None, check: bool = True) -> Optional[int]:
+    """The last clean seam (`clean_seam`) in ``text[lo..hi]``, None if there is none. ``check=False``
+    only asks that the rest start with a special token (the caller then checks the ids of all its
+    cuts at once, as `graftmem.server.chat.template_segments`' caller does)."""
+    for c in range(min(hi, len(text)), max(lo, 1) - 1, -1):
+        if c == len(text):
+            return c
+        if text[c] not in "<[":
+            continue
+        if (clean_seam(engine, text, c, add_special=add_special, whole=whole) if check
+                else starts_special(engine, text, c)):
+            return c
+    return None
+
+
+_MANUAL, _TASK = "GRAFTMEMMANUALQZ", "GRAFTMEMTASKQZ"
+
+
+def template_format(engine: "Engine", tpl: ChatTemplate) -> ChatFormat:
+    """A `ChatFormat` cut out of a model's own template: render ``[system: M, user: T]`` with the
+    generation prompt, and ``[system: M]`` alone; the block ends where the two stop agreeing (the
+    system turn's end where the template extends cleanly; before Phi-3.5's EOS, which it writes only
+    when nothing follows), moved back to a special-token seam. Raises `TemplateError` when the manual
+    cannot be a turn of its own (Gemma 2's template refuses a system role; Mistral-Nemo's puts it in
+    the last user turn)."""
+    msgs = [{"role": "system", "content": _MANUAL}, {"role": "user", "content": _TASK}]
+    day = today()
+    full = tpl.render(msgs, add_generation_prompt=True, now=day)
+    alone = tpl.render(msgs[:1], now=day)
+    i_m, i_t = full.find(_MANUAL), full.find(_TASK)
+    if i_m < 0 or i_t < 0 or i_t < i_m or alone.find(_MANUAL) != i_m:
+        raise TemplateError(f"template {tpl.name!r} does not render a system message as a turn before the user's")
+    agree = next((i for i, (a, b) in enumerate(zip(alone, full)) if a != b), min(len(alone), len(full)))
+    end = i_m + len(_MANUAL)
+    cut = seam_before(engine, full, min(agree, i_t), end)
+    if cut is None:
+        raise TemplateError(f"template {tpl.name!r}: no special-token seam between the system turn and the user's")
+    fmt = ChatFormat(name=f"template:{tpl.digest[:12]}", block_head=full[:i_m], block_tail=full[end:cut],
+                     task_head=full[cut:i_t], task_tail=full[i_t + len(_TASK):], probe="", template=tpl)
+    # the derived parts must give what the template renders, with other texts than the placeholders
+    check = tpl.render([{"role": "system", "content": "You help."}, {"role": "user", "content": "Hi there"}],
+                       add_generation_prompt=True, now=day)
+    if fmt.prefix("You help.") + fmt.continuation("Hi there") != check:
+        raise TemplateError(f"template {tpl.name!r} renders a text differently from its placeholders")
+    return fmt
 
 
 def split_ids(engine: "Engine", prefix_tokens: Sequence[int], prefix_text: str,

@@ -46,10 +46,13 @@ def prepare_labels(engine: "Engine", text: str, name: Optional[str], metadata: O
     if chat:
         fmt = detect_format(engine)
         if fmt is None:
-            raise ConfigError(f"model {engine.fingerprint.model_name!r} has none of the chat templates graftmem "
-                              f"knows ({', '.join(sorted(FORMATS))}); learn with chat=False")
+            raise ConfigError(f"model {engine.fingerprint.model_name!r} has no chat template (none in the GGUF and none of the hand-written "
+                              f"formats {', '.join(sorted(FORMATS))} fits); learn with chat=False")
         name = name or default_name(text)
         meta["chat_format"] = fmt.name
+        if fmt.template is not None:  # derived from the model's template: recall rebuilds it from these
+            meta["chat_parts"] = fmt.parts
+            meta["chat_template_sha256"] = fmt.template.digest
         text = fmt.prefix(text)
     return text, name, meta
 

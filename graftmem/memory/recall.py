@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable, Literal, Optional, Sequence
 from ..core.blocks import Block, Fingerprint, Recall, Receipt, SearchHit
 from ..core.decoding import GREEDY, Sampling
 from ..core.errors import BlockNotFound, ConfigError
-from ..core.prompt import FORMATS, split_ids
+from ..core.prompt import format_of, split_ids
 from ..store.chain import chain_of
 from .answer import OnText, answer, ask
 from .router import DEFAULT_MIN_SCORE
@@ -40,7 +40,7 @@ log = logging.getLogger("graftmem")
 
 def continuation_for(block: Block, task: str) -> str:
     """What is prefilled after the block: the task as the next chat turn, or as is for raw blocks."""
-    fmt = FORMATS.get(str(block.metadata.get("chat_format", "")))
+    fmt = format_of(block.metadata)
     return fmt.continuation(task) if fmt is not None else task
 
 

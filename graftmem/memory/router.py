@@ -275,9 +275,9 @@ def _faiss() -> Any:
 
 def block_body(block: "Block") -> str:
     """The text a block is routed by: chat blocks contribute their manual, not the template around it."""
-    from ..core.prompt import FORMATS
+    from ..core.prompt import format_of
 
-    fmt = FORMATS.get(str(block.metadata.get("chat_format", "")))
+    fmt = format_of(block.metadata)
     return fmt.body(block.text) if fmt is not None else block.text
 
 

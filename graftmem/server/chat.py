@@ -15,18 +15,22 @@ its remaining segments computes the same bytes as a request served cold.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from ..core.prompt import ChatFormat
+from ..core.prompt import ChatFormat, has_special_text, seam_before, tokenize_literal
+from ..core.template import ChatTemplate, TemplateError, today
 from .http import HTTPError
 from .tools import ToolSpec, render_calls, render_tool_result, tools_prompt
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
 
-__all__ = ["message_text", "render_segments", "tokenize_segments", "chunk_prompt", "CHUNK_TOKENS", "TokenCache"]
+__all__ = ["answer_text", "message_text", "render_segments", "template_messages", "template_segments", "tokenize_segments",
+           "chunk_prompt", "CHUNK_TOKENS", "TokenCache"]
 
 #: A raw prompt (``/v1/completions``) is cut into segments of about this many tokens.
 CHUNK_TOKENS = 256
@@ -90,6 +94,221 @@ def render_segments(fmt: ChatFormat, messages: Sequence[Any], tools: Optional[To
     return segs
 
 
+def _text_content(msg: dict[str, Any], i: int) -> str:
+    content = msg.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise HTTPError(400, f"messages[{i}].content[{j}]: only text parts are supported",
+                                param=f"messages[{i}].content")
+            parts.append(part["text"])
+        return "".join(parts)
+    if not isinstance(content, str):
+        raise HTTPError(400, f"messages[{i}].content must be a string or a list of text parts",
+                        param=f"messages[{i}].content")
+    return content
+
+
+def template_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI messages in the shape chat templates expect (transformers' convention): text content as
+    a string, ``developer`` as ``system``, a tool call's ``arguments`` as an object (templates write
+    ``arguments | tojson`` or iterate its items; OpenAI sends a JSON string), tool results with their
+    ``tool_call_id`` and ``name``."""
+    if not isinstance(messages, list) or not messages:
+        raise HTTPError(400, "messages must be a non-empty list", param="messages")
+    out = []
+    for i, msg in enumerate(messages):
+        role, _ = message_text({k: v for k, v in msg.items() if k != "tool_calls"} if isinstance(msg, dict) else msg, i)
+        m: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": _text_content(msg, i)}
+        if msg.get("tool_calls"):
+            if role != "assistant" or not isinstance(msg["tool_calls"], list):
+                raise HTTPError(400, f"messages[{i}]: only assistant messages carry a list of tool_calls",
+                                param=f"messages[{i}].tool_calls")
+            calls = []
+            for j, call in enumerate(msg["tool_calls"]):
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise HTTPError(400, f"messages[{i}].tool_calls[{j}] must have function.name",
+                                    param=f"messages[{i}].tool_calls")
+                args = fn.get("arguments", "{}")
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args) if args.strip() else {}
+                    except ValueError:
+                        pass  # kept as the string the client sent
+                calls.append({"id": str(call.get("id") or ""), "type": "function",
+                              "function": {"name": fn["name"], "arguments": args}})
+            m["tool_calls"] = calls
+        for key in ("tool_call_id", "name", "reasoning_content"):
+            if isinstance(msg.get(key), str):
+                m[key] = msg[key]
+        out.append(m)
+    return out
+
+
+class _Renders:
+    """Renders of conversation prefixes, least recently used dropped past ``max_chars``.
+
+    Cutting a request renders each of its growing prefixes: O(n^2) template work for n messages, and a
+    template such as Gemma 4's takes tens of milliseconds per render. An agent re-sends the same
+    conversation plus one turn, so all but the newest prefixes were rendered by its previous request;
+    a render is a function of the template, the messages, the tools, the kwargs and the pinned day,
+    which make the key."""
+
+    def __init__(self, max_chars: int = 32 << 20) -> None:
+        self.max_chars, self._chars = max_chars, 0
+        self._texts: "OrderedDict[str, str]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def render(self, tpl: ChatTemplate, msgs: list[dict[str, Any]], tools: Any, kw: dict[str, Any],
+               gen: bool) -> str:
+        key = hashlib.sha256(json.dumps([tpl.digest, tpl.bos_token, tpl.eos_token, tpl.strip_bos, msgs, tools,
+                                         kw, gen], sort_keys=True, default=str).encode()).hexdigest()
+        with self._lock:
+            text = self._texts.get(key)
+            if text is not None:
+                self._texts.move_to_end(key)
+                return text
+        text = tpl.render(msgs, add_generation_prompt=gen, tools=tools, **kw)
+        with self._lock:
+            if key not in self._texts and len(text) <= self.max_chars:
+                self._texts[key] = text
+                self._chars += len(text)
+            while self._chars > self.max_chars:
+                _, old = self._texts.popitem(last=False)
+                self._chars -= len(old)
+        return text
+
+
+_RENDERS = _Renders()
+
+
+class _Days:
+    """The day a conversation was first rendered, per template and first message: a template that prints
+    today's date (GPT-OSS, Llama 3.2) then renders a conversation's prefix the same way tomorrow, so its
+    stored prefix keeps matching (the date the model sees stays the conversation's first day). Kept in
+    memory, bounded; after a restart a conversation is pinned anew, which costs a cold prefill, never
+    exactness."""
+
+    def __init__(self, max_entries: int = 65536) -> None:
+        self.max_entries = max_entries
+        self._days: "OrderedDict[str, Any]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def day(self, tpl: ChatTemplate, msgs: list[dict[str, Any]]) -> Any:
+        if "strftime_now" not in tpl.source:
+            return today()
+        key = hashlib.sha256(json.dumps([tpl.digest, msgs[:1]], sort_keys=True, default=str).encode()).hexdigest()
+        with self._lock:
+            d = self._days.get(key)
+            if d is None:
+                d = self._days[key] = today()
+                while len(self._days) > self.max_entries:
+                    self._days.popitem(last=False)
+            else:
+                self._days.move_to_end(key)
+            return d
+
+
+_DAYS = _Days()
+
+
+Spans = list[tuple[int, int]]
+
+
+def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools: Optional[ToolSpec] = None,
+                      kwargs: Optional[dict[str, Any]] = None) -> tuple[list[str], list[str], list[Spans]]:
+    """A request rendered by the model's own template, cut into one segment per message where the
+    template allows it, and why it did not where it does not.
+
+    The whole prompt is ``render(messages, add_generation_prompt=True)``, always: the cut never changes
+    what is prefilled. A cut after message k is placed where ``render(messages[:k])`` stops agreeing
+    with the whole prompt (its end, for the 57 of 70 templates that extend cleanly), moved back to the
+    last special-token seam that tokenizes apart (`graftmem.core.prompt.clean_seam`). A template that
+    re-renders a message once another follows (Phi-3.5's EOS, Qwen3's empty think block, reasoning
+    dropped at a new user turn) thus gives a shorter stable prefix, and the note says which message.
+
+    Untrusted text stays text: the third result holds, per segment, the character spans of user and
+    tool messages that spell a special token (``"<|eot_id|>"`` typed by a user); `tokenize_segments`
+    tokenizes them without special-token parsing (`graftmem.core.prompt.tokenize_literal`), while the
+    template's own markers stay special. No cut falls inside such a span.
+    """
+    msgs = template_messages(messages)
+    kw = {**dict(kwargs or {}), "now": _DAYS.day(tpl, msgs)}
+    tool_list = None
+    if tools is not None:
+        if tpl.uses_tools:
+            tool_list = [{"type": "function", "function": f} for f in tools.functions]
+        else:  # the template renders no tools: graftmem's Hermes tool text in the system message
+            if msgs[0]["role"] == "system":
+                msgs[0] = {**msgs[0], "content": f"{msgs[0]['content']}\n\n{tools_prompt(tools)}"}
+            else:
+                msgs.insert(0, {"role": "system", "content": tools_prompt(tools)})
+    try:
+        full = _RENDERS.render(tpl, msgs, tool_list, kw, True)
+    except TemplateError as exc:
+        raise HTTPError(400, f"the model's chat template refused these messages: {exc}", param="messages",
+                        code="template_error") from exc
+    if not full:
+        raise HTTPError(400, "the model's chat template rendered these messages as nothing", param="messages")
+    cuts: list[int] = []
+    notes: list[str] = []
+    for k in range(1, len(msgs) + 1):
+        try:
+            part = _RENDERS.render(tpl, msgs[:k], tool_list, kw, False)
+        except TemplateError as exc:
+            notes.append(f"messages[:{k}] do not render on their own ({exc}): no cut after message {k - 1}")
+            continue
+        agree = len(part) if full.startswith(part) else \
+            next(i for i, (a, b) in enumerate(zip(part, full)) if a != b)
+        if agree < len(part):
+            notes.append(f"message {k - 1} renders differently once more follows: cut moved back")
+        lo = cuts[-1] + 1 if cuts else 1
+        if agree < lo:
+            continue
+        c = seam_before(engine, full, agree, lo, check=False)  # the caller checks all cuts' ids at once
+        if c is not None and c < len(full):
+            cuts.append(c)
+    spans: Spans = []
+    at = 0
+    for i, m in enumerate(msgs):
+        content = m.get("content")
+        if not isinstance(content, str) or not content.strip():
+            continue
+        j = full.find(content, at)
+        if j < 0:  # the template trims content (Llama 3.x): look for the trimmed text
+            content = content.strip()
+            j = full.find(content, at)
+        if m["role"] not in ("user", "tool") or not has_special_text(engine, content):
+            at = j + len(content) if j >= 0 else at
+            continue
+        if j < 0:
+            notes.append(f"message {i} spells a special token but is not verbatim in the render: parsed as is")
+            continue
+        spans.append((j, j + len(content)))
+        at = j + len(content)
+        notes.append(f"message {i} spells a special token: tokenized as text, its segment not learned")
+    cuts = [c for c in cuts if not any(a < c < b for a, b in spans)]
+    bounds = [0, *cuts, len(full)]
+    literal = [[(max(a, lo) - lo, min(b, hi) - lo) for a, b in spans if a < hi and b > lo]
+               for lo, hi in zip(bounds, bounds[1:])]
+    return [full[a:b] for a, b in zip(bounds, bounds[1:])], notes, literal
+
+
+def answer_text(engine: "Engine", tokens: Sequence[int]) -> str:
+    """Generated tokens as text, control tokens written out (``engine.piece`` leaves them empty): what
+    a family's tool-call parser needs to see its markers."""
+    out = bytearray()
+    for t in tokens:
+        if engine.is_eog(t):
+            break
+        out += engine.token_text(t).encode() if engine.is_control(t) else engine.piece(t)
+    return out.decode("utf-8", "replace")
+
+
 class TokenCache:
     """Token ids of recently seen segment texts, least recently used dropped past ``max_chars``.
 
@@ -123,8 +342,14 @@ class TokenCache:
         return ids
 
 
-def tokenize_segments(engine: "Engine", segs: Sequence[str], cache: Optional[TokenCache] = None) -> list[list[int]]:
-    """Token ids per segment: the first with the model's BOS, the others without."""
+def tokenize_segments(engine: "Engine", segs: Sequence[str], cache: Optional[TokenCache] = None,
+                      literal: Optional[Sequence[Spans]] = None) -> list[list[int]]:
+    """Token ids per segment: the first with the model's BOS, the others without; a segment with
+    ``literal`` spans has them tokenized as text (`template_segments`), never from the cache."""
+    if literal is not None and any(literal):
+        return [tokenize_literal(engine, s, literal[i], add_special=i == 0) if literal[i] else
+                (cache.tokenize(engine, s, i == 0) if cache is not None else engine.tokenize(s, add_special=i == 0))
+                for i, s in enumerate(segs)]
     if cache is None:
         return [engine.tokenize(s, add_special=i == 0) for i, s in enumerate(segs)]
     return [cache.tokenize(engine, s, i == 0) for i, s in enumerate(segs)]

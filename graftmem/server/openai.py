@@ -12,13 +12,15 @@ Supported: ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p`
 to 4 strings; the text ends before the first one), ``logprobs`` / ``top_logprobs`` (chat) and
 ``logprobs: int`` (completions, non-streamed), ``stream`` (SSE ``data:`` chunks, then ``data: [DONE]``;
 ``stream_options.include_usage``), ``n = 1`` only, ``tools`` / ``tool_choice`` and tool messages
-(Hermes ``<tool_call>`` format, see `graftmem.server.tools`). ``/v1/completions`` cuts its prompt into
+(the model's own template and its family's call grammar, else the Hermes ``<tool_call>`` format; see
+`graftmem.server.tools`, `graftmem.core.toolcalls`, docs/models.md). ``/v1/completions`` cuts its prompt into
 segments of about 256 tokens (`graftmem.server.chat.chunk_prompt`) and uses the same prefix cache.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import json
 import threading
@@ -32,16 +34,17 @@ from starlette.routing import BaseRoute, Route
 
 from ..core.decoding import Sampling
 from ..core.errors import ConfigError, GraftmemError
-from ..core.prompt import detect_format
+from ..core.prompt import detect_format, request_template
+from ..core.toolcalls import split_reasoning, tool_format
 from ..memory.recall import search
 from ..memory.router import DEFAULT_MIN_SCORE, LEX_WEIGHT
 from ..store.chain import chain_of
-from .chat import TokenCache, chunk_prompt, render_segments, tokenize_segments
+from .chat import TokenCache, answer_text, chunk_prompt, render_segments, template_segments, tokenize_segments
 from .generate import Job, Result, check_fits, run_job
 from .http import HTTPError, Limits, guarded, json_object, public_message, read_body
 from .pool import EnginePool
 from .routing import RouterRef
-from .tools import ToolSpec, ToolStream, parse_calls, parse_tools
+from .tools import ThinkStream, ToolSpec, ToolStream, parse_calls, parse_tools
 
 if TYPE_CHECKING:
     from ..store.local import Store
@@ -78,7 +81,7 @@ class OpenAIRoutes:
 
     def __init__(self, pool: EnginePool, store: "Store", cache: Optional["PrefixCache"], *,
                  model_id: Optional[str] = None, limits: Optional[Limits] = None,
-                 router: Optional[RouterRef] = None) -> None:
+                 router: Optional[RouterRef] = None, chat_template: Optional[str] = None) -> None:
         self.pool, self.store, self.cache = pool, store, cache
         self.router = router or RouterRef(None)  #: loaded on the first routed request
         self.limits = limits or Limits()
@@ -89,6 +92,8 @@ class OpenAIRoutes:
         self._workers_lock = threading.Lock()
         self.model_id = model_id or engine.fingerprint.model_name
         self.fmt = detect_format(engine)
+        #: the model's own template renders every chat request (None: the hand-written ``fmt``)
+        self.template = request_template(engine, chat_template)
         self.created = int(time.time())
 
     def routes(self) -> list[BaseRoute]:
@@ -151,15 +156,40 @@ class OpenAIRoutes:
     # ------------------------------------------------------------------ endpoints
     async def chat(self, request: Request) -> Response:
         body = await self._parse(request)
-        if self.fmt is None:
+        if self.fmt is None and self.template is None:
             raise HTTPError(400, f"model {self.model_id!r} has no chat template graftmem knows; use "
                             "/v1/completions", code="unsupported_model")
         tools = parse_tools(body)
-        texts = render_segments(self.fmt, body.get("messages"), tools)
-        segments = tokenize_segments(self.engine0, texts, self.tokens)
+        notes: Optional[list[str]] = None
+        literal = None
+        if tools is not None and self.template is not None and self.template.uses_tools:
+            # the template renders the tools: the model answers in its family's call grammar
+            tools = dataclasses.replace(tools, fmt=tool_format(self.template.source))
+        if self.template is not None:  # the model's own template (graftmem.core.template)
+            kwargs = body.get("chat_template_kwargs") or {}
+            if not isinstance(kwargs, dict):
+                raise HTTPError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
+            texts, notes, literal = template_segments(self.engine0, self.template, body.get("messages"), tools,
+                                                      kwargs)
+        else:
+            assert self.fmt is not None
+            texts = render_segments(self.fmt, body.get("messages"), tools)
+        segments = tokenize_segments(self.engine0, texts, self.tokens, literal)
+        if notes is not None and len(segments) > 1 and not any(literal or []) and \
+                [t for s in segments for t in s] != self.tokens.tokenize(self.engine0, "".join(texts), True):
+            # the cuts tokenize apart one by one; if together they do not, the prompt is one segment
+            segments, texts = [self.tokens.tokenize(self.engine0, "".join(texts), True)], ["".join(texts)]
+            notes.append("the segments do not tokenize apart as the whole prompt: served as one segment")
         routed = await self._recall(body, segments, texts)
         job = self._job(body, segments, texts, chat=True)
         job.extra = routed
+        if literal and any(literal):
+            # a segment whose ids are not tokenize(its text) must not become a block (its text would
+            # not re-derive its tokens): it and what follows are never learned; reuse before it stays
+            first = next(i for i, spans in enumerate(literal) if spans)
+            job.learn_tail = max(job.learn_tail, len(segments) - first)
+        if notes:
+            job.extra = {**(routed or {}), "template": {"notes": notes}}
         return await self._serve(body, job, chat=True, tools=tools)
 
     async def _recall(self, body: dict[str, Any], segments: list[list[int]], texts: list[str]) -> Optional[dict]:
@@ -268,7 +298,8 @@ class OpenAIRoutes:
             except GraftmemError as exc:  # the engine refused (context full, ...): say so, no local paths
                 raise HTTPError(500, public_message(str(exc), str(self.store.home)), code=type(exc).__name__) from exc
             result.receipt = self._receipt(job, result)
-            payload = self._final(rid, created, result, chat=chat, tools=tools)
+            payload = self._final(rid, created, result, chat=chat, tools=tools,
+                                  reasoning=body.get("reasoning_format", "auto") != "none")
             return JSONResponse(payload, headers={RECEIPT_HEADER: json.dumps(result.receipt)})
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
@@ -276,15 +307,20 @@ class OpenAIRoutes:
         engine = await self.pool.acquire(job.prefer)  # 429 here, before the stream starts
         done = loop.create_future()
         self._start(engine, job, loop, done)
+        think = None
+        if chat and self.template is not None and "</think>" in self.template.source and \
+                body.get("reasoning_format", "auto") != "none":
+            # a thinking model: its reasoning streams as reasoning_content (inside: the prompt opened it)
+            think = ThinkStream(inside=bool(job.texts) and job.texts[-1].rstrip().endswith("<think>"))
         return StreamingResponse(self._sse(rid, created, job, events, done, chat=chat, usage=include_usage,
-                                           tools=tools),
+                                           tools=tools, think=think),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _sse(self, rid: str, created: int, job: Job, events: "asyncio.Queue[tuple[str, Any]]",
                    done: "asyncio.Future[Result]", *, chat: bool, usage: bool,
-                   tools: Optional[ToolSpec] = None) -> AsyncIterator[bytes]:
+                   tools: Optional[ToolSpec] = None, think: Optional[ThinkStream] = None) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
-        held = ToolStream() if tools is not None and tools.parse else None
+        held = ToolStream(tools.fmt) if tools is not None and tools.parse else None
 
         def chunk(choice: dict[str, Any], **extra: Any) -> bytes:
             d = {"id": rid, "object": obj, "created": created, "model": self.model_id,
@@ -292,6 +328,16 @@ class OpenAIRoutes:
             return b"data: " + json.dumps(d).encode() + b"\n\n"
 
         def delta(text: str, entries: list[dict[str, Any]]) -> bytes:
+            if think is not None:
+                thought, text = think.feed(text)
+                out = chunk({"index": 0, "delta": {"reasoning_content": thought}, "logprobs": None,
+                             "finish_reason": None}) if thought else b""
+                if not text and not entries:
+                    return out
+                return out + content_delta(text, entries)
+            return content_delta(text, entries)
+
+        def content_delta(text: str, entries: list[dict[str, Any]]) -> bytes:
             if held is not None:
                 text = held.feed(text)
                 if not text and not entries:
@@ -325,9 +371,21 @@ class OpenAIRoutes:
                             yield piece
                     result = done.result()
                 reason = "stop" if result.finish_reason in ("stop", "cancelled") else result.finish_reason
+                final_text = result.text
+                if think is not None:
+                    thought, tail = think.flush()
+                    if thought:
+                        yield chunk({"index": 0, "delta": {"reasoning_content": thought}, "logprobs": None,
+                                     "finish_reason": None})
+                    if tail and held is None:
+                        yield chunk({"index": 0, "delta": {"content": tail}, "logprobs": None, "finish_reason": None})
+                    elif tail:
+                        held.feed(tail)
+                    if "</think>" in final_text:
+                        final_text = split_reasoning(final_text)[1]
                 if held is not None:
-                    _, calls = parse_calls(result.text, tools)
-                    if rest := held.rest(result.text, calls):
+                    _, calls = parse_calls(self._answer(result, tools), tools)
+                    if rest := held.rest(final_text, calls):
                         yield chunk({"index": 0, "delta": {"content": rest}, "logprobs": None, "finish_reason": None})
                     if calls:
                         yield chunk({"index": 0, "delta": {"tool_calls": [{"index": j, **c} for j, c in enumerate(calls)]},
@@ -350,6 +408,13 @@ class OpenAIRoutes:
         finally:
             job.cancel.set()  # a client that went away stops the decode at the next token
 
+    def _answer(self, r: Result, tools: Optional[ToolSpec]) -> str:
+        """The answer as the parser of the tools' family reads it: with the text of control tokens
+        (Mistral's ``[TOOL_CALLS]``, harmony's ``<|channel|>``), which the streamed text leaves out."""
+        if tools is None or tools.fmt.name in ("hermes", "qwen-xml") or not r.tokens:
+            return r.text
+        return answer_text(self.engine0, r.tokens)
+
     @staticmethod
     def _receipt(job: Job, r: Result) -> dict[str, Any]:
         return {**r.receipt, **(job.extra or {})}
@@ -361,11 +426,17 @@ class OpenAIRoutes:
                 "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
 
     def _final(self, rid: str, created: int, r: Result, *, chat: bool,
-               tools: Optional[ToolSpec] = None) -> dict[str, Any]:
+               tools: Optional[ToolSpec] = None, reasoning: bool = True) -> dict[str, Any]:
         reason = "stop" if r.finish_reason in ("stop", "cancelled") else r.finish_reason
         if chat:
-            content, calls = parse_calls(r.text, tools)
+            content, calls = parse_calls(self._answer(r, tools), tools)
             message: dict[str, Any] = {"role": "assistant", "content": content}
+            if self.template is not None and reasoning and content:
+                # a thinking model's reasoning apart from its answer (llama-server's default
+                # --reasoning-format; "reasoning_format": "none" keeps it in the content)
+                thought, rest = split_reasoning(content)
+                if thought is not None:
+                    message["reasoning_content"], message["content"] = thought, rest.strip() or None
             if calls:
                 message["tool_calls"] = calls
                 reason = "tool_calls"

@@ -26,13 +26,15 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from ..core import toolcalls
+from ..core.toolcalls import ToolCallFormat
 from .http import HTTPError
 
 __all__ = ["ToolSpec", "CALL_OPEN", "CALL_CLOSE", "parse_tools", "tools_prompt", "render_calls",
-           "render_tool_result", "parse_calls", "ToolStream"]
+           "render_tool_result", "parse_calls", "ToolStream", "ThinkStream"]
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL_RE = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.S)
@@ -49,6 +51,11 @@ class ToolSpec:
 
     functions: tuple[dict[str, Any], ...]
     parse: bool
+    #: the family's call grammar (`graftmem.core.toolcalls`): Hermes unless the model's own template
+    #: renders the tools, then the family its template writes
+    fmt: ToolCallFormat = field(default=toolcalls.HERMES)
+    #: split ``<think>`` / harmony analysis off into ``reasoning_content`` (model templates only)
+    reasoning: bool = False
 
     @property
     def names(self) -> set[str]:
@@ -128,6 +135,9 @@ def render_tool_result(content: str) -> str:
 
 def parse_calls(text: str, spec: Optional[ToolSpec]) -> tuple[Optional[str], list[dict[str, Any]]]:
     """The content and the tool calls in an answer (no calls: the text unchanged and an empty list)."""
+    if spec is not None and spec.parse and spec.fmt is not toolcalls.HERMES:
+        parsed = toolcalls.parse(text, spec.fmt, spec.names)
+        return (parsed.content, parsed.calls) if parsed.calls else (text, [])
     if spec is None or not spec.parse or CALL_OPEN not in text:
         return text, []
     calls = []
@@ -152,13 +162,23 @@ class ToolStream:
     """Streams an answer's content while holding back anything that may be a tool call.
 
     Text is passed on until ``<tool_call>`` appears (or may be appearing: a suffix that is a prefix of
-    it is held); from there on nothing is streamed, and `finish()` decides from the whole answer."""
+    it is held); from there on nothing is streamed, and `finish()` decides from the whole answer.
+    Llama 3's bare JSON is held until the answer's first character: ``{`` holds it whole, anything
+    else streams. Other families whose call markers may be control tokens (Mistral, harmony, DeepSeek,
+    Gemma 4: the streamed text never shows them) are held whole and decided at the end."""
 
-    def __init__(self) -> None:
-        self.buf, self.sent, self.held = "", 0, False
+    def __init__(self, fmt: ToolCallFormat = toolcalls.HERMES) -> None:
+        self.buf, self.sent = "", 0
+        self.bare_json = fmt.bare_json
+        self.held = fmt not in (toolcalls.HERMES, toolcalls.QWEN_XML) and not fmt.bare_json
 
     def feed(self, text: str) -> str:
         self.buf += text
+        if self.bare_json:
+            head = self.buf.lstrip()
+            if not head:
+                return ""
+            self.bare_json, self.held = False, head.startswith("{")
         if self.held:
             return ""
         cut = self.buf.find(CALL_OPEN, self.sent)
@@ -179,3 +199,56 @@ class ToolStream:
         if calls:
             return ""
         return final_text[self.sent:] if final_text.startswith(self.buf[:self.sent]) else ""
+
+
+class ThinkStream:
+    """Splits a streamed answer into reasoning and content at ``<think>...</think>``, as
+    `graftmem.core.toolcalls.split_reasoning` splits a whole one.
+
+    ``inside``: the prompt opened the think block (Qwen3's and DeepSeek R1's generation prompts end with
+    ``<think>``), so the answer starts as reasoning. A suffix that may be the start of a tag is held
+    until the next piece decides; whitespace right after ``</think>`` is dropped, as the whole-answer
+    split drops it, so the streamed content equals the final one."""
+
+    OPEN, CLOSE = "<think>", "</think>"
+
+    def __init__(self, inside: bool = False) -> None:
+        self.buf, self.state = "", "think" if inside else "start"
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """``(reasoning, content)`` that may be sent now."""
+        self.buf += text
+        think, content = "", ""
+        while True:
+            if self.state == "start":
+                head = self.buf.lstrip()
+                if not head or (self.OPEN.startswith(head) and head != self.OPEN):
+                    return think, content  # nothing yet, or maybe "<think>" arriving
+                if head.startswith(self.OPEN):
+                    self.buf, self.state = head[len(self.OPEN):], "think"
+                    continue
+                self.state = "content"
+            if self.state == "think":
+                i = self.buf.find(self.CLOSE)
+                if i >= 0:
+                    think += self.buf[:i]
+                    self.buf, self.state = self.buf[i + len(self.CLOSE):], "after"
+                    continue
+                keep = next((n for n in range(min(len(self.CLOSE) - 1, len(self.buf)), 0, -1)
+                             if self.CLOSE.startswith(self.buf[-n:])), 0)
+                think += self.buf[:len(self.buf) - keep]
+                self.buf = self.buf[len(self.buf) - keep:]
+                return think, content
+            if self.state == "after":
+                self.buf = self.buf.lstrip()
+                if not self.buf:
+                    return think, content
+                self.state = "content"
+            content += self.buf
+            self.buf = ""
+            return think, content
+
+    def flush(self) -> tuple[str, str]:
+        """What is left at the end of the answer (a held partial tag is text after all)."""
+        rest, self.buf = self.buf, ""
+        return (rest, "") if self.state == "think" else ("", rest if self.state != "after" else rest.lstrip())

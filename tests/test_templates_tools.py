@@ -1,0 +1,151 @@
+"""Tool calls per family, parsed from canned answers taken from the templates' own rendering of an
+assistant's tool call (what the family was tuned to write), and reasoning split off; no engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from graftmem.core import toolcalls as tc
+from graftmem.core.template import ChatTemplate
+
+from .tiny import template_path
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "required": ["city"], "properties": {
+        "city": {"type": "string", "description": "The city"},  # Command R+ needs descriptions
+        "days": {"type": "integer", "description": "How many days"}}}}}]
+ARGS = {"city": "Paris", "days": 3}
+#: Mistral's templates refuse any id but 9 letters and digits
+CALL = {"id": "abcDEF123", "type": "function", "function": {"name": "get_weather", "arguments": ARGS}}
+ENDS = ("<|eot_id|>", "<|im_end|>", "</s>", "<|end|>", "<turn|>", "<｜end▁of▁sentence｜>", "<|endoftext|>",
+        "<end_of_turn>", "<|return|>", "<|tool_response>", "<|END_OF_TURN_TOKEN|>", "<|message_sep|>",
+        "<end_of_sentence>", "<|role_end|>", "</assistant>", "[e~[", "<|eot|>", "<|eom_id|>")
+CASES = [("Qwen-Qwen2.5-7B-Instruct", "hermes"), ("Qwen-Qwen3-0.6B", "hermes"),
+         ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use", "hermes"),
+         ("Qwen3-Coder", "qwen-xml"), ("Qwen3.5-4B", "qwen-xml"),
+         ("meta-llama-Llama-3.1-8B-Instruct", "llama3"), ("meta-llama-Llama-3.3-70B-Instruct", "llama3"),
+         ("Mistral-Small-3.2-24B-Instruct-2506", "mistral"), ("mistralai-Mistral-Nemo-Instruct-2407", "mistral"),
+         ("openai-gpt-oss-120b", "harmony"), ("deepseek-ai-DeepSeek-V3.1", "deepseek"),
+         ("google-gemma-4-31B-it", "gemma4"),
+         ("GLM-4.6", "glm"), ("inclusionai-ling-3.0-flash", "glm"), ("tencent-Hy3", "glm"),
+         ("MiniMax-M2", "invoke-xml"), ("deepseek-ai-DeepSeek-V3.2", "invoke-xml"), ("muse-glimmer", "invoke-xml"),
+         ("Kimi-K2-Instruct", "kimi"), ("upstage-Solar-Open-100B", "solar"), ("openbmb-MiniCPM5-1B", "minicpm"),
+         ("Cohere2MoE", "cohere"), ("CohereForAI-c4ai-command-r-plus-tool_use", "command-r"),
+         ("Apertus-8B-Instruct", "apertus"), ("NVIDIA-Nemotron-Nano-v2", "nemotron"),
+         ("unsloth-Apriel-1.5", "tool-calls-json"), ("MiniMax-M1", "tool-calls-json"),
+         ("GigaChat3-10B-A1.8B", "gigachat"), ("GigaChat3.1-10B-A1.8B", "gigachat31"),
+         ("meetkai-functionary-medium-v3.1", "qwen-xml")]
+
+
+def canned_call(name: str) -> tuple[ChatTemplate, str]:
+    """The text a model of this family writes for a call: the template's render of an assistant turn
+    with ``tool_calls``, minus the prompt before it and the end-of-turn markers after it."""
+    tpl = ChatTemplate(template_path(name).read_text(), name=name, bos_token="<s>", eos_token="</s>")
+    user = [{"role": "user", "content": "Weather in Paris?"}]
+    head = tpl.render(user, add_generation_prompt=True, tools=TOOLS)
+    full = tpl.render(user + [{"role": "assistant", "content": "", "tool_calls": [CALL]}], tools=TOOLS)
+    k = next((i for i, (a, b) in enumerate(zip(head, full)) if a != b), min(len(head), len(full)))
+    while k and full[k - 1] not in "\n>]":  # a marker split by the comparison ("<think>" vs "<tool_call>")
+        k -= 1
+    out, changed = full[k:], True
+    while changed:
+        out, changed = out.rstrip(), False
+        for e in ENDS:
+            if out.endswith(e):
+                out, changed = out[:-len(e)], True
+    return tpl, out
+
+
+@pytest.mark.parametrize("name,family", CASES)
+def test_call_rendered_by_the_template_parses_back(name, family):
+    tpl, out = canned_call(name)
+    fmt = tc.tool_format(tpl.source)
+    assert fmt.name == family
+    p = tc.parse(out, fmt, ["get_weather"])
+    assert [c["function"]["name"] for c in p.calls] == ["get_weather"], out
+    assert json.loads(p.calls[0]["function"]["arguments"]) == ARGS
+    # the call left the content (what remains are the template's own end markers, if any)
+    assert "Paris" not in (p.content or "")
+    # a tool the request did not offer: the text stays text
+    assert tc.parse(out, fmt, ["other"]).calls == []
+
+
+def test_mistral_ids_are_nine_alphanumerics():
+    _, out = canned_call("mistralai-Mistral-Nemo-Instruct-2407")
+    cid = tc.parse(out, tc.FORMATS["mistral"]).calls[0]["id"]
+    assert len(cid) == 9 and cid.isalnum()
+    assert tc.parse('<tool_call>{"name": "f", "arguments": {}}</tool_call>', tc.FORMATS["hermes"]).calls[0]["id"].startswith("call_")
+
+
+def test_reasoning_is_split_off():
+    p = tc.parse("<think>sum the digits</think>\n\nIt is 4.", tc.FORMATS["hermes"])
+    assert (p.reasoning, p.content) == ("sum the digits", "It is 4.")
+    # the template opened the think block: the answer starts inside it
+    assert tc.parse("first 2, then 2\n</think>\nFour.", tc.FORMATS["hermes"]).reasoning == "first 2, then 2"
+    assert tc.parse("<think>x</think>y", tc.FORMATS["hermes"], reasoning=False).content == "<think>x</think>y"
+    h = tc.parse("<|channel|>analysis<|message|>think hard<|end|><|start|>assistant<|channel|>final<|message|>Four.",
+                 tc.FORMATS["harmony"])
+    assert (h.reasoning, h.content, h.calls) == ("think hard", "Four.", [])
+
+
+def test_malformed_calls_stay_text():
+    for fam, text in [("hermes", "<tool_call>{not json}</tool_call>"), ("llama3", '{"name": "get_weather", "parameters"'),
+                      ("mistral", "[TOOL_CALLS][{oops"), ("gemma4", "<|tool_call>call:get_weather{city:")]:
+        p = tc.parse(text, tc.FORMATS[fam], ["get_weather"])
+        assert p.calls == [] and p.content == text.strip(), fam
+    # plain prose that happens to start with a brace is not a Llama call
+    assert tc.parse('{"a": 1} is JSON', tc.FORMATS["llama3"]).calls == []
+
+
+def test_stream_holds_back_by_family():
+    """Hermes streams prose and holds from <tool_call>; Llama 3 holds an answer that opens with a brace
+    and streams one that does not; control-token families are held whole."""
+    from graftmem.server.tools import ToolStream
+
+    s = ToolStream(tc.FORMATS["hermes"])
+    assert s.feed("Sure. ") + s.feed("<tool") + s.feed("_call>{") == "Sure. "
+    s = ToolStream(tc.FORMATS["llama3"])
+    assert s.feed(" ") + s.feed('{"name"') == "" and s.held
+    s = ToolStream(tc.FORMATS["llama3"])
+    assert s.feed("") + s.feed("It is") + s.feed(" 4.") == "It is 4."
+    s = ToolStream(tc.FORMATS["mistral"])
+    assert s.feed("It is 4.") == "" and s.rest("It is 4.", []) == "It is 4."
+
+
+@pytest.mark.parametrize("pieces", [["<think>add", " 2 and 2</think>", "\n\nFour."],
+                                    ["<th", "ink>add 2 and 2</th", "ink>\n", "\nFour."],
+                                    ["<think>add 2 and 2</think>\n\nFour."]])
+def test_think_stream_matches_the_whole_split(pieces):
+    """Reasoning streamed piece by piece equals the whole-answer split, wherever the tags are cut."""
+    from graftmem.server.tools import ThinkStream
+
+    s = ThinkStream()
+    got = [s.feed(p) for p in pieces] + [s.flush()]
+    assert "".join(t for t, _ in got) == "add 2 and 2" and "".join(c for _, c in got) == "Four."
+    assert tc.split_reasoning("".join(pieces)) == ("add 2 and 2", "Four.")
+    inside = ThinkStream(inside=True)
+    got = [inside.feed("first 2"), inside.feed("</think>"), inside.feed("Four."), inside.flush()]
+    assert ("".join(t for t, _ in got), "".join(c for _, c in got)) == ("first 2", "Four.")
+    plain = ThinkStream()
+    assert [plain.feed("It is"), plain.feed(" 4.")] == [("", "It is"), ("", " 4.")]
+
+
+def test_tiny_builder_reads_a_vocab_as_gguf_reader_does():
+    """scripts/tiny_models.py's fast GGUF key-value reader gives gguf-py's values (Phi-3's vocab:
+    strings, string arrays, float and int arrays, bools)."""
+    import gguf
+    import numpy as np
+
+    from .tiny import tiny_models
+
+    path = tiny_models().vocab_path("phi-3")
+    ours = tiny_models().read_kv(path)
+    ref = gguf.GGUFReader(str(path))
+    assert set(ours) == {k for k in ref.fields if not k.startswith("GGUF.")}
+    for key, (vtype, _, value) in ours.items():
+        expect = ref.fields[key].contents()
+        assert vtype == ref.fields[key].types[0]
+        assert (np.asarray(value).tolist() if hasattr(value, "tolist") else value) == expect, key
