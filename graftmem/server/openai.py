@@ -33,8 +33,8 @@ from starlette.routing import BaseRoute, Route
 from ..core.decoding import Sampling
 from ..core.errors import ConfigError, GraftmemError
 from ..core.prompt import detect_format
-from ..memory.recall import search
 from ..memory.router import DEFAULT_MIN_SCORE, LEX_WEIGHT
+from ..memory.verbs import MemoryVerbs
 from ..store.chain import chain_of
 from .chat import TokenCache, chunk_prompt, render_segments, tokenize_segments
 from .generate import Job, Result, check_fits, run_job
@@ -78,8 +78,13 @@ class OpenAIRoutes:
 
     def __init__(self, pool: EnginePool, store: "Store", cache: Optional["PrefixCache"], *,
                  model_id: Optional[str] = None, limits: Optional[Limits] = None,
-                 router: Optional[RouterRef] = None) -> None:
+                 router: Optional[RouterRef] = None, allow_unverified: bool = False) -> None:
         self.pool, self.store, self.cache = pool, store, cache
+        #: every graft of a request goes through its engine's verbs (consent, provenance stamp)
+        self.desks = {id(e): MemoryVerbs(e, store) for e in pool.engines}
+        #: the operator's consent (``serve --allow-unverified``): blocks nothing here vouches for are
+        #: grafted for every request; otherwise only for a request that asks (``graftmem.allow_unverified``)
+        self.allow_unverified = allow_unverified
         self.router = router or RouterRef(None)  #: loaded on the first routed request
         self.limits = limits or Limits()
         engine = pool.engines[0]
@@ -135,6 +140,9 @@ class OpenAIRoutes:
         cache = gm.get("cache", True)
         if not isinstance(cache, bool):
             raise HTTPError(400, "graftmem.cache must be a boolean", param="graftmem.cache")
+        consent = gm.get("allow_unverified", False)
+        if not isinstance(consent, bool):
+            raise HTTPError(400, "graftmem.allow_unverified must be a boolean", param="graftmem.allow_unverified")
         if (why := check_fits(self.engine0, segments, max_tokens)) is not None:
             raise HTTPError(400, why, param="messages" if chat else "prompt", code="context_length_exceeded")
         try:
@@ -143,7 +151,8 @@ class OpenAIRoutes:
         except ConfigError as exc:
             raise HTTPError(400, str(exc), code="invalid_value") from exc
         return Job(segments=segments, texts=texts, max_tokens=max_tokens, sampling=sampling, stops=stops,
-                   logprobs=logprobs, top_logprobs=top, use_cache=cache, learn_tail=2 if chat else 1)
+                   logprobs=logprobs, top_logprobs=top, use_cache=cache, learn_tail=2 if chat else 1,
+                   allow_unverified=consent or self.allow_unverified)
 
     async def _parse(self, request: Request) -> dict[str, Any]:
         return json_object(await read_body(request, self.limits.max_body_bytes, self.limits.body_timeout))
@@ -178,14 +187,21 @@ class OpenAIRoutes:
         task = users[-1].get("content") if users else None
         if not isinstance(task, str) or not task.strip():
             raise HTTPError(400, "routed recall needs a last user message with text content", param="messages")
-        digest = self.engine0.fingerprint.digest()
+        consent = gm.get("allow_unverified", False)
+        if not isinstance(consent, bool):
+            raise HTTPError(400, "graftmem.allow_unverified must be a boolean", param="graftmem.allow_unverified")
+        desk = self.desks[id(self.engine0)]
         router = self.router
         # the router never indexes automatic prefix blocks (memory.router.UNROUTED_KINDS)
-        hits = await asyncio.to_thread(lambda: search(router.get(), self.store, digest, task, top_k=1))
+        hits = await asyncio.to_thread(lambda: desk.search(router.get(), task, top_k=1))
         if not hits or hits[0].score < min_score:
             return {"recall": {"block_id": None, "score": hits[0].score if hits else None, "min_score": min_score}}
         block = self.store.get(hits[0].block_id)
         chain = chain_of(self.store, block)
+        try:  # the routed block's text goes before the messages: its consent is asked now, as Memory.recall does
+            desk.consent(block, consent or self.allow_unverified, chain)
+        except GraftmemError as exc:
+            raise HTTPError(400, str(exc), param="graftmem.allow_unverified", code=type(exc).__name__) from exc
         # the messages now follow the block: no second BOS
         segments[0] = self.engine0.tokenize(texts[0], add_special=False)
         segments[:0] = [list(b.tokens) for b in chain]
@@ -209,7 +225,7 @@ class OpenAIRoutes:
         def work() -> None:
             outcome: tuple[Optional[Result], Optional[BaseException]] = (None, None)
             try:
-                outcome = (run_job(engine, self.store, self.cache, job), None)
+                outcome = (run_job(self.desks[id(engine)], self.cache, job), None)
             except BaseException as exc:  # noqa: BLE001 - handed to the request, which reports it
                 outcome = (None, exc)
             finally:
@@ -267,9 +283,9 @@ class OpenAIRoutes:
                 result = answered.result() if answered.done() else done.result()
             except GraftmemError as exc:  # the engine refused (context full, ...): say so, no local paths
                 raise HTTPError(500, public_message(str(exc), str(self.store.home)), code=type(exc).__name__) from exc
-            result.receipt = self._receipt(job, result)
-            payload = self._final(rid, created, result, chat=chat, tools=tools)
-            return JSONResponse(payload, headers={RECEIPT_HEADER: json.dumps(result.receipt)})
+            receipt = self._receipt(job, result)
+            payload = self._final(rid, created, result, receipt, chat=chat, tools=tools)
+            return JSONResponse(payload, headers={RECEIPT_HEADER: json.dumps(receipt)})
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         job.emit = lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
@@ -352,7 +368,7 @@ class OpenAIRoutes:
 
     @staticmethod
     def _receipt(job: Job, r: Result) -> dict[str, Any]:
-        return {**r.receipt, **(job.extra or {})}
+        return {**r.receipt.model_dump(mode="json"), **(job.extra or {})}
 
     @staticmethod
     def _usage(r: Result) -> dict[str, Any]:
@@ -360,7 +376,7 @@ class OpenAIRoutes:
         return {"prompt_tokens": r.prompt_tokens, "completion_tokens": n, "total_tokens": r.prompt_tokens + n,
                 "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
 
-    def _final(self, rid: str, created: int, r: Result, *, chat: bool,
+    def _final(self, rid: str, created: int, r: Result, receipt: dict[str, Any], *, chat: bool,
                tools: Optional[ToolSpec] = None) -> dict[str, Any]:
         reason = "stop" if r.finish_reason in ("stop", "cancelled") else r.finish_reason
         if chat:
@@ -383,5 +399,5 @@ class OpenAIRoutes:
             choice = {"index": 0, "text": r.text, "logprobs": lp, "finish_reason": reason}
             obj = "text_completion"
         return {"id": rid, "object": obj, "created": created, "model": self.model_id, "choices": [choice],
-                "usage": self._usage(r), "graftmem": r.receipt}
+                "usage": self._usage(r), "graftmem": receipt}
 

@@ -45,6 +45,7 @@ from ..core.blocks import PROVENANCE_LOCAL, Block, Fingerprint, block_id_for
 from ..core.format import state_digest
 from ..core.errors import ConfigError, GraftmemError
 from ..memory.router import AUTO_KIND
+from ..memory.verbs import first_untrusted
 from ..store.chain import chain_of, full_state, make_delta
 
 if TYPE_CHECKING:
@@ -80,11 +81,14 @@ def segment_ends(segments: Sequence[Sequence[int]]) -> list[int]:
 
 @dataclass(frozen=True)
 class Match:
-    """A stored block holding the request's first ``n_segments`` segments (``n_tokens`` token ids)."""
+    """A stored block holding the request's first ``n_segments`` segments (``n_tokens`` token ids);
+    ``chain`` is its chain (root first), ``untrusted`` the link of it that needs consent (None: none)."""
 
     block: Block
     n_segments: int
     n_tokens: int
+    chain: tuple[Block, ...] = ()
+    untrusted: Optional[Block] = None
 
 
 class PrefixCache:
@@ -132,10 +136,16 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._index)
 
-    def lookup(self, segments: Sequence[Sequence[int]], keys: Optional[Sequence[bytes]] = None) -> Optional[Match]:
+    def lookup(self, segments: Sequence[Sequence[int]], keys: Optional[Sequence[bytes]] = None, *,
+               allow_unverified: bool = False) -> Optional[Match]:
         """The longest indexed prefix of ``segments`` that leaves at least one segment to prefill.
         ``keys``: the prompt's `prefix_keys()`, if the caller has them already (they are cumulative, so
-        the first ``k`` keys of the whole prompt are the keys of its first ``k`` segments)."""
+        the first ``k`` keys of the whole prompt are the keys of its first ``k`` segments).
+
+        A block whose chain holds a block nothing here vouches for (``unverified``: imported without
+        re-derivation, dropped into the store) is passed over, shorter prefixes tried instead, unless
+        ``allow_unverified`` (the caller's consent, `graftmem.memory.verbs`): such a state may not be
+        its text's, and a forged system prompt would answer every client."""
         self.refresh()
         keys = (prefix_keys(segments) if keys is None else keys)[:len(segments) - 1]
         with self._lock:
@@ -145,12 +155,16 @@ class PrefixCache:
                     continue
                 try:
                     block = self.store.get(bid)
-                    now = time.time()
-                    for b in chain_of(self.store, block):
-                        self._used[b.id] = now
+                    chain = chain_of(self.store, block)
                 except GraftmemError:
                     continue
-                return Match(block, k, sum(len(s) for s in segments[:k]))
+                untrusted = first_untrusted(chain)
+                if untrusted is not None and not allow_unverified:
+                    continue
+                now = time.time()
+                for b in chain:
+                    self._used[b.id] = now
+                return Match(block, k, sum(len(s) for s in segments[:k]), tuple(chain), untrusted)
         return None
 
     def refuse(self, block_id: str, why: str) -> None:

@@ -34,7 +34,7 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
                max_queue: int = 16, min_prefix_tokens: int = 256, sightings: int = 2, learn: bool = True,
                max_auto_bytes: Optional[int] = 2 << 30, model_id: Optional[str] = None,
                limits: Optional[Limits] = None, router: Optional[Callable[[], "Router"]] = None,
-               auto_storage: str = "full", warm: bool = True) -> BlockServer:
+               auto_storage: str = "full", warm: bool = True, allow_unverified: bool = False) -> BlockServer:
     """A `BlockServer` that also answers ``/v1/chat/completions``, ``/v1/completions`` and
     ``/v1/models`` with ``engines`` (one request per engine at a time, ``max_queue`` waiting), grafting
     stored prompt prefixes and learning those seen ``sightings`` times with at least
@@ -44,14 +44,20 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
     ``auto_storage``: ``"full"`` (fast grafts, the default) or ``"delta"`` (less disk) for chained
     automatic blocks (`PrefixCache`). ``warm``: before serving, graft the most recently learned
     automatic prefixes into the engines and keep them in RAM (`warm_engines`: what a restarted agent
-    sends first is found there; ``srv.warm`` says what each engine got). Not started: use it as a
+    sends first is found there; ``srv.warm`` says what each engine got). ``allow_unverified``: the
+    operator's consent to graft blocks nothing here vouches for (imported without re-derivation,
+    dropped into the store) for every request and the warm start; without it they are grafted only
+    for a request that sends ``"graftmem": {"allow_unverified": true}`` (or REST's
+    ``allow_unverified``), and the receipt names their provenance. Not started: use it as a
     context manager or call ``start()``."""
     pool = EnginePool(engines, max_queue=max_queue)
     cache = PrefixCache(store, engines[0].fingerprint, min_tokens=min_prefix_tokens, sightings=sightings,
                         learn=learn, max_auto_bytes=max_auto_bytes, auto_storage=auto_storage)
     ref = RouterRef(router)
-    oa = OpenAIRoutes(pool, store, cache, model_id=model_id, limits=limits, router=ref)
-    warmed = warm_engines(engines, store, cache, tokens=oa.tokens) if warm else []
+    oa = OpenAIRoutes(pool, store, cache, model_id=model_id, limits=limits, router=ref,
+                      allow_unverified=allow_unverified)
+    desks = [oa.desks[id(e)] for e in engines]
+    warmed = warm_engines(desks, cache, allow_unverified=allow_unverified, tokens=oa.tokens) if warm else []
     rest = MemoryRoutes(pool, store, ref, limits=limits)
     srv = BlockServer(store, host=host, port=port, push_token=push_token, fingerprint=engines[0].fingerprint,
                       sign_key=sign_key, check=check, api_key=api_key, limits=limits,
