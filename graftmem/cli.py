@@ -605,7 +605,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              max_queue=args.max_queue, min_prefix_tokens=args.min_prefix_tokens,
                              sightings=args.sightings, learn=not args.no_learn,
                              max_auto_bytes=args.max_auto_mb << 20, auto_storage=args.auto_storage,
-                             warm=not args.no_warm, router=lambda: mem.router)  # loaded on the first routed request
+                             warm=not args.no_warm, router=lambda: mem.router,  # loaded on the first routed request
+                             allow_unverified=args.allow_unverified)
         elif mem:
             srv = mem.serve(host=args.host, port=args.port, push_token=token, sign_key=_sign_key(args),
                             rederive=args.rederive)
@@ -947,6 +948,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="store automatic chained blocks whole (fast grafts) or as deltas over their parent (less disk)")
     sp.add_argument("--no-warm", action="store_true",
                     help="start with empty engines instead of grafting the most recently learned prompt prefixes")
+    sp.add_argument("--allow-unverified", action="store_true",
+                    help="graft blocks nothing here vouches for (imported with --no-rederive, dropped into the "
+                         "store) for every request and the warm start; without it only a request that sends "
+                         "graftmem.allow_unverified gets them, and receipts name the provenance")
     sp.add_argument("--port", type=_port, default=8765, help="0 picks a free port")
     sp.add_argument("--push-token", help="accept pushes with this token (or $GRAFTMEM_PUSH_TOKEN)")
     sp.add_argument("--sign", metavar="KEY", help="sign listings with this private key")

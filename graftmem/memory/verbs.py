@@ -126,11 +126,16 @@ class MemoryVerbs:
         return graft_block(self._engine, self._store, block, timings)
 
     # ------------------------------------------------------------------ verbs
-    def learn(self, text: str, *, name: Optional[str] = None, kind: str = "manual",
-              metadata: Optional[Mapping[str, Any]] = None, progress: bool = False,
-              when_to_use: Optional[str] = None, chat: bool = False,
-              parent: Optional[str] = None) -> tuple[Block, bool]:
-        """Check the arguments, then `graftmem.memory.learn.learn`: (block, whether it is new or changed)."""
+    def learn(self, text: str, **kw: Any) -> tuple[Block, bool]:
+        """`prepare_learn` and run it: (block, whether it is new or changed)."""
+        return self.prepare_learn(text, **kw)()
+
+    def prepare_learn(self, text: str, *, name: Optional[str] = None, kind: str = "manual",
+                      metadata: Optional[Mapping[str, Any]] = None, progress: bool = False,
+                      when_to_use: Optional[str] = None, chat: bool = False,
+                      parent: Optional[str] = None) -> Callable[[], tuple[Block, bool]]:
+        """Check the arguments now (before any prefill or write); return the call that learns
+        (`graftmem.memory.learn.learn`)."""
         check.text("text", text)
         check.text("name", name, optional=True)
         check.text("kind", kind)
@@ -139,8 +144,8 @@ class MemoryVerbs:
         check.text("when_to_use", when_to_use, optional=True)
         check.flag("chat", chat)
         check.text("parent", parent, optional=True)
-        return learn_text(self._engine, self._store, text, name=name, kind=kind, metadata=metadata,
-                          progress=progress, when_to_use=when_to_use, chat=chat, parent=parent)
+        return lambda: learn_text(self._engine, self._store, text, name=name, kind=kind, metadata=metadata,
+                                  progress=progress, when_to_use=when_to_use, chat=chat, parent=parent)
 
     def prepare_ask(self, block_id: str, query: str, *, max_tokens: int = 64, sampling: Optional[Sampling] = None,
                     stop: "str | Sequence[str] | None" = None, allow_unverified: bool = False,

@@ -33,12 +33,13 @@ from starlette.routing import BaseRoute, Route
 from ..core.decoding import Sampling
 from ..core.errors import ConfigError, GraftmemError
 from ..core.prompt import detect_format
+from ..memory import validate as check
 from ..memory.router import DEFAULT_MIN_SCORE, LEX_WEIGHT
 from ..memory.verbs import MemoryVerbs
 from ..store.chain import chain_of
 from .chat import TokenCache, chunk_prompt, render_segments, tokenize_segments
 from .generate import Job, Result, check_fits, run_job
-from .http import HTTPError, Limits, guarded, json_object, public_message, read_body
+from .http import HTTPError, Limits, client_gone, guarded, json_object, off_loop, public_message, read_body
 from .pool import EnginePool
 from .routing import RouterRef
 from .tools import ToolSpec, ToolStream, parse_calls, parse_tools
@@ -155,7 +156,8 @@ class OpenAIRoutes:
                    allow_unverified=consent or self.allow_unverified)
 
     async def _parse(self, request: Request) -> dict[str, Any]:
-        return json_object(await read_body(request, self.limits.max_body_bytes, self.limits.body_timeout))
+        raw = await read_body(request, self.limits.max_body_bytes, self.limits.body_timeout)
+        return await off_loop(len(raw), json_object, raw, self.limits.max_json_depth)
 
     # ------------------------------------------------------------------ endpoints
     async def chat(self, request: Request) -> Response:
@@ -164,12 +166,21 @@ class OpenAIRoutes:
             raise HTTPError(400, f"model {self.model_id!r} has no chat template graftmem knows; use "
                             "/v1/completions", code="unsupported_model")
         tools = parse_tools(body)
-        texts = render_segments(self.fmt, body.get("messages"), tools)
-        segments = tokenize_segments(self.engine0, texts, self.tokens)
+        fmt = self.fmt
+
+        def prompt() -> tuple[list[str], list[list[int]]]:
+            texts = render_segments(fmt, body.get("messages"), tools)
+            for i, t in enumerate(texts):  # a lone surrogate never reaches the tokenizer (it was a 500)
+                check.text(f"messages[{i}]", t, empty=True)
+            return texts, tokenize_segments(self.engine0, texts, self.tokens)
+
+        # a large body is rendered and tokenized in a worker thread: the event loop keeps serving
+        texts, segments = await off_loop(sum(len(str(m)) for m in body.get("messages") or []
+                                             if isinstance(m, dict)), prompt)
         routed = await self._recall(body, segments, texts)
         job = self._job(body, segments, texts, chat=True)
         job.extra = routed
-        return await self._serve(body, job, chat=True, tools=tools)
+        return await self._serve(request, body, job, chat=True, tools=tools)
 
     async def _recall(self, body: dict[str, Any], segments: list[list[int]], texts: list[str]) -> Optional[dict]:
         """Opt-in routing (``"graftmem": {"recall": true, "min_score": 0.4}``): the router picks ONE block
@@ -215,9 +226,22 @@ class OpenAIRoutes:
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
             raise HTTPError(400, "prompt must be a non-empty string (one prompt per request)", param="prompt")
-        segments, texts = chunk_prompt(self.engine0, prompt)
+        check.text("prompt", prompt)
+        engine = self.engine0
+
+        def cut() -> tuple[list[list[int]], list[str]]:
+            # the length is checked on the token count before the prompt is cut (cutting an 8 MB prompt
+            # into 256-token segments took seconds on the event loop, for a prompt refused afterwards)
+            n = len(engine.tokenize(prompt, add_special=True))
+            if n + 1 > engine.n_ctx:
+                raise HTTPError(400, f"this model's context is {engine.n_ctx} tokens; the prompt is {n} tokens. "
+                                "Shorten it or start the server with a larger n_ctx", param="prompt",
+                                code="context_length_exceeded")
+            return chunk_prompt(engine, prompt)
+
+        segments, texts = await off_loop(len(prompt), cut)
         job = self._job(body, segments, texts, chat=False)
-        return await self._serve(body, job, chat=False)
+        return await self._serve(request, body, job, chat=False)
 
     # ------------------------------------------------------------------ running
     def _start(self, engine: Any, job: Job, loop: asyncio.AbstractEventLoop,
@@ -226,6 +250,9 @@ class OpenAIRoutes:
             outcome: tuple[Optional[Result], Optional[BaseException]] = (None, None)
             try:
                 outcome = (run_job(self.desks[id(engine)], self.cache, job), None)
+                if outcome[0] is not None and outcome[0].finish_reason == "cancelled":
+                    log.info("serve: a request was cancelled (its client went away) after %d token(s)",
+                             len(outcome[0].tokens))
             except BaseException as exc:  # noqa: BLE001 - handed to the request, which reports it
                 outcome = (None, exc)
             finally:
@@ -257,36 +284,30 @@ class OpenAIRoutes:
             t.join(max(0.0, deadline - time.monotonic()))
         return not any(t.is_alive() for t in workers)
 
-    async def _serve(self, body: dict[str, Any], job: Job, *, chat: bool,
+    async def _serve(self, request: Request, body: dict[str, Any], job: Job, *, chat: bool,
                      tools: Optional[ToolSpec] = None) -> Response:
         stream = body.get("stream") or False
         if not isinstance(stream, bool):
             raise HTTPError(400, "stream must be a boolean", param="stream")
+        options = body.get("stream_options")
+        if options is not None and not isinstance(options, dict):
+            raise HTTPError(400, "stream_options must be an object such as {\"include_usage\": true}",
+                            param="stream_options")
+        include_usage = (options or {}).get("include_usage")
+        include_usage = False if include_usage is None else include_usage
+        if not isinstance(include_usage, bool):
+            raise HTTPError(400, "stream_options.include_usage must be a boolean", param="stream_options")
         loop = asyncio.get_running_loop()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if not stream:
-            engine = await self.pool.acquire(job.prefer)
-            done: asyncio.Future[Result] = loop.create_future()
-            answered: asyncio.Future[Result] = loop.create_future()
-
-            def on_done(r: Result) -> None:
-                if not answered.done():
-                    answered.set_result(r)
-
-            # the answer is sent as soon as it is decoded; storing a learned prefix happens after it
-            job.emit = lambda kind, payload: loop.call_soon_threadsafe(on_done, payload) if kind == "done" else None
-            self._start(engine, job, loop, done)
-            done.add_done_callback(_log_late_failure)
+            # a client that goes away cancels the request: while it waits for an engine, and while it
+            # decodes (at the next token); a non-streamed answer used to decode to max_tokens for nobody
+            gone = asyncio.ensure_future(client_gone(request))
             try:
-                await asyncio.wait({answered, done}, return_when=asyncio.FIRST_COMPLETED)
-                result = answered.result() if answered.done() else done.result()
-            except GraftmemError as exc:  # the engine refused (context full, ...): say so, no local paths
-                raise HTTPError(500, public_message(str(exc), str(self.store.home)), code=type(exc).__name__) from exc
-            receipt = self._receipt(job, result)
-            payload = self._final(rid, created, result, receipt, chat=chat, tools=tools)
-            return JSONResponse(payload, headers={RECEIPT_HEADER: json.dumps(receipt)})
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                return await self._answer(gone, job, loop, rid, created, chat=chat, tools=tools)
+            finally:
+                gone.cancel()
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         job.emit = lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
         engine = await self.pool.acquire(job.prefer)  # 429 here, before the stream starts
@@ -295,6 +316,38 @@ class OpenAIRoutes:
         return StreamingResponse(self._sse(rid, created, job, events, done, chat=chat, usage=include_usage,
                                            tools=tools),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def _answer(self, gone: "asyncio.Future[None]", job: Job, loop: asyncio.AbstractEventLoop, rid: str,
+                      created: int, *, chat: bool, tools: Optional[ToolSpec]) -> Response:
+        """A non-streamed answer, given up (and its decode cancelled) as soon as ``gone`` completes."""
+        acquire = asyncio.ensure_future(self.pool.acquire(job.prefer))
+        await asyncio.wait({acquire, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not acquire.done():
+            acquire.cancel()  # the pool hands back an engine given to a waiter that left
+            return Response(status_code=499)
+        engine = acquire.result()  # 429 raised here
+        done: asyncio.Future[Result] = loop.create_future()
+        answered: asyncio.Future[Result] = loop.create_future()
+
+        def on_done(r: Result) -> None:
+            if not answered.done():
+                answered.set_result(r)
+
+        # the answer is sent as soon as it is decoded; storing a learned prefix happens after it
+        job.emit = lambda kind, payload: loop.call_soon_threadsafe(on_done, payload) if kind == "done" else None
+        self._start(engine, job, loop, done)
+        done.add_done_callback(_log_late_failure)
+        try:
+            await asyncio.wait({answered, done, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not (answered.done() or done.done()):
+                job.cancel.set()  # the decode loop sees it at its next token and frees the engine
+                return Response(status_code=499)
+            result = answered.result() if answered.done() else done.result()
+        except GraftmemError as exc:  # the engine refused (context full, ...): say so, no local paths
+            raise HTTPError(500, public_message(str(exc), str(self.store.home)), code=type(exc).__name__) from exc
+        receipt = self._receipt(job, result)
+        payload = self._final(rid, created, result, receipt, chat=chat, tools=tools)
+        return JSONResponse(payload, headers={RECEIPT_HEADER: json.dumps(receipt)})
 
     async def _sse(self, rid: str, created: int, job: Job, events: "asyncio.Queue[tuple[str, Any]]",
                    done: "asyncio.Future[Result]", *, chat: bool, usage: bool,

@@ -18,7 +18,9 @@ in OpenAI's shape.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+import asyncio
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 import anyio.to_thread
 from starlette.requests import Request
@@ -30,7 +32,7 @@ from ..core.errors import (AccessDenied, BlockNotFound, ConfigError, GraftmemErr
                            UnverifiedBlock)
 from ..memory import validate as check
 from ..memory.verbs import MemoryVerbs
-from .http import HTTPError, Limits, guarded, json_object, public_message, read_body
+from .http import HTTPError, Limits, client_gone, guarded, json_object, off_loop, public_message, read_body
 from .pool import EnginePool
 from .routing import RouterRef
 
@@ -82,14 +84,35 @@ class MemoryRoutes:
         return run
 
     async def _body(self, request: Request) -> dict[str, Any]:
-        return json_object(await read_body(request, self.limits.max_body_bytes, self.limits.body_timeout))
+        raw = await read_body(request, self.limits.max_body_bytes, self.limits.body_timeout)
+        return await off_loop(len(raw), json_object, raw, self.limits.max_json_depth)
 
-    async def _on_engine(self, fn: Callable[["Engine"], T]) -> T:
-        engine = await self.pool.acquire()
+    async def _on_engine(self, fn: Callable[["Engine"], T], request: Optional[Request] = None,
+                         cancel: Optional[threading.Event] = None) -> T:
+        """``fn(engine)`` in a worker thread on an engine of the pool. With ``request``: a client that goes
+        away while waiting for an engine gives up its place, and one that goes away while ``fn`` runs
+        sets ``cancel`` (an answer's decode stops at its next token; it used to run to ``max_tokens``)."""
+        gone = asyncio.ensure_future(client_gone(request)) if request is not None else None
         try:
-            return await anyio.to_thread.run_sync(fn, engine)
+            acquire = asyncio.ensure_future(self.pool.acquire())
+            if gone is not None:
+                await asyncio.wait({acquire, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not acquire.done():
+                    acquire.cancel()
+                    raise HTTPError(499, "the client went away", code="client_closed_request")
+            engine = await acquire
+            try:
+                work = asyncio.ensure_future(asyncio.to_thread(fn, engine))
+                if gone is not None:
+                    await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+                    if not work.done() and cancel is not None:
+                        cancel.set()
+                return await work
+            finally:
+                self.pool.release(engine)
         finally:
-            self.pool.release(engine)
+            if gone is not None:
+                gone.cancel()
 
     def _router(self) -> Any:
         if not self.router.available:
@@ -119,8 +142,10 @@ class MemoryRoutes:
         """``Memory.learn``: the same checks (`graftmem.memory.validate`: ``name: 5``, ``kind: ""``, a lone
         surrogate are 400s), the same learn path."""
         body = await self._body(request)
-        args = _fields(body, ("text", "name", "kind", "chat", "when_to_use", "parent", "metadata"))
-        block, changed = await self._on_engine(lambda e: self._desk(e).learn(**args))
+        args = _fields(body, ("name", "kind", "chat", "when_to_use", "parent", "metadata"))
+        text = body.get("text")
+        self._desk(self.pool.engines[0]).prepare_learn(text, **args)  # the checks, before queueing
+        block, changed = await self._on_engine(lambda e: self._desk(e).learn(text, **args))
         if changed:
             self.router.added([block])
         return JSONResponse({"block": _summary(block), "new": changed})
@@ -145,7 +170,9 @@ class MemoryRoutes:
         router = await anyio.to_thread.run_sync(self._router)
         engine0 = self.pool.engines[0]
         self._desk(engine0).prepare_recall(lambda: router, task, **args)  # the checks, before queueing
-        r = await self._on_engine(lambda e: self._desk(e).recall(lambda: router, task, **args))
+        cancel = threading.Event()
+        r = await self._on_engine(lambda e: self._desk(e).prepare_recall(lambda: router, task, **args)(
+            lambda _: cancel.is_set()), request, cancel)
         return Response(r.model_dump_json(), media_type="application/json")
 
     async def ask(self, request: Request) -> Response:
@@ -157,7 +184,9 @@ class MemoryRoutes:
         bid, question, raw = body.get("id"), body.get("question"), body.get("raw", False)
         check.flag("raw", raw)
         self._desk(self.pool.engines[0]).prepare_ask(bid, question, turn=not raw, **args)  # checks, consent
-        r = await self._on_engine(lambda e: self._desk(e).ask(bid, question, turn=not raw, **args))
+        cancel = threading.Event()
+        r = await self._on_engine(lambda e: self._desk(e).prepare_ask(bid, question, turn=not raw, **args)(
+            lambda _: cancel.is_set()), request, cancel)
         return Response(r.model_dump_json(), media_type="application/json")
 
 
