@@ -19,6 +19,7 @@ in OpenAI's shape.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
@@ -43,6 +44,8 @@ if TYPE_CHECKING:
 __all__ = ["MemoryRoutes"]
 
 T = TypeVar("T")
+
+log = logging.getLogger("graftmem")
 
 
 def _summary(b: Block) -> dict[str, Any]:
@@ -107,7 +110,11 @@ class MemoryRoutes:
                     await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
                     if not work.done() and cancel is not None:
                         cancel.set()
-                return await work
+                result = await work
+                if getattr(result, "finish_reason", None) == "cancelled":
+                    log.info("serve: a request was cancelled (its client went away) after %d token(s)",
+                             len(getattr(result, "tokens", [])))
+                return result
             finally:
                 self.pool.release(engine)
         finally:
@@ -166,10 +173,8 @@ class MemoryRoutes:
         body = await self._body(request)
         args = _fields(body, ("max_tokens", "min_score", "stop", "allow_unverified"))
         task = body.get("task")
-        check.text("task", task)
+        self._desk(self.pool.engines[0]).prepare_recall(self._router, task, **args)  # the checks, before queueing
         router = await anyio.to_thread.run_sync(self._router)
-        engine0 = self.pool.engines[0]
-        self._desk(engine0).prepare_recall(lambda: router, task, **args)  # the checks, before queueing
         cancel = threading.Event()
         r = await self._on_engine(lambda e: self._desk(e).prepare_recall(lambda: router, task, **args)(
             lambda _: cancel.is_set()), request, cancel)
