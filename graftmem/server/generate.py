@@ -34,6 +34,7 @@ from ..core.errors import GraftmemError
 from ..memory.verbs import MemoryVerbs, first_untrusted, weakest_provenance
 from ..store.chain import chain_of
 from .prefix import AUTO_KIND, prefix_keys, segment_ends
+from .tenants import owner_of
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -70,11 +71,13 @@ class Job:
     learn_tail: int = 2  #: final segments never learned (see `PrefixCache.learn_target`)
     #: the client's consent to graft blocks nothing here vouches for (``graftmem.allow_unverified``)
     allow_unverified: bool = False
+    #: who asks (from the API key, `graftmem.server.tenants`): salts the prompt's keys, owns what it learns
+    tenant: Optional[str] = None
 
     @functools.cached_property
     def keys(self) -> list[bytes]:
         """The prompt's cumulative segment keys (`prefix_keys`), computed once per request."""
-        return prefix_keys(self.segments)
+        return prefix_keys(self.segments, self.tenant)
 
     def prefer(self, engine: "Engine") -> int:
         """The pool's engine choice: how many of this prompt's segments the engine's cells hold."""
@@ -179,7 +182,8 @@ def warm_engines(desks: Sequence[MemoryVerbs], cache: "PrefixCache", *, allow_un
                 engine.prefill([int(block.tokens[-1])])  # the chain's last token again
                 engine.trim(block.pos_end)
                 segs = [c.tokens for c in chain]
-                engine.kept = Kept(tuple(prefix_keys(segs)), tuple(segment_ends(segs)), block.id,
+                owner = next((o for o in map(owner_of, chain) if o is not None), None)  # its tenant's keys
+                engine.kept = Kept(tuple(prefix_keys(segs, owner)), tuple(segment_ends(segs)), block.id,
                                    bad.provenance or "unverified" if bad is not None else None)
         except GraftmemError as exc:
             cache.refuse(block.id, str(exc))
@@ -234,7 +238,7 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
     ends = segment_ends(segs)
     n_prompt = ends[-1]
     consent = job.allow_unverified
-    match = cache.lookup(segs, keys, allow_unverified=consent) if caching else None
+    match = cache.lookup(segs, keys, allow_unverified=consent, tenant=job.tenant) if caching else None
     answer = AnswerText(engine.piece, job.stops)  # final text only: no half character, no partial stop
     entries: list[dict[str, Any]] = []
     pending: list[dict[str, Any]] = []  # logprob entries not streamed yet
@@ -258,7 +262,7 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
     with engine.session(resume=keep, keep=keep):
         t0 = time.perf_counter()
         # the prefix to learn is decided before the prefill, so its states are captured on the way
-        learn_k = cache.learn_target(segs, job.learn_tail, keys) if caching else 0
+        learn_k = cache.learn_target(segs, job.learn_tail, keys, job.tenant) if caching else 0
         m = match.n_segments if match is not None else 0
         in_ram = kept_segments(engine, keys, consent) if keep else 0
         if learn_k > m:  # what is learned continues the stored chain at m: start there, not later
@@ -326,7 +330,7 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
         job.emit("done", result)
     if captured and out.finish_reason != "cancelled":
         assert cache is not None
-        cache.store_captured(engine, segs, job.texts, first_seg, captured, match)
+        cache.store_captured(engine, segs, job.texts, first_seg, captured, match, job.tenant)
     return result
 
 

@@ -32,6 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..core.errors import ConfigError, UnverifiedBlock
+from .tenants import TENANT_STATE, ApiKeys
 
 __all__ = ["HTTPError", "Limits", "error_response", "public_message", "read_body", "body_length",
            "ApiKeyMiddleware", "is_block_path", "bearer", "guarded", "json_object", "json_depth", "client_gone",
@@ -142,16 +143,22 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
 
 
 class ApiKeyMiddleware:
-    """Every request needs ``Authorization: Bearer <api_key>`` (or ``X-Api-Key``), compared in constant
-    time. The block push routes also accept their push token there, since a push sends that instead."""
+    """Every request needs ``Authorization: Bearer <key>`` (or ``X-Api-Key``), compared in constant time
+    (`graftmem.server.tenants.ApiKeys`); the key's tenant goes into the request's scope state, where the
+    routes read it (`tenant_of`): the server derives who is asking, the request never says. The block
+    push routes also accept their push token there, since a push sends that instead."""
 
-    def __init__(self, app: ASGIApp, api_key: str, push_token: Optional[str] = None) -> None:
-        self.app, self.key, self.push_token = app, api_key.encode(), push_token
+    def __init__(self, app: ASGIApp, api_key: "str | ApiKeys", push_token: Optional[str] = None) -> None:
+        self.app, self.push_token = app, push_token
+        self.keys = api_key if isinstance(api_key, ApiKeys) else ApiKeys.single(api_key)
 
     def _ok(self, scope: Scope) -> bool:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         for given in (bearer(headers), headers.get("x-api-key", "")):
-            if given and hmac.compare_digest(given.encode(), self.key):
+            ok, tenant = self.keys.tenant(given)
+            if ok:
+                state = scope.setdefault("state", {})
+                state[TENANT_STATE] = tenant
                 return True
         if self.push_token and scope["path"] in ("/v1/push", "/v1/bundles"):
             given = bearer(headers)

@@ -42,6 +42,7 @@ from .generate import Job, Result, check_fits, run_job
 from .http import HTTPError, Limits, client_gone, guarded, json_object, off_loop, public_message, read_body
 from .pool import EnginePool
 from .routing import RouterRef
+from .tenants import tenant_of
 from .tools import ToolSpec, ToolStream, parse_calls, parse_tools
 
 if TYPE_CHECKING:
@@ -180,6 +181,7 @@ class OpenAIRoutes:
         routed = await self._recall(body, segments, texts)
         job = self._job(body, segments, texts, chat=True)
         job.extra = routed
+        job.tenant = tenant_of(request.scope)
         return await self._serve(request, body, job, chat=True, tools=tools)
 
     async def _recall(self, body: dict[str, Any], segments: list[list[int]], texts: list[str]) -> Optional[dict]:
@@ -241,6 +243,7 @@ class OpenAIRoutes:
 
         segments, texts = await off_loop(len(prompt), cut)
         job = self._job(body, segments, texts, chat=False)
+        job.tenant = tenant_of(request.scope)
         return await self._serve(request, body, job, chat=False)
 
     # ------------------------------------------------------------------ running

@@ -36,6 +36,7 @@ from ..memory.verbs import MemoryVerbs
 from .http import HTTPError, Limits, client_gone, guarded, json_object, off_loop, public_message, read_body
 from .pool import EnginePool
 from .routing import RouterRef
+from .tenants import tenant_of, visible
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -126,21 +127,46 @@ class MemoryRoutes:
             raise HTTPError(400, "this server was started without a router", code="router_unavailable")
         return self.router.get()
 
+    def _descendants(self, bid: str) -> list[str]:
+        out, todo = [], list(self.store.children(bid))
+        while todo and len(out) < 100_000:
+            c = todo.pop()
+            out.append(c)
+            todo += self.store.children(c)
+        return out
+
     # ------------------------------------------------------------------ verbs
     def _desk(self, engine: "Engine") -> MemoryVerbs:
         """The verbs of this pooled engine: every check, consent and stamp is theirs, as for `Memory`."""
         return MemoryVerbs(engine, self.store)
 
+    def _visible(self, request: Request, bid: str) -> Block:
+        """The block ``bid`` (id or prefix) if the request's tenant may see it; else as if missing."""
+        check.text("block id", bid)
+        tenant = tenant_of(request.scope)
+        try:
+            block = self.store.get(bid)
+        except ConfigError:  # an ambiguous prefix could tell that another tenant's block exists
+            block = None
+        if block is None or not visible(block, tenant):
+            raise BlockNotFound(f"no block {bid[:64]!r} in this store")
+        return block
+
     async def list(self, request: Request) -> Response:
         kind = request.query_params.get("kind") or None
-        return JSONResponse({"blocks": [_summary(b) for b in self.store.list(kind=kind)]})
+        tenant = tenant_of(request.scope)
+        return JSONResponse({"blocks": [_summary(b) for b in self.store.list(kind=kind) if visible(b, tenant)]})
 
     async def get(self, request: Request) -> Response:
-        return Response(self.store.get(request.path_params["bid"]).model_dump_json(), media_type="application/json")
+        return Response(self._visible(request, request.path_params["bid"]).model_dump_json(),
+                        media_type="application/json")
 
     async def delete(self, request: Request) -> Response:
         cascade = request.query_params.get("cascade", "").lower() in ("1", "true", "yes")
-        bid = self.store.resolve(request.path_params["bid"])
+        bid = self._visible(request, request.path_params["bid"]).id
+        tenant = tenant_of(request.scope)
+        if cascade and any(not visible(self.store.get(c), tenant) for c in self._descendants(bid)):
+            raise BlockNotFound(f"block {bid[:12]} has descendants this key may not delete")
         gone = self.store.delete(bid, cascade=cascade)
         self.router.removed(gone)
         return JSONResponse({"deleted": gone})
@@ -188,6 +214,8 @@ class MemoryRoutes:
         args = _fields(body, ("max_tokens", "stop", "allow_unverified"))
         bid, question, raw = body.get("id"), body.get("question"), body.get("raw", False)
         check.flag("raw", raw)
+        if isinstance(bid, str) and bid.strip():
+            self._visible(request, bid)  # another tenant's automatic block is not there for this key
         self._desk(self.pool.engines[0]).prepare_ask(bid, question, turn=not raw, **args)  # checks, consent
         cancel = threading.Event()
         r = await self._on_engine(lambda e: self._desk(e).prepare_ask(bid, question, turn=not raw, **args)(
