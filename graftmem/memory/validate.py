@@ -26,6 +26,13 @@ __all__ = ["text", "integer", "flag", "score", "choice", "ids", "metadata", "pat
 MAX_TEXT_CHARS = 4 << 20
 
 
+def _error(name: str, message: str) -> ConfigError:
+    """A `ConfigError` that names its field (``param``: what an HTTP route reports as the error's param)."""
+    exc = ConfigError(message)
+    exc.param = name  # type: ignore[attr-defined]
+    return exc
+
+
 def text(name: str, value: Any, *, optional: bool = False, empty: bool = False,
          max_chars: int = MAX_TEXT_CHARS) -> None:
     """A str that UTF-8 can encode (no lone surrogates), non-empty unless ``empty``, at most
@@ -33,17 +40,17 @@ def text(name: str, value: Any, *, optional: bool = False, empty: bool = False,
     if value is None and optional:
         return
     if not isinstance(value, str):
-        raise ConfigError(f"{name} must be a str, got {type(value).__name__}"
+        raise _error(name, f"{name} must be a str, got {type(value).__name__}"
                           + (" (decode bytes first, e.g. data.decode('utf-8'))" if isinstance(value, (bytes, bytearray)) else ""))
     if len(value) > max_chars:
-        raise ConfigError(f"{name} is {len(value)} characters, over the {max_chars}-character limit")
+        raise _error(name, f"{name} is {len(value)} characters, over the {max_chars}-character limit")
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ConfigError(f"{name} is not valid Unicode: character {exc.start} is a lone surrogate "
+        raise _error(name, f"{name} is not valid Unicode: character {exc.start} is a lone surrogate "
                           f"({value[exc.start]!r}); fix the text's decoding") from None
     if not empty and not value.strip():
-        raise ConfigError(f"{name} must not be empty")
+        raise _error(name, f"{name} must not be empty")
 
 
 def integer(name: str, value: Any, *, lo: int, hi: Optional[int] = None, optional: bool = False) -> None:
@@ -51,9 +58,9 @@ def integer(name: str, value: Any, *, lo: int, hi: Optional[int] = None, optiona
     if value is None and optional:
         return
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ConfigError(f"{name} must be an int, got {type(value).__name__} {value!r:.40}")
+        raise _error(name, f"{name} must be an int, got {type(value).__name__} {value!r:.40}")
     if value < lo or (hi is not None and value > hi):
-        raise ConfigError(f"{name}={value} is out of range: give {lo}" + (f"..{hi}" if hi is not None else " or more"))
+        raise _error(name, f"{name}={value} is out of range: give {lo}" + (f"..{hi}" if hi is not None else " or more"))
 
 
 def max_tokens(value: Any, n_ctx: int) -> None:
@@ -64,7 +71,7 @@ def max_tokens(value: Any, n_ctx: int) -> None:
 
 def flag(name: str, value: Any) -> None:
     if not isinstance(value, bool):
-        raise ConfigError(f"{name} must be True or False, got {type(value).__name__} {value!r:.40}")
+        raise _error(name, f"{name} must be True or False, got {type(value).__name__} {value!r:.40}")
 
 
 def score(name: str, value: Any) -> None:
@@ -74,13 +81,13 @@ def score(name: str, value: Any) -> None:
         return
     top = 1.0 + LEX_WEIGHT  # a routing score is a cosine in [-1, 1] plus LEX_WEIGHT x a coverage in [0, 1]
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or not -1.0 <= value <= top:
-        raise ConfigError(f"{name} must be a routing score in [-1, {top}], got {value!r:.40}")
+        raise _error(name, f"{name} must be a routing score in [-1, {top}], got {value!r:.40}")
 
 
 def choice(name: str, value: Any, choices: Iterable[str]) -> None:
     choices = tuple(choices)
     if not isinstance(value, str) or value not in choices:
-        raise ConfigError(f"{name}={value!r:.40}: use one of {', '.join(map(repr, choices))}")
+        raise _error(name, f"{name}={value!r:.40}: use one of {', '.join(map(repr, choices))}")
 
 
 def ids(name: str, value: Any) -> None:
@@ -88,7 +95,7 @@ def ids(name: str, value: Any) -> None:
     if value is None:
         return
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-        raise ConfigError(f"{name} must be a list of block ids, got {type(value).__name__}")
+        raise _error(name, f"{name} must be a list of block ids, got {type(value).__name__}")
     for v in value:
         text(f"{name} item", v)
 
@@ -98,7 +105,7 @@ def metadata(value: Any) -> None:
     if value is None:
         return
     if not isinstance(value, Mapping):
-        raise ConfigError(f"metadata must be a mapping, got {type(value).__name__}")
+        raise _error("metadata", f"metadata must be a mapping, got {type(value).__name__}")
     for k in value:
         if not isinstance(k, str):
             raise ConfigError(f"metadata keys must be str, got {type(k).__name__} {k!r:.40}")
@@ -111,10 +118,10 @@ def metadata(value: Any) -> None:
 
 def path(name: str, value: Any) -> None:
     if not isinstance(value, (str, os.PathLike)):
-        raise ConfigError(f"{name} must be a path (str or os.PathLike), got {type(value).__name__}")
+        raise _error(name, f"{name} must be a path (str or os.PathLike), got {type(value).__name__}")
     raw = os.fspath(value)
     if not isinstance(raw, str):
-        raise ConfigError(f"{name} must be a str path, got {type(raw).__name__}")
+        raise _error(name, f"{name} must be a str path, got {type(raw).__name__}")
     text(name, raw)
 
 
@@ -122,7 +129,7 @@ def instance(name: str, value: Any, cls: type, optional: bool = True) -> None:
     if value is None and optional:
         return
     if not isinstance(value, cls):
-        raise ConfigError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
+        raise _error(name, f"{name} must be a {cls.__name__}, got {type(value).__name__}")
 
 
 def scope(user_id: Any, agent_id: Any, session_id: Any) -> Scope:

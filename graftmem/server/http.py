@@ -190,7 +190,7 @@ def guarded(handler: Handler, home: Optional[str] = None) -> Handler:
             return error_response(request.url.path, exc, close=exc.status in (400, 408, 411, 413))
         except (ConfigError, UnverifiedBlock) as exc:  # a verb's argument check or consent: the caller's to fix
             return error_response(request.url.path, HTTPError(
-                400, public_message(str(exc), home), name=type(exc).__name__,
+                400, public_message(str(exc), home), name=type(exc).__name__, param=getattr(exc, "param", None),
                 code="invalid_value" if isinstance(exc, ConfigError) else type(exc).__name__))
         except Exception as exc:  # the boundary: nothing escapes as a traceback to the client
             log.exception("serve: %s %s failed", request.method, request.url.path)

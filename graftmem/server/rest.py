@@ -84,7 +84,7 @@ class MemoryRoutes:
                           else 503 if isinstance(exc, StoreLocked)
                           else 400 if isinstance(exc, (ConfigError, IncompatibleBlock, UnverifiedBlock)) else 500)
                 raise HTTPError(status, public_message(str(exc), self.home), name=type(exc).__name__,
-                                code=type(exc).__name__) from exc
+                                param=getattr(exc, "param", None), code=type(exc).__name__) from exc
         return run
 
     async def _body(self, request: Request) -> dict[str, Any]:
@@ -214,6 +214,7 @@ class MemoryRoutes:
         args = _fields(body, ("max_tokens", "stop", "allow_unverified"))
         bid, question, raw = body.get("id"), body.get("question"), body.get("raw", False)
         check.flag("raw", raw)
+        check.text("question", question, empty=True)
         if isinstance(bid, str) and bid.strip():
             self._visible(request, bid)  # another tenant's automatic block is not there for this key
         self._desk(self.pool.engines[0]).prepare_ask(bid, question, turn=not raw, **args)  # checks, consent
