@@ -62,7 +62,8 @@ class Limits:
     header_timeout: float = 10.0
     #: open connections at most; past it the oldest ones without a request in flight are closed to
     #: make room (idle sockets must not exhaust the process's file descriptors: 420 idle sockets once
-    #: left nobody served). None: half the process's descriptor limit, at most 1,000
+    #: left nobody served); also the listen backlog. None: a quarter of the process's descriptor limit,
+    #: at most 1,000 (`graftmem.server.runner.default_max_connections`)
     max_connections: Optional[int] = None
     #: the JSON nesting a request body may have (deeper is a 400 before it is parsed)
     max_json_depth: int = 64
@@ -206,8 +207,16 @@ _NOT_BRACKET = bytes(c for c in range(256) if c not in b"[]{}")
 
 
 def json_depth(raw: bytes) -> int:
-    """The deepest nesting of ``[`` / ``{`` in a JSON text (brackets inside strings not counted), read
-    without parsing: 100,000 nested lists made the parser raise RecursionError, a 500."""
+    """The deepest nesting of ``[`` / ``{`` in a JSON text (brackets inside strings not counted; up to 64
+    the count of openings stands in for it, an upper bound), read without parsing: 100,000 nested lists made the parser raise RecursionError, a 500."""
+    n_open = raw.count(b"[") + raw.count(b"{")
+    if n_open <= 64:  # the usual body: no more openings than the limit, so no deeper (a few ms for 8 MB)
+        return n_open
+    arr = np.frombuffer(raw, dtype=np.uint8)
+    at = np.flatnonzero((arr == 0x5B) | (arr == 0x7B) | (arr == 0x5D) | (arr == 0x7D))
+    naive = int(np.cumsum(np.where((arr[at] == 0x5B) | (arr[at] == 0x7B), 1, -1)).max())
+    if naive <= 64:  # brackets inside strings only ever add to it: shallow either way
+        return naive
     brackets = _JSON_STRING.sub(b'""', raw).translate(None, _NOT_BRACKET)
     if not brackets:
         return 0

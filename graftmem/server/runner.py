@@ -36,12 +36,14 @@ log = logging.getLogger("graftmem")
 
 
 def default_max_connections() -> int:
-    """Half the process's file-descriptor limit (the rest is the store's, the engines', the threads'),
-    between 16 and 1,000."""
+    """A quarter of the process's file-descriptor limit, between 16 and 1,000. The listen backlog is the
+    same number, and asyncio accepts up to a backlog of connections at once before any of them is seen
+    (and the oldest idle ones closed), so open + just accepted stay under half the limit; the rest is
+    the store's, the engines', the threads'."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return 1000
-    return max(16, min(1000, soft // 2))
+    return max(16, min(1000, soft // 4))
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -58,14 +60,15 @@ class GuardedH11Protocol(H11Protocol):
         self._opened = self.loop.time()
         self._header_timer: Optional[asyncio.TimerHandle] = None
         self._arm()
-        excess = len(self.connections) - self.max_connections
-        if excess > 0:
-            idle = sorted((c for c in self.connections if c is not self and isinstance(c, GuardedH11Protocol)
-                           and c.waiting and not c.transport.is_closing()), key=lambda c: c._opened)
+        live = [c for c in self.connections if c.transport is not None and not c.transport.is_closing()]
+        excess = len(live) - self.max_connections
+        if excess > 0:  # closed ones stay in the set until their connection_lost: not counted
+            idle = sorted((c for c in live if c is not self and isinstance(c, GuardedH11Protocol) and c.waiting),
+                          key=lambda c: c._opened)
             for c in idle[:excess]:
                 c.transport.close()
             if len(idle) < excess:  # every other connection is busy: refuse this one, not theirs
-                log.warning("serve: %d connections open, all busy: a new one is refused", len(self.connections))
+                log.warning("serve: %d connections open, all busy: a new one is refused", len(live))
                 transport.close()
 
     @property
@@ -124,7 +127,7 @@ class ServerThread:
                 # the headers: measured 44 ms per JSON request for 1 ms of work
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.bind((host, port))
-            sock.listen(1024)
+            sock.listen(self.limits.max_connections or default_max_connections())
         except OSError as exc:
             sock.close()
             raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; pick another "
@@ -139,7 +142,7 @@ class ServerThread:
             app, http=protocol, lifespan="off", log_config=None, access_log=False, server_header=False,
             timeout_keep_alive=max(1, int(self.limits.keep_alive)),
             # requests in flight beyond the cap get uvicorn's 503 (each one holds a task and a socket)
-            limit_concurrency=cap + 1,
+            limit_concurrency=cap + 1, backlog=cap,
             timeout_graceful_shutdown=max(1, int(self.limits.graceful_shutdown)))
         self._server = uvicorn.Server(self._config)
         self._thread: Optional[threading.Thread] = None
