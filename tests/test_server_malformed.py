@@ -92,3 +92,41 @@ def test_a_leftover_temp_file_does_not_fail_the_next_learn(smol, tmp_path):
         left.write_bytes(b"half a block")
         block = m.learn(text)
         assert block.id == bid and m.get(bid).provenance == "local" and not left.exists()
+
+
+def test_a_full_disk_at_the_scope_write_leaves_no_block(smol, tmp_path):
+    """learn with a scope is all or nothing: the free space is swept across the block write and the scope
+    index's writes; every attempt either stores the block with its scope or raises StoreError and leaves
+    no block (it used to raise StoreError "cannot rollback" with the block stored, 2 of 25 levels)."""
+    from graftmem import StoreError
+    from graftmem.store.local import Store
+
+    from .conftest import long_text
+    from .test_trust_store import _fill, tmpfs
+
+    text = long_text(12, seed=27)
+    with Memory(engine=smol, home=tmp_path / "src") as src:
+        size = src.learn(text).state_size + 8192
+    mnt = tmp_path / "full"
+    outcomes = {"stored": 0, "refused": 0}
+    with tmpfs(mnt, "16m"):
+        home = mnt / "home"
+        Store(home).close()
+        for leave in range(max(0, size - 4096), size + 64 * 1024, 4096):
+            filler = _fill(mnt, leave)
+            try:
+                with Memory(engine=smol, home=home) as m:
+                    try:
+                        b = m.learn(text, user_id="u1")
+                    except StoreError:
+                        outcomes["refused"] += 1
+                    else:
+                        outcomes["stored"] += 1
+                        assert [x.id for x in m.get_all(user_id="u1")] == [b.id]
+            finally:
+                filler.unlink()
+            with Memory(engine=smol, home=home) as m:
+                owned = {x.id for x in m.get_all(user_id="u1")}
+                assert {x.id for x in m.get_all()} == owned, f"a block stored without its scope at {leave}"
+                m.reset()
+    assert outcomes["stored"] and outcomes["refused"], outcomes

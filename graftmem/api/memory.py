@@ -12,6 +12,7 @@ import sqlite3
 import tempfile
 import threading
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional, Sequence
 
@@ -330,15 +331,28 @@ class Memory:
         scope = _scope(user_id, agent_id, session_id)
         if not isinstance(text, (str, bytes, bytearray)):
             text, name, metadata = self._render_messages(text, name, metadata, chat)
+        started = datetime.now(timezone.utc)
         block, changed = self._verbs.learn(text, name=name, kind=kind, metadata=metadata, progress=progress,
                                            when_to_use=when_to_use, chat=chat, parent=parent)
+        try:
+            if not scope.empty:
+                self.scopes.add(block.id, scope)
+            if changed or not scope.empty:
+                self.scopes.record(block.id, "learned" if changed else "learned_again",
+                                   {"name": block.name, "kind": block.kind, **scope.model_dump(exclude_none=True)})
+        except GraftmemError:
+            # all or nothing: a block this call created is not left behind, unowned and without its
+            # history, when its scope cannot be written (a full disk); the caller retries the whole learn
+            if changed and block.created_at >= started:
+                try:
+                    self._store.delete(block.id)
+                    self.scopes.remove(block.id)
+                except GraftmemError as exc:
+                    log.warning("learn: block %s could not be removed after its scope write failed: %s",
+                                block.short_id, exc)
+            raise
         if self._router is not None and changed:
             self._router.add_blocks([block])
-        if not scope.empty:
-            self.scopes.add(block.id, scope)
-        if changed or not scope.empty:
-            self.scopes.record(block.id, "learned" if changed else "learned_again",
-                               {"name": block.name, "kind": block.kind, **scope.model_dump(exclude_none=True)})
         return block
 
     def _render_messages(self, messages: Any, name: Optional[str], metadata: Optional[Mapping[str, Any]],
