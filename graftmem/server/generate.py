@@ -157,6 +157,8 @@ def warm_engines(desks: Sequence[MemoryVerbs], cache: "PrefixCache", *, allow_un
     leaves = sorted((b for b in autos if not store.children(b.id)), key=lambda b: b.created_at, reverse=True)
     chains: list[tuple["Block", list["Block"], Optional["Block"]]] = []
     for leaf in leaves:
+        if len(chains) >= len(desks):
+            break
         try:
             chain = chain_of(store, leaf)
         except GraftmemError as exc:
