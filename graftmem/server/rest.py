@@ -178,6 +178,8 @@ class MemoryRoutes:
         args = _fields(body, ("name", "kind", "chat", "when_to_use", "parent", "metadata"))
         text = body.get("text")
         self._desk(self.pool.engines[0]).prepare_learn(text, **args)  # the checks, before queueing
+        if "parent" in args:  # chaining on another tenant's automatic block would graft its state here
+            self._visible(request, args["parent"])
         block, changed = await self._on_engine(lambda e: self._desk(e).learn(text, **args))
         if changed:
             self.router.added([block])
