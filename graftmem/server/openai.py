@@ -7,7 +7,12 @@ of prefilled (`graftmem.server.prefix`), after a restart too, and every response
 ``usage.prompt_tokens_details.cached_tokens`` and in a receipt (the ``graftmem`` field and the
 ``X-Graftmem-Receipt`` header of a non-streamed response).
 
-Per request, ``extra_body={"graftmem": {"cache": false}}`` serves cold (for comparisons and tests).
+Per request, ``extra_body={"graftmem": {"cache": false}}`` serves cold (for comparisons and tests), and
+``{"graftmem": {"allow_unverified": true}}`` consents to grafting blocks nothing here vouches for (without
+it they are passed over; every graft goes through `graftmem.memory.verbs.MemoryVerbs`). ``max_tokens`` is
+at most the engine's ``n_ctx``; a client that goes away cancels its request, streamed or not; a large
+body is parsed, rendered and tokenized off the event loop. With tenants (``serve --api-key-file``) the
+tenant of the request's key salts its prefix keys and owns what it learns (`graftmem.server.tenants`).
 Supported: ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop`` (up
 to 4 strings; the text ends before the first one), ``logprobs`` / ``top_logprobs`` (chat) and
 ``logprobs: int`` (completions, non-streamed), ``stream`` (SSE ``data:`` chunks, then ``data: [DONE]``;
