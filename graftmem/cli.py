@@ -587,11 +587,16 @@ def cmd_push(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """One long-running server: block sharing, and (unless --blocks-only) the OpenAI-compatible API
     with the persistent prompt cache, on one socket."""
+    from . import ConfigError
     from .core import Engine
-    from .server import BlockServer, api_server
+    from .server import ApiKeys, BlockServer, api_server
 
     token = args.push_token or os.environ.get("GRAFTMEM_PUSH_TOKEN")
-    api_key = args.api_key or os.environ.get("GRAFTMEM_API_KEY")
+    api_key: Any = args.api_key or os.environ.get("GRAFTMEM_API_KEY")
+    if args.api_key_file:
+        if api_key:
+            raise ConfigError("give --api-key (one shared key) or --api-key-file (a key per tenant), not both")
+        api_key = ApiKeys.load(args.api_key_file)
     api = not args.blocks_only
     mem = _memory(args) if (token or api) else None  # the API and pushes need the engine
     extra: list[Any] = []
@@ -606,7 +611,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              sightings=args.sightings, learn=not args.no_learn,
                              max_auto_bytes=args.max_auto_mb << 20, auto_storage=args.auto_storage,
                              warm=not args.no_warm, router=lambda: mem.router,  # loaded on the first routed request
-                             chat_template=args.chat_template_file)
+                             chat_template=args.chat_template_file, allow_unverified=args.allow_unverified)
         elif mem:
             srv = mem.serve(host=args.host, port=args.port, push_token=token, sign_key=_sign_key(args),
                             rederive=args.rederive)
@@ -620,7 +625,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 what += f"{sum(w['tokens'] for w in warmed)} prompt tokens warm in RAM, "
             print(f"serving {srv.store.home} at {srv.url} ({what}pushes {'on' if token else 'off'}, "
                   f"listings {'signed' if args.sign else 'unsigned'}, "
-                  f"API key {'required' if api_key else 'off'}); Ctrl-C stops", flush=True)
+                  f"API key {_key_mode(api_key)}); Ctrl-C stops", flush=True)
             srv.serve_forever()
         except KeyboardInterrupt:
             pass
@@ -632,6 +637,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if mem:
             mem.close()
     return 0
+
+
+def _key_mode(api_key: Any) -> str:
+    if not api_key:
+        return "off: one local trust domain"
+    if isinstance(api_key, str) or not getattr(api_key, "named", False):
+        return "required: one trust domain"
+    return f"required: {len(api_key.entries)} tenants"
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
@@ -958,7 +971,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("serve", cmd_serve, "one long-running server: the OpenAI-compatible API with a persistent, "
              "verified prompt cache, and block sharing (read-only unless a push token is set)")
     sp.add_argument("--host", default="127.0.0.1")
-    sp.add_argument("--api-key", help="require this key on every request (or $GRAFTMEM_API_KEY)")
+    sp.add_argument("--api-key", help="require this key on every request (or $GRAFTMEM_API_KEY): one trust domain")
+    sp.add_argument("--api-key-file", metavar="PATH",
+                    help="one tenant per line, 'NAME sha256:<hex of the key>': each key's tenant gets its own "
+                         "prompt cache, automatic blocks and receipts (docs/security.md)")
     sp.add_argument("--blocks-only", action="store_true",
                     help="serve block sharing only: no model is loaded, no OpenAI API")
     sp.add_argument("--engines", type=int, default=1, help="engine contexts (requests decoded at once)")
@@ -976,6 +992,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="start with empty engines instead of grafting the most recently learned prompt prefixes")
     sp.add_argument("--chat-template-file", metavar="FILE",
                     help="render chat requests with this Jinja template instead of the GGUF's own (docs/models.md)")
+    sp.add_argument("--allow-unverified", action="store_true",
+                    help="graft blocks nothing here vouches for (imported with --no-rederive, dropped into the "
+                         "store) for every request and the warm start; without it only a request that sends "
+                         "graftmem.allow_unverified gets them, and receipts name the provenance")
     sp.add_argument("--port", type=_port, default=8765, help="0 picks a free port")
     sp.add_argument("--push-token", help="accept pushes with this token (or $GRAFTMEM_PUSH_TOKEN)")
     sp.add_argument("--sign", metavar="KEY", help="sign listings with this private key")

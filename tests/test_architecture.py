@@ -196,3 +196,63 @@ def test_async_memory_offers_every_memory_verb_with_the_same_signature():
         assert inspect.iscoroutinefunction(amethod) == (not name.endswith("_stream")), name
         assert inspect.signature(amethod) == inspect.signature(getattr(Memory, name)), name
         assert amethod.__doc__ == getattr(Memory, name).__doc__, name
+
+
+#: The functions that graft a block or answer from one. The doors (the server's routes, its prefix cache
+#: and warm start, the facade ``Memory``) reach them only through `graftmem.memory.verbs.MemoryVerbs`,
+#: which checks the arguments, asks consent before any graft and stamps the receipt's provenance: the
+#: server's prefix cache once grafted a forged ``unverified`` block into every chat by calling them
+#: directly (issue 24).
+GRAFT_FUNCTIONS = {
+    "graftmem.memory.answer": {"ask", "graft", "answer"},
+    "graftmem.memory.recall": {"recall", "answer_graft_way", "answer_text_way"},
+    "graftmem.memory.learn": {"learn", "prefill_and_store"},
+    "graftmem.memory": {"ask", "graft", "answer_graft_way", "answer_text_way", "prefill_and_store",
+                        "answer", "recall", "learn"},
+    "graftmem.store.chain": {"load_state"},
+    "graftmem.store": {"load_state"},
+}
+#: a door may not restore state into an engine itself either
+ENGINE_GRAFT_CALLS = {"restore"}
+DOORS = sorted([*(PKG / "server").glob("*.py"), PKG / "api" / "memory.py"])
+
+
+def graft_reaches(path: Path) -> list[str]:
+    """Where ``path`` imports a graft/answer function (or its module) or calls an engine's ``restore``."""
+    mod = module_name(path)
+    here = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.ImportFrom):
+            base = ".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else [])) \
+                if node.level else (node.module or "")
+            for a in node.names:
+                if a.name in GRAFT_FUNCTIONS.get(base, ()) or f"{base}.{a.name}" in GRAFT_FUNCTIONS:
+                    bad.append(f"{where} from {base} import {a.name}")
+        elif isinstance(node, ast.Import):
+            bad += [f"{where} import {a.name}" for a in node.names if a.name in GRAFT_FUNCTIONS
+                    and a.name not in ("graftmem.memory", "graftmem.store")]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in ENGINE_GRAFT_CALLS:
+            bad.append(f"{where} .{node.func.attr}(...)")
+    return bad
+
+
+def test_doors_graft_and_answer_only_through_the_verbs():
+    assert any(p.name == "prefix.py" for p in DOORS) and PKG / "api" / "memory.py" in DOORS
+    bad = [b for p in DOORS for b in graft_reaches(p)]
+    assert not bad, "a door reaches a graft/answer function without graftmem.memory.verbs:\n" + "\n".join(bad)
+
+
+def test_graft_checker_sees_each_way_in(tmp_path):
+    """The checker itself: a direct import of the graft, of its module, and an engine restore are found."""
+    src = ("from ..memory.answer import graft\nfrom ..memory import answer\nimport graftmem.memory.recall\n"
+           "from ..memory.recall import search\ndef f(e, v):\n    e.restore(v, 3)\n")
+    fake = PKG / "server" / "_graft_probe_tmp.py"
+    fake.write_text(src)
+    try:
+        found = graft_reaches(fake)
+        assert len(found) == 4 and not any("search" in f for f in found), found
+    finally:
+        fake.unlink()

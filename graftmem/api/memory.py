@@ -5,7 +5,6 @@ the verbs (learn, ask, get, delete, verify, stats) into engine and store calls. 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import os
@@ -13,26 +12,25 @@ import sqlite3
 import tempfile
 import threading
 import time
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional, Sequence
 
 from ..core.blocks import (Block, EngineConfig, Exactness, Fingerprint, HistoryEvent, Recall, Scope, SearchHit,
                            StoreStats, VerificationRecord, VerifyReport)
-from ..core.decoding import Sampling, check_stops
+from ..core.decoding import Sampling
 from ..core.engine import Engine
 from ..core.blocks import PROVENANCE_REDERIVED, PROVENANCE_UNVERIFIED
-from ..core.errors import BlockNotFound, ClosedError, ConfigError, GraftmemError, UnverifiedBlock
+from ..core.errors import BlockNotFound, ClosedError, ConfigError, GraftmemError
 from ..core.prompt import detect_format
+from ..memory import validate as check
 from ..memory.answer import OnText
-from ..memory.answer import ask as ask_block
 from ..memory.exactness import verify_block
 from ..memory.learn import default_name
-from ..memory.learn import learn as learn_text
 from ..memory.pager import DEFAULT_OVERLAP, PageIndex, learn_document, recall_document
-from ..memory.recall import recall as route_and_answer
-from ..memory.recall import search as route_search
+from ..memory.verbs import MemoryVerbs
 from ..memory.rederive import RederiveReport, rederive as _rederive, rederive_state
-from ..memory.router import LEX_WEIGHT, Embedder, Router, SentenceTransformerEmbedder
+from ..memory.router import Embedder, Router, SentenceTransformerEmbedder
 from ..server.blocks import BlockServer
 from ..server.service import api_server
 from ..share.bundle import export as export_bundle
@@ -63,97 +61,9 @@ MAX_N_CTX = 2**31 - 1
 _INCOMPATIBLE = ("refuse", "keep-apart", "skip")
 
 
-# ------------------------------------------------------------------ argument checks (before any work)
-def _scope(user_id: Any, agent_id: Any, session_id: Any) -> Scope:
-    """A checked `Scope` (each id a non-empty str, or None)."""
-    for field, value in (("user_id", user_id), ("agent_id", agent_id), ("session_id", session_id)):
-        _text(field, value, optional=True)
-    return Scope(user_id=user_id, agent_id=agent_id, session_id=session_id)
-
-
-def _text(name: str, value: Any, *, optional: bool = False, empty: bool = False) -> None:
-    """A str that UTF-8 can encode (no lone surrogates), non-empty unless ``empty``."""
-    if value is None and optional:
-        return
-    if not isinstance(value, str):
-        raise ConfigError(f"{name} must be a str, got {type(value).__name__}"
-                          + (" (decode bytes first, e.g. data.decode('utf-8'))" if isinstance(value, (bytes, bytearray)) else ""))
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ConfigError(f"{name} is not valid Unicode: character {exc.start} is a lone surrogate "
-                          f"({value[exc.start]!r}); fix the text's decoding") from None
-    if not empty and not value.strip():
-        raise ConfigError(f"{name} must not be empty")
-
-
-def _int(name: str, value: Any, *, lo: int, hi: Optional[int] = None, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ConfigError(f"{name} must be an int, got {type(value).__name__} {value!r:.40}")
-    if value < lo or (hi is not None and value > hi):
-        raise ConfigError(f"{name}={value} is out of range: give {lo}" + (f"..{hi}" if hi is not None else " or more"))
-
-
-def _flag(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name} must be True or False, got {type(value).__name__} {value!r:.40}")
-
-
-def _score(name: str, value: Any) -> None:
-    if value is None:
-        return
-    top = 1.0 + LEX_WEIGHT  # a routing score is a cosine in [-1, 1] plus LEX_WEIGHT x a coverage in [0, 1]
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or not -1.0 <= value <= top:
-        raise ConfigError(f"{name} must be a routing score in [-1, {top}], got {value!r:.40}")
-
-
-def _choice(name: str, value: Any, choices: Iterable[str]) -> None:
-    choices = tuple(choices)
-    if not isinstance(value, str) or value not in choices:
-        raise ConfigError(f"{name}={value!r:.40}: use one of {', '.join(map(repr, choices))}")
-
-
-def _ids(name: str, value: Any) -> None:
-    if value is None:
-        return
-    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-        raise ConfigError(f"{name} must be a list of block ids, got {type(value).__name__}")
-    for v in value:
-        _text(f"{name} item", v)
-
-
-def _metadata(value: Any) -> None:
-    """JSON-serialisable (it goes into the block file's manifest): checked before any prefill."""
-    if value is None:
-        return
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"metadata must be a mapping, got {type(value).__name__}")
-    for k in value:
-        if not isinstance(k, str):
-            raise ConfigError(f"metadata keys must be str, got {type(k).__name__} {k!r:.40}")
-    try:
-        json.dumps(dict(value), ensure_ascii=False, allow_nan=False).encode("utf-8")
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise ConfigError(f"metadata must be JSON-serialisable (str, numbers, bools, None, lists, dicts; no "
-                          f"NaN, no lone surrogates): {exc}") from None
-
-
-def _path(name: str, value: Any) -> None:
-    if not isinstance(value, (str, os.PathLike)):
-        raise ConfigError(f"{name} must be a path (str or os.PathLike), got {type(value).__name__}")
-    raw = os.fspath(value)
-    if not isinstance(raw, str):
-        raise ConfigError(f"{name} must be a str path, got {type(raw).__name__}")
-    _text(name, raw)
-
-
-def _instance(name: str, value: Any, cls: type, optional: bool = True) -> None:
-    if value is None and optional:
-        return
-    if not isinstance(value, cls):
-        raise ConfigError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
+# argument checks (before any work): one module for every door (graftmem.memory.validate)
+_scope, _text, _int, _flag, _score = check.scope, check.text, check.integer, check.flag, check.score
+_choice, _ids, _metadata, _path, _instance = check.choice, check.ids, check.metadata, check.path, check.instance
 
 
 class Memory:
@@ -222,6 +132,8 @@ class Memory:
                 self._store.close()
             raise
         self._closed = False
+        #: the verbs with their rules (checks, consent, provenance stamp), shared with the server's doors
+        self._verbs = MemoryVerbs(self._engine, self._store)
         # routing loads torch and MiniLM (seconds): created on the first recall/search, never by learn/ask
         self._embedder = embedder
         self._router: Optional[Router] = None
@@ -419,23 +331,28 @@ class Memory:
         scope = _scope(user_id, agent_id, session_id)
         if not isinstance(text, (str, bytes, bytearray)):
             text, name, metadata = self._render_messages(text, name, metadata, chat)
-        _text("text", text)
-        _text("name", name, optional=True)
-        _text("kind", kind)
-        _metadata(metadata)
-        _flag("progress", progress)
-        _text("when_to_use", when_to_use, optional=True)
-        _flag("chat", chat)
-        _text("parent", parent, optional=True)
-        block, changed = learn_text(self._engine, self._store, text, name=name, kind=kind, metadata=metadata,
-                                    progress=progress, when_to_use=when_to_use, chat=chat, parent=parent)
+        started = datetime.now(timezone.utc)
+        block, changed = self._verbs.learn(text, name=name, kind=kind, metadata=metadata, progress=progress,
+                                           when_to_use=when_to_use, chat=chat, parent=parent)
+        try:
+            if not scope.empty:
+                self.scopes.add(block.id, scope)
+            if changed or not scope.empty:
+                self.scopes.record(block.id, "learned" if changed else "learned_again",
+                                   {"name": block.name, "kind": block.kind, **scope.model_dump(exclude_none=True)})
+        except GraftmemError:
+            # all or nothing: a block this call created is not left behind, unowned and without its
+            # history, when its scope cannot be written (a full disk); the caller retries the whole learn
+            if changed and block.created_at >= started:
+                try:
+                    self._store.delete(block.id)
+                    self.scopes.remove(block.id)
+                except GraftmemError as exc:
+                    log.warning("learn: block %s could not be removed after its scope write failed: %s",
+                                block.short_id, exc)
+            raise
         if self._router is not None and changed:
             self._router.add_blocks([block])
-        if not scope.empty:
-            self.scopes.add(block.id, scope)
-        if changed or not scope.empty:
-            self.scopes.record(block.id, "learned" if changed else "learned_again",
-                               {"name": block.name, "kind": block.kind, **scope.model_dump(exclude_none=True)})
         return block
 
     def _render_messages(self, messages: Any, name: Optional[str], metadata: Optional[Mapping[str, Any]],
@@ -482,45 +399,10 @@ class Memory:
 
     def _ask_call(self, block_id: str, query: str, max_tokens: int, sampling: Optional[Sampling],
                   stop: "str | Sequence[str] | None", allow_unverified: bool) -> Callable[[Optional[OnText]], Recall]:
-        """Check the arguments of ask; return the call that answers (given an optional text callback)."""
+        """Check the arguments of ask (and the block's consent); return the call that answers."""
         self._check()
-        _text("block_id", block_id)
-        _text("query", query, empty=True)
-        if not query:
-            raise ConfigError("query must not be empty: the answer starts after at least one token")
-        _int("max_tokens", max_tokens, lo=1)
-        _instance("sampling", sampling, Sampling)
-        _flag("allow_unverified", allow_unverified)
-        stops = check_stops(stop)
-        block = self._store.get(block_id)
-        self._consent(block, allow_unverified)
-
-        def run(on_text: Optional[OnText]) -> Recall:
-            return self._stamp(ask_block(self._engine, self._store, block, query, max_tokens=max_tokens,
-                                         sampling=sampling or Sampling(), stops=stops, on_text=on_text), block)
-        return run
-
-    def _consent(self, block: Block, allow_unverified: bool) -> None:
-        """Refuse a block that nothing here vouches for (itself or an ancestor), unless allowed."""
-        if allow_unverified:
-            return
-        cur: Optional[Block] = block
-        while cur is not None:
-            if not cur.trusted:
-                what = "it" if cur.id == block.id else f"its ancestor {cur.short_id}"
-                raise UnverifiedBlock(
-                    f"block {block.short_id} ({block.name!r}): {what} is {cur.provenance or 'unverified'}: "
-                    "nothing here proved that its state is its text's (it arrived without re-derivation or "
-                    "a trusted signature). Re-derive it (Memory.rederive / `graftmem verify --rederive`), "
-                    "learn its text here, or pass allow_unverified=True")
-            cur = self._store.get(cur.parent) if cur.parent is not None else None
-
-    @staticmethod
-    def _stamp(r: Recall, block: Optional[Block]) -> Recall:
-        """The receipt with the grafted block's provenance."""
-        if block is None or r.block is None:
-            return r
-        return r.model_copy(update={"receipt": r.receipt.model_copy(update={"provenance": block.provenance})})
+        return self._verbs.prepare_ask(block_id, query, max_tokens=max_tokens, sampling=sampling, stop=stop,
+                                       allow_unverified=allow_unverified)
 
     # ------------------------------------------------------------------ routing
     def search(self, task: str, *, top_k: int = 5, limit: Optional[int] = None,
@@ -539,7 +421,7 @@ class Memory:
             top_k = limit
         _int("top_k", top_k, lo=1)
         allow = self._filter(_scope(user_id, agent_id, session_id), filters, kind)
-        return route_search(self.router, self._store, self.fingerprint.digest(), task, top_k=top_k, allow=allow)
+        return self._verbs.search(self.router, task, top_k=top_k, allow=allow)
 
     def recall(self, task: str, *, max_tokens: int = 64, min_score: Optional[float] = None,
                mode: Literal["graft", "text"] = "graft", sampling: Optional[Sampling] = None,
@@ -577,27 +459,14 @@ class Memory:
                      sampling: Optional[Sampling], stop: "str | Sequence[str] | None", allow_unverified: bool,
                      filters: Optional[Mapping[str, Any]], user_id: Optional[str], agent_id: Optional[str],
                      session_id: Optional[str]) -> Callable[[Optional[OnText]], Recall]:
-        """Check the arguments of recall; return the call that routes and answers."""
+        """Check the arguments of recall; return the call that routes, asks consent before the graft,
+        and answers."""
         self._check()
         _text("task", task)
-        _int("max_tokens", max_tokens, lo=1)
-        _score("min_score", min_score)
-        _choice("mode", mode, ("graft", "text"))
-        _instance("sampling", sampling, Sampling)
-        _flag("allow_unverified", allow_unverified)
-        stops = check_stops(stop)
         allow = self._filter(_scope(user_id, agent_id, session_id), filters)
-
-        def run(on_text: Optional[OnText]) -> Recall:
-            r = route_and_answer(self._engine, self._store, self.router, task, max_tokens=max_tokens,
-                                 min_score=min_score, mode=mode,  # type: ignore[arg-type]
-                                 sampling=sampling or Sampling(), allow=allow, stops=stops, on_text=on_text)
-            if r.block is None:
-                return r
-            block = self._store.get(r.block.id)
-            self._consent(block, allow_unverified)
-            return self._stamp(r, block)
-        return run
+        return self._verbs.prepare_recall(lambda: self.router, task, max_tokens=max_tokens, min_score=min_score,
+                                          mode=mode, sampling=sampling, stop=stop,
+                                          allow_unverified=allow_unverified, allow=allow)
 
     def reindex(self) -> int:
         """Rebuild the routing index from the store (every block embedded again); returns its size."""

@@ -304,6 +304,13 @@ class Receipt(_Strict):
     check_ms: Optional[float] = None  #: header, trailer, fingerprint and state digest checks
     place_ms: Optional[float] = None  #: sliding-window cells put back at their fresh indices (Gemma)
     set_data_ms: Optional[float] = None  #: clearing the cache and ``llama_state_seq_set_data``
+    # The server's doors (OpenAI routes) fill these too: the same receipt type on every door.
+    #: where the restored prompt prefix came from: ``"store"`` (a graft), ``"ram"`` (cells kept in the
+    #: engine by the previous request or the warm start), None (served cold)
+    source: Optional[str] = None
+    cache: Optional[bool] = None  #: whether the request allowed the prefix cache (``graftmem.cache``)
+    #: what routed recall chose on a server door: ``{"block_id", "score", "min_score"}``
+    recall: Optional[dict[str, Any]] = None
 
     def __str__(self) -> str:
         """One readable line, rounded: what a person wants from ``print(answer.receipt)``."""

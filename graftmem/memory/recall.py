@@ -178,8 +178,12 @@ def answer_graft_way(engine: "Engine", store: "Store", block: Block, continuatio
 def recall(engine: "Engine", store: "Store", router: "Router", task: str, *, max_tokens: int = 64,
            min_score: Optional[float] = None, mode: Literal["graft", "text"] = "graft",
            sampling: Sampling = GREEDY, allow: Optional[BlockFilter] = None, stops: Sequence[str] = (),
-           on_text: Optional[OnText] = None) -> Recall:
-    """Route ``task`` to ONE block of this engine, answer it the ``mode`` way (see the module doc)."""
+           on_text: Optional[OnText] = None, admit: Optional[Callable[[Block], None]] = None) -> Recall:
+    """Route ``task`` to ONE block of this engine, answer it the ``mode`` way (see the module doc).
+
+    ``admit(block)`` runs on the routed block before anything of it reaches the engine, and refuses it
+    by raising (the consent rule of `graftmem.memory.verbs`): a refusal made after the answer would
+    come too late for a stream, whose text is already out."""
     _check_task(task)
     if mode not in ("graft", "text"):
         raise ConfigError(f"mode must be 'graft' or 'text', got {mode!r}")
@@ -199,6 +203,8 @@ def recall(engine: "Engine", store: "Store", router: "Router", task: str, *, max
             return _no_match(engine, store, top, threshold, route_ms)
         try:
             block = store.get(top[0])
+            if admit is not None:
+                admit(block)
             r = way(engine, store, block, continuation_for(block, task), max_tokens=max_tokens, sampling=sampling,
                     stops=stops, on_text=on_text)
             break

@@ -9,6 +9,7 @@ from .pool import EnginePool
 from .prefix import AUTO_KIND, PrefixCache
 from .rest import MemoryRoutes
 from .service import api_server
+from .tenants import ApiKeys, hash_key
 
-__all__ = ["AUTO_KIND", "BlockRoutes", "BlockServer", "EnginePool", "Limits", "MemoryRoutes", "OpenAIRoutes", "PrefixCache",
-           "RECEIPT_HEADER", "api_server"]
+__all__ = ["AUTO_KIND", "ApiKeys", "BlockRoutes", "BlockServer", "EnginePool", "Limits", "MemoryRoutes", "OpenAIRoutes", "PrefixCache",
+           "RECEIPT_HEADER", "api_server", "hash_key"]

@@ -19,6 +19,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute
 
 from .http import ApiKeyMiddleware, HTTPError, error_response
+from .tenants import ApiKeys
 
 __all__ = ["build_app"]
 
@@ -38,9 +39,10 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
                                                       else "TransferError", code=f"http_{status}"))
 
 
-def build_app(routes: list[BaseRoute], *, api_key: Optional[str] = None,
+def build_app(routes: list[BaseRoute], *, api_key: "str | ApiKeys | None" = None,
               push_token: Optional[str] = None) -> Starlette:
-    """One app over ``routes``; every request needs ``api_key`` when one is given."""
+    """One app over ``routes``; every request needs ``api_key`` (one key, or the tenants' keys) when one
+    is given."""
     for name in _FIRST_REQUEST_IMPORTS:  # private names of anyio: a version without them changes nothing
         with contextlib.suppress(ImportError):
             importlib.import_module(name)

@@ -53,6 +53,7 @@ from ..share.manifest import BundleManifest, entry_for
 from ..share.trust import SigningKey, TrustPolicy
 from ..store.local import Store
 from .http import HTTPError, Limits, body_length, guarded, public_message
+from .tenants import ApiKeys, tenant_of, visible
 
 __all__ = ["BlockRoutes", "BlockServer"]
 
@@ -129,7 +130,9 @@ class BlockRoutes:
 
     async def blocks(self, request: Request) -> Response:
         kind = request.query_params.get("kind") or None
-        body = await anyio.to_thread.run_sync(lambda: self.listing_body(self.store.list(kind=kind)))
+        tenant = tenant_of(request.scope)  # another tenant's automatic blocks are never listed
+        body = await anyio.to_thread.run_sync(lambda: self.listing_body(
+            [b for b in self.store.list(kind=kind) if visible(b, tenant)]))
         headers = {}
         if self.sign_key is not None:
             headers[SIGNATURE_HEADER] = self.sign_key.sign(LISTING_DOMAIN, body).to_header()
@@ -137,7 +140,9 @@ class BlockRoutes:
 
     async def block(self, request: Request) -> Response:
         m = _ID.fullmatch(request.path_params["rest"])
-        if m is None or not self.store.contains(m.group(1)):
+        if m is None or not self.store.contains(m.group(1)) or not visible(self.store.get(m.group(1)),
+                                                                           tenant_of(request.scope)):
+            # another tenant's automatic block answers exactly as a missing one: its existence is not told
             raise HTTPError(404, f"no block {request.path_params['rest'][:64]!r} on this server",
                             name="BlockNotFound")
         bid = m.group(1)
@@ -296,13 +301,13 @@ class BlockServer:
                  port: int = 0, push_token: Optional[str] = None,
                  fingerprint: Optional[Fingerprint] = None, policy: Optional[TrustPolicy] = None,
                  sign_key: Optional[SigningKey] = None, max_push_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
-                 check: Optional[BlockCheck] = None, api_key: Optional[str] = None,
+                 check: Optional[BlockCheck] = None, api_key: "str | ApiKeys | None" = None,
                  limits: Optional[Limits] = None, routes: type[BlockRoutes] = BlockRoutes,
                  extra: Optional[list[BaseRoute]] = None) -> None:
         from .app import build_app
         from .runner import ServerThread
 
-        if api_key is not None and len(api_key) < 8:
+        if isinstance(api_key, str) and len(api_key) < 8:
             raise ConfigError("the API key is too short: use at least 8 characters")
         self._owns_store = not isinstance(store, Store)
         self.store = store if isinstance(store, Store) else Store(store)

@@ -27,16 +27,18 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
+from ..core.blocks import Receipt
 from ..core.decoding import AnswerText, Sampling, decode
+from ..core.engine import logits_sha256
 from ..core.errors import GraftmemError
-from ..memory.answer import graft
+from ..memory.verbs import MemoryVerbs, first_untrusted, weakest_provenance
 from ..store.chain import chain_of
 from .prefix import AUTO_KIND, prefix_keys, segment_ends
+from .tenants import owner_of
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
     from ..core.blocks import Block
-    from ..store.local import Store
     from .chat import TokenCache
     from .prefix import PrefixCache
 
@@ -66,15 +68,19 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     extra: Optional[dict[str, Any]] = None  #: added to the receipt (what routing chose)
     learn_tail: int = 2  #: final segments never learned (see `PrefixCache.learn_target`)
+    #: the client's consent to graft blocks nothing here vouches for (``graftmem.allow_unverified``)
+    allow_unverified: bool = False
+    #: who asks (from the API key, `graftmem.server.tenants`): salts the prompt's keys, owns what it learns
+    tenant: Optional[str] = None
 
     @functools.cached_property
     def keys(self) -> list[bytes]:
         """The prompt's cumulative segment keys (`prefix_keys`), computed once per request."""
-        return prefix_keys(self.segments)
+        return prefix_keys(self.segments, self.tenant)
 
     def prefer(self, engine: "Engine") -> int:
         """The pool's engine choice: how many of this prompt's segments the engine's cells hold."""
-        return kept_segments(engine, self.keys) if self.use_cache else 0
+        return kept_segments(engine, self.keys, self.allow_unverified) if self.use_cache else 0
 
 
 @dataclass
@@ -85,7 +91,7 @@ class Result:
     finish_reason: str
     prompt_tokens: int
     cached_tokens: int
-    receipt: dict[str, Any]
+    receipt: Receipt
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,9 @@ class Kept:
     keys: tuple[bytes, ...]
     ends: tuple[int, ...]
     block_id: Optional[str] = None  #: the stored block these cells were grafted from, if any
+    #: the provenance of the grafted block when it needs consent (``unverified``): then the cells hold a
+    #: state nothing here vouches for, and only a request that consents may reuse them
+    untrusted: Optional[str] = None
 
 
 def can_keep(engine: "Engine") -> bool:
@@ -105,11 +114,12 @@ def can_keep(engine: "Engine") -> bool:
     return bool(engine.exactness.exact) and (engine.n_swa == 0 or engine.config.swa_full)
 
 
-def kept_segments(engine: "Engine", keys: Sequence[bytes]) -> int:
+def kept_segments(engine: "Engine", keys: Sequence[bytes], allow_unverified: bool = False) -> int:
     """How many leading segments of a prompt with ``keys`` this engine's kept cells hold (at most all
-    but the last, which a request always prefills to get its first logits)."""
+    but the last, which a request always prefills to get its first logits); none when they hold an
+    unverified block's state and the request did not consent."""
     kept = engine.kept
-    if not isinstance(kept, Kept):
+    if not isinstance(kept, Kept) or (kept.untrusted is not None and not allow_unverified):
         return 0
     n = min(len(kept.keys), len(keys) - 1)
     while n > 0 and kept.keys[n - 1] != keys[n - 1]:  # a key covers every segment before it too
@@ -121,39 +131,61 @@ def kept_segments(engine: "Engine", keys: Sequence[bytes]) -> int:
 WARM_CHECK_BYTES = 1 << 30
 
 
-def warm_engines(engines: Sequence["Engine"], store: "Store", cache: "PrefixCache", *,
+def warm_engines(desks: Sequence[MemoryVerbs], cache: "PrefixCache", *, allow_unverified: bool = False,
                  check_bytes: int = WARM_CHECK_BYTES, tokens: Optional["TokenCache"] = None) -> list[dict[str, Any]]:
-    """Graft the most recently learned automatic prompt prefixes, one per engine, and keep them: a
-    restarted server finds an agent's last conversation in RAM, as llama-server finds its slot's,
-    instead of reading and checking it from disk on the first request. Each graft is checked
-    (BLAKE3 on this process's first read) like any other; a block that fails is refused and skipped.
+    """Graft the most recently learned automatic prompt prefixes, one per engine (``desks``: the verbs of
+    each pooled engine over the store), and keep them: a restarted server finds an agent's last
+    conversation in RAM, as llama-server finds its slot's, instead of reading and checking it from disk
+    on the first request. Each graft is checked (BLAKE3 on this process's first read) like any other; a
+    block that fails is refused and skipped. A chain holding a block nothing here vouches for
+    (``unverified``) is not warmed unless the operator consented (``allow_unverified``): the warm start
+    is a graft like any other (`MemoryVerbs.graft`).
     Then the other blocks of those chains (the conversation's earlier turns, which the next requests
     graft once the first one has trimmed the engine's cells to its own prompt) are read and checked
     too, up to ``check_bytes``: their later grafts in this process check xxh3 only
     (`graftmem.store.verified`). The prefix index is built and, with ``tokens``, the chains' message
     texts are tokenized into that cache, so the first request does none of it either. Returns what
-    each engine got (block id, tokens, milliseconds)."""
+    each engine got (block id, tokens, milliseconds, provenance)."""
     cache.refresh()
-    if not engines:
+    if not desks:
         return []
-    digest = engines[0].fingerprint.digest()
+    store = desks[0].store
+    engine0 = desks[0].engine
+    digest = engine0.fingerprint.digest()
     autos = [b for b in store.list(kind=AUTO_KIND) if b.fingerprint.digest() == digest]
     leaves = sorted((b for b in autos if not store.children(b.id)), key=lambda b: b.created_at, reverse=True)
+    chains: list[tuple["Block", list["Block"], Optional["Block"]]] = []
+    for leaf in leaves:
+        if len(chains) >= len(desks):
+            break
+        try:
+            chain = chain_of(store, leaf)
+        except GraftmemError as exc:
+            cache.refuse(leaf.id, str(exc))
+            continue
+        bad = first_untrusted(chain)
+        if bad is not None and not allow_unverified:
+            log.info("serve: warm start skips block %s: %s is %s (no consent)", leaf.short_id, bad.short_id,
+                     bad.provenance)
+            continue
+        chains.append((leaf, chain, bad))
     done: list[dict[str, Any]] = []
     ahead: list["Block"] = []
-    for engine, block in zip([e for e in engines if can_keep(e)], leaves):
+    for desk, (block, chain, bad) in zip([d for d in desks if can_keep(d.engine)], chains):
+        engine = desk.engine
         t0 = time.perf_counter()
         try:
             with engine.session(keep=True):
-                chain = chain_of(store, block)
-                graft(engine, store, block)
+                desk.graft(block, allow_unverified=allow_unverified, chain=chain)
                 # one throwaway token after the grafted cells, then trimmed away: the first decode over a
                 # context this long sizes llama.cpp's compute buffers and faults their pages in (measured:
                 # a restarted server's first request prefilled its 4 tokens in 70-93 ms, later ones in 55)
                 engine.prefill([int(block.tokens[-1])])  # the chain's last token again
                 engine.trim(block.pos_end)
                 segs = [c.tokens for c in chain]
-                engine.kept = Kept(tuple(prefix_keys(segs)), tuple(segment_ends(segs)), block.id)
+                owner = next((o for o in map(owner_of, chain) if o is not None), None)  # its tenant's keys
+                engine.kept = Kept(tuple(prefix_keys(segs, owner)), tuple(segment_ends(segs)), block.id,
+                                   bad.provenance or "unverified" if bad is not None else None)
         except GraftmemError as exc:
             cache.refuse(block.id, str(exc))
             continue
@@ -161,9 +193,11 @@ def warm_engines(engines: Sequence["Engine"], store: "Store", cache: "PrefixCach
         if tokens is not None:
             for i, c in enumerate(chain):  # what the agent sends next starts with these texts
                 tokens.tokenize(engine, c.text, i == 0)
-        done.append({"block_id": block.id, "tokens": block.pos_end, "ms": round((time.perf_counter() - t0) * 1e3, 1)})
+        done.append({"block_id": block.id, "tokens": block.pos_end, "ms": round((time.perf_counter() - t0) * 1e3, 1),
+                     "provenance": weakest_provenance(block, bad)})
         log.info("serve: warm start grafted %d tokens (block %s) in %.0f ms", block.pos_end, block.short_id,
                  done[-1]["ms"])
+    engines = [d.engine for d in desks]
     t0, n, left = time.perf_counter(), 0, check_bytes
     seen: set[str] = set()
     for b in ahead:
@@ -193,15 +227,19 @@ def _entry(engine: "Engine", tok: int, lp: float, top: Optional[list[tuple[int, 
     return {**one(tok, lp), "top_logprobs": [one(t, v) for t, v in (top or [])]}
 
 
-def run_job(engine: "Engine", store: "Store", cache: Optional["PrefixCache"], job: Job) -> Result:
-    """Compute ``job`` on ``engine`` (which the caller holds exclusively); see the module docstring."""
+def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Result:
+    """Compute ``job`` on ``desk``'s engine (which the caller holds exclusively); see the module
+    docstring. Every graft goes through ``desk`` (consent first); cells that hold a state nothing here
+    vouches for are reused only by a request that consents, and nothing is learned on top of them."""
+    engine = desk.engine
     segs = job.segments
     caching = cache is not None and job.use_cache
     keep = caching and can_keep(engine)
     keys = job.keys
     ends = segment_ends(segs)
     n_prompt = ends[-1]
-    match = cache.lookup(segs, keys) if caching else None
+    consent = job.allow_unverified
+    match = cache.lookup(segs, keys, allow_unverified=consent, tenant=job.tenant) if caching else None
     answer = AnswerText(engine.piece, job.stops)  # final text only: no half character, no partial stop
     entries: list[dict[str, Any]] = []
     pending: list[dict[str, Any]] = []  # logprob entries not streamed yet
@@ -225,30 +263,43 @@ def run_job(engine: "Engine", store: "Store", cache: Optional["PrefixCache"], jo
     with engine.session(resume=keep, keep=keep):
         t0 = time.perf_counter()
         # the prefix to learn is decided before the prefill, so its states are captured on the way
-        learn_k = cache.learn_target(segs, job.learn_tail, keys) if caching else 0
+        learn_k = cache.learn_target(segs, job.learn_tail, keys, job.tenant) if caching else 0
         m = match.n_segments if match is not None else 0
-        in_ram = kept_segments(engine, keys) if keep else 0
+        in_ram = kept_segments(engine, keys, consent) if keep else 0
         if learn_k > m:  # what is learned continues the stored chain at m: start there, not later
             in_ram = min(in_ram, m)
         restored, first_seg, block_id, source = 0, 0, None, None
+        untrusted: Optional[str] = None  #: provenance of an unverified state in the cells, if any
+        provenance: Optional[str] = None
         if in_ram > 0 and in_ram >= m:
-            kept_block = engine.kept.block_id if isinstance(engine.kept, Kept) else None
+            kept = engine.kept if isinstance(engine.kept, Kept) else None
+            kept_block = kept.block_id if kept is not None else None
+            untrusted = kept.untrusted if kept is not None else None
             restored = ends[in_ram - 1]
             engine.trim(restored)
             first_seg, source = in_ram, "ram"
             block_id = match.block.id if match is not None and in_ram == m else kept_block
+            if match is not None and in_ram == m:
+                provenance = weakest_provenance(match.block, match.untrusted)
+            else:
+                provenance = untrusted or "local"
         else:
             if engine.n_past:
                 engine.reset()
             if match is not None:
                 try:
-                    graft(engine, store, match.block)
+                    desk.graft(match.block, allow_unverified=consent, chain=match.chain)
                     restored, first_seg, block_id, source = match.n_tokens, m, match.block.id, "store"
+                    provenance = weakest_provenance(match.block, match.untrusted)
+                    if match.untrusted is not None:
+                        untrusted = provenance
                 except GraftmemError as exc:
                     assert cache is not None
                     cache.refuse(match.block.id, str(exc))
                     engine.reset()
                     match = None
+        if untrusted is not None:
+            learn_k = 0  # a chain learned from these cells would carry the unverified state as ``local``
         t1 = time.perf_counter()
         captured: list[bytes] = []
         held = 0
@@ -263,22 +314,24 @@ def run_job(engine: "Engine", store: "Store", cache: Optional["PrefixCache"], jo
                      top_logprobs=job.top_logprobs if job.logprobs else 0)
         t3 = time.perf_counter()
         if keep:
-            engine.kept = Kept(tuple(keys), tuple(ends))
+            engine.kept = Kept(tuple(keys), tuple(ends), None, untrusted)
     text = answer.text
     rest = answer.delta(final=True)
     if job.emit is not None and (rest or pending):
         job.emit("delta", (rest, pending[:]))
-    receipt = {"block_id": block_id, "tokens_restored": restored, "tokens_prefilled": n_prompt - restored,
-               "source": source, "restore_ms": round((t1 - t0) * 1e3, 3) if source else 0.0,
-               "prefill_ms": round((t2 - t1) * 1e3, 3), "decode_ms": round((t3 - t2) * 1e3, 3),
-               "exact": bool(engine.exactness.exact), "cache": job.use_cache}
+    receipt = Receipt(block_id=block_id, tokens_restored=restored, tokens_prefilled=n_prompt - restored,
+                      source=source, restore_ms=round((t1 - t0) * 1e3, 3) if source else 0.0,
+                      prefill_ms=round((t2 - t1) * 1e3, 3), decode_ms=round((t3 - t2) * 1e3, 3),
+                      decode_tokens=len(out.tokens), first_logits_sha256=logits_sha256(first),
+                      exact=bool(engine.exactness.exact), cache=job.use_cache,
+                      provenance=provenance if source else None, recall=(job.extra or {}).get("recall"))
     result = Result(text=text, tokens=list(out.tokens), logprobs=entries, finish_reason=out.finish_reason,
                     prompt_tokens=n_prompt, cached_tokens=restored, receipt=receipt)
     if job.emit is not None:
         job.emit("done", result)
     if captured and out.finish_reason != "cancelled":
         assert cache is not None
-        cache.store_captured(engine, segs, job.texts, first_seg, captured, match)
+        cache.store_captured(engine, segs, job.texts, first_seg, captured, match, job.tenant)
     return result
 
 

@@ -20,16 +20,23 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import re
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional, TypeVar
 
 import anyio
+import anyio.to_thread
+import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..core.errors import ConfigError, UnverifiedBlock
+from .tenants import TENANT_STATE, ApiKeys
+
 __all__ = ["HTTPError", "Limits", "error_response", "public_message", "read_body", "body_length",
-           "ApiKeyMiddleware", "is_block_path", "bearer", "guarded", "json_object"]
+           "ApiKeyMiddleware", "is_block_path", "bearer", "guarded", "json_object", "json_depth", "client_gone",
+           "off_loop", "OFF_LOOP_BYTES"]
 
 log = logging.getLogger("graftmem")
 
@@ -50,6 +57,16 @@ class Limits:
     body_timeout: float = 60.0  #: seconds a request body may take to arrive, in all
     keep_alive: float = 5.0  #: seconds an idle keep-alive connection stays open
     graceful_shutdown: float = 10.0  #: seconds running requests get to finish on close
+    #: seconds a connection may take to send a request's headers (from its opening, or from the end of
+    #: the previous response): an idle or slow-header socket is closed after it, never held forever
+    header_timeout: float = 10.0
+    #: open connections at most; past it the oldest ones without a request in flight are closed to
+    #: make room (idle sockets must not exhaust the process's file descriptors: 420 idle sockets once
+    #: left nobody served); also the listen backlog. None: a quarter of the process's descriptor limit,
+    #: at most 1,000 (`graftmem.server.runner.default_max_connections`)
+    max_connections: Optional[int] = None
+    #: the JSON nesting a request body may have (deeper is a 400 before it is parsed)
+    max_json_depth: int = 64
 
 
 class HTTPError(Exception):
@@ -127,16 +144,22 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
 
 
 class ApiKeyMiddleware:
-    """Every request needs ``Authorization: Bearer <api_key>`` (or ``X-Api-Key``), compared in constant
-    time. The block push routes also accept their push token there, since a push sends that instead."""
+    """Every request needs ``Authorization: Bearer <key>`` (or ``X-Api-Key``), compared in constant time
+    (`graftmem.server.tenants.ApiKeys`); the key's tenant goes into the request's scope state, where the
+    routes read it (`tenant_of`): the server derives who is asking, the request never says. The block
+    push routes also accept their push token there, since a push sends that instead."""
 
-    def __init__(self, app: ASGIApp, api_key: str, push_token: Optional[str] = None) -> None:
-        self.app, self.key, self.push_token = app, api_key.encode(), push_token
+    def __init__(self, app: ASGIApp, api_key: "str | ApiKeys", push_token: Optional[str] = None) -> None:
+        self.app, self.push_token = app, push_token
+        self.keys = api_key if isinstance(api_key, ApiKeys) else ApiKeys.single(api_key)
 
     def _ok(self, scope: Scope) -> bool:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         for given in (bearer(headers), headers.get("x-api-key", "")):
-            if given and hmac.compare_digest(given.encode(), self.key):
+            ok, tenant = self.keys.tenant(given)
+            if ok:
+                state = scope.setdefault("state", {})
+                state[TENANT_STATE] = tenant
                 return True
         if self.push_token and scope["path"] in ("/v1/push", "/v1/bundles"):
             given = bearer(headers)
@@ -166,6 +189,10 @@ def guarded(handler: Handler, home: Optional[str] = None) -> Handler:
         except HTTPError as exc:
             exc.message = public_message(exc.message, home)
             return error_response(request.url.path, exc, close=exc.status in (400, 408, 411, 413))
+        except (ConfigError, UnverifiedBlock) as exc:  # a verb's argument check or consent: the caller's to fix
+            return error_response(request.url.path, HTTPError(
+                400, public_message(str(exc), home), name=type(exc).__name__, param=getattr(exc, "param", None),
+                code="invalid_value" if isinstance(exc, ConfigError) else type(exc).__name__))
         except Exception as exc:  # the boundary: nothing escapes as a traceback to the client
             log.exception("serve: %s %s failed", request.method, request.url.path)
             return error_response(request.url.path, HTTPError(
@@ -175,12 +202,62 @@ def guarded(handler: Handler, home: Optional[str] = None) -> Handler:
     return run
 
 
-def json_object(raw: bytes) -> dict[str, Any]:
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKET = bytes(c for c in range(256) if c not in b"[]{}")
+
+
+def json_depth(raw: bytes) -> int:
+    """The deepest nesting of ``[`` / ``{`` in a JSON text (brackets inside strings not counted; up to 64
+    the count of openings stands in for it, an upper bound), read without parsing: 100,000 nested lists made the parser raise RecursionError, a 500."""
+    n_open = raw.count(b"[") + raw.count(b"{")
+    if n_open <= 64:  # the usual body: no more openings than the limit, so no deeper (a few ms for 8 MB)
+        return n_open
+    arr = np.frombuffer(raw, dtype=np.uint8)
+    at = np.flatnonzero((arr == 0x5B) | (arr == 0x7B) | (arr == 0x5D) | (arr == 0x7D))
+    naive = int(np.cumsum(np.where((arr[at] == 0x5B) | (arr[at] == 0x7B), 1, -1)).max())
+    if naive <= 64:  # brackets inside strings only ever add to it: shallow either way
+        return naive
+    brackets = _JSON_STRING.sub(b'""', raw).translate(None, _NOT_BRACKET)
+    if not brackets:
+        return 0
+    arr = np.frombuffer(brackets, dtype=np.uint8)
+    steps = np.where((arr == 0x5B) | (arr == 0x7B), 1, -1)
+    return int(np.cumsum(steps).max())
+
+
+def json_object(raw: bytes, max_depth: int = 64) -> dict[str, Any]:
+    """The body as a JSON object; anything else (not JSON, nested deeper than ``max_depth``, not an
+    object) is a 400."""
+    if json_depth(raw) > max_depth:
+        raise HTTPError(400, f"the request body nests JSON deeper than {max_depth} levels", code="invalid_json")
     try:
         data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise HTTPError(400, f"the request body is not JSON: {exc}", code="invalid_json") from exc
     if not isinstance(data, dict):
         raise HTTPError(400, "the request body must be a JSON object", code="invalid_json")
     return data
 
+
+
+T = TypeVar("T")
+
+#: Work on a body at least this large (parsing, rendering, tokenizing) runs in a worker thread, so the
+#: event loop keeps answering other clients: an 8 MB prompt once held it 6.6 s.
+OFF_LOOP_BYTES = 64 << 10
+
+
+async def off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, in a worker thread when ``size`` (the bytes or characters it works on) is large."""
+    if size < OFF_LOOP_BYTES:
+        return fn(*args)
+    return await anyio.to_thread.run_sync(lambda: fn(*args))
+
+
+async def client_gone(request: Request) -> None:
+    """Returns when the client of ``request`` has gone away (call after the body was read): what a
+    non-streamed request waits on beside its answer, to cancel a decode nobody will read."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -7,7 +7,12 @@ of prefilled (`graftmem.server.prefix`), after a restart too, and every response
 ``usage.prompt_tokens_details.cached_tokens`` and in a receipt (the ``graftmem`` field and the
 ``X-Graftmem-Receipt`` header of a non-streamed response).
 
-Per request, ``extra_body={"graftmem": {"cache": false}}`` serves cold (for comparisons and tests).
+Per request, ``extra_body={"graftmem": {"cache": false}}`` serves cold (for comparisons and tests), and
+``{"graftmem": {"allow_unverified": true}}`` consents to grafting blocks nothing here vouches for (without
+it they are passed over; every graft goes through `graftmem.memory.verbs.MemoryVerbs`). ``max_tokens`` is
+at most the engine's ``n_ctx``; a client that goes away cancels its request, streamed or not; a large
+body is parsed, rendered and tokenized off the event loop. With tenants (``serve --api-key-file``) the
+tenant of the request's key salts its prefix keys and owns what it learns (`graftmem.server.tenants`).
 Supported: ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop`` (up
 to 4 strings; the text ends before the first one), ``logprobs`` / ``top_logprobs`` (chat) and
 ``logprobs: int`` (completions, non-streamed), ``stream`` (SSE ``data:`` chunks, then ``data: [DONE]``;
@@ -36,14 +41,16 @@ from ..core.decoding import Sampling
 from ..core.errors import ConfigError, GraftmemError
 from ..core.prompt import detect_format, request_template
 from ..core.toolcalls import split_reasoning, tool_format
-from ..memory.recall import search
+from ..memory import validate as check
 from ..memory.router import DEFAULT_MIN_SCORE, LEX_WEIGHT
+from ..memory.verbs import MemoryVerbs
 from ..store.chain import chain_of
 from .chat import TokenCache, answer_text, chunk_prompt, render_segments, template_segments, tokenize_segments
 from .generate import Job, Result, check_fits, run_job
-from .http import HTTPError, Limits, guarded, json_object, public_message, read_body
+from .http import HTTPError, Limits, client_gone, guarded, json_object, off_loop, public_message, read_body
 from .pool import EnginePool
 from .routing import RouterRef
+from .tenants import tenant_of
 from .tools import ThinkStream, ToolSpec, ToolStream, parse_calls, parse_tools
 
 if TYPE_CHECKING:
@@ -81,8 +88,14 @@ class OpenAIRoutes:
 
     def __init__(self, pool: EnginePool, store: "Store", cache: Optional["PrefixCache"], *,
                  model_id: Optional[str] = None, limits: Optional[Limits] = None,
-                 router: Optional[RouterRef] = None, chat_template: Optional[str] = None) -> None:
+                 router: Optional[RouterRef] = None, allow_unverified: bool = False,
+                 chat_template: Optional[str] = None) -> None:
         self.pool, self.store, self.cache = pool, store, cache
+        #: every graft of a request goes through its engine's verbs (consent, provenance stamp)
+        self.desks = {id(e): MemoryVerbs(e, store) for e in pool.engines}
+        #: the operator's consent (``serve --allow-unverified``): blocks nothing here vouches for are
+        #: grafted for every request; otherwise only for a request that asks (``graftmem.allow_unverified``)
+        self.allow_unverified = allow_unverified
         self.router = router or RouterRef(None)  #: loaded on the first routed request
         self.limits = limits or Limits()
         engine = pool.engines[0]
@@ -140,6 +153,9 @@ class OpenAIRoutes:
         cache = gm.get("cache", True)
         if not isinstance(cache, bool):
             raise HTTPError(400, "graftmem.cache must be a boolean", param="graftmem.cache")
+        consent = gm.get("allow_unverified", False)
+        if not isinstance(consent, bool):
+            raise HTTPError(400, "graftmem.allow_unverified must be a boolean", param="graftmem.allow_unverified")
         if (why := check_fits(self.engine0, segments, max_tokens)) is not None:
             raise HTTPError(400, why, param="messages" if chat else "prompt", code="context_length_exceeded")
         try:
@@ -148,10 +164,12 @@ class OpenAIRoutes:
         except ConfigError as exc:
             raise HTTPError(400, str(exc), code="invalid_value") from exc
         return Job(segments=segments, texts=texts, max_tokens=max_tokens, sampling=sampling, stops=stops,
-                   logprobs=logprobs, top_logprobs=top, use_cache=cache, learn_tail=2 if chat else 1)
+                   logprobs=logprobs, top_logprobs=top, use_cache=cache, learn_tail=2 if chat else 1,
+                   allow_unverified=consent or self.allow_unverified)
 
     async def _parse(self, request: Request) -> dict[str, Any]:
-        return json_object(await read_body(request, self.limits.max_body_bytes, self.limits.body_timeout))
+        raw = await read_body(request, self.limits.max_body_bytes, self.limits.body_timeout)
+        return await off_loop(len(raw), json_object, raw, self.limits.max_json_depth)
 
     # ------------------------------------------------------------------ endpoints
     async def chat(self, request: Request) -> Response:
@@ -165,24 +183,36 @@ class OpenAIRoutes:
         if tools is not None and self.template is not None and self.template.uses_tools:
             # the template renders the tools: the model answers in its family's call grammar
             tools = dataclasses.replace(tools, fmt=tool_format(self.template.source))
-        if self.template is not None:  # the model's own template (graftmem.core.template)
-            kwargs = body.get("chat_template_kwargs") or {}
-            if not isinstance(kwargs, dict):
-                raise HTTPError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
-            texts, notes, literal = template_segments(self.engine0, self.template, body.get("messages"), tools,
-                                                      kwargs)
-        else:
-            assert self.fmt is not None
-            texts = render_segments(self.fmt, body.get("messages"), tools)
-        segments = tokenize_segments(self.engine0, texts, self.tokens, literal)
-        if notes is not None and len(segments) > 1 and not any(literal or []) and \
-                [t for s in segments for t in s] != self.tokens.tokenize(self.engine0, "".join(texts), True):
-            # the cuts tokenize apart one by one; if together they do not, the prompt is one segment
-            segments, texts = [self.tokens.tokenize(self.engine0, "".join(texts), True)], ["".join(texts)]
-            notes.append("the segments do not tokenize apart as the whole prompt: served as one segment")
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise HTTPError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
+        fmt, template = self.fmt, self.template
+
+        def prompt() -> tuple[list[str], list[list[int]], Optional[list[str]], Any]:
+            notes, literal = None, None
+            if template is not None:  # the model's own template (graftmem.core.template)
+                texts, notes, literal = template_segments(self.engine0, template, body.get("messages"), tools,
+                                                          kwargs)
+            else:
+                assert fmt is not None
+                texts = render_segments(fmt, body.get("messages"), tools)
+            for i, t in enumerate(texts):  # a lone surrogate never reaches the tokenizer (it was a 500)
+                check.text(f"messages[{i}]", t, empty=True)
+            segments = tokenize_segments(self.engine0, texts, self.tokens, literal)
+            if notes is not None and len(segments) > 1 and not any(literal or []) and \
+                    [t for s in segments for t in s] != self.tokens.tokenize(self.engine0, "".join(texts), True):
+                # the cuts tokenize apart one by one; if together they do not, the prompt is one segment
+                segments, texts = [self.tokens.tokenize(self.engine0, "".join(texts), True)], ["".join(texts)]
+                notes.append("the segments do not tokenize apart as the whole prompt: served as one segment")
+            return texts, segments, notes, literal
+
+        # a large body is rendered and tokenized in a worker thread: the event loop keeps serving
+        texts, segments, notes, literal = await off_loop(
+            sum(len(str(m)) for m in body.get("messages") or [] if isinstance(m, dict)), prompt)
         routed = await self._recall(body, segments, texts)
         job = self._job(body, segments, texts, chat=True)
         job.extra = routed
+        job.tenant = tenant_of(request.scope)
         if literal and any(literal):
             # a segment whose ids are not tokenize(its text) must not become a block (its text would
             # not re-derive its tokens): it and what follows are never learned; reuse before it stays
@@ -190,7 +220,7 @@ class OpenAIRoutes:
             job.learn_tail = max(job.learn_tail, len(segments) - first)
         if notes:
             job.extra = {**(routed or {}), "template": {"notes": notes}}
-        return await self._serve(body, job, chat=True, tools=tools)
+        return await self._serve(request, body, job, chat=True, tools=tools)
 
     async def _recall(self, body: dict[str, Any], segments: list[list[int]], texts: list[str]) -> Optional[dict]:
         """Opt-in routing (``"graftmem": {"recall": true, "min_score": 0.4}``): the router picks ONE block
@@ -208,14 +238,21 @@ class OpenAIRoutes:
         task = users[-1].get("content") if users else None
         if not isinstance(task, str) or not task.strip():
             raise HTTPError(400, "routed recall needs a last user message with text content", param="messages")
-        digest = self.engine0.fingerprint.digest()
+        consent = gm.get("allow_unverified", False)
+        if not isinstance(consent, bool):
+            raise HTTPError(400, "graftmem.allow_unverified must be a boolean", param="graftmem.allow_unverified")
+        desk = self.desks[id(self.engine0)]
         router = self.router
         # the router never indexes automatic prefix blocks (memory.router.UNROUTED_KINDS)
-        hits = await asyncio.to_thread(lambda: search(router.get(), self.store, digest, task, top_k=1))
+        hits = await asyncio.to_thread(lambda: desk.search(router.get(), task, top_k=1))
         if not hits or hits[0].score < min_score:
             return {"recall": {"block_id": None, "score": hits[0].score if hits else None, "min_score": min_score}}
         block = self.store.get(hits[0].block_id)
         chain = chain_of(self.store, block)
+        try:  # the routed block's text goes before the messages: its consent is asked now, as Memory.recall does
+            desk.consent(block, consent or self.allow_unverified, chain)
+        except GraftmemError as exc:
+            raise HTTPError(400, str(exc), param="graftmem.allow_unverified", code=type(exc).__name__) from exc
         # the messages now follow the block: no second BOS
         segments[0] = self.engine0.tokenize(texts[0], add_special=False)
         segments[:0] = [list(b.tokens) for b in chain]
@@ -229,9 +266,23 @@ class OpenAIRoutes:
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
             raise HTTPError(400, "prompt must be a non-empty string (one prompt per request)", param="prompt")
-        segments, texts = chunk_prompt(self.engine0, prompt)
+        check.text("prompt", prompt)
+        engine = self.engine0
+
+        def cut() -> tuple[list[list[int]], list[str]]:
+            # the length is checked on the token count before the prompt is cut (cutting an 8 MB prompt
+            # into 256-token segments took seconds on the event loop, for a prompt refused afterwards)
+            n = len(engine.tokenize(prompt, add_special=True))
+            if n + 1 > engine.n_ctx:
+                raise HTTPError(400, f"this model's context is {engine.n_ctx} tokens; the prompt is {n} tokens. "
+                                "Shorten it or start the server with a larger n_ctx", param="prompt",
+                                code="context_length_exceeded")
+            return chunk_prompt(engine, prompt)
+
+        segments, texts = await off_loop(len(prompt), cut)
         job = self._job(body, segments, texts, chat=False)
-        return await self._serve(body, job, chat=False)
+        job.tenant = tenant_of(request.scope)
+        return await self._serve(request, body, job, chat=False)
 
     # ------------------------------------------------------------------ running
     def _start(self, engine: Any, job: Job, loop: asyncio.AbstractEventLoop,
@@ -239,7 +290,10 @@ class OpenAIRoutes:
         def work() -> None:
             outcome: tuple[Optional[Result], Optional[BaseException]] = (None, None)
             try:
-                outcome = (run_job(engine, self.store, self.cache, job), None)
+                outcome = (run_job(self.desks[id(engine)], self.cache, job), None)
+                if outcome[0] is not None and outcome[0].finish_reason == "cancelled":
+                    log.info("serve: a request was cancelled (its client went away) after %d token(s)",
+                             len(outcome[0].tokens))
             except BaseException as exc:  # noqa: BLE001 - handed to the request, which reports it
                 outcome = (None, exc)
             finally:
@@ -271,37 +325,31 @@ class OpenAIRoutes:
             t.join(max(0.0, deadline - time.monotonic()))
         return not any(t.is_alive() for t in workers)
 
-    async def _serve(self, body: dict[str, Any], job: Job, *, chat: bool,
+    async def _serve(self, request: Request, body: dict[str, Any], job: Job, *, chat: bool,
                      tools: Optional[ToolSpec] = None) -> Response:
         stream = body.get("stream") or False
         if not isinstance(stream, bool):
             raise HTTPError(400, "stream must be a boolean", param="stream")
+        options = body.get("stream_options")
+        if options is not None and not isinstance(options, dict):
+            raise HTTPError(400, "stream_options must be an object such as {\"include_usage\": true}",
+                            param="stream_options")
+        include_usage = (options or {}).get("include_usage")
+        include_usage = False if include_usage is None else include_usage
+        if not isinstance(include_usage, bool):
+            raise HTTPError(400, "stream_options.include_usage must be a boolean", param="stream_options")
         loop = asyncio.get_running_loop()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if not stream:
-            engine = await self.pool.acquire(job.prefer)
-            done: asyncio.Future[Result] = loop.create_future()
-            answered: asyncio.Future[Result] = loop.create_future()
-
-            def on_done(r: Result) -> None:
-                if not answered.done():
-                    answered.set_result(r)
-
-            # the answer is sent as soon as it is decoded; storing a learned prefix happens after it
-            job.emit = lambda kind, payload: loop.call_soon_threadsafe(on_done, payload) if kind == "done" else None
-            self._start(engine, job, loop, done)
-            done.add_done_callback(_log_late_failure)
+            # a client that goes away cancels the request: while it waits for an engine, and while it
+            # decodes (at the next token); a non-streamed answer used to decode to max_tokens for nobody
+            gone = asyncio.ensure_future(client_gone(request))
             try:
-                await asyncio.wait({answered, done}, return_when=asyncio.FIRST_COMPLETED)
-                result = answered.result() if answered.done() else done.result()
-            except GraftmemError as exc:  # the engine refused (context full, ...): say so, no local paths
-                raise HTTPError(500, public_message(str(exc), str(self.store.home)), code=type(exc).__name__) from exc
-            result.receipt = self._receipt(job, result)
-            payload = self._final(rid, created, result, chat=chat, tools=tools,
-                                  reasoning=body.get("reasoning_format", "auto") != "none")
-            return JSONResponse(payload, headers={RECEIPT_HEADER: json.dumps(result.receipt)})
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                return await self._answer(gone, job, loop, rid, created, chat=chat, tools=tools,
+                                          reasoning=body.get("reasoning_format", "auto") != "none")
+            finally:
+                gone.cancel()
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         job.emit = lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
         engine = await self.pool.acquire(job.prefer)  # 429 here, before the stream starts
@@ -315,6 +363,38 @@ class OpenAIRoutes:
         return StreamingResponse(self._sse(rid, created, job, events, done, chat=chat, usage=include_usage,
                                            tools=tools, think=think),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def _answer(self, gone: "asyncio.Future[None]", job: Job, loop: asyncio.AbstractEventLoop, rid: str,
+                      created: int, *, chat: bool, tools: Optional[ToolSpec], reasoning: bool = True) -> Response:
+        """A non-streamed answer, given up (and its decode cancelled) as soon as ``gone`` completes."""
+        acquire = asyncio.ensure_future(self.pool.acquire(job.prefer))
+        await asyncio.wait({acquire, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not acquire.done():
+            acquire.cancel()  # the pool hands back an engine given to a waiter that left
+            return Response(status_code=499)
+        engine = acquire.result()  # 429 raised here
+        done: asyncio.Future[Result] = loop.create_future()
+        answered: asyncio.Future[Result] = loop.create_future()
+
+        def on_done(r: Result) -> None:
+            if not answered.done():
+                answered.set_result(r)
+
+        # the answer is sent as soon as it is decoded; storing a learned prefix happens after it
+        job.emit = lambda kind, payload: loop.call_soon_threadsafe(on_done, payload) if kind == "done" else None
+        self._start(engine, job, loop, done)
+        done.add_done_callback(_log_late_failure)
+        try:
+            await asyncio.wait({answered, done, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not (answered.done() or done.done()):
+                job.cancel.set()  # the decode loop sees it at its next token and frees the engine
+                return Response(status_code=499)
+            result = answered.result() if answered.done() else done.result()
+        except GraftmemError as exc:  # the engine refused (context full, ...): say so, no local paths
+            raise HTTPError(500, public_message(str(exc), str(self.store.home)), code=type(exc).__name__) from exc
+        receipt = self._receipt(job, result)
+        payload = self._final(rid, created, result, receipt, chat=chat, tools=tools, reasoning=reasoning)
+        return JSONResponse(payload, headers={RECEIPT_HEADER: json.dumps(receipt)})
 
     async def _sse(self, rid: str, created: int, job: Job, events: "asyncio.Queue[tuple[str, Any]]",
                    done: "asyncio.Future[Result]", *, chat: bool, usage: bool,
@@ -384,7 +464,7 @@ class OpenAIRoutes:
                     if "</think>" in final_text:
                         final_text = split_reasoning(final_text)[1]
                 if held is not None:
-                    _, calls = parse_calls(self._answer(result, tools), tools)
+                    _, calls = parse_calls(self._call_text(result, tools), tools)
                     if rest := held.rest(final_text, calls):
                         yield chunk({"index": 0, "delta": {"content": rest}, "logprobs": None, "finish_reason": None})
                     if calls:
@@ -408,7 +488,7 @@ class OpenAIRoutes:
         finally:
             job.cancel.set()  # a client that went away stops the decode at the next token
 
-    def _answer(self, r: Result, tools: Optional[ToolSpec]) -> str:
+    def _call_text(self, r: Result, tools: Optional[ToolSpec]) -> str:
         """The answer as the parser of the tools' family reads it: with the text of control tokens
         (Mistral's ``[TOOL_CALLS]``, harmony's ``<|channel|>``), which the streamed text leaves out."""
         if tools is None or tools.fmt.name in ("hermes", "qwen-xml") or not r.tokens:
@@ -417,7 +497,7 @@ class OpenAIRoutes:
 
     @staticmethod
     def _receipt(job: Job, r: Result) -> dict[str, Any]:
-        return {**r.receipt, **(job.extra or {})}
+        return {**r.receipt.model_dump(mode="json"), **(job.extra or {})}
 
     @staticmethod
     def _usage(r: Result) -> dict[str, Any]:
@@ -425,11 +505,11 @@ class OpenAIRoutes:
         return {"prompt_tokens": r.prompt_tokens, "completion_tokens": n, "total_tokens": r.prompt_tokens + n,
                 "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
 
-    def _final(self, rid: str, created: int, r: Result, *, chat: bool,
+    def _final(self, rid: str, created: int, r: Result, receipt: dict[str, Any], *, chat: bool,
                tools: Optional[ToolSpec] = None, reasoning: bool = True) -> dict[str, Any]:
         reason = "stop" if r.finish_reason in ("stop", "cancelled") else r.finish_reason
         if chat:
-            content, calls = parse_calls(self._answer(r, tools), tools)
+            content, calls = parse_calls(self._call_text(r, tools), tools)
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if self.template is not None and reasoning and content:
                 # a thinking model's reasoning apart from its answer (llama-server's default
@@ -454,5 +534,5 @@ class OpenAIRoutes:
             choice = {"index": 0, "text": r.text, "logprobs": lp, "finish_reason": reason}
             obj = "text_completion"
         return {"id": rid, "object": obj, "created": created, "model": self.model_id, "choices": [choice],
-                "usage": self._usage(r), "graftmem": r.receipt}
+                "usage": self._usage(r), "graftmem": receipt}
 

@@ -45,6 +45,8 @@ from ..core.blocks import PROVENANCE_LOCAL, Block, Fingerprint, block_id_for
 from ..core.format import state_digest
 from ..core.errors import ConfigError, GraftmemError
 from ..memory.router import AUTO_KIND
+from ..memory.verbs import first_untrusted
+from .tenants import owner_of
 from ..store.chain import chain_of, full_state, make_delta
 
 if TYPE_CHECKING:
@@ -58,9 +60,13 @@ log = logging.getLogger("graftmem")
 _MAX_SIGHTINGS = 4096
 
 
-def prefix_keys(segments: Sequence[Sequence[int]]) -> list[bytes]:
-    """``keys[k]`` is the key of the first ``k + 1`` segments (each hashed with its length)."""
+def prefix_keys(segments: Sequence[Sequence[int]], tenant: Optional[str] = None) -> list[bytes]:
+    """``keys[k]`` is the key of the first ``k + 1`` segments (each hashed with its length). ``tenant``
+    salts every key: one tenant's automatic prefixes are found only under its own keys
+    (`graftmem.server.tenants`); None is the shared space (learned blocks, a server without tenants)."""
     h = hashlib.sha256(b"graftmem-prefix-v1")
+    if tenant is not None:
+        h.update(b"\0tenant\0" + tenant.encode("utf-8") + b"\0")
     out = []
     for seg in segments:
         h.update(len(seg).to_bytes(4, "little"))
@@ -78,13 +84,23 @@ def segment_ends(segments: Sequence[Sequence[int]]) -> list[int]:
     return out
 
 
+def _id_parent(parent: Optional[str], tenant: Optional[str]) -> Optional[str]:
+    """What an automatic block's id is computed over in place of its parent: the tenant is mixed in."""
+    if tenant is None:
+        return parent
+    return f"{parent or ''}|tenant:{hashlib.sha256(tenant.encode('utf-8')).hexdigest()}"
+
+
 @dataclass(frozen=True)
 class Match:
-    """A stored block holding the request's first ``n_segments`` segments (``n_tokens`` token ids)."""
+    """A stored block holding the request's first ``n_segments`` segments (``n_tokens`` token ids);
+    ``chain`` is its chain (root first), ``untrusted`` the link of it that needs consent (None: none)."""
 
     block: Block
     n_segments: int
     n_tokens: int
+    chain: tuple[Block, ...] = ()
+    untrusted: Optional[Block] = None
 
 
 class PrefixCache:
@@ -92,12 +108,15 @@ class PrefixCache:
 
     def __init__(self, store: "Store", fingerprint: Fingerprint, *, min_tokens: int = 256,
                  sightings: int = 2, learn: bool = True, max_auto_bytes: Optional[int] = 2 << 30,
-                 auto_storage: str = "full") -> None:
+                 auto_storage: str = "full", tenants: int = 1) -> None:
         if auto_storage not in ("full", "delta"):
             raise ConfigError(f"auto_storage must be 'full' or 'delta', got {auto_storage!r}")
         self.store, self.fingerprint = store, fingerprint
         self.auto_storage = auto_storage
         self.max_auto_bytes = max_auto_bytes
+        #: how many tenants share ``max_auto_bytes``: each keeps its automatic blocks under its share,
+        #: and storing evicts only the storing tenant's (one tenant cannot evict another's)
+        self.tenants = max(1, tenants)
         self._used: dict[str, float] = {}
         self.min_tokens, self.sightings, self.learn_enabled = min_tokens, sightings, learn
         self._digest = fingerprint.digest()
@@ -126,31 +145,46 @@ class PrefixCache:
                 except GraftmemError as exc:
                     log.warning("prefix cache: block %s left out: %s", b.short_id, exc)
                     continue
-                index[prefix_keys([c.tokens for c in chain])[-1]] = b.id
+                owner = next((o for o in map(owner_of, chain) if o is not None), None)
+                index[prefix_keys([c.tokens for c in chain], owner)[-1]] = b.id
             self._index, self._version = index, now
 
     def __len__(self) -> int:
         return len(self._index)
 
-    def lookup(self, segments: Sequence[Sequence[int]], keys: Optional[Sequence[bytes]] = None) -> Optional[Match]:
+    def lookup(self, segments: Sequence[Sequence[int]], keys: Optional[Sequence[bytes]] = None, *,
+               allow_unverified: bool = False, tenant: Optional[str] = None) -> Optional[Match]:
         """The longest indexed prefix of ``segments`` that leaves at least one segment to prefill.
         ``keys``: the prompt's `prefix_keys()`, if the caller has them already (they are cumulative, so
-        the first ``k`` keys of the whole prompt are the keys of its first ``k`` segments)."""
+        the first ``k`` keys of the whole prompt are the keys of its first ``k`` segments).
+
+        A block whose chain holds a block nothing here vouches for (``unverified``: imported without
+        re-derivation, dropped into the store) is passed over, shorter prefixes tried instead, unless
+        ``allow_unverified`` (the caller's consent, `graftmem.memory.verbs`): such a state may not be
+        its text's, and a forged system prompt would answer every client.
+
+        ``tenant``: the requester (``keys``, if given, are its salted keys); its own automatic prefixes
+        and the shared (learned) ones are found, never another tenant's."""
         self.refresh()
-        keys = (prefix_keys(segments) if keys is None else keys)[:len(segments) - 1]
+        keys = (prefix_keys(segments, tenant) if keys is None else keys)[:len(segments) - 1]
+        shared = prefix_keys(segments[:len(keys)]) if tenant is not None else keys
         with self._lock:
             for k in range(len(keys), 0, -1):
-                bid = self._index.get(keys[k - 1])
+                bid = self._index.get(keys[k - 1]) or self._index.get(shared[k - 1])
                 if bid is None or bid in self._refused:
                     continue
                 try:
                     block = self.store.get(bid)
-                    now = time.time()
-                    for b in chain_of(self.store, block):
-                        self._used[b.id] = now
+                    chain = chain_of(self.store, block)
                 except GraftmemError:
                     continue
-                return Match(block, k, sum(len(s) for s in segments[:k]))
+                untrusted = first_untrusted(chain)
+                if untrusted is not None and not allow_unverified:
+                    continue
+                now = time.time()
+                for b in chain:
+                    self._used[b.id] = now
+                return Match(block, k, sum(len(s) for s in segments[:k]), tuple(chain), untrusted)
         return None
 
     def refuse(self, block_id: str, why: str) -> None:
@@ -161,7 +195,7 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ learning
     def learn_target(self, segments: Sequence[Sequence[int]], tail: int = 2,
-                     keys: Optional[Sequence[bytes]] = None) -> int:
+                     keys: Optional[Sequence[bytes]] = None, tenant: Optional[str] = None) -> int:
         """How many segments of this prompt to learn (0: none), decided before the prompt is prefilled.
 
         Every prefix of the prompt up to the start of its last message is counted as seen once; the
@@ -174,12 +208,13 @@ class PrefixCache:
         assistant's header; 1 for a raw completion prompt: its last chunk)."""
         if not self.learn_enabled or len(segments) < tail + 1:
             return 0
-        keys = (prefix_keys(segments) if keys is None else keys)[:len(segments) - tail]
+        keys = (prefix_keys(segments, tenant) if keys is None else keys)[:len(segments) - tail]
+        shared = prefix_keys(segments[:len(keys)]) if tenant is not None else keys
         lengths = [0, *segment_ends(segments[:len(keys)])]
         best = 0
         with self._lock:
             for k, key in enumerate(keys, start=1):
-                if key in self._index:
+                if key in self._index or shared[k - 1] in self._index:
                     continue
                 n = self._seen.pop(key, 0) + 1
                 self._seen[key] = n
@@ -190,21 +225,27 @@ class PrefixCache:
         return best
 
     def store_captured(self, engine: "Engine", segments: Sequence[Sequence[int]], texts: Sequence[str],
-                       first: int, states: Sequence[bytes], start: Optional[Match]) -> Optional[Block]:
+                       first: int, states: Sequence[bytes], start: Optional[Match],
+                       tenant: Optional[str] = None) -> Optional[Block]:
         """Store segments ``first .. first + len(states) - 1`` of a served request as a chain, from the
         states the request captured after prefilling each of them (no second prefill: learning costs
         a copy and a write, after the answer). ``start`` is the grafted block they continue, if any.
 
         Each state is exactly what [`prefill_and_store()`][graftmem.memory.learn.prefill_and_store]
         computes for the same block (the same prefill calls after the same grafted or prefilled
-        parent), so a block written here is the block the learn path would have written."""
+        parent), so a block written here is the block the learn path would have written.
+
+        ``tenant`` owns what is stored: its name is in each block's metadata, mixed into each block's id
+        (two tenants sending the same prompt get two blocks: neither can read, delete or evict the
+        other's) and into its index key."""
         parent = start.block if start is not None and first > 0 else None
         pfull: Optional[bytes] = full_state(self.store, parent, fingerprint=self.fingerprint) \
             if parent is not None and self.auto_storage == "delta" else None
         try:
             for i, full in zip(range(first, first + len(states)), states):
                 tokens = list(segments[i])
-                bid = block_id_for(self.fingerprint, tokens, parent.id if parent is not None else None)
+                bid = block_id_for(self.fingerprint, tokens, _id_parent(parent.id if parent is not None else None,
+                                                                         tenant))
                 if self.store.contains(bid):
                     block = self.store.get(bid)
                 else:
@@ -221,11 +262,12 @@ class PrefixCache:
                                       state_digest=state_digest(data))
                     block = Block(id=bid, name=f"auto: {' '.join(texts[i].split())[:40]}", kind=AUTO_KIND,
                                   text=texts[i], tokens=tokens, n_tokens=len(tokens), fingerprint=self.fingerprint,
-                                  metadata={"segment": i}, **fields)
+                                  metadata={"segment": i, **({"tenant": tenant} if tenant is not None else {})},
+                                  **fields)
                     block = self.store.put(block, memoryview(data), provenance=PROVENANCE_LOCAL,
                                            labels_trusted=True)
                 with self._lock:
-                    self._index[prefix_keys(segments[:i + 1])[-1]] = block.id
+                    self._index[prefix_keys(segments[:i + 1], tenant)[-1]] = block.id
                     self._used[block.id] = time.time()
                 parent, pfull = block, (full if self.auto_storage == "delta" else None)
         except GraftmemError as exc:
@@ -235,18 +277,20 @@ class PrefixCache:
             self._version = self._current()
         log.info("prefix cache: learned a %d-token prompt prefix as block %s",
                  sum(len(s) for s in segments[:first + len(states)]), parent.short_id if parent else "-")
-        self.evict()
+        self.evict(tenant)
         return parent
 
-    def evict(self) -> list[str]:
-        """Delete least recently used leaf auto blocks until they fit ``max_auto_bytes``; their ids."""
+    def evict(self, tenant: Optional[str] = None) -> list[str]:
+        """Delete ``tenant``'s least recently used leaf auto blocks until they fit its share of
+        ``max_auto_bytes``; their ids. Another tenant's blocks are never touched."""
         if self.max_auto_bytes is None:
             return []
+        budget = self.max_auto_bytes // self.tenants
         removed: list[str] = []
         with self._lock:
-            autos = {b.id: b for b in self.store.list(kind=AUTO_KIND)}
+            autos = {b.id: b for b in self.store.list(kind=AUTO_KIND) if owner_of(b) == tenant}
             total = sum(b.state_size for b in autos.values())
-            while total > self.max_auto_bytes and autos:
+            while total > budget and autos:
                 leaves = [b for b in autos.values() if not self.store.children(b.id)]
                 if not leaves:
                     break

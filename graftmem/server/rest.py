@@ -4,19 +4,24 @@ it without loading a model::
     GET    /v1/memory/blocks[?kind=K]       summaries (id, name, kind, tokens, parent, labels)
     GET    /v1/memory/blocks/<id>           one block's manifest (id or unique prefix)
     DELETE /v1/memory/blocks/<id>[?cascade=true]
-    POST   /v1/memory/learn                 {"text", "name"?, "kind"?, "chat"?, "when_to_use"?, "parent"?}
-    POST   /v1/memory/ask                   {"id", "question", "max_tokens"?, "raw"?}
+    POST   /v1/memory/learn                 {"text", "name"?, "kind"?, "chat"?, "when_to_use"?, "parent"?, "metadata"?}
+    POST   /v1/memory/ask                   {"id", "question", "max_tokens"?, "raw"?, "stop"?, "allow_unverified"?}
     POST   /v1/memory/search                {"query", "top_k"?}            (the router)
-    POST   /v1/memory/recall                {"task", "max_tokens"?, "min_score"?}  (route, graft, answer)
+    POST   /v1/memory/recall                {"task", "max_tokens"?, "min_score"?, "stop"?, "allow_unverified"?}
 
-Each verb calls the same feature function [`Memory`][graftmem.Memory] calls (``memory.learn.learn``,
-``memory.recall.search`` / ``recall``) with an engine from the pool, so an answer through the server is
-the answer ``Memory.recall`` gives, receipt included. Errors are in OpenAI's shape.
+Each verb calls the same object [`Memory`][graftmem.Memory] calls (`graftmem.memory.verbs.MemoryVerbs`)
+with an engine from the pool, so an answer through the server is the answer ``Memory.recall`` gives,
+receipt included, after the same argument checks (a `ConfigError` is a 400) and the same consent rule
+(an ``unverified`` block is refused, 400 ``UnverifiedBlock``, unless ``allow_unverified``). Errors are
+in OpenAI's shape.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+import asyncio
+import logging
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 import anyio.to_thread
 from starlette.requests import Request
@@ -24,16 +29,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from ..core.blocks import Block
-from ..core.decoding import check_stops
 from ..core.errors import (AccessDenied, BlockNotFound, ConfigError, GraftmemError, IncompatibleBlock, StoreLocked,
                            UnverifiedBlock)
-from ..memory.learn import learn
-from ..memory.answer import ask as ask_block
-from ..memory.recall import continuation_for, recall, search
-from ..store.chain import chain_of
-from .http import HTTPError, Limits, guarded, json_object, public_message, read_body
+from ..memory import validate as check
+from ..memory.verbs import MemoryVerbs
+from .http import HTTPError, Limits, client_gone, guarded, json_object, off_loop, public_message, read_body
 from .pool import EnginePool
 from .routing import RouterRef
+from .tenants import tenant_of, visible
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -42,6 +45,8 @@ if TYPE_CHECKING:
 __all__ = ["MemoryRoutes"]
 
 T = TypeVar("T")
+
+log = logging.getLogger("graftmem")
 
 
 def _summary(b: Block) -> dict[str, Any]:
@@ -79,49 +84,103 @@ class MemoryRoutes:
                           else 503 if isinstance(exc, StoreLocked)
                           else 400 if isinstance(exc, (ConfigError, IncompatibleBlock, UnverifiedBlock)) else 500)
                 raise HTTPError(status, public_message(str(exc), self.home), name=type(exc).__name__,
-                                code=type(exc).__name__) from exc
+                                param=getattr(exc, "param", None), code=type(exc).__name__) from exc
         return run
 
     async def _body(self, request: Request) -> dict[str, Any]:
-        return json_object(await read_body(request, self.limits.max_body_bytes, self.limits.body_timeout))
+        raw = await read_body(request, self.limits.max_body_bytes, self.limits.body_timeout)
+        return await off_loop(len(raw), json_object, raw, self.limits.max_json_depth)
 
-    async def _on_engine(self, fn: Callable[["Engine"], T]) -> T:
-        engine = await self.pool.acquire()
+    async def _on_engine(self, fn: Callable[["Engine"], T], request: Optional[Request] = None,
+                         cancel: Optional[threading.Event] = None) -> T:
+        """``fn(engine)`` in a worker thread on an engine of the pool. With ``request``: a client that goes
+        away while waiting for an engine gives up its place, and one that goes away while ``fn`` runs
+        sets ``cancel`` (an answer's decode stops at its next token; it used to run to ``max_tokens``)."""
+        gone = asyncio.ensure_future(client_gone(request)) if request is not None else None
         try:
-            return await anyio.to_thread.run_sync(fn, engine)
+            acquire = asyncio.ensure_future(self.pool.acquire())
+            if gone is not None:
+                await asyncio.wait({acquire, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not acquire.done():
+                    acquire.cancel()
+                    raise HTTPError(499, "the client went away", code="client_closed_request")
+            engine = await acquire
+            try:
+                work = asyncio.ensure_future(asyncio.to_thread(fn, engine))
+                if gone is not None:
+                    await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+                    if not work.done() and cancel is not None:
+                        cancel.set()
+                result = await work
+                if getattr(result, "finish_reason", None) == "cancelled":
+                    log.info("serve: a request was cancelled (its client went away) after %d token(s)",
+                             len(getattr(result, "tokens", [])))
+                return result
+            finally:
+                self.pool.release(engine)
         finally:
-            self.pool.release(engine)
+            if gone is not None:
+                gone.cancel()
 
     def _router(self) -> Any:
         if not self.router.available:
             raise HTTPError(400, "this server was started without a router", code="router_unavailable")
         return self.router.get()
 
+    def _descendants(self, bid: str) -> list[str]:
+        out, todo = [], list(self.store.children(bid))
+        while todo and len(out) < 100_000:
+            c = todo.pop()
+            out.append(c)
+            todo += self.store.children(c)
+        return out
+
     # ------------------------------------------------------------------ verbs
+    def _desk(self, engine: "Engine") -> MemoryVerbs:
+        """The verbs of this pooled engine: every check, consent and stamp is theirs, as for `Memory`."""
+        return MemoryVerbs(engine, self.store)
+
+    def _visible(self, request: Request, bid: str) -> Block:
+        """The block ``bid`` (id or prefix) if the request's tenant may see it; else as if missing."""
+        check.text("block id", bid)
+        tenant = tenant_of(request.scope)
+        try:
+            block = self.store.get(bid)
+        except ConfigError:  # an ambiguous prefix could tell that another tenant's block exists
+            block = None
+        if block is None or not visible(block, tenant):
+            raise BlockNotFound(f"no block {bid[:64]!r} in this store")
+        return block
+
     async def list(self, request: Request) -> Response:
         kind = request.query_params.get("kind") or None
-        return JSONResponse({"blocks": [_summary(b) for b in self.store.list(kind=kind)]})
+        tenant = tenant_of(request.scope)
+        return JSONResponse({"blocks": [_summary(b) for b in self.store.list(kind=kind) if visible(b, tenant)]})
 
     async def get(self, request: Request) -> Response:
-        return Response(self.store.get(request.path_params["bid"]).model_dump_json(), media_type="application/json")
+        return Response(self._visible(request, request.path_params["bid"]).model_dump_json(),
+                        media_type="application/json")
 
     async def delete(self, request: Request) -> Response:
         cascade = request.query_params.get("cascade", "").lower() in ("1", "true", "yes")
-        bid = self.store.resolve(request.path_params["bid"])
+        bid = self._visible(request, request.path_params["bid"]).id
+        tenant = tenant_of(request.scope)
+        if cascade and any(not visible(self.store.get(c), tenant) for c in self._descendants(bid)):
+            raise BlockNotFound(f"block {bid[:12]} has descendants this key may not delete")
         gone = self.store.delete(bid, cascade=cascade)
         self.router.removed(gone)
         return JSONResponse({"deleted": gone})
 
     async def learn(self, request: Request) -> Response:
+        """``Memory.learn``: the same checks (`graftmem.memory.validate`: ``name: 5``, ``kind: ""``, a lone
+        surrogate are 400s), the same learn path."""
         body = await self._body(request)
+        args = _fields(body, ("name", "kind", "chat", "when_to_use", "parent", "metadata"))
         text = body.get("text")
-        if not isinstance(text, str) or not text:
-            raise HTTPError(400, "text must be a non-empty string", param="text")
-        opts = {k: body.get(k) for k in ("name", "when_to_use", "parent") if body.get(k) is not None}
-        kind, chat = body.get("kind", "manual"), body.get("chat", False)
-        if not isinstance(kind, str) or not isinstance(chat, bool):
-            raise HTTPError(400, "kind must be a string and chat a boolean", param="kind")
-        block, changed = await self._on_engine(lambda e: learn(e, self.store, text, kind=kind, chat=chat, **opts))
+        self._desk(self.pool.engines[0]).prepare_learn(text, **args)  # the checks, before queueing
+        if "parent" in args:  # chaining on another tenant's automatic block would graft its state here
+            self._visible(request, args["parent"])
+        block, changed = await self._on_engine(lambda e: self._desk(e).learn(text, **args))
         if changed:
             self.router.added([block])
         return JSONResponse({"block": _summary(block), "new": changed})
@@ -129,49 +188,44 @@ class MemoryRoutes:
     async def search(self, request: Request) -> Response:
         body = await self._body(request)
         query, top_k = body.get("query"), body.get("top_k", 5)
-        if not isinstance(query, str) or not query.strip():
-            raise HTTPError(400, "query must be a non-empty string", param="query")
-        if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= 100:
-            raise HTTPError(400, "top_k must be an integer in [1, 100]", param="top_k")
-        digest = self.pool.engines[0].fingerprint.digest()
+        check.text("query", query)
+        check.integer("top_k", top_k, lo=1, hi=100)
+        desk = self._desk(self.pool.engines[0])
         router = self._router
-        hits = await anyio.to_thread.run_sync(lambda: search(router(), self.store, digest, query, top_k=top_k))
+        hits = await anyio.to_thread.run_sync(lambda: desk.search(router(), query, top_k=top_k))
         return JSONResponse({"hits": [h.model_dump(mode="json") for h in hits]})
 
     async def recall(self, request: Request) -> Response:
+        """``Memory.recall``: route, ask the routed block's consent (``allow_unverified``) before it is
+        grafted, answer; the receipt names the provenance of what was grafted."""
         body = await self._body(request)
-        task, max_tokens, min_score = body.get("task"), body.get("max_tokens", 64), body.get("min_score")
-        if not isinstance(task, str) or not task.strip():
-            raise HTTPError(400, "task must be a non-empty string", param="task")
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise HTTPError(400, "max_tokens must be a positive integer", param="max_tokens")
-        if min_score is not None and not isinstance(min_score, (int, float)):
-            raise HTTPError(400, "min_score must be a number", param="min_score")
-        stops = check_stops(body.get("stop"))
+        args = _fields(body, ("max_tokens", "min_score", "stop", "allow_unverified"))
+        task = body.get("task")
+        self._desk(self.pool.engines[0]).prepare_recall(self._router, task, **args)  # the checks, before queueing
         router = await anyio.to_thread.run_sync(self._router)
-        r = await self._on_engine(lambda e: recall(e, self.store, router, task, max_tokens=max_tokens,
-                                                   min_score=min_score, stops=stops))
+        cancel = threading.Event()
+        r = await self._on_engine(lambda e: self._desk(e).prepare_recall(lambda: router, task, **args)(
+            lambda _: cancel.is_set()), request, cancel)
         return Response(r.model_dump_json(), media_type="application/json")
 
     async def ask(self, request: Request) -> Response:
         """``Memory.ask``: graft one block (by id or unique prefix) and answer ``question`` after it (as the
         next chat turn for a chat block, unless ``raw``), greedily, up to ``stop`` strings if given. A block
-        that nothing here vouches for is refused."""
+        that nothing here vouches for is refused unless ``allow_unverified``."""
         body = await self._body(request)
-        bid, question, max_tokens = body.get("id"), body.get("question"), body.get("max_tokens", 64)
-        raw = body.get("raw", False)
-        if not isinstance(bid, str) or not bid or not isinstance(question, str) or not question:
-            raise HTTPError(400, "id and question must be non-empty strings", param="question")
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1 or not isinstance(raw, bool):
-            raise HTTPError(400, "max_tokens must be a positive integer and raw a boolean", param="max_tokens")
-        stops = check_stops(body.get("stop"))
-        block = self.store.get(bid)
-        for b in chain_of(self.store, block):
-            if not b.trusted:
-                raise UnverifiedBlock(f"block {block.short_id}: {b.short_id} is {b.provenance}: nothing here "
-                                      "proved that its state is its text's; re-derive it first")
-        query = question if raw else continuation_for(block, question)
-        r = await self._on_engine(lambda e: ask_block(e, self.store, block, query, max_tokens=max_tokens,
-                                                      stops=stops))
-        r = r.model_copy(update={"receipt": r.receipt.model_copy(update={"provenance": block.provenance})})
+        args = _fields(body, ("max_tokens", "stop", "allow_unverified"))
+        bid, question, raw = body.get("id"), body.get("question"), body.get("raw", False)
+        check.flag("raw", raw)
+        check.text("question", question, empty=True)
+        if isinstance(bid, str) and bid.strip():
+            self._visible(request, bid)  # another tenant's automatic block is not there for this key
+        self._desk(self.pool.engines[0]).prepare_ask(bid, question, turn=not raw, **args)  # checks, consent
+        cancel = threading.Event()
+        r = await self._on_engine(lambda e: self._desk(e).prepare_ask(bid, question, turn=not raw, **args)(
+            lambda _: cancel.is_set()), request, cancel)
         return Response(r.model_dump_json(), media_type="application/json")
+
+
+def _fields(body: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """The given fields of a JSON body, as keyword arguments (absent or null: the verb's default)."""
+    return {k: body[k] for k in names if body.get(k) is not None}

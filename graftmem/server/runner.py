@@ -3,27 +3,107 @@
 The socket is bound here, before uvicorn starts, so that port 0 resolves to a real port at once
 (`url` is known when the constructor returns), a busy port is a
 `ConfigError` raised to the caller rather than a log line in a thread, and
-the default host is the loopback interface. uvicorn's own timeouts bound idle keep-alive connections,
-and `close()` shuts down gracefully: no new connections, running requests get
-``Limits.graceful_shutdown`` seconds to finish.
+the default host is the loopback interface. `close()` shuts down gracefully: no new connections,
+running requests get ``Limits.graceful_shutdown`` seconds to finish.
+
+No client can hold the server by its connections (`GuardedH11Protocol`): uvicorn's h11 protocol
+bounds only the keep-alive wait after a response, so a socket that never sends its headers, or sends
+them a byte at a time, stayed open forever, and 420 of them exhausted a 400-descriptor limit (nobody
+was served). Here a connection must send a request's headers within ``Limits.header_timeout``, and
+past ``Limits.max_connections`` open connections the oldest ones without a request in flight are
+closed to make room for the newcomer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import resource
 import socket
 import threading
-from typing import Optional
+from typing import Any, Optional
 
 import uvicorn
 from starlette.types import ASGIApp
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..core.errors import ConfigError
 from .http import Limits
 
-__all__ = ["ServerThread"]
+__all__ = ["ServerThread", "GuardedH11Protocol", "default_max_connections"]
 
 log = logging.getLogger("graftmem")
+
+
+def default_max_connections() -> int:
+    """A quarter of the process's file-descriptor limit, between 16 and 1,000. The listen backlog is the
+    same number, and asyncio accepts up to a backlog of connections at once before any of them is seen
+    (and the oldest idle ones closed), so open + just accepted stay under half the limit; the rest is
+    the store's, the engines', the threads'."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1000
+    return max(16, min(1000, soft // 4))
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a header deadline and a connection cap (see the module doc).
+
+    ``header_timeout`` and ``max_connections`` are class attributes: `ServerThread` makes a subclass
+    per server with its `Limits`."""
+
+    header_timeout: float = 10.0
+    max_connections: int = 1000
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._opened = self.loop.time()
+        self._header_timer: Optional[asyncio.TimerHandle] = None
+        self._arm()
+        live = [c for c in self.connections if c.transport is not None and not c.transport.is_closing()]
+        excess = len(live) - self.max_connections
+        if excess > 0:  # closed ones stay in the set until their connection_lost: not counted
+            idle = sorted((c for c in live if c is not self and isinstance(c, GuardedH11Protocol) and c.waiting),
+                          key=lambda c: c._opened)
+            for c in idle[:excess]:
+                c.transport.close()
+            if len(idle) < excess:  # every other connection is busy: refuse this one, not theirs
+                log.warning("serve: %d connections open, all busy: a new one is refused", len(live))
+                transport.close()
+
+    @property
+    def waiting(self) -> bool:
+        """No request in flight: idle, or still sending its headers."""
+        return self.cycle is None or self.cycle.response_complete
+
+    def _arm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        self._header_timer = self.loop.call_later(self.header_timeout, self._header_expired)
+
+    def _header_expired(self) -> None:
+        self._header_timer = None
+        if self.waiting and not self.transport.is_closing():
+            self.transport.close()
+
+    def handle_events(self) -> None:
+        before = self.cycle
+        super().handle_events()
+        if self.cycle is not before and self._header_timer is not None:  # a request's headers arrived
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self.waiting:
+            self._opened = self.loop.time()
+            self._arm()  # the next request's headers are due within the deadline too
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        if getattr(self, "_header_timer", None) is not None:
+            self._header_timer.cancel()  # type: ignore[union-attr]
+            self._header_timer = None
+        super().connection_lost(exc)
 
 
 class ServerThread:
@@ -47,7 +127,7 @@ class ServerThread:
                 # the headers: measured 44 ms per JSON request for 1 ms of work
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.bind((host, port))
-            sock.listen(128)
+            sock.listen(self.limits.max_connections or default_max_connections())
         except OSError as exc:
             sock.close()
             raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; pick another "
@@ -55,9 +135,14 @@ class ServerThread:
         self._sock = sock
         bound_host, bound_port = sock.getsockname()[:2]
         self._url = f"http://[{bound_host}]:{bound_port}" if ":" in bound_host else f"http://{bound_host}:{bound_port}"
+        cap = self.limits.max_connections or default_max_connections()
+        protocol: Any = type("Guarded", (GuardedH11Protocol,), {
+            "header_timeout": self.limits.header_timeout, "max_connections": cap})
         self._config = uvicorn.Config(
-            app, http="h11", lifespan="off", log_config=None, access_log=False, server_header=False,
+            app, http=protocol, lifespan="off", log_config=None, access_log=False, server_header=False,
             timeout_keep_alive=max(1, int(self.limits.keep_alive)),
+            # requests in flight beyond the cap get uvicorn's 503 (each one holds a task and a socket)
+            limit_concurrency=cap + 1, backlog=cap,
             timeout_graceful_shutdown=max(1, int(self.limits.graceful_shutdown)))
         self._server = uvicorn.Server(self._config)
         self._thread: Optional[threading.Thread] = None

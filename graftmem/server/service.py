@@ -17,6 +17,7 @@ from .pool import EnginePool
 from .prefix import PrefixCache
 from .rest import MemoryRoutes
 from .routing import RouterRef
+from .tenants import ApiKeys
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -28,13 +29,18 @@ __all__ = ["api_server"]
 log = logging.getLogger("graftmem")
 
 
+def _loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
+
+
 def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.0.0.1", port: int = 0,
-               api_key: Optional[str] = None, push_token: Optional[str] = None,
+               api_key: "str | ApiKeys | None" = None, push_token: Optional[str] = None,
                sign_key: Optional[SigningKey] = None, check: Optional[BlockCheck] = None,
                max_queue: int = 16, min_prefix_tokens: int = 256, sightings: int = 2, learn: bool = True,
                max_auto_bytes: Optional[int] = 2 << 30, model_id: Optional[str] = None,
                limits: Optional[Limits] = None, router: Optional[Callable[[], "Router"]] = None,
-               auto_storage: str = "full", warm: bool = True, chat_template: Optional[str] = None) -> BlockServer:
+               auto_storage: str = "full", warm: bool = True, allow_unverified: bool = False,
+               chat_template: Optional[str] = None) -> BlockServer:
     """A `BlockServer` that also answers ``/v1/chat/completions``, ``/v1/completions`` and
     ``/v1/models`` with ``engines`` (one request per engine at a time, ``max_queue`` waiting), grafting
     stored prompt prefixes and learning those seen ``sightings`` times with at least
@@ -46,17 +52,36 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
     automatic prefixes into the engines and keep them in RAM (`warm_engines`: what a restarted agent
     sends first is found there; ``srv.warm`` says what each engine got). ``chat_template``: a template
     file that renders chat requests instead of the GGUF's own (llama-server's ``--chat-template-file``).
-    Not started: use it as a
-    context manager or call ``start()``."""
+    ``allow_unverified``: the
+    operator's consent to graft blocks nothing here vouches for (imported without re-derivation,
+    dropped into the store) for every request and the warm start; without it they are grafted only
+    for a request that sends ``"graftmem": {"allow_unverified": true}`` (or REST's
+    ``allow_unverified``), and the receipt names their provenance. Not started: use it as a
+    context manager or call ``start()``.
+
+    ``api_key``: one key (every client the same tenant) or `ApiKeys` (``serve --api-key-file``): each
+    key names a tenant, whose automatic blocks, cached prefixes and receipts no other tenant reaches
+    (`graftmem.server.tenants`); each keeps its automatic blocks under its share of ``max_auto_bytes``.
+    Without a key the server is one local trust domain, said in the log at start-up (a warning when it
+    listens beyond loopback)."""
+    keys = ApiKeys.single(api_key) if isinstance(api_key, str) else api_key
+    tenants = len(keys.entries) if keys is not None and keys.named else 1
+    if keys is None or not keys.named:
+        level = logging.INFO if _loopback(host) else logging.WARNING
+        log.log(level, "serve: %s on %s: one trust domain, every client shares the prompt cache, its "
+                "automatic blocks and their receipts%s", "no API key file" if keys else "no API key", host,
+                "" if _loopback(host) else " (listening beyond loopback: give --api-key-file, one key per tenant)")
     pool = EnginePool(engines, max_queue=max_queue)
     cache = PrefixCache(store, engines[0].fingerprint, min_tokens=min_prefix_tokens, sightings=sightings,
-                        learn=learn, max_auto_bytes=max_auto_bytes, auto_storage=auto_storage)
+                        learn=learn, max_auto_bytes=max_auto_bytes, auto_storage=auto_storage, tenants=tenants)
     ref = RouterRef(router)
-    oa = OpenAIRoutes(pool, store, cache, model_id=model_id, limits=limits, router=ref, chat_template=chat_template)
-    warmed = warm_engines(engines, store, cache, tokens=oa.tokens) if warm else []
+    oa = OpenAIRoutes(pool, store, cache, model_id=model_id, limits=limits, router=ref,
+                      allow_unverified=allow_unverified, chat_template=chat_template)
+    desks = [oa.desks[id(e)] for e in engines]
+    warmed = warm_engines(desks, cache, allow_unverified=allow_unverified, tokens=oa.tokens) if warm else []
     rest = MemoryRoutes(pool, store, ref, limits=limits)
     srv = BlockServer(store, host=host, port=port, push_token=push_token, fingerprint=engines[0].fingerprint,
-                      sign_key=sign_key, check=check, api_key=api_key, limits=limits,
+                      sign_key=sign_key, check=check, api_key=keys, limits=limits,
                       extra=oa.routes() + rest.routes())
     srv.pool, srv.cache, srv.openai, srv.warm = pool, cache, oa, warmed  # type: ignore[attr-defined]
 

@@ -139,6 +139,19 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def open_new(tmp: Path) -> BinaryIO:
+    """Create ``tmp`` (a writer's temp file, named for its process and thread) for writing. A file of that
+    name is a leftover of a write of this same process and thread that failed and could not clean up
+    (the thread id is reused by a later thread): it is removed and the name taken, rather than failing
+    every later write of that block with "File exists"."""
+    try:
+        return open(tmp, "xb")
+    except FileExistsError:
+        log.warning("removing a temp file left by a failed write: %s", tmp.name)
+        tmp.unlink(missing_ok=True)
+        return open(tmp, "xb")
+
+
 @contextlib.contextmanager
 def atomic_file(path: Path, tmp: Optional[Path] = None) -> Iterator[BinaryIO]:
     """A new file for ``path``, all or nothing: written to ``tmp`` (default: a hidden name beside it),
@@ -146,7 +159,7 @@ def atomic_file(path: Path, tmp: Optional[Path] = None) -> Iterator[BinaryIO]:
     ``path`` still holds its old content (or nothing); the error propagates for the caller to name."""
     tmp = tmp or path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        with open(tmp, "xb") as f:
+        with open_new(tmp) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
@@ -695,13 +708,16 @@ class Store:
         tmp = path.parent / f".{block.id}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             path.parent.mkdir(exist_ok=True)
-            with open(tmp, "xb") as f:
+            with open_new(tmp) as f:
                 size = write_block(f, block, state)
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise _os_error(exc, self.home, doing) from exc
+        except BaseException:  # not only a disk error: never leave the temp file behind
+            tmp.unlink(missing_ok=True)
+            raise
         existed = os.path.lexists(path)
         renamed = False
         try:

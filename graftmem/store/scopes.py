@@ -13,6 +13,7 @@ the block files when they disagree, and scopes are not in the block files (they 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
@@ -78,7 +79,10 @@ class ScopeIndex:
                     self._db.executemany(sql, list(rows))
                     self._db.execute("COMMIT")
                 except BaseException:
-                    self._db.execute("ROLLBACK")
+                    # a failed COMMIT (disk full) may have rolled back already: "cannot rollback - no
+                    # transaction is active" must not replace the cause (it turned StoreFull into StoreError)
+                    with contextlib.suppress(sqlite3.Error):
+                        self._db.execute("ROLLBACK")
                     raise
         except sqlite3.OperationalError as exc:
             if "full" in str(exc).lower():
