@@ -53,3 +53,43 @@ def test_bad_grammars_and_schemas_are_config_errors(smol):
         smol.grammar("root ::= (")
     with pytest.raises(ConfigError, match="JSON schema"):
         json_grammar({"type": "object", "properties": {"x": {"$ref": "#/definitions/missing"}}})
+
+
+def test_memory_ask_takes_response_format(mem):
+    blk = mem.learn("Customers of the Northwind shop: Ana Silva, 34; Bo Chen, 51.", name="customers")
+    q = "\nDescribe the first customer as JSON with name and age:\n"
+    free = mem.ask(blk.id, q, max_tokens=24)
+    r = mem.ask(blk.id, q, max_tokens=48, response_format={"type": "json_schema", "json_schema": {
+        "name": "customer", "schema": SCHEMA}})
+    obj = json.loads(r.text)
+    assert set(obj) == {"name", "age"} and isinstance(obj["age"], int), r.text
+    # the grammar picks tokens, the graft is what it was: the same first logits as the free answer
+    assert r.receipt.first_logits_sha256 == free.receipt.first_logits_sha256
+    with pytest.raises(ConfigError, match="response_format"):
+        mem.ask(blk.id, q, response_format={"type": "yaml"})
+
+
+def test_server_response_format_through_the_openai_client(smol, tmp_path):
+    import openai
+
+    from graftmem.server import api_server
+    from graftmem.store.local import Store
+
+    store = Store(tmp_path / "home")
+    with api_server(store, [smol], warm=False) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        msgs = [{"role": "user", "content": "Describe a customer as JSON with name and age."}]
+        r = c.chat.completions.create(model="smollm2", messages=msgs, max_tokens=48, temperature=0,
+                                      response_format={"type": "json_schema", "json_schema": {
+                                          "name": "customer", "schema": SCHEMA, "strict": True}})
+        obj = json.loads(r.choices[0].message.content)
+        assert set(obj) == {"name", "age"} and r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+            model="smollm2", messages=msgs, max_tokens=48, temperature=0, stream=True,
+            response_format={"type": "json_object"}) if ch.choices)
+        assert isinstance(json.loads(streamed), dict), streamed
+        with pytest.raises(openai.BadRequestError) as exc:
+            c.chat.completions.create(model="smollm2", messages=msgs, max_tokens=8,
+                                      response_format={"type": "json_schema", "json_schema": {"schema": []}})
+        assert exc.value.status_code == 400 and "response_format" in str(exc.value)
+    store.close()

@@ -378,31 +378,36 @@ class Memory:
     # ------------------------------------------------------------------ ask
     def ask(self, block_id: str, query: str, *, max_tokens: int = 64,
             sampling: Optional[Sampling] = None, stop: "str | Sequence[str] | None" = None,
-            allow_unverified: bool = False) -> Recall:
+            allow_unverified: bool = False, response_format: Optional[Mapping[str, Any]] = None) -> Recall:
         """Graft the block at its own positions, prefill ``query``, and answer (greedily by default).
 
         ``stop`` ends the answer at the first of these strings (cut from ``text``, ``finish_reason``
         ``"stop"``). A block (or an ancestor of a chained one) whose provenance is ``unverified`` is
         refused with `UnverifiedBlock` unless ``allow_unverified=True``: its state may not be its
-        text's. The receipt names the grafted block's provenance."""
-        return self._ask_call(block_id, query, max_tokens, sampling, stop, allow_unverified)(None)
+        text's. The receipt names the grafted block's provenance. ``response_format`` as OpenAI's
+        (``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"schema": {...}}}``):
+        the answer is decoded under a grammar that only lets such JSON through (the logits, hence the
+        exactness of the graft, are untouched)."""
+        return self._ask_call(block_id, query, max_tokens, sampling, stop, allow_unverified, response_format)(None)
 
     def ask_stream(self, block_id: str, query: str, *, max_tokens: int = 64,
                    sampling: Optional[Sampling] = None, stop: "str | Sequence[str] | None" = None,
-                   allow_unverified: bool = False) -> AnswerStream:
+                   allow_unverified: bool = False, response_format: Optional[Mapping[str, Any]] = None) -> AnswerStream:
         """[`ask()`][graftmem.Memory.ask], with the answer's text handed out as it is decoded.
 
         Arguments are checked (and the block refused) here, before anything runs; iterate the
         returned [`AnswerStream`][graftmem.AnswerStream] for the text, read its ``result``
         for the whole `Recall` and receipt, ``close()`` it to stop early."""
-        return AnswerStream(self._ask_call(block_id, query, max_tokens, sampling, stop, allow_unverified))
+        return AnswerStream(self._ask_call(block_id, query, max_tokens, sampling, stop, allow_unverified,
+                                           response_format))
 
     def _ask_call(self, block_id: str, query: str, max_tokens: int, sampling: Optional[Sampling],
-                  stop: "str | Sequence[str] | None", allow_unverified: bool) -> Callable[[Optional[OnText]], Recall]:
+                  stop: "str | Sequence[str] | None", allow_unverified: bool,
+                  response_format: Optional[Mapping[str, Any]] = None) -> Callable[[Optional[OnText]], Recall]:
         """Check the arguments of ask (and the block's consent); return the call that answers."""
         self._check()
         return self._verbs.prepare_ask(block_id, query, max_tokens=max_tokens, sampling=sampling, stop=stop,
-                                       allow_unverified=allow_unverified)
+                                       allow_unverified=allow_unverified, response_format=response_format)
 
     # ------------------------------------------------------------------ routing
     def search(self, task: str, *, top_k: int = 5, limit: Optional[int] = None,
@@ -428,37 +433,39 @@ class Memory:
                stop: "str | Sequence[str] | None" = None,
                allow_unverified: bool = False, filters: Optional[Mapping[str, Any]] = None,
                user_id: Optional[str] = None, agent_id: Optional[str] = None,
-               session_id: Optional[str] = None) -> Recall:
+               session_id: Optional[str] = None, response_format: Optional[Mapping[str, Any]] = None) -> Recall:
         """Route ``task`` to ONE block, graft it, prefill the task, answer.
 
         Below ``min_score`` (default `DEFAULT_MIN_SCORE`) nothing is grafted:
         ``block`` is None and the text says so. ``mode="text"`` answers the same prompt the old way
         (prefill the block's text, no graft), for comparisons; the answers are identical. ``stop`` as
-        in [`ask()`][graftmem.Memory.ask].
+        in [`ask()`][graftmem.Memory.ask], and ``response_format`` too.
 
         Routing only ever considers blocks whose provenance is not ``unverified`` and whose labels
         were given here or signed by a trusted key (see docs/security.md); a routed block found
         unverified meanwhile is refused unless ``allow_unverified=True``.
         """
         return self._recall_call(task, max_tokens, min_score, mode, sampling, stop, allow_unverified, filters,
-                                 user_id, agent_id, session_id)(None)
+                                 user_id, agent_id, session_id, response_format)(None)
 
     def recall_stream(self, task: str, *, max_tokens: int = 64, min_score: Optional[float] = None,
                       mode: Literal["graft", "text"] = "graft", sampling: Optional[Sampling] = None,
                       stop: "str | Sequence[str] | None" = None,
                       allow_unverified: bool = False, filters: Optional[Mapping[str, Any]] = None,
                       user_id: Optional[str] = None, agent_id: Optional[str] = None,
-                      session_id: Optional[str] = None) -> AnswerStream:
+                      session_id: Optional[str] = None,
+                      response_format: Optional[Mapping[str, Any]] = None) -> AnswerStream:
         """[`recall()`][graftmem.Memory.recall], with the answer's text handed out as it is decoded
         (an [`AnswerStream`][graftmem.AnswerStream]; a recall that matches no block yields no
         text and its ``result`` says why)."""
         return AnswerStream(self._recall_call(task, max_tokens, min_score, mode, sampling, stop, allow_unverified,
-                                              filters, user_id, agent_id, session_id))
+                                              filters, user_id, agent_id, session_id, response_format))
 
     def _recall_call(self, task: str, max_tokens: int, min_score: Optional[float], mode: str,
                      sampling: Optional[Sampling], stop: "str | Sequence[str] | None", allow_unverified: bool,
                      filters: Optional[Mapping[str, Any]], user_id: Optional[str], agent_id: Optional[str],
-                     session_id: Optional[str]) -> Callable[[Optional[OnText]], Recall]:
+                     session_id: Optional[str],
+                     response_format: Optional[Mapping[str, Any]] = None) -> Callable[[Optional[OnText]], Recall]:
         """Check the arguments of recall; return the call that routes, asks consent before the graft,
         and answers."""
         self._check()
@@ -466,7 +473,8 @@ class Memory:
         allow = self._filter(_scope(user_id, agent_id, session_id), filters)
         return self._verbs.prepare_recall(lambda: self.router, task, max_tokens=max_tokens, min_score=min_score,
                                           mode=mode, sampling=sampling, stop=stop,
-                                          allow_unverified=allow_unverified, allow=allow)
+                                          allow_unverified=allow_unverified, allow=allow,
+                                          response_format=response_format)
 
     def reindex(self) -> int:
         """Rebuild the routing index from the store (every block embedded again); returns its size."""

@@ -34,7 +34,7 @@ _PHASES = ("route_ms", "fetch_ms", "read_ms", "check_ms", "place_ms", "set_data_
 def answer(eng: Engine, block: Block, qtok: list[int], setup: Callable[[], int], *, graft: bool,
            max_tokens: int, exact: bool = True, sampling: Sampling = GREEDY,
            phases: Optional[dict[str, float]] = None, stops: Sequence[str] = (),
-           on_text: Optional[OnText] = None) -> Recall:
+           on_text: Optional[OnText] = None, grammar: Optional[str] = None) -> Recall:
     """Run ``setup`` (returns how many tokens it put in the context), prefill ``qtok``, decode.
 
     ``graft`` says whether ``setup`` restored saved state (timed as ``restore_ms``, counted as
@@ -44,8 +44,10 @@ def answer(eng: Engine, block: Block, qtok: list[int], setup: Callable[[], int],
     see `graft()`); its entries go into the receipt's breakdown. ``stops`` end the answer at the first
     stop string (cut from the text, ``finish_reason="stop"``); ``on_text`` receives the text as it
     becomes final (`AnswerText`) and cancels the answer by returning True (``finish_reason="cancelled"``).
+    ``grammar`` (GBNF, from ``response_format``) constrains which tokens are picked, never the logits.
     """
     text = AnswerText(eng.piece, stops)
+    constraint = eng.grammar(grammar) if grammar else None
 
     def on_token(tok: int, lp: float, top: object) -> Optional[str]:
         if text.add(tok):
@@ -63,8 +65,12 @@ def answer(eng: Engine, block: Block, qtok: list[int], setup: Callable[[], int],
         eng.prefill(qtok)
         first = eng.logits()
         t2 = time.perf_counter()
-        dec = decode(eng, max_tokens, first_logits=first, sampling=sampling,
-                     on_token=on_token if (stops or on_text is not None) else None)
+        try:
+            dec = decode(eng, max_tokens, first_logits=first, sampling=sampling,
+                         on_token=on_token if (stops or on_text is not None) else None, grammar=constraint)
+        finally:
+            if constraint is not None:
+                constraint.close()
         out = dec.tokens
         t3 = time.perf_counter()
     receipt = Receipt(
@@ -96,7 +102,8 @@ def graft(eng: Engine, store: "Store", block: Block, timings: Optional[dict[str,
 
 
 def ask(eng: Engine, store: "Store", block: Block, query: str, *, max_tokens: int = 64,
-        sampling: Sampling = GREEDY, stops: Sequence[str] = (), on_text: Optional[OnText] = None) -> Recall:
+        sampling: Sampling = GREEDY, stops: Sequence[str] = (), on_text: Optional[OnText] = None,
+        grammar: Optional[str] = None) -> Recall:
     """Graft ``block`` at its own positions, prefill ``query``, and answer (greedily by default)."""
     err = incompatibility(block, eng.fingerprint)
     if err is not None:
@@ -106,4 +113,5 @@ def ask(eng: Engine, store: "Store", block: Block, query: str, *, max_tokens: in
         raise ConfigError("the query is empty")
     phases: dict[str, float] = {}
     return answer(eng, block, qtok, lambda: graft(eng, store, block, phases), graft=True,
-                  max_tokens=max_tokens, sampling=sampling, phases=phases, stops=stops, on_text=on_text)
+                  max_tokens=max_tokens, sampling=sampling, phases=phases, stops=stops, on_text=on_text,
+                  grammar=grammar)

@@ -138,7 +138,7 @@ def _seam(engine: "Engine", block: Block, continuation: str) -> tuple[list[int],
 
 def answer_text_way(engine: "Engine", store: "Store", block: Block, continuation: str, *, max_tokens: int,
                     sampling: Sampling = GREEDY, stops: Sequence[str] = (),
-                    on_text: Optional[OnText] = None) -> Recall:
+                    on_text: Optional[OnText] = None, grammar: Optional[str] = None) -> Recall:
     """The baseline without graftmem: tokenize the block's text again and prefill it, then the task.
 
     Two prefill calls (manual, then task), like the graft path: llama.cpp's CPU kernels are not
@@ -157,19 +157,19 @@ def answer_text_way(engine: "Engine", store: "Store", block: Block, continuation
         return sum(len(s) for s in segs)
 
     return answer(engine, block, qtok, reread, graft=False, max_tokens=max_tokens, exact=clean,
-                  sampling=sampling, stops=stops, on_text=on_text)
+                  sampling=sampling, stops=stops, on_text=on_text, grammar=grammar)
 
 
 def answer_graft_way(engine: "Engine", store: "Store", block: Block, continuation: str, *, max_tokens: int,
                      sampling: Sampling = GREEDY, stops: Sequence[str] = (),
-                     on_text: Optional[OnText] = None) -> Recall:
+                     on_text: Optional[OnText] = None, grammar: Optional[str] = None) -> Recall:
     _, clean = _seam(engine, block, continuation)
     if not clean:
         log.warning("block %s: the task's first tokens merge with the block's last ones; the graft "
                     "matches a prefill of the same token ids, not of the joined string (receipt.exact=False)",
                     block.short_id)
     r = ask(engine, store, block, continuation, max_tokens=max_tokens, sampling=sampling, stops=stops,
-            on_text=on_text)
+            on_text=on_text, grammar=grammar)
     if clean:
         return r
     return r.model_copy(update={"receipt": r.receipt.model_copy(update={"exact": False})})
@@ -178,7 +178,8 @@ def answer_graft_way(engine: "Engine", store: "Store", block: Block, continuatio
 def recall(engine: "Engine", store: "Store", router: "Router", task: str, *, max_tokens: int = 64,
            min_score: Optional[float] = None, mode: Literal["graft", "text"] = "graft",
            sampling: Sampling = GREEDY, allow: Optional[BlockFilter] = None, stops: Sequence[str] = (),
-           on_text: Optional[OnText] = None, admit: Optional[Callable[[Block], None]] = None) -> Recall:
+           on_text: Optional[OnText] = None, admit: Optional[Callable[[Block], None]] = None,
+           grammar: Optional[str] = None) -> Recall:
     """Route ``task`` to ONE block of this engine, answer it the ``mode`` way (see the module doc).
 
     ``admit(block)`` runs on the routed block before anything of it reaches the engine, and refuses it
@@ -206,7 +207,7 @@ def recall(engine: "Engine", store: "Store", router: "Router", task: str, *, max
             if admit is not None:
                 admit(block)
             r = way(engine, store, block, continuation_for(block, task), max_tokens=max_tokens, sampling=sampling,
-                    stops=stops, on_text=on_text)
+                    stops=stops, on_text=on_text, grammar=grammar)
             break
         except BlockNotFound:
             # another process deleted the block after the last sync: forget it and route again

@@ -19,7 +19,7 @@ from ..core.errors import ConfigError
 from .router import LEX_WEIGHT
 
 __all__ = ["text", "integer", "flag", "score", "choice", "ids", "metadata", "path", "instance", "scope",
-           "max_tokens", "MAX_TEXT_CHARS"]
+           "max_tokens", "response_format", "MAX_TEXT_CHARS"]
 
 #: The longest text a verb accepts (characters). A block's text is prefilled in one context, so a
 #: text longer than any context is refused before it is tokenized (tokenizing 8 MB took seconds).
@@ -137,3 +137,35 @@ def scope(user_id: Any, agent_id: Any, session_id: Any) -> Scope:
     for field, value in (("user_id", user_id), ("agent_id", agent_id), ("session_id", session_id)):
         text(field, value, optional=True)
     return Scope(user_id=user_id, agent_id=agent_id, session_id=session_id)
+
+
+def response_format(value: Any, name: str = "response_format") -> Optional[str]:
+    """The grammar (GBNF) that OpenAI's ``response_format`` asks for, or None for free text.
+
+    ``{"type": "text"}`` (or None): free text. ``{"type": "json_object"}``: any JSON object.
+    ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``: JSON that
+    the schema accepts (strict or not: the grammar always enforces it, as llama-server does). The
+    grammar is built with llama.cpp's own schema converter (`graftmem.core.engine.json_grammar`); a
+    schema it cannot express is a `ConfigError` before any work.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not isinstance(value.get("type"), str):
+        raise _error(name, f"{name} must be an object such as {{\"type\": \"json_object\"}}, got {value!r:.80}")
+    kind = value["type"]
+    from ..core.engine import json_grammar  # the converter ships with llama.cpp's Python bindings
+
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_grammar()
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("schema", {}), Mapping):
+            raise _error(name, f"{name}.json_schema must be an object with a \"schema\" object")
+        schema = spec.get("schema") or {}
+        try:
+            return json_grammar(schema)
+        except ConfigError as exc:
+            raise _error(name, f"{name}.json_schema: {exc}") from None
+    raise _error(name, f"{name}.type must be text, json_object or json_schema, got {kind!r:.40}")

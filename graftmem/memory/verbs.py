@@ -148,7 +148,8 @@ class MemoryVerbs:
 
     def prepare_ask(self, block_id: str, query: str, *, max_tokens: int = 64, sampling: Optional[Sampling] = None,
                     stop: "str | Sequence[str] | None" = None, allow_unverified: bool = False,
-                    turn: bool = False) -> Callable[[Optional[OnText]], Recall]:
+                    turn: bool = False, response_format: Optional[Mapping[str, Any]] = None
+                    ) -> Callable[[Optional[OnText]], Recall]:
         """Check everything ``ask`` needs (the block's consent included) now; return the call that
         answers, given an optional text callback (a stream's). ``turn``: put ``query`` after the block as
         the next chat turn for a chat block (`continuation_for`), else as is."""
@@ -161,13 +162,15 @@ class MemoryVerbs:
         check.flag("allow_unverified", allow_unverified)
         check.flag("turn", turn)
         stops = check_stops(stop)
+        grammar = check.response_format(response_format)
         block = self._store.get(block_id)
         self.consent(block, allow_unverified)
         cont = continuation_for(block, query) if turn else query
 
         def run(on_text: Optional[OnText]) -> Recall:
             return self.stamp(ask_block(self._engine, self._store, block, cont, max_tokens=max_tokens,
-                                        sampling=sampling or Sampling(), stops=stops, on_text=on_text), block)
+                                        sampling=sampling or Sampling(), stops=stops, on_text=on_text,
+                                        grammar=grammar), block)
         return run
 
     def ask(self, block_id: str, query: str, **kw: Any) -> Recall:
@@ -184,7 +187,8 @@ class MemoryVerbs:
     def prepare_recall(self, router: "Callable[[], Router]", task: str, *, max_tokens: int = 64,
                        min_score: Optional[float] = None, mode: str = "graft", sampling: Optional[Sampling] = None,
                        stop: "str | Sequence[str] | None" = None, allow_unverified: bool = False,
-                       allow: Optional[BlockFilter] = None) -> Callable[[Optional[OnText]], Recall]:
+                       allow: Optional[BlockFilter] = None, response_format: Optional[Mapping[str, Any]] = None
+                       ) -> Callable[[Optional[OnText]], Recall]:
         """Check the arguments of recall now; return the call that routes, asks the routed block's
         consent BEFORE it is grafted (or re-read, ``mode="text"``), answers and stamps the receipt.
         ``router`` is called when the recall runs (loading it takes seconds: a stream starts at once)."""
@@ -195,12 +199,13 @@ class MemoryVerbs:
         check.instance("sampling", sampling, Sampling)
         check.flag("allow_unverified", allow_unverified)
         stops = check_stops(stop)
+        grammar = check.response_format(response_format)
 
         def run(on_text: Optional[OnText]) -> Recall:
             r = route_and_answer(self._engine, self._store, router(), task, max_tokens=max_tokens,
                                  min_score=min_score, mode=mode,  # type: ignore[arg-type]
                                  sampling=sampling or Sampling(), allow=allow, stops=stops, on_text=on_text,
-                                 admit=lambda b: self.consent(b, allow_unverified))
+                                 admit=lambda b: self.consent(b, allow_unverified), grammar=grammar)
             if r.block is None:
                 return r
             return self.stamp(r, self._store.get(r.block.id))

@@ -72,6 +72,8 @@ class Job:
     allow_unverified: bool = False
     #: who asks (from the API key, `graftmem.server.tenants`): salts the prompt's keys, owns what it learns
     tenant: Optional[str] = None
+    #: a GBNF grammar the answer must follow (``response_format``; `graftmem.memory.validate.response_format`)
+    grammar: Optional[str] = None
 
     @functools.cached_property
     def keys(self) -> list[bytes]:
@@ -310,8 +312,13 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
                 held += len(captured[-1])
         first = engine.logits()
         t2 = time.perf_counter()
-        out = decode(engine, job.max_tokens, first_logits=first, sampling=job.sampling, on_token=on_token,
-                     top_logprobs=job.top_logprobs if job.logprobs else 0)
+        grammar = engine.grammar(job.grammar) if job.grammar else None
+        try:
+            out = decode(engine, job.max_tokens, first_logits=first, sampling=job.sampling, on_token=on_token,
+                         top_logprobs=job.top_logprobs if job.logprobs else 0, grammar=grammar)
+        finally:
+            if grammar is not None:
+                grammar.close()
         t3 = time.perf_counter()
         if keep:
             engine.kept = Kept(tuple(keys), tuple(ends), None, untrusted)

@@ -15,7 +15,8 @@ body is parsed, rendered and tokenized off the event loop. With tenants (``serve
 tenant of the request's key salts its prefix keys and owns what it learns (`graftmem.server.tenants`).
 Supported: ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop`` (up
 to 4 strings; the text ends before the first one), ``logprobs`` / ``top_logprobs`` (chat) and
-``logprobs: int`` (completions, non-streamed), ``stream`` (SSE ``data:`` chunks, then ``data: [DONE]``;
+``logprobs: int`` (completions, non-streamed), ``response_format`` (``json_object`` / ``json_schema``:
+grammar-constrained decoding with llama.cpp's grammar sampler; the logits stay the model's), ``stream`` (SSE ``data:`` chunks, then ``data: [DONE]``;
 ``stream_options.include_usage``), ``n = 1`` only, ``tools`` / ``tool_choice`` and tool messages
 (the model's own template and its family's call grammar, else the Hermes ``<tool_call>`` format; see
 `graftmem.server.tools`, `graftmem.core.toolcalls`, docs/models.md). ``/v1/completions`` cuts its prompt into
@@ -163,9 +164,12 @@ class OpenAIRoutes:
                                 seed=None if seed is None else seed % (2 ** 63))
         except ConfigError as exc:
             raise HTTPError(400, str(exc), code="invalid_value") from exc
+        grammar = check.response_format(body.get("response_format"))
+        if grammar is not None:
+            self.engine0.grammar(grammar).close()  # a grammar llama.cpp refuses is a 400 now, not a 500 later
         return Job(segments=segments, texts=texts, max_tokens=max_tokens, sampling=sampling, stops=stops,
                    logprobs=logprobs, top_logprobs=top, use_cache=cache, learn_tail=2 if chat else 1,
-                   allow_unverified=consent or self.allow_unverified)
+                   allow_unverified=consent or self.allow_unverified, grammar=grammar)
 
     async def _parse(self, request: Request) -> dict[str, Any]:
         raw = await read_body(request, self.limits.max_body_bytes, self.limits.body_timeout)
