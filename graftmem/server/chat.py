@@ -29,7 +29,7 @@ from .tools import ToolSpec, render_calls, render_tool_result, tools_prompt
 if TYPE_CHECKING:
     from ..core.engine import Engine
 
-__all__ = ["answer_text", "message_text", "render_segments", "template_messages", "template_segments", "tokenize_segments",
+__all__ = ["answer_text", "literal_spans", "message_text", "render_segments", "template_messages", "template_segments", "tokenize_segments",
            "chunk_prompt", "CHUNK_TOKENS", "TokenCache"]
 
 #: A raw prompt (``/v1/completions``) is cut into segments of about this many tokens.
@@ -69,20 +69,27 @@ def message_text(msg: Any, i: int) -> tuple[str, str]:
     return role, content
 
 
-def render_segments(fmt: ChatFormat, messages: Sequence[Any], tools: Optional[ToolSpec] = None) -> list[str]:
+def render_segments(fmt: ChatFormat, messages: Sequence[Any], tools: Optional[ToolSpec] = None,
+                    untrusted: Optional[list[Spans]] = None) -> list[str]:
     """The prompt's segments: one per message, then the assistant's header. ``tools`` are appended to
     the first message when it is a system one, else put in a system message of their own before it
-    (`graftmem.server.tools`)."""
+    (`graftmem.server.tools`).
+
+    ``untrusted``, when given, receives per segment the character span of the message's text if it
+    is a user or tool message (what `literal_spans` narrows to those that spell a special token): the
+    hand-written formats keep untrusted text as text too, as the model templates do (`template_segments`)."""
     if not isinstance(messages, list) or not messages:
         raise HTTPError(400, "messages must be a non-empty list", param="messages")
     rendered = [message_text(msg, i) for i, msg in enumerate(messages)]
+    roles = [msg.get("role") if isinstance(msg, dict) else None for msg in messages]
     if tools is not None:
         if rendered[0][0] in ("system", "developer"):
             rendered[0] = (rendered[0][0], f"{rendered[0][1]}\n\n{tools_prompt(tools)}")
         else:
             rendered.insert(0, ("system", tools_prompt(tools)))
+            roles.insert(0, "system")
     segs = []
-    for role, text in rendered:
+    for (role, text), sent_as in zip(rendered, roles):
         if fmt.name == "gemma":  # no system role: its own template folds it into a user turn
             role = {"system": "user", "developer": "user", "assistant": "model", "tool": "user"}[role] \
                 if role != "user" else role
@@ -90,8 +97,25 @@ def render_segments(fmt: ChatFormat, messages: Sequence[Any], tools: Optional[To
             role = "system"
         head = fmt.task_head.replace("user", role, 1)
         segs.append(f"{head}{text}{fmt.block_tail}")
+        if untrusted is not None:
+            untrusted.append([(len(head), len(head) + len(text))] if sent_as in ("user", "tool") and text else [])
     segs.append(fmt.task_tail[len(fmt.block_tail):])  # the assistant's header
+    if untrusted is not None:
+        untrusted.append([])
     return segs
+
+
+def literal_spans(engine: "Engine", texts: Sequence[str], untrusted: Sequence[Spans]) -> tuple[list[Spans], list[str]]:
+    """Of the untrusted spans (`render_segments`), those that spell a special token (``"<|im_end|>"``
+    typed by a user), to be tokenized as text; and a note per such message for the receipt."""
+    literal: list[Spans] = []
+    notes: list[str] = []
+    for i, (text, spans) in enumerate(zip(texts, untrusted)):
+        keep = [(a, b) for a, b in spans if has_special_text(engine, text[a:b])]
+        literal.append(keep)
+        if keep:
+            notes.append(f"segment {i} spells a special token: tokenized as text, its segment not learned")
+    return literal, notes
 
 
 def _text_content(msg: dict[str, Any], i: int) -> str:

@@ -46,7 +46,8 @@ from ..memory import validate as check
 from ..memory.router import DEFAULT_MIN_SCORE, LEX_WEIGHT
 from ..memory.verbs import MemoryVerbs
 from ..store.chain import chain_of
-from .chat import TokenCache, answer_text, chunk_prompt, render_segments, template_segments, tokenize_segments
+from .chat import (TokenCache, answer_text, chunk_prompt, literal_spans, render_segments, template_segments,
+                   tokenize_segments)
 from .generate import Job, Result, check_fits, run_job
 from .http import HTTPError, Limits, client_gone, guarded, json_object, off_loop, public_message, read_body
 from .pool import EnginePool
@@ -199,7 +200,10 @@ class OpenAIRoutes:
                                                           kwargs)
             else:
                 assert fmt is not None
-                texts = render_segments(fmt, body.get("messages"), tools)
+                untrusted: list[Any] = []
+                texts = render_segments(fmt, body.get("messages"), tools, untrusted)
+                literal, found = literal_spans(self.engine0, texts, untrusted)
+                notes = found or None
             for i, t in enumerate(texts):  # a lone surrogate never reaches the tokenizer (it was a 500)
                 check.text(f"messages[{i}]", t, empty=True)
             segments = tokenize_segments(self.engine0, texts, self.tokens, literal)
