@@ -34,6 +34,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..core.errors import ConfigError, UnverifiedBlock
 from .tenants import TENANT_STATE, ApiKeys
 
+#: paths the API key does not guard: the health probe (`graftmem.server.metrics`)
+PUBLIC_PATHS = frozenset({"/health"})
+
 __all__ = ["HTTPError", "Limits", "error_response", "public_message", "read_body", "body_length",
            "ApiKeyMiddleware", "is_block_path", "bearer", "guarded", "json_object", "json_depth", "client_gone",
            "off_loop", "OFF_LOOP_BYTES"]
@@ -144,7 +147,7 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
 
 
 class ApiKeyMiddleware:
-    """Every request needs ``Authorization: Bearer <key>`` (or ``X-Api-Key``), compared in constant time
+    """Every request (but ``/health``) needs ``Authorization: Bearer <key>`` (or ``X-Api-Key``), compared in constant time
     (`graftmem.server.tenants.ApiKeys`); the key's tenant goes into the request's scope state, where the
     routes read it (`tenant_of`): the server derives who is asking, the request never says. The block
     push routes also accept their push token there, since a push sends that instead."""
@@ -154,6 +157,8 @@ class ApiKeyMiddleware:
         self.keys = api_key if isinstance(api_key, ApiKeys) else ApiKeys.single(api_key)
 
     def _ok(self, scope: Scope) -> bool:
+        if scope["path"] in PUBLIC_PATHS:  # a load balancer's probe carries no key
+            return True
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         for given in (bearer(headers), headers.get("x-api-key", "")):
             ok, tenant = self.keys.tenant(given)

@@ -31,7 +31,7 @@ import json
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -108,6 +108,8 @@ class OpenAIRoutes:
         #: the model's own template renders every chat request (None: the hand-written ``fmt``)
         self.template = request_template(engine, chat_template)
         self.created = int(time.time())
+        #: called on the event loop with each request's result (the server's metrics count its tokens)
+        self.on_result: list[Callable[[Result], None]] = []
 
     def routes(self) -> list[BaseRoute]:
         home = str(self.store.home)
@@ -304,6 +306,9 @@ class OpenAIRoutes:
 
         def finish(result: Optional[Result], exc: Optional[BaseException]) -> None:
             self.pool.release(engine)  # first: a client that has its answer finds the engine free
+            if result is not None:
+                for hook in self.on_result:
+                    hook(result)
             if not done.done():
                 if exc is not None:
                     done.set_exception(exc)

@@ -12,6 +12,7 @@ from ..share.trust import SigningKey
 from .blocks import BlockServer
 from .generate import warm_engines
 from .http import Limits
+from .metrics import Metrics
 from .openai import OpenAIRoutes
 from .pool import EnginePool
 from .prefix import PrefixCache
@@ -41,8 +42,8 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
                limits: Optional[Limits] = None, router: Optional[Callable[[], "Router"]] = None,
                auto_storage: str = "full", warm: bool = True, allow_unverified: bool = False,
                chat_template: Optional[str] = None) -> BlockServer:
-    """A `BlockServer` that also answers ``/v1/chat/completions``, ``/v1/completions`` and
-    ``/v1/models`` with ``engines`` (one request per engine at a time, ``max_queue`` waiting), grafting
+    """A `BlockServer` that also answers ``/v1/chat/completions``, ``/v1/completions``,
+    ``/v1/models``, ``/health`` and ``/metrics`` (`graftmem.server.metrics`) with ``engines`` (one request per engine at a time, ``max_queue`` waiting), grafting
     stored prompt prefixes and learning those seen ``sightings`` times with at least
     ``min_prefix_tokens`` tokens (automatic blocks kept under ``max_auto_bytes``, least recently used
     evicted first; blocks a user learned are never evicted). ``router`` (called on the first routed
@@ -80,10 +81,13 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
     desks = [oa.desks[id(e)] for e in engines]
     warmed = warm_engines(desks, cache, allow_unverified=allow_unverified, tokens=oa.tokens) if warm else []
     rest = MemoryRoutes(pool, store, ref, limits=limits)
+    metrics = Metrics(pool, store)
+    oa.on_result.append(metrics.served)
     srv = BlockServer(store, host=host, port=port, push_token=push_token, fingerprint=engines[0].fingerprint,
                       sign_key=sign_key, check=check, api_key=keys, limits=limits,
-                      extra=oa.routes() + rest.routes())
+                      extra=oa.routes() + rest.routes(), metrics=metrics)
     srv.pool, srv.cache, srv.openai, srv.warm = pool, cache, oa, warmed  # type: ignore[attr-defined]
+    srv.metrics = metrics  # type: ignore[attr-defined]
 
     def forget() -> None:
         # running requests finish (what they learn is stored), bounded like uvicorn's graceful shutdown
