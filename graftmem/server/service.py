@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 from ..core.errors import GraftmemError
 from ..share.admission import BlockCheck
 from ..share.trust import SigningKey
+from .anthropic import AnthropicRoutes
 from .blocks import BlockServer
 from .generate import warm_engines
 from .http import Limits
@@ -43,7 +44,8 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
                auto_storage: str = "full", warm: bool = True, allow_unverified: bool = False,
                chat_template: Optional[str] = None) -> BlockServer:
     """A `BlockServer` that also answers ``/v1/chat/completions``, ``/v1/completions``,
-    ``/v1/models``, ``/health`` and ``/metrics`` (`graftmem.server.metrics`) with ``engines`` (one request per engine at a time, ``max_queue`` waiting), grafting
+    ``/v1/models``, Anthropic's ``/v1/messages`` (`graftmem.server.anthropic`), ``/health`` and
+    ``/metrics`` (`graftmem.server.metrics`) with ``engines`` (one request per engine at a time, ``max_queue`` waiting), grafting
     stored prompt prefixes and learning those seen ``sightings`` times with at least
     ``min_prefix_tokens`` tokens (automatic blocks kept under ``max_auto_bytes``, least recently used
     evicted first; blocks a user learned are never evicted). ``router`` (called on the first routed
@@ -85,7 +87,7 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
     oa.on_result.append(metrics.served)
     srv = BlockServer(store, host=host, port=port, push_token=push_token, fingerprint=engines[0].fingerprint,
                       sign_key=sign_key, check=check, api_key=keys, limits=limits,
-                      extra=oa.routes() + rest.routes(), metrics=metrics)
+                      extra=oa.routes() + AnthropicRoutes(oa).routes() + rest.routes(), metrics=metrics)
     srv.pool, srv.cache, srv.openai, srv.warm = pool, cache, oa, warmed  # type: ignore[attr-defined]
     srv.metrics = metrics  # type: ignore[attr-defined]
 
