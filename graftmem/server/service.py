@@ -11,6 +11,7 @@ from ..share.admission import BlockCheck
 from ..share.trust import SigningKey
 from .anthropic import AnthropicRoutes
 from .blocks import BlockServer
+from .embeddings import EmbeddingRoutes
 from .generate import warm_engines
 from .http import Limits
 from .metrics import Metrics
@@ -49,7 +50,8 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
     stored prompt prefixes and learning those seen ``sightings`` times with at least
     ``min_prefix_tokens`` tokens (automatic blocks kept under ``max_auto_bytes``, least recently used
     evicted first; blocks a user learned are never evicted). ``router`` (called on the first routed
-    request) enables ``"graftmem": {"recall": true}`` and ``/v1/memory/search|recall``.
+    request) enables ``"graftmem": {"recall": true}``, ``/v1/memory/search|recall`` and
+    ``/v1/embeddings`` (its embedder, `graftmem.server.embeddings`).
     ``auto_storage``: ``"full"`` (fast grafts, the default) or ``"delta"`` (less disk) for chained
     automatic blocks (`PrefixCache`). ``warm``: before serving, graft the most recently learned
     automatic prefixes into the engines and keep them in RAM (`warm_engines`: what a restarted agent
@@ -87,7 +89,8 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
     oa.on_result.append(metrics.served)
     srv = BlockServer(store, host=host, port=port, push_token=push_token, fingerprint=engines[0].fingerprint,
                       sign_key=sign_key, check=check, api_key=keys, limits=limits,
-                      extra=oa.routes() + AnthropicRoutes(oa).routes() + rest.routes(), metrics=metrics)
+                      extra=oa.routes() + AnthropicRoutes(oa).routes() + EmbeddingRoutes(oa).routes() + rest.routes(),
+                      metrics=metrics)
     srv.pool, srv.cache, srv.openai, srv.warm = pool, cache, oa, warmed  # type: ignore[attr-defined]
     srv.metrics = metrics  # type: ignore[attr-defined]
 
