@@ -138,6 +138,9 @@ def test_errors_are_in_anthropics_shape(srv, client):
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model="smollm2", max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
+    with pytest.raises(anthropic.BadRequestError):  # structured outputs: refused, never ignored
+        client.messages.create(model="smollm2", max_tokens=4, messages=ASK, output_config={
+            "format": {"type": "json_schema", "schema": {"type": "object", "properties": {}}}})
     bad = anthropic.Anthropic(base_url=srv.url, api_key="sk-wrong-key-000", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as auth:
         bad.messages.create(model="smollm2", max_tokens=4, messages=ASK)

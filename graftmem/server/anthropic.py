@@ -13,7 +13,8 @@ blocks become ``tool`` messages (before the user's own text, as the calls they a
 ``tools`` (``input_schema``) become function tools (``parameters``); ``tool_choice`` auto / any / tool
 / none become auto / required / the named function / none. ``thinking`` and ``redacted_thinking``
 blocks of earlier turns are dropped (templates drop earlier reasoning too). Images and documents are
-refused (400), as are ``top_k`` and enabled ``thinking``, which this server cannot honour.
+refused (400), as are ``top_k``, enabled ``thinking`` and ``output_config.format`` (structured
+outputs), which this server cannot honour yet.
 ``cache_control`` is accepted and, for now, ignored: the prefix cache decides what to persist.
 
 Usage: ``cache_read_input_tokens`` is the prompt tokens not prefilled (grafted from a stored block, or
@@ -137,6 +138,9 @@ def to_chat(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]
     thinking = body.get("thinking")
     if isinstance(thinking, dict) and thinking.get("type") == "enabled":
         raise HTTPError(400, "thinking is not supported on this server: a model that reasons does so in its text")
+    output = body.get("output_config")
+    if isinstance(output, dict) and output.get("format") is not None:
+        raise HTTPError(400, "output_config.format (structured outputs) is not supported on this server yet")
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise HTTPError(400, "messages: a non-empty list of messages is required")
