@@ -361,11 +361,7 @@ class OpenAIRoutes:
                                           reasoning=body.get("reasoning_format", "auto") != "none")
             finally:
                 gone.cancel()
-        events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        job.emit = lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
-        engine = await self.pool.acquire(job.prefer)  # 429 here, before the stream starts
-        done = loop.create_future()
-        self._start(engine, job, loop, done)
+        events, done = await self.stream(job)  # 429 here, before the stream starts
         think = None
         if chat and self.template is not None and "</think>" in self.template.source and \
                 body.get("reasoning_format", "auto") != "none":
