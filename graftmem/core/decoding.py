@@ -175,6 +175,8 @@ class AnswerText:
         self._raw = bytearray()
         self._emitted = 0
         self.stop_at: Optional[int] = None  #: index in the decoded text where a stop string begins
+        #: the stop string that ended the answer (Anthropic's ``stop_sequence`` names it)
+        self.stopped_by: Optional[str] = None
         self._hold = max((len(s) for s in self.stops), default=1) - 1
 
     def add(self, token: int) -> bool:
@@ -182,9 +184,9 @@ class AnswerText:
         self._raw.extend(self._piece(token))
         if self.stops:
             text = self._raw.decode("utf-8", "replace")
-            hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+            hits = [(i, s) for s in self.stops if (i := text.find(s)) >= 0]
             if hits:
-                self.stop_at = min(hits)
+                self.stop_at, self.stopped_by = min(hits)
                 return True
         return False
 

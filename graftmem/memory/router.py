@@ -207,6 +207,15 @@ class SentenceTransformerEmbedder:
         return np.asarray(out, dtype=np.float32).reshape(len(texts), -1)
 
 
+    def count_tokens(self, texts: Sequence[str]) -> int:
+        """Word pieces the model reads for ``texts`` (each cut at its ``max_seq_length``, as `embed_batch`
+        cuts it): what an embeddings API reports as usage."""
+        model = self._model or self._load()
+        limit = int(getattr(model, "max_seq_length", 0) or 0) or None
+        ids = model.tokenizer(list(texts), truncation=limit is not None, max_length=limit)["input_ids"]
+        return sum(len(x) for x in ids)
+
+
 def _quietly(load: Any) -> Any:
     """Run ``load`` with transformers' progress bars off (no output from a library), then restore them."""
     try:

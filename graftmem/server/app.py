@@ -19,6 +19,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute
 
 from .http import ApiKeyMiddleware, HTTPError, error_response
+from .metrics import Metrics, MetricsMiddleware
 from .tenants import ApiKeys
 
 __all__ = ["build_app"]
@@ -40,12 +41,17 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
 
 
 def build_app(routes: list[BaseRoute], *, api_key: "str | ApiKeys | None" = None,
-              push_token: Optional[str] = None) -> Starlette:
+              push_token: Optional[str] = None, metrics: Optional[Metrics] = None) -> Starlette:
     """One app over ``routes``; every request needs ``api_key`` (one key, or the tenants' keys) when one
-    is given."""
+    is given (``/health`` excepted). With ``metrics``, its ``/health`` and ``/metrics`` are served and
+    every request is counted, refused ones too (its middleware runs outside the key's)."""
     for name in _FIRST_REQUEST_IMPORTS:  # private names of anyio: a version without them changes nothing
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
     middleware = [Middleware(ApiKeyMiddleware, api_key=api_key, push_token=push_token)] if api_key else []
+    if metrics is not None:
+        routes = routes + metrics.endpoints()
+        metrics.routes = routes
+        middleware.insert(0, Middleware(MetricsMiddleware, metrics=metrics))
     return Starlette(routes=routes, middleware=middleware,
                      exception_handlers={HTTPException: _http_exception})

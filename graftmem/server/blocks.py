@@ -53,6 +53,7 @@ from ..share.manifest import BundleManifest, entry_for
 from ..share.trust import SigningKey, TrustPolicy
 from ..store.local import Store
 from .http import HTTPError, Limits, body_length, guarded, public_message
+from .metrics import Metrics
 from .tenants import ApiKeys, tenant_of, visible
 
 __all__ = ["BlockRoutes", "BlockServer"]
@@ -294,7 +295,8 @@ class BlockServer:
     ``check(block, staged_path)`` runs on every new pushed block before it is moved in
     (``Memory.serve(rederive=True)`` re-derives each one). ``api_key`` guards every route.
     Use as a context manager, or `start()` (background thread) / `serve_forever()`.
-    ``openai`` adds the OpenAI-compatible routes of a `OpenAIRoutes`.
+    ``extra`` adds routes (the OpenAI-compatible ones of `OpenAIRoutes`, ...); ``metrics`` adds
+    ``/health`` and ``/metrics`` (`graftmem.server.metrics`).
     """
 
     def __init__(self, store: Store | str | os.PathLike[str], *, host: str = "127.0.0.1",
@@ -303,7 +305,7 @@ class BlockServer:
                  sign_key: Optional[SigningKey] = None, max_push_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
                  check: Optional[BlockCheck] = None, api_key: "str | ApiKeys | None" = None,
                  limits: Optional[Limits] = None, routes: type[BlockRoutes] = BlockRoutes,
-                 extra: Optional[list[BaseRoute]] = None) -> None:
+                 extra: Optional[list[BaseRoute]] = None, metrics: Optional[Metrics] = None) -> None:
         from .app import build_app
         from .runner import ServerThread
 
@@ -317,7 +319,7 @@ class BlockServer:
             self.routes = routes(self.store, push_token=push_token, fingerprint=fingerprint, policy=policy,
                                  sign_key=sign_key, max_push_bytes=max_push_bytes, check=check, limits=limits)
             self.app = build_app(self.routes.routes() + list(extra or []), api_key=api_key,
-                                 push_token=push_token)
+                                 push_token=push_token, metrics=metrics)
             self._server = ServerThread(self.app, host=host, port=port, limits=limits)
         except BaseException:
             if self._owns_store:

@@ -94,6 +94,8 @@ class Result:
     prompt_tokens: int
     cached_tokens: int
     receipt: Receipt
+    #: the stop string that ended the answer, if one did (``finish_reason`` is then ``"stop"``)
+    stop_sequence: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -333,7 +335,7 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
                       exact=bool(engine.exactness.exact), cache=job.use_cache,
                       provenance=provenance if source else None, recall=(job.extra or {}).get("recall"))
     result = Result(text=text, tokens=list(out.tokens), logprobs=entries, finish_reason=out.finish_reason,
-                    prompt_tokens=n_prompt, cached_tokens=restored, receipt=receipt)
+                    prompt_tokens=n_prompt, cached_tokens=restored, receipt=receipt, stop_sequence=answer.stopped_by)
     if job.emit is not None:
         job.emit("done", result)
     if captured and out.finish_reason != "cancelled":

@@ -1,9 +1,10 @@
 """What every route of the server shares: error bodies, the API key, strict request bodies.
 
-Two error shapes live on one server. The block-sharing routes answer ``{"error": "<GraftmemError class>",
+Three error shapes live on one server. The block-sharing routes answer ``{"error": "<GraftmemError class>",
 "message": ...}``, which `graftmem.share.client` turns back into the same exception; the
 OpenAI-compatible routes answer OpenAI's ``{"error": {"message", "type", "param", "code"}}``, which the
-``openai`` package turns into its own exceptions. `error_response()` picks the shape by path, so a
+``openai`` package turns into its own exceptions; the Anthropic Messages routes answer Anthropic's
+``{"type": "error", "error": {"type", "message"}}``. `error_response()` picks the shape by path, so a
 refusal made before any route runs (API key, body size) still reads right to the client that asked.
 
 Bodies are read strictly: a POST must say its ``Content-Length`` (missing, negative or not a number is
@@ -34,14 +35,24 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..core.errors import ConfigError, UnverifiedBlock
 from .tenants import TENANT_STATE, ApiKeys
 
+#: paths the API key does not guard: the health probe (`graftmem.server.metrics`)
+PUBLIC_PATHS = frozenset({"/health"})
+
 __all__ = ["HTTPError", "Limits", "error_response", "public_message", "read_body", "body_length",
-           "ApiKeyMiddleware", "is_block_path", "bearer", "guarded", "json_object", "json_depth", "client_gone",
+           "ApiKeyMiddleware", "is_block_path", "is_anthropic_path", "anthropic_error", "PUBLIC_PATHS", "bearer", "guarded", "json_object", "json_depth", "client_gone",
            "off_loop", "OFF_LOOP_BYTES"]
 
 log = logging.getLogger("graftmem")
 
 #: Paths of the block-sharing API (graftmem's own error shape); everything else is OpenAI's.
 _BLOCK_PREFIXES = ("/v1/info", "/v1/blocks", "/v1/push", "/v1/bundles")
+
+#: Paths of the Anthropic Messages API (Anthropic's error shape, `graftmem.server.anthropic`).
+_ANTHROPIC_PREFIXES = ("/v1/messages",)
+
+_ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+                    529: "overloaded_error"}
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                  404: "not_found_error", 408: "timeout_error", 411: "invalid_request_error",
@@ -83,6 +94,16 @@ def is_block_path(path: str) -> bool:
     return path.startswith(_BLOCK_PREFIXES)
 
 
+def is_anthropic_path(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def anthropic_error(err: HTTPError) -> dict[str, Any]:
+    """``err`` as Anthropic's error body (what the ``anthropic`` package turns into its exceptions)."""
+    kind = _ANTHROPIC_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
 def public_message(message: str, home: Optional[str] = None) -> str:
     """``message`` without the server's local paths (the store's home becomes ``<home>``)."""
     if home:
@@ -91,12 +112,15 @@ def public_message(message: str, home: Optional[str] = None) -> str:
 
 
 def error_response(path: str, err: HTTPError, *, close: bool = False) -> Response:
-    """``err`` in the shape the client of ``path`` expects (graftmem's for blocks, OpenAI's otherwise)."""
+    """``err`` in the shape the client of ``path`` expects (graftmem's for blocks, Anthropic's for
+    ``/v1/messages``, OpenAI's otherwise)."""
     headers = dict(err.headers)
     if close:
         headers["Connection"] = "close"
     if is_block_path(path):
         body: dict[str, Any] = {"error": err.name, "message": err.message}
+    elif is_anthropic_path(path):
+        body = anthropic_error(err)
     else:
         body = {"error": {"message": err.message, "type": _OPENAI_TYPES.get(err.status, "server_error"),
                           "param": err.param, "code": err.code}}
@@ -144,7 +168,7 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
 
 
 class ApiKeyMiddleware:
-    """Every request needs ``Authorization: Bearer <key>`` (or ``X-Api-Key``), compared in constant time
+    """Every request (but ``/health``) needs ``Authorization: Bearer <key>`` (or ``X-Api-Key``), compared in constant time
     (`graftmem.server.tenants.ApiKeys`); the key's tenant goes into the request's scope state, where the
     routes read it (`tenant_of`): the server derives who is asking, the request never says. The block
     push routes also accept their push token there, since a push sends that instead."""
@@ -154,6 +178,8 @@ class ApiKeyMiddleware:
         self.keys = api_key if isinstance(api_key, ApiKeys) else ApiKeys.single(api_key)
 
     def _ok(self, scope: Scope) -> bool:
+        if scope["path"] in PUBLIC_PATHS:  # a load balancer's probe carries no key
+            return True
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         for given in (bearer(headers), headers.get("x-api-key", "")):
             ok, tenant = self.keys.tenant(given)
@@ -170,7 +196,7 @@ class ApiKeyMiddleware:
         if scope["type"] != "http" or self._ok(scope):
             await self.app(scope, receive, send)
             return
-        err = HTTPError(401, "this server needs an API key: send Authorization: Bearer <key>",
+        err = HTTPError(401, "this server needs an API key: send Authorization: Bearer <key> (or X-Api-Key: <key>)",
                         name="AccessDenied", code="invalid_api_key",
                         headers={"WWW-Authenticate": "Bearer"})
         await error_response(scope["path"], err, close=True)(scope, receive, send)

@@ -32,7 +32,7 @@ import json
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -110,6 +110,8 @@ class OpenAIRoutes:
         #: the model's own template renders every chat request (None: the hand-written ``fmt``)
         self.template = request_template(engine, chat_template)
         self.created = int(time.time())
+        #: called on the event loop with each request's result (the server's metrics count its tokens)
+        self.on_result: list[Callable[[Result], None]] = []
 
     def routes(self) -> list[BaseRoute]:
         home = str(self.store.home)
@@ -179,6 +181,12 @@ class OpenAIRoutes:
     # ------------------------------------------------------------------ endpoints
     async def chat(self, request: Request) -> Response:
         body = await self._parse(request)
+        job, tools = await self.chat_job(request, body)
+        return await self._serve(request, body, job, chat=True, tools=tools)
+
+    async def chat_job(self, request: Request, body: dict[str, Any]) -> tuple[Job, Optional[ToolSpec]]:
+        """The `Job` of a chat request (``body`` in OpenAI's chat shape: other protocols' doors translate
+        into it, so every door renders, caches, consents and bounds the same way) and its tools."""
         if self.fmt is None and self.template is None:
             raise HTTPError(400, f"model {self.model_id!r} has no chat template graftmem knows; use "
                             "/v1/completions", code="unsupported_model")
@@ -228,7 +236,7 @@ class OpenAIRoutes:
             job.learn_tail = max(job.learn_tail, len(segments) - first)
         if notes:
             job.extra = {**(routed or {}), "template": {"notes": notes}}
-        return await self._serve(request, body, job, chat=True, tools=tools)
+        return job, tools
 
     async def _recall(self, body: dict[str, Any], segments: list[list[int]], texts: list[str]) -> Optional[dict]:
         """Opt-in routing (``"graftmem": {"recall": true, "min_score": 0.4}``): the router picks ONE block
@@ -312,6 +320,9 @@ class OpenAIRoutes:
 
         def finish(result: Optional[Result], exc: Optional[BaseException]) -> None:
             self.pool.release(engine)  # first: a client that has its answer finds the engine free
+            if result is not None:
+                for hook in self.on_result:
+                    hook(result)
             if not done.done():
                 if exc is not None:
                     done.set_exception(exc)
@@ -358,11 +369,7 @@ class OpenAIRoutes:
                                           reasoning=body.get("reasoning_format", "auto") != "none")
             finally:
                 gone.cancel()
-        events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        job.emit = lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
-        engine = await self.pool.acquire(job.prefer)  # 429 here, before the stream starts
-        done = loop.create_future()
-        self._start(engine, job, loop, done)
+        events, done = await self.stream(job)  # 429 here, before the stream starts
         think = None
         if chat and self.template is not None and "</think>" in self.template.source and \
                 body.get("reasoning_format", "auto") != "none":
@@ -372,14 +379,45 @@ class OpenAIRoutes:
                                            tools=tools, think=think),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
+    async def answer(self, request: Request, job: Job) -> Optional[Result]:
+        """Run ``job`` to its result for a non-streamed answer (None: the client went away, its decode
+        was cancelled; answer 499). Other protocols' doors format the result their way."""
+        loop = asyncio.get_running_loop()
+        gone = asyncio.ensure_future(client_gone(request))
+        try:
+            return await self._result(gone, job, loop)
+        finally:
+            gone.cancel()
+
+    async def stream(self, job: Job) -> tuple["asyncio.Queue[tuple[str, Any]]", "asyncio.Future[Result]"]:
+        """Start ``job`` for a streamed answer: its ``("delta", (text, logprobs))`` / ``("done", Result)``
+        events and the future of its result (which holds its exception if it failed). A full queue is a
+        429 raised here, before any byte of the stream is sent."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        job.emit = lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+        engine = await self.pool.acquire(job.prefer)
+        done: asyncio.Future[Result] = loop.create_future()
+        self._start(engine, job, loop, done)
+        return events, done
+
     async def _answer(self, gone: "asyncio.Future[None]", job: Job, loop: asyncio.AbstractEventLoop, rid: str,
                       created: int, *, chat: bool, tools: Optional[ToolSpec], reasoning: bool = True) -> Response:
         """A non-streamed answer, given up (and its decode cancelled) as soon as ``gone`` completes."""
+        result = await self._result(gone, job, loop)
+        if result is None:
+            return Response(status_code=499)
+        receipt = self._receipt(job, result)
+        payload = self._final(rid, created, result, receipt, chat=chat, tools=tools, reasoning=reasoning)
+        return JSONResponse(payload, headers={RECEIPT_HEADER: json.dumps(receipt)})
+
+    async def _result(self, gone: "asyncio.Future[None]", job: Job,
+                      loop: asyncio.AbstractEventLoop) -> Optional[Result]:
         acquire = asyncio.ensure_future(self.pool.acquire(job.prefer))
         await asyncio.wait({acquire, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not acquire.done():
             acquire.cancel()  # the pool hands back an engine given to a waiter that left
-            return Response(status_code=499)
+            return None
         engine = acquire.result()  # 429 raised here
         done: asyncio.Future[Result] = loop.create_future()
         answered: asyncio.Future[Result] = loop.create_future()
@@ -396,13 +434,10 @@ class OpenAIRoutes:
             await asyncio.wait({answered, done, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not (answered.done() or done.done()):
                 job.cancel.set()  # the decode loop sees it at its next token and frees the engine
-                return Response(status_code=499)
-            result = answered.result() if answered.done() else done.result()
+                return None
+            return answered.result() if answered.done() else done.result()
         except GraftmemError as exc:  # the engine refused (context full, ...): say so, no local paths
             raise HTTPError(500, public_message(str(exc), str(self.store.home)), code=type(exc).__name__) from exc
-        receipt = self._receipt(job, result)
-        payload = self._final(rid, created, result, receipt, chat=chat, tools=tools, reasoning=reasoning)
-        return JSONResponse(payload, headers={RECEIPT_HEADER: json.dumps(receipt)})
 
     async def _sse(self, rid: str, created: int, job: Job, events: "asyncio.Queue[tuple[str, Any]]",
                    done: "asyncio.Future[Result]", *, chat: bool, usage: bool,
@@ -502,6 +537,16 @@ class OpenAIRoutes:
         if tools is None or tools.fmt.name in ("hermes", "qwen-xml") or not r.tokens:
             return r.text
         return answer_text(self.engine0, r.tokens)
+
+    def split_answer(self, r: Result, tools: Optional[ToolSpec]) -> tuple[Optional[str], list[dict[str, Any]]]:
+        """The answer's text and its tool calls (OpenAI's ``tool_calls`` entries), parsed in the tools'
+        family format; what other protocols' doors turn into their own blocks."""
+        return parse_calls(self._call_text(r, tools), tools)
+
+    @staticmethod
+    def receipt(job: Job, r: Result) -> dict[str, Any]:
+        """The receipt of a request: the engine's (what was grafted, from where) and what routing added."""
+        return {**r.receipt.model_dump(mode="json"), **(job.extra or {})}
 
     @staticmethod
     def _receipt(job: Job, r: Result) -> dict[str, Any]:

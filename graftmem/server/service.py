@@ -9,9 +9,12 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 from ..core.errors import GraftmemError
 from ..share.admission import BlockCheck
 from ..share.trust import SigningKey
+from .anthropic import AnthropicRoutes
 from .blocks import BlockServer
+from .embeddings import EmbeddingRoutes
 from .generate import warm_engines
 from .http import Limits
+from .metrics import Metrics
 from .openai import OpenAIRoutes
 from .pool import EnginePool
 from .prefix import PrefixCache
@@ -41,12 +44,14 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
                limits: Optional[Limits] = None, router: Optional[Callable[[], "Router"]] = None,
                auto_storage: str = "full", warm: bool = True, allow_unverified: bool = False,
                chat_template: Optional[str] = None) -> BlockServer:
-    """A `BlockServer` that also answers ``/v1/chat/completions``, ``/v1/completions`` and
-    ``/v1/models`` with ``engines`` (one request per engine at a time, ``max_queue`` waiting), grafting
+    """A `BlockServer` that also answers ``/v1/chat/completions``, ``/v1/completions``,
+    ``/v1/models``, Anthropic's ``/v1/messages`` (`graftmem.server.anthropic`), ``/health`` and
+    ``/metrics`` (`graftmem.server.metrics`) with ``engines`` (one request per engine at a time, ``max_queue`` waiting), grafting
     stored prompt prefixes and learning those seen ``sightings`` times with at least
     ``min_prefix_tokens`` tokens (automatic blocks kept under ``max_auto_bytes``, least recently used
     evicted first; blocks a user learned are never evicted). ``router`` (called on the first routed
-    request) enables ``"graftmem": {"recall": true}`` and ``/v1/memory/search|recall``.
+    request) enables ``"graftmem": {"recall": true}``, ``/v1/memory/search|recall`` and
+    ``/v1/embeddings`` (its embedder, `graftmem.server.embeddings`).
     ``auto_storage``: ``"full"`` (fast grafts, the default) or ``"delta"`` (less disk) for chained
     automatic blocks (`PrefixCache`). ``warm``: before serving, graft the most recently learned
     automatic prefixes into the engines and keep them in RAM (`warm_engines`: what a restarted agent
@@ -80,10 +85,14 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
     desks = [oa.desks[id(e)] for e in engines]
     warmed = warm_engines(desks, cache, allow_unverified=allow_unverified, tokens=oa.tokens) if warm else []
     rest = MemoryRoutes(pool, store, ref, limits=limits)
+    metrics = Metrics(pool, store)
+    oa.on_result.append(metrics.served)
     srv = BlockServer(store, host=host, port=port, push_token=push_token, fingerprint=engines[0].fingerprint,
                       sign_key=sign_key, check=check, api_key=keys, limits=limits,
-                      extra=oa.routes() + rest.routes())
+                      extra=oa.routes() + AnthropicRoutes(oa).routes() + EmbeddingRoutes(oa).routes() + rest.routes(),
+                      metrics=metrics)
     srv.pool, srv.cache, srv.openai, srv.warm = pool, cache, oa, warmed  # type: ignore[attr-defined]
+    srv.metrics = metrics  # type: ignore[attr-defined]
 
     def forget() -> None:
         # running requests finish (what they learn is stored), bounded like uvicorn's graceful shutdown

@@ -1,0 +1,337 @@
+"""The Anthropic Messages API: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
+
+What the ``anthropic`` package (and Claude Code, and any tool built on it) sends, with no change but
+``base_url``. A thin adapter: a request is translated into the OpenAI chat form that
+`graftmem.server.openai.OpenAIRoutes` already serves (`to_chat`), so it is rendered by the model's own
+template, grafted from the prefix cache through the same verbs (consent first, provenance stamped),
+bounded, queued and tenant-salted exactly like a chat completion; only the answer is formatted in
+Anthropic's shape (content blocks, ``stop_reason``, the ``message_start`` ... ``message_stop`` events).
+
+Translation: ``system`` (a string or text blocks) becomes the system message; text blocks are joined
+with newlines; an assistant's ``tool_use`` blocks become its ``tool_calls``; a user's ``tool_result``
+blocks become ``tool`` messages (before the user's own text, as the calls they answer came first);
+``tools`` (``input_schema``) become function tools (``parameters``); ``tool_choice`` auto / any / tool
+/ none become auto / required / the named function / none. ``thinking`` and ``redacted_thinking``
+blocks of earlier turns are dropped (templates drop earlier reasoning too). Images and documents are
+refused (400), as are ``top_k``, enabled ``thinking`` and ``output_config.format`` (structured
+outputs), which this server cannot honour yet.
+``cache_control`` is accepted and, for now, ignored: the prefix cache decides what to persist.
+
+Usage: ``cache_read_input_tokens`` is the prompt tokens not prefilled (grafted from a stored block, or
+kept in RAM from the previous request: the receipt's ``source`` says which); ``input_tokens`` is the
+rest (Anthropic counts the three apart: total = input + cache read + cache creation).
+``cache_creation_input_tokens`` is 0: a request stores its prefix after its answer is sent, so the
+answer cannot count it yet (the receipt and ``/metrics`` show what was learned).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import BaseRoute, Route
+
+from .http import HTTPError, anthropic_error, guarded
+from .openai import RECEIPT_HEADER, OpenAIRoutes
+from .tools import ToolSpec, ToolStream
+
+if TYPE_CHECKING:
+    from .generate import Job, Result
+
+__all__ = ["AnthropicRoutes", "to_chat"]
+
+log = logging.getLogger("graftmem")
+
+
+def _text_of(blocks: Any, where: str) -> str:
+    """The text of a string or a list of text blocks (other block types are refused)."""
+    if isinstance(blocks, str):
+        return blocks
+    if not isinstance(blocks, list):
+        raise HTTPError(400, f"{where} must be a string or a list of content blocks")
+    parts = []
+    for i, b in enumerate(blocks):
+        if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
+            kind = b.get("type") if isinstance(b, dict) else type(b).__name__
+            raise HTTPError(400, f"{where}.{i}: only text blocks are supported here, got {kind!r}")
+        parts.append(b["text"])
+    return "\n".join(parts)
+
+
+def _message(i: int, m: Any) -> list[dict[str, Any]]:
+    """One Anthropic message as the OpenAI chat messages it stands for."""
+    where = f"messages.{i}"
+    if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+        raise HTTPError(400, f"{where}: a message needs role 'user' or 'assistant'")
+    role, content = m["role"], m.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise HTTPError(400, f"{where}.content must be a string or a list of content blocks")
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for j, b in enumerate(content):
+        kind = b.get("type") if isinstance(b, dict) else None
+        at = f"{where}.content.{j}"
+        if kind == "text" and isinstance(b.get("text"), str):
+            texts.append(b["text"])
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            continue  # earlier reasoning: the model's template drops it as well
+        elif kind == "tool_use" and role == "assistant":
+            if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str) or \
+                    not isinstance(b.get("input", {}), dict):
+                raise HTTPError(400, f"{at}: tool_use needs a string id, a string name and an object input")
+            calls.append({"id": b["id"], "type": "function",
+                          "function": {"name": b["name"], "arguments": json.dumps(b.get("input", {}))}})
+        elif kind == "tool_result" and role == "user":
+            if not isinstance(b.get("tool_use_id"), str):
+                raise HTTPError(400, f"{at}: tool_result needs a string tool_use_id")
+            text = _text_of(b.get("content", ""), f"{at}.content")
+            if b.get("is_error"):
+                text = f"Error: {text}"
+            results.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": text})
+        else:
+            raise HTTPError(400, f"{at}: content blocks of type {kind!r} are not supported on this server "
+                            f"({role} messages take text{', tool_use' if role == 'assistant' else ', tool_result'})")
+    out: list[dict[str, Any]] = list(results)
+    if role == "assistant":
+        msg: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts) if texts else None}
+        if calls:
+            msg["tool_calls"] = calls
+        out.append(msg)
+    elif texts or not results:
+        out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+def _tool_choice(choice: Any) -> Any:
+    if choice is None:
+        return None
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind in ("auto", "none"):
+        return kind
+    if kind == "any":
+        return "required"
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise HTTPError(400, "tool_choice must be {\"type\": \"auto\" | \"any\" | \"none\"} or "
+                    "{\"type\": \"tool\", \"name\": ...}")
+
+
+def to_chat(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]:
+    """An Anthropic Messages request as the OpenAI chat request it means (400 on what it cannot mean).
+    ``count_only``: for ``count_tokens``, which sends no ``max_tokens``."""
+    if not count_only:
+        mt = body.get("max_tokens")
+        if mt is None:
+            raise HTTPError(400, "max_tokens: Field required")
+        if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
+            raise HTTPError(400, f"max_tokens must be a positive integer, got {mt!r}")
+    if body.get("top_k") is not None:
+        raise HTTPError(400, "top_k is not supported on this server (use temperature and top_p)")
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") == "enabled":
+        raise HTTPError(400, "thinking is not supported on this server: a model that reasons does so in its text")
+    output = body.get("output_config")
+    if isinstance(output, dict) and output.get("format") is not None:
+        raise HTTPError(400, "output_config.format (structured outputs) is not supported on this server yet")
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise HTTPError(400, "messages: a non-empty list of messages is required")
+    chat: list[dict[str, Any]] = []
+    system = body.get("system")
+    if system is not None:
+        text = _text_of(system, "system")
+        if text:
+            chat.append({"role": "system", "content": text})
+    for i, m in enumerate(msgs):
+        chat.extend(_message(i, m))
+    out: dict[str, Any] = {"messages": chat, "max_tokens": 1 if count_only else body["max_tokens"]}
+    temperature = body.get("temperature")
+    if temperature is not None:
+        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not 0 <= temperature <= 1:
+            raise HTTPError(400, f"temperature must be a number in [0, 1], got {temperature!r}")
+        out["temperature"] = temperature
+    for name in ("top_p", "graftmem"):
+        if body.get(name) is not None:
+            out[name] = body[name]
+    stops = body.get("stop_sequences")
+    if stops is not None:
+        if not isinstance(stops, list):
+            raise HTTPError(400, "stop_sequences must be a list of strings")
+        if stops:
+            out["stop"] = stops
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise HTTPError(400, "tools must be a list of tools")
+        fns = []
+        for i, t in enumerate(tools):
+            if not isinstance(t, dict) or t.get("type") not in (None, "custom") or not isinstance(t.get("name"), str):
+                raise HTTPError(400, f"tools.{i}: only custom tools with a name and an input_schema are supported")
+            fn: dict[str, Any] = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object"}}
+            if t.get("description") is not None:
+                fn["description"] = t["description"]
+            fns.append({"type": "function", "function": fn})
+        out["tools"] = fns
+    choice = _tool_choice(body.get("tool_choice"))
+    if choice is not None and tools:
+        out["tool_choice"] = choice
+    return out
+
+
+def _sse(event: str, data: dict[str, Any]) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+class AnthropicRoutes:
+    """The Anthropic Messages door onto an `OpenAIRoutes`' job pipeline."""
+
+    def __init__(self, oa: OpenAIRoutes) -> None:
+        self.oa = oa
+
+    def routes(self) -> list[BaseRoute]:
+        home = str(self.oa.store.home)
+        return [Route("/v1/messages", guarded(self.messages, home), methods=["POST"]),
+                Route("/v1/messages/count_tokens", guarded(self.count_tokens, home), methods=["POST"])]
+
+    async def count_tokens(self, request: Request) -> Response:
+        body = await self.oa._parse(request)
+        job, _ = await self.oa.chat_job(request, to_chat(body, count_only=True))
+        return JSONResponse({"input_tokens": sum(len(s) for s in job.segments)})
+
+    async def messages(self, request: Request) -> Response:
+        body = await self.oa._parse(request)
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise HTTPError(400, "stream must be a boolean")
+        job, tools = await self.oa.chat_job(request, to_chat(body))
+        mid = "msg_" + uuid.uuid4().hex[:24]
+        if not stream:
+            result = await self.oa.answer(request, job)
+            if result is None:
+                return Response(status_code=499)
+            receipt = self.oa.receipt(job, result)
+            content, calls = self.oa.split_answer(result, tools)
+            blocks: list[dict[str, Any]] = [{"type": "text", "text": content}] if content else []
+            blocks += [self._tool_use(c) for c in calls]
+            return JSONResponse({
+                "id": mid, "type": "message", "role": "assistant", "model": self.oa.model_id, "content": blocks,
+                "stop_reason": self._stop_reason(result, calls), "stop_sequence": result.stop_sequence,
+                "usage": self._usage(result), "graftmem": receipt}, headers={RECEIPT_HEADER: json.dumps(receipt)})
+        events, done = await self.oa.stream(job)  # a 429 is raised here, before the stream starts
+        prompt = sum(len(s) for s in job.segments)
+        return StreamingResponse(self._events(mid, prompt, job, tools, events, done),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    # ------------------------------------------------------------------ formatting
+    @staticmethod
+    def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
+        try:
+            args = json.loads(call["function"]["arguments"] or "{}")
+        except ValueError:
+            args = {}
+        return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+                "input": args if isinstance(args, dict) else {"value": args}}
+
+    @staticmethod
+    def _stop_reason(r: "Result", calls: list[dict[str, Any]]) -> str:
+        if calls:
+            return "tool_use"
+        if r.finish_reason == "length":
+            return "max_tokens"
+        return "stop_sequence" if r.stop_sequence is not None else "end_turn"
+
+    @staticmethod
+    def _usage(r: "Result") -> dict[str, Any]:
+        return {"input_tokens": r.prompt_tokens - r.cached_tokens, "output_tokens": len(r.tokens),
+                "cache_read_input_tokens": r.cached_tokens, "cache_creation_input_tokens": 0}
+
+    async def _events(self, mid: str, prompt: int, job: "Job", tools: Optional[ToolSpec],
+                      events: "asyncio.Queue[tuple[str, Any]]", done: "asyncio.Future[Result]") -> AsyncIterator[bytes]:
+        """The stream: ``message_start``, one text block (opened at the first text), then the tool_use
+        blocks once the answer is complete (a call is only known whole), ``message_delta`` with the
+        stop reason and the final usage, ``message_stop``."""
+        held = ToolStream(tools.fmt) if tools is not None and tools.parse else None
+        index = 0
+        text_open = False
+
+        def text(piece: str) -> bytes:
+            nonlocal text_open
+            out = b""
+            if held is not None:
+                piece = held.feed(piece)
+            if not piece:
+                return out
+            if not text_open:
+                text_open = True
+                out += _sse("content_block_start", {"type": "content_block_start", "index": index,
+                                                    "content_block": {"type": "text", "text": ""}})
+            return out + _sse("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                      "delta": {"type": "text_delta", "text": piece}})
+
+        try:
+            yield _sse("message_start", {"type": "message_start", "message": {
+                "id": mid, "type": "message", "role": "assistant", "model": self.oa.model_id, "content": [],
+                "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": prompt, "output_tokens": 0, "cache_read_input_tokens": 0,
+                          "cache_creation_input_tokens": 0}}})
+            while True:
+                get = asyncio.ensure_future(events.get())
+                finished, _ = await asyncio.wait({get, done}, return_when=asyncio.FIRST_COMPLETED)
+                if get in finished:
+                    kind, payload = get.result()
+                    if kind == "delta":
+                        if piece := text(payload[0]):
+                            yield piece
+                        continue
+                    result: "Result" = payload
+                else:
+                    get.cancel()
+                    if done.exception() is not None:
+                        raise done.exception()  # type: ignore[misc]
+                    while not events.empty():  # deltas queued before the result
+                        kind, payload = events.get_nowait()
+                        if kind == "delta" and (piece := text(payload[0])):
+                            yield piece
+                    result = done.result()
+                calls: list[dict[str, Any]] = []
+                if held is not None:
+                    content, calls = self.oa.split_answer(result, tools)
+                    if rest := held.rest(result.text, calls):
+                        held = None  # what is left is plain text
+                        yield text(rest)
+                    elif calls and content and not text_open:  # the text before a call, held with it
+                        held = None
+                        yield text(content)
+                if text_open:
+                    yield _sse("content_block_stop", {"type": "content_block_stop", "index": index})
+                    index += 1
+                for call in calls:
+                    use = self._tool_use(call)
+                    yield _sse("content_block_start", {"type": "content_block_start", "index": index,
+                                                       "content_block": {**use, "input": {}}})
+                    yield _sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
+                        "type": "input_json_delta", "partial_json": json.dumps(use["input"])}})
+                    yield _sse("content_block_stop", {"type": "content_block_stop", "index": index})
+                    index += 1
+                yield _sse("message_delta", {"type": "message_delta",
+                                             "delta": {"stop_reason": self._stop_reason(result, calls),
+                                                       "stop_sequence": result.stop_sequence},
+                                             "usage": self._usage(result), "graftmem": self.oa.receipt(job, result)})
+                yield _sse("message_stop", {"type": "message_stop"})
+                return
+        except HTTPError as exc:
+            yield _sse("error", anthropic_error(exc))
+        except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
+            log.warning("serve: a streamed /v1/messages request failed: %r", exc)
+            yield _sse("error", {"type": "error", "error": {"type": "api_error",
+                                                            "message": f"internal error ({type(exc).__name__})"}})
+        finally:
+            job.cancel.set()  # a client that went away stops the decode at the next token

@@ -1,0 +1,162 @@
+"""``GET /health`` and ``GET /metrics``: what an orchestrator probes and what Prometheus scrapes.
+
+``/health`` is public even on a server with an API key (a load balancer's probe carries no key, and
+the answer says nothing but that the server serves): ``200 {"status": "ok"}``. The server binds its
+socket only after its engines are loaded and warmed, so a probe that connects at all finds it
+serving; there is no loading state to report.
+
+``/metrics`` is behind the key like every other route (token counts and queue depth tell a
+neighbour how busy the server is), in Prometheus' text exposition format 0.0.4. Names carry no
+colons (colons are reserved for recording rules). Counters live in this process only: a restart
+starts them at zero, which Prometheus' ``rate()`` handles.
+
+Requests are counted by an ASGI middleware outside the API key's, so refused requests (401) are
+counted too; the route label is the route's path template (``/v1/blocks/{block_id}``) or ``other``
+for a path no route serves, so a client cannot grow the label set by sending random paths.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import anyio.to_thread
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Match, Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .http import PUBLIC_PATHS
+from .prefix import AUTO_KIND
+
+if TYPE_CHECKING:
+    from ..store.local import Store
+    from .generate import Result
+    from .pool import EnginePool
+
+__all__ = ["Metrics", "MetricsMiddleware", "HEALTH_PATH", "METRICS_PATH", "PUBLIC_PATHS"]
+
+log = logging.getLogger("graftmem")
+
+HEALTH_PATH = "/health"  #: in `PUBLIC_PATHS`: the API key does not guard it
+METRICS_PATH = "/metrics"
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class Metrics:
+    """The server's counters and gauges. Counters are updated from the event loop and from request
+    workers, so one lock guards them; gauges are read when scraped (nothing to keep in step)."""
+
+    def __init__(self, pool: Optional["EnginePool"] = None, store: Optional["Store"] = None) -> None:
+        self.pool, self.store = pool, store
+        self._lock = threading.Lock()
+        self.requests: Counter[tuple[str, int]] = Counter()
+        self.prompt_tokens = 0
+        self.cached_tokens: Counter[str] = Counter()  #: by source: ram, store
+        self.generated_tokens = 0
+        self.routes: list[BaseRoute] = []  #: set by `build_app`: the templates requests are labelled by
+
+    # ------------------------------------------------------------------ recording
+    def route_of(self, scope: Scope) -> str:
+        """The path template of the route that serves ``scope`` (``other`` when none does)."""
+        for route in self.routes:
+            if isinstance(route, Route):
+                match, _ = route.matches(scope)
+                if match == Match.FULL:
+                    return route.path
+        return "other"
+
+    def request(self, route: str, status: int) -> None:
+        with self._lock:
+            self.requests[(route, status)] += 1
+
+    def served(self, result: "Result") -> None:
+        """One answered request's tokens (called once per request that decoded, streamed or not)."""
+        with self._lock:
+            self.prompt_tokens += result.prompt_tokens
+            self.generated_tokens += len(result.tokens)
+            if result.cached_tokens:
+                self.cached_tokens[result.receipt.source or "store"] += result.cached_tokens
+
+    # ------------------------------------------------------------------ exposition
+    def auto_block_bytes(self) -> Optional[int]:
+        """State bytes of the automatic prefix blocks in the store (what ``max_auto_bytes`` bounds)."""
+        if self.store is None:
+            return None
+        return sum(b.state_size for b in self.store.list(kind=AUTO_KIND))
+
+    def render(self, auto_bytes: Optional[int] = None) -> str:
+        """The Prometheus text format of every metric."""
+        with self._lock:
+            requests = sorted(self.requests.items())
+            prompt, generated = self.prompt_tokens, self.generated_tokens
+            cached = dict(self.cached_tokens)
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, doc: str, samples: Sequence[tuple[str, Any]]) -> None:
+            lines.append(f"# HELP {name} {doc}")
+            lines.append(f"# TYPE {name} {kind}")
+            for labels, value in samples:
+                lines.append(f"{name}{labels} {value}")
+
+        metric("graftmem_requests_total", "counter", "HTTP requests answered, by route template and status.",
+               [(f'{{route="{_label(r)}",status="{s}"}}', n) for (r, s), n in requests])
+        metric("graftmem_rate_limited_total", "counter", "Requests refused with 429 (engine queue full).",
+               [("", sum(n for (_, s), n in requests if s == 429))])
+        metric("graftmem_prompt_tokens_total", "counter", "Prompt tokens of answered requests.", [("", prompt)])
+        metric("graftmem_cached_tokens_total", "counter",
+               "Prompt tokens not prefilled: grafted from the store or kept in RAM, by source.",
+               [(f'{{source="{_label(s)}"}}', cached.get(s, 0)) for s in sorted({"ram", "store", *cached})])
+        metric("graftmem_generated_tokens_total", "counter", "Tokens generated.", [("", generated)])
+        if self.pool is not None:
+            metric("graftmem_queue_depth", "gauge", "Requests waiting for an engine.", [("", self.pool.waiting)])
+            metric("graftmem_engines_busy", "gauge", "Engines serving a request.", [("", self.pool.in_use)])
+            metric("graftmem_engines", "gauge", "Engines in the pool.", [("", self.pool.size)])
+        if auto_bytes is not None:
+            metric("graftmem_auto_block_bytes", "gauge", "State bytes of automatic prefix blocks in the store.",
+                   [("", auto_bytes)])
+        return "\n".join(lines) + "\n"
+
+    # ------------------------------------------------------------------ routes
+    def endpoints(self) -> list[BaseRoute]:
+        return [Route(HEALTH_PATH, self.health, methods=["GET"]),
+                Route(METRICS_PATH, self.metrics, methods=["GET"])]
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(self, request: Request) -> Response:
+        # the store's listing reads its index: off the event loop
+        auto = await anyio.to_thread.run_sync(self.auto_block_bytes)
+        return Response(self.render(auto), media_type=None, headers={"Content-Type": CONTENT_TYPE})
+
+
+class MetricsMiddleware:
+    """Counts every HTTP request by route template and the status it was answered with."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = [500]  # a handler that raised before answering: the 500 the error middleware sends
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            self.metrics.request(self.metrics.route_of(scope), status[0])
+
