@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from ..core.prompt import ChatFormat, has_special_text, seam_before, tokenize_literal
 from ..core.template import ChatTemplate, TemplateError, today
 from .http import HTTPError
-from .tools import ToolSpec, render_calls, render_tool_result, tools_prompt
+from .tools import ToolSpec, call_parts, render_calls, render_tool_result, tools_prompt
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -153,18 +153,9 @@ def template_messages(messages: Any) -> list[dict[str, Any]]:
                                 param=f"messages[{i}].tool_calls")
             calls = []
             for j, call in enumerate(msg["tool_calls"]):
-                fn = call.get("function") if isinstance(call, dict) else None
-                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                    raise HTTPError(400, f"messages[{i}].tool_calls[{j}] must have function.name",
-                                    param=f"messages[{i}].tool_calls")
-                args = fn.get("arguments", "{}")
-                if isinstance(args, str):
-                    try:
-                        args = json.loads(args) if args.strip() else {}
-                    except ValueError:
-                        pass  # kept as the string the client sent
+                name, args = call_parts(call, i, j)
                 calls.append({"id": str(call.get("id") or ""), "type": "function",
-                              "function": {"name": fn["name"], "arguments": args}})
+                              "function": {"name": name, "arguments": args}})
             m["tool_calls"] = calls
         for key in ("tool_call_id", "name", "reasoning_content"):
             if isinstance(msg.get(key), str):

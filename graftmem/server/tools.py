@@ -108,24 +108,32 @@ def tools_prompt(spec: ToolSpec) -> str:
             "<args-json-object>}\n</tool_call>")
 
 
+def call_parts(call: Any, i: int, j: int) -> tuple[str, Any]:
+    """The function name and arguments of ``messages[i].tool_calls[j]`` (an OpenAI call object), the
+    arguments decoded from their JSON string where they are one (kept as sent where not): what every
+    renderer of a prior call needs, the Hermes one here and the model templates' (`graftmem.server.chat`)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise HTTPError(400, f"messages[{i}].tool_calls[{j}] must have function.name",
+                        param=f"messages[{i}].tool_calls")
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            pass  # kept as the string the client sent
+    return fn["name"], args
+
+
 def render_calls(calls: Any, i: int) -> str:
     """An assistant message's ``tool_calls`` as the text the model would have written."""
     if not isinstance(calls, list):
         raise HTTPError(400, f"messages[{i}].tool_calls must be a list", param=f"messages[{i}].tool_calls")
     out = []
     for j, call in enumerate(calls):
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise HTTPError(400, f"messages[{i}].tool_calls[{j}] must have function.name",
-                            param=f"messages[{i}].tool_calls")
-        args = fn.get("arguments", "{}")
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError:
-                pass  # kept as the string the client sent
+        name, args = call_parts(call, i, j)
         # name first, as models write it (and as they then imitate it); the arguments' keys sorted
-        out.append(f'{CALL_OPEN}\n{{"name": {json.dumps(fn["name"])}, "arguments": {_dumps(args)}}}\n{CALL_CLOSE}')
+        out.append(f'{CALL_OPEN}\n{{"name": {json.dumps(name)}, "arguments": {_dumps(args)}}}\n{CALL_CLOSE}')
     return "\n".join(out)
 
 
