@@ -209,15 +209,15 @@ def check_answer_path(oa, engine: Engine) -> None:
     ids = engine.tokenize(CANNED[engine.family], add_special=False)
     r = Result(text=engine.detokenize(ids), tokens=ids, logprobs=[], finish_reason="stop", prompt_tokens=1,
                cached_tokens=0, receipt={})
-    msg = oa._final("id", 0, r, chat=True, tools=spec)["choices"][0]
+    msg = oa._final("id", 0, r, {}, chat=True, tools=spec)["choices"][0]
     assert msg["finish_reason"] == "tool_calls", msg
     call = msg["message"]["tool_calls"][0]["function"]
     assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Paris"}
     think = engine.tokenize("<think>add 2 and 2</think>\nFour.", add_special=False)
     r = dataclasses.replace(r, text=engine.detokenize(think), tokens=think)
-    m = oa._final("id", 0, r, chat=True)["choices"][0]["message"]
+    m = oa._final("id", 0, r, {}, chat=True)["choices"][0]["message"]
     assert (m["reasoning_content"], m["content"]) == ("add 2 and 2", "Four.")
-    assert "<think>" in oa._final("id", 0, r, chat=True, reasoning=False)["choices"][0]["message"]["content"]
+    assert "<think>" in oa._final("id", 0, r, {}, chat=True, reasoning=False)["choices"][0]["message"]["content"]
 
 
 @pytest.mark.parametrize("family", ["qwen25", "qwen3", "qwen35", "command-r"])

@@ -79,6 +79,20 @@ def _num(body: dict[str, Any], name: str, default: Any, kind: type, lo: float, h
     return kind(v)
 
 
+def _check_contents(messages: Any) -> None:
+    """Every text of the messages is text UTF-8 can encode, before rendering looks into it (the special-
+    token check of untrusted text tokenizes each user message: a lone surrogate there was a 500)."""
+    if not isinstance(messages, list):
+        return  # the renderer says what is wrong with it
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        parts = [content] if isinstance(content, str) else \
+            [p.get("text") for p in content if isinstance(p, dict)] if isinstance(content, list) else []
+        for part in parts:
+            if isinstance(part, str):
+                check.text(f"messages[{i}]", part, empty=True)
+
+
 def _log_late_failure(fut: "asyncio.Future[Result]") -> None:
     """A request that failed after its answer was sent (while storing its prefix): logged, not lost."""
     if not fut.cancelled() and fut.exception() is not None:
@@ -203,6 +217,7 @@ class OpenAIRoutes:
 
         def prompt() -> tuple[list[str], list[list[int]], Optional[list[str]], Any]:
             notes, literal = None, None
+            _check_contents(body.get("messages"))  # before anything tokenizes them (a lone surrogate was a 500)
             if template is not None:  # the model's own template (graftmem.core.template)
                 texts, notes, literal = template_segments(self.engine0, template, body.get("messages"), tools,
                                                           kwargs)
