@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from .http import HTTPError, anthropic_error, guarded
-from .openai import RECEIPT_HEADER, OpenAIRoutes
+from .openai import RECEIPT_HEADER, OpenAIRoutes, job_events
 from .tools import ToolSpec, ToolStream
 
 if TYPE_CHECKING:
@@ -282,25 +282,12 @@ class AnthropicRoutes:
                 "stop_reason": None, "stop_sequence": None,
                 "usage": {"input_tokens": prompt, "output_tokens": 0, "cache_read_input_tokens": 0,
                           "cache_creation_input_tokens": 0}}})
-            while True:
-                get = asyncio.ensure_future(events.get())
-                finished, _ = await asyncio.wait({get, done}, return_when=asyncio.FIRST_COMPLETED)
-                if get in finished:
-                    kind, payload = get.result()
-                    if kind == "delta":
-                        if piece := text(payload[0]):
-                            yield piece
-                        continue
-                    result: "Result" = payload
-                else:
-                    get.cancel()
-                    if done.exception() is not None:
-                        raise done.exception()  # type: ignore[misc]
-                    while not events.empty():  # deltas queued before the result
-                        kind, payload = events.get_nowait()
-                        if kind == "delta" and (piece := text(payload[0])):
-                            yield piece
-                    result = done.result()
+            async for kind, payload in job_events(events, done):
+                if kind == "delta":
+                    if piece := text(payload[0]):
+                        yield piece
+                    continue
+                result: "Result" = payload
                 calls: list[dict[str, Any]] = []
                 if held is not None:
                     content, calls = self.oa.split_answer(result, tools)

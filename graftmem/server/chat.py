@@ -44,20 +44,7 @@ def message_text(msg: Any, i: int) -> tuple[str, str]:
     if not isinstance(role, str) or role not in ("system", "developer", "user", "assistant", "tool"):
         raise HTTPError(400, f"messages[{i}].role must be system, developer, user, assistant or tool, "
                         f"got {role!r}", param=f"messages[{i}].role")
-    content = msg.get("content")
-    if content is None:
-        content = ""
-    if isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise HTTPError(400, f"messages[{i}].content[{j}]: only text parts are supported",
-                                param=f"messages[{i}].content")
-            parts.append(part["text"])
-        content = "".join(parts)
-    if not isinstance(content, str):
-        raise HTTPError(400, f"messages[{i}].content must be a string or a list of text parts",
-                        param=f"messages[{i}].content")
+    content = _text_content(msg, i)
     if msg.get("tool_calls"):
         if role != "assistant":
             raise HTTPError(400, f"messages[{i}]: only assistant messages carry tool_calls",

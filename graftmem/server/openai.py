@@ -79,6 +79,31 @@ def _num(body: dict[str, Any], name: str, default: Any, kind: type, lo: float, h
     return kind(v)
 
 
+async def job_events(events: "asyncio.Queue[tuple[str, Any]]",
+                     done: "asyncio.Future[Result]") -> AsyncIterator[tuple[str, Any]]:
+    """A streamed job's events in order: each ``("delta", payload)`` as it arrives, then ``("done",
+    Result)`` once, also when the job finished (or failed: raised here) before its last deltas were read.
+    Every streaming door (chat completions, Anthropic Messages) reads its job through this one loop."""
+    while True:
+        get = asyncio.ensure_future(events.get())
+        finished, _ = await asyncio.wait({get, done}, return_when=asyncio.FIRST_COMPLETED)
+        if get in finished:
+            kind, payload = get.result()
+            yield kind, payload
+            if kind != "delta":
+                return
+            continue
+        get.cancel()
+        if done.exception() is not None:
+            raise done.exception()  # type: ignore[misc]
+        while not events.empty():  # deltas queued before the result
+            kind, payload = events.get_nowait()
+            if kind == "delta":
+                yield kind, payload
+        yield "done", done.result()
+        return
+
+
 def _check_contents(messages: Any) -> None:
     """Every text of the messages is text UTF-8 can encode, before rendering looks into it (the special-
     token check of untrusted text tokenizes each user message: a lone surrogate there was a 500)."""
@@ -489,25 +514,12 @@ class OpenAIRoutes:
             if chat:
                 yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None})
-            while True:
-                get = asyncio.ensure_future(events.get())
-                finished, _ = await asyncio.wait({get, done}, return_when=asyncio.FIRST_COMPLETED)
-                if get in finished:
-                    kind, payload = get.result()
-                    if kind == "delta":
-                        if piece := delta(*payload):
-                            yield piece
-                        continue
-                    result: Result = payload
-                else:
-                    get.cancel()
-                    if done.exception() is not None:
-                        raise done.exception()  # type: ignore[misc]
-                    while not events.empty():  # deltas queued before the result
-                        kind, payload = events.get_nowait()
-                        if kind == "delta" and (piece := delta(*payload)):
-                            yield piece
-                    result = done.result()
+            async for kind, payload in job_events(events, done):
+                if kind == "delta":
+                    if piece := delta(*payload):
+                        yield piece
+                    continue
+                result: Result = payload
                 reason = "stop" if result.finish_reason in ("stop", "cancelled") else result.finish_reason
                 final_text = result.text
                 if think is not None:
