@@ -5,8 +5,10 @@
 It learns its texts into the bucket, then asks blocks that any worker learned (from the listing) and
 compares each graft's first-token logits with a fresh prefill of the block's own tokens. Everything
 it does is appended to its report (JSON lines, flushed per line) so that a worker killed with -9
-has reported exactly what it finished: ``learned`` (an id, after ``learn`` returned), ``graft``
-(id, exact or not), ``error`` (a typed error and its message), ``uploading`` (a block upload began).
+has reported exactly what it finished: ``learned`` (an id, after ``learn`` returned), ``reading`` (an
+ask began), ``graft`` (id, exact or not), ``error`` (a typed error and its message), ``uploading`` (a
+block upload began). It reads until the test creates its ``stop_file`` (or ``read_seconds`` /
+``max_asks``, safety bounds, run out).
 """
 
 from __future__ import annotations
@@ -53,9 +55,11 @@ def main() -> int:
         except GraftmemError as exc:
             emit(event="error", op="learn", type=type(exc).__name__, msg=str(exc)[:300])
     rng = random.Random(cfg["seed"])
+    # read until the test says stop (its stop file), bounded in time and count for safety
+    stop = Path(cfg["stop_file"]) if cfg.get("stop_file") else None
     deadline = time.monotonic() + cfg["read_seconds"]
     asks = 0
-    while time.monotonic() < deadline and asks < cfg["max_asks"]:
+    while time.monotonic() < deadline and asks < cfg["max_asks"] and not (stop and stop.exists()):
         try:
             blocks = [b for b in mem.get_all() if b.n_tokens < 1000]
         except GraftmemError as exc:

@@ -344,9 +344,7 @@ def test_a_document_asked_from_a_bucket_prefetches_the_runner_up_pages(smol, buc
         ans = b.recall_document("How many sacks of barley does the copper mill at Dunmere grind each week?",
                                 document="town", max_tokens=2, min_score=0.0)
         assert FACTS[1] in b.get(ans.page.block_id).text
-        deadline = time.monotonic() + 60
-        while store._inflight and time.monotonic() < deadline:
-            time.sleep(0.05)
+        store.flush()  # the prefetches of the runner-up pages have landed
         cached = {x.id for x in store.cache.list()}
         assert ans.page.block_id in cached and 2 <= len(cached) <= 3 < rep.pages
     store.close()

@@ -131,18 +131,15 @@ def test_close_is_graceful_and_idempotent(home):
 
 
 def test_kept_alive_responses_do_not_wait_for_delayed_acks(home):
-    """A response's headers and body go out at once (TCP_NODELAY on the server's connections): before,
-    on a kept-alive connection every JSON response after the first waited ~40 ms for the client's delayed
-    ACK (Nagle), a floor no loaded machine goes under, for about 1 ms of work."""
-    import statistics
-    import time
+    """A response's headers and body go out at once: TCP_NODELAY is set on the listening socket, and
+    Linux's accepted connections inherit it. Before, on a kept-alive connection every JSON response
+    after the first waited ~40 ms for the client's delayed ACK (Nagle) for about 1 ms of work. The
+    option is read back from the socket (a timing assert would measure the machine's load instead)."""
+    import socket
 
     h, _, _ = home
     with BlockServer(h) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
-        c.get("/v1/info").raise_for_status()
-        ms = []
-        for _ in range(12):
-            t0 = time.perf_counter()
+        sock = srv._server._sock  # the listening socket the server accepts on
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        for _ in range(2):  # kept alive: the second response comes on the same connection
             c.get("/v1/info").raise_for_status()
-            ms.append((time.perf_counter() - t0) * 1e3)
-        assert statistics.median(ms) < 30, ms

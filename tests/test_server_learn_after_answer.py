@@ -3,7 +3,7 @@ not include writing blocks (the engine is freed after, so the next request still
 
 from __future__ import annotations
 
-import time
+import threading
 
 import openai
 
@@ -12,28 +12,37 @@ from graftmem.store.local import Store
 
 from .conftest import long_text
 
+GATE_S = 60.0  # bound on how long a held store waits for the test's signal
+
+
+def _held_store(cache, monkeypatch) -> tuple[threading.Event, list[bool]]:
+    """Make the cache's store step wait for the test's signal: the real store runs only once the test
+    has seen the answer. ``released`` records whether it was the signal (True) or the bound (False)
+    that let it go: a server that stored before answering would hold the answer until the bound."""
+    gate, released = threading.Event(), []
+    real = cache.store_captured
+
+    def held(*a, **kw):
+        released.append(gate.wait(GATE_S))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(cache, "store_captured", held)
+    return gate, released
+
 
 def test_answer_comes_before_the_prefix_is_stored(smol, tmp_path, monkeypatch):
     store = Store(tmp_path / "home")
     try:
         with api_server(store, [smol], min_prefix_tokens=16, sightings=1) as srv:
-            cache = srv.cache
-            real = cache.store_captured
-            timeline = []
-
-            def slow_store(*a, **kw):  # the real store, made slow enough to see who waits for it
-                time.sleep(2.0)
-                timeline.append(("stored", time.monotonic()))
-                return real(*a, **kw)
-
-            monkeypatch.setattr(cache, "store_captured", slow_store)
+            gate, released = _held_store(srv.cache, monkeypatch)
             c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
             msgs = [{"role": "system", "content": long_text(40, seed=9)}, {"role": "user", "content": "Hi"},
                     {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Thanks"}]
             c.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, temperature=0)
-            timeline.append(("answered", time.monotonic()))
+            assert store.list(kind="auto") == []  # answered while the store step was still held
+            gate.set()
             second = c.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, temperature=0)
-            assert [t[0] for t in timeline][:2] == ["answered", "stored"]
+            assert released == [True], "the answer waited for the store step"
             assert second.usage.prompt_tokens_details.cached_tokens > 16  # it waited for the engine: stored
     finally:
         store.close()
@@ -45,18 +54,14 @@ def test_closing_waits_for_what_requests_learn(smol, tmp_path, monkeypatch):
     store = Store(tmp_path / "home")
     try:
         with api_server(store, [smol], min_prefix_tokens=16, sightings=1) as srv:
-            real = srv.cache.store_captured
-
-            def slow_store(*a, **kw):
-                time.sleep(1.5)
-                return real(*a, **kw)
-
-            monkeypatch.setattr(srv.cache, "store_captured", slow_store)
+            gate, released = _held_store(srv.cache, monkeypatch)
             c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
             msgs = [{"role": "system", "content": long_text(40, seed=10)}, {"role": "user", "content": "Hi"},
                     {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Thanks"}]
             c.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, temperature=0)
             assert store.list(kind="auto") == []  # answered, not stored yet
+            gate.set()  # close() below starts while the store step may still be running
+        assert released == [True]
         assert store.list(kind="auto"), "close() returned before the request stored what it learned"
     finally:
         store.close()

@@ -210,6 +210,7 @@ class FleetStore:
         self._version = 0
         self._closed = False
         self._inflight: set[str] = set()
+        self._prefetches: dict[str, Future] = {}  # block id -> its prefetch, until it ends
         self._prefetcher: Optional[ThreadPoolExecutor] = None
         self._writer: Optional[ThreadPoolExecutor] = None  #: writes fetched blocks into the cache
         self._writes: dict[str, Future] = {}  #: block id -> its cache write in progress
@@ -642,7 +643,12 @@ class FleetStore:
             fut.result()
 
     def flush(self) -> None:
-        """Wait until the blocks fetched so far are in the cache (they are written behind the graft)."""
+        """Wait until the blocks fetched or prefetched so far are in the cache (both are written behind
+        the graft that asked for them); a failed prefetch was logged and is not raised here."""
+        with self._tlock:
+            prefetches = list(self._prefetches.values())
+        for fut in prefetches:
+            fut.result()
         with self._tlock:
             futs = list(self._writes.values())
         for fut in futs:
@@ -662,7 +668,8 @@ class FleetStore:
                 if self._prefetcher is None:
                     self._prefetcher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="graftmem-prefetch")
                 self._inflight.add(bid)
-                futures.append(self._prefetcher.submit(self._prefetch_one, bid))
+                fut = self._prefetches[bid] = self._prefetcher.submit(self._prefetch_one, bid)
+                futures.append(fut)
         return futures
 
     def _prefetch_one(self, bid: str) -> bool:
@@ -677,6 +684,7 @@ class FleetStore:
         finally:
             with self._tlock:
                 self._inflight.discard(bid)
+                self._prefetches.pop(bid, None)
 
     def _evict(self, keep: str) -> None:
         """Remove least recently used blocks until the cache is under its cap."""
