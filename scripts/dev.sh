@@ -40,6 +40,13 @@ shift || true
 case "$cmd" in
     setup) setup ;;
     demo) setup; exec "$VENV/bin/graftmem" demo "$@" ;;
-    test) setup; exec "$PY" -m pytest -q "$@" ;;
+    test) setup
+        # one pytest-xdist worker per core (at most 4), each pinned to its core (tests/conftest.py), whole
+        # files per worker (their module fixtures load once); GRAFTMEM_TEST_WORKERS=1 runs serially
+        workers=${GRAFTMEM_TEST_WORKERS:-$("$PY" -c "import os; print(min(len(os.sched_getaffinity(0)), 4))")}
+        if [ "$workers" -gt 1 ]; then
+            exec "$PY" -m pytest -q -n "$workers" --dist loadfile "$@"
+        fi
+        exec "$PY" -m pytest -q "$@" ;;
     *) echo "usage: scripts/dev.sh [setup|demo|test] [args...]" >&2; exit 2 ;;
 esac

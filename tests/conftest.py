@@ -13,6 +13,23 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+
+def _pin_xdist_worker() -> None:
+    """Under pytest-xdist (``scripts/dev.sh test`` runs one worker per core), each worker runs on its
+    own share of the cores, set before any engine exists: llama.cpp sizes its threads by this
+    process's affinity (`graftmem.core.engine.usable_cores`), and threads and child processes inherit
+    it, so N workers never run N x cores threads that wait on each other (OpenMP threads spin)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if not worker.startswith("gw") or count < 2 or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= count:
+        os.sched_setaffinity(0, cores[int(worker[2:]) % count::count])
+
+
+_pin_xdist_worker()
+
 from graftmem import Memory  # noqa: E402
 from graftmem.core.engine import Engine  # noqa: E402
 
