@@ -73,14 +73,6 @@ def model_cache_dir() -> Path:
     return Path(root) if root else Path(platformdirs.user_cache_dir("graftmem")) / "models"
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _assemble(spec: ModelSpec) -> Path:
     """Concatenate the chunk packages into one GGUF once; verify the published SHA-256."""
     meta = _module_dir(spec.module)

@@ -39,7 +39,7 @@ from .template import ChatTemplate, TemplateError, load_template, model_template
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["ChatFormat", "CHATML", "GEMMA", "FORMATS", "detect_format", "format_named", "format_of", "request_template",
+__all__ = ["ChatFormat", "CHATML", "GEMMA", "FORMATS", "detect_format", "format_of", "request_template",
            "split_ids", "template_format", "clean_seam", "seam_before", "starts_special", "LEGACY_RULE",
            "has_special_text", "tokenize_literal"]
 
@@ -129,13 +129,6 @@ GEMMA = ChatFormat(
 )
 
 FORMATS: dict[str, ChatFormat] = {f.name: f for f in (CHATML, GEMMA)}
-
-
-def format_named(name: str) -> ChatFormat:
-    try:
-        return FORMATS[name]
-    except KeyError:
-        raise ConfigError(f"unknown chat format {name!r}; known: {', '.join(sorted(FORMATS))}") from None
 
 
 #: Why SmolLM2 and Gemma 3 keep the hand-written formats (a deliberate choice, docs/models.md): their

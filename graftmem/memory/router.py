@@ -290,11 +290,6 @@ def block_body(block: "Block") -> str:
     return fmt.body(block.text) if fmt is not None else block.text
 
 
-def block_route_text(block: "Block") -> str:
-    """The route text of a stored block (chat blocks contribute their manual, not the template)."""
-    return route_text(block.name, block.metadata.get("when_to_use"), block_body(block))
-
-
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n\s*\n")
 
 

@@ -110,10 +110,6 @@ def _version() -> str:
     return __version__
 
 
-def _digest_hex(tag_digest: str) -> str:
-    return tag_digest.split(":", 1)[-1]
-
-
 # ---------------------------------------------------------------------------------------- checking
 class BlockChecker:
     """Check one block file as its bytes stream past, in order, holding only header and manifest.

@@ -549,9 +549,6 @@ class Store:
             return 0
         return 1
 
-    def _files(self) -> dict[str, Path]:
-        return self._scan()[0]
-
     # ------------------------------------------------------------------ index
     def _insert(self, block: Block, file_size: int, provenance: str, labels_trusted: bool) -> None:
         self._db.execute(
