@@ -45,8 +45,8 @@ from ..core.blocks import PROVENANCE_LOCAL, Block, Fingerprint, block_id_for
 from ..core.format import state_digest
 from ..core.errors import ConfigError, GraftmemError
 from ..memory.router import AUTO_KIND
+from ..memory.access import owned_parent, owner_of
 from ..memory.verbs import first_untrusted
-from .tenants import owner_of
 from ..store.chain import chain_of, full_state, make_delta
 
 if TYPE_CHECKING:
@@ -82,13 +82,6 @@ def segment_ends(segments: Sequence[Sequence[int]]) -> list[int]:
         n += len(seg)
         out.append(n)
     return out
-
-
-def _id_parent(parent: Optional[str], tenant: Optional[str]) -> Optional[str]:
-    """What an automatic block's id is computed over in place of its parent: the tenant is mixed in."""
-    if tenant is None:
-        return parent
-    return f"{parent or ''}|tenant:{hashlib.sha256(tenant.encode('utf-8')).hexdigest()}"
 
 
 @dataclass(frozen=True)
@@ -244,7 +237,7 @@ class PrefixCache:
         try:
             for i, full in zip(range(first, first + len(states)), states):
                 tokens = list(segments[i])
-                bid = block_id_for(self.fingerprint, tokens, _id_parent(parent.id if parent is not None else None,
+                bid = block_id_for(self.fingerprint, tokens, owned_parent(parent.id if parent is not None else None,
                                                                          tenant))
                 if self.store.contains(bid):
                     block = self.store.get(bid)
