@@ -31,7 +31,12 @@ class RouterRef:
             if self._router is None:
                 if self._factory is None:
                     raise RuntimeError("no router factory")
-                self._router = self._factory()
+                router = self._factory()
+                # the factory may hand over a router loaded before (`Memory.serve`: the app's own), which
+                # missed what the server learned meanwhile (`added` drops blocks until a router is here,
+                # and the store's data version does not move for writes on the same connection)
+                router.sync(force=True)
+                self._router = router
             return self._router
 
     def added(self, blocks: Sequence["Block"]) -> None:
