@@ -63,7 +63,8 @@ _MAX_SIGHTINGS = 4096
 def prefix_keys(segments: Sequence[Sequence[int]], tenant: Optional[str] = None) -> list[bytes]:
     """``keys[k]`` is the key of the first ``k + 1`` segments (each hashed with its length). ``tenant``
     salts every key: one tenant's automatic prefixes are found only under its own keys
-    (`graftmem.server.tenants`); None is the shared space (learned blocks, a server without tenants)."""
+    (`graftmem.server.tenants`); None is the shared space (the operator's and shared blocks, a server without
+    tenants). A block a tenant learned through REST is indexed under its tenant's keys like its automatic ones."""
     h = hashlib.sha256(b"graftmem-prefix-v1")
     if tenant is not None:
         h.update(b"\0tenant\0" + tenant.encode("utf-8") + b"\0")
@@ -157,7 +158,7 @@ class PrefixCache:
         its text's, and a forged system prompt would answer every client.
 
         ``tenant``: the requester (``keys``, if given, are its salted keys); its own automatic prefixes
-        and the shared (learned) ones are found, never another tenant's."""
+        (and learned) prefixes and the shared ones are found, never another tenant's."""
         self.refresh()
         keys = (prefix_keys(segments, tenant) if keys is None else keys)[:len(segments) - 1]
         shared = prefix_keys(segments[:len(keys)]) if tenant is not None else keys
