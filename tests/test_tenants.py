@@ -204,6 +204,9 @@ def test_an_explicitly_shared_block_and_the_operator_s_are_seen_by_both(tenant_s
         assert _rest(srv, who, "GET", f"/v1/memory/blocks/{s}").status_code == 200
         assert op.id in {e["id"] for e in _rest(srv, who, "GET", "/v1/blocks").json()["blocks"]}
     assert _recalled(srv, "bob", "What is the office wifi password?") == s
+    # B learning the shared text again (shared) gets it, without relabelling it for everyone
+    again = _learn(srv, "bob", SHARED, when_to_use="anything at all", shared=True)
+    assert again["id"] == s and again["when_to_use"] == "office wifi password"
     # seen, not B's to delete: only the tenant that shared it (or the operator) deletes it
     for bid in (s, op.id):
         assert _rest(srv, "bob", "DELETE", f"/v1/memory/blocks/{bid}").status_code == 403

@@ -105,12 +105,15 @@ def prefill_and_store(engine: "Engine", store: "Store", *, block_id: str, tokens
 def learn(engine: "Engine", store: "Store", text: str, *, name: Optional[str] = None, kind: str = "manual",
           metadata: Optional[Mapping[str, Any]] = None, progress: bool = False,
           when_to_use: Optional[str] = None, chat: bool = False, parent: Optional[str] = None,
-          owner: Optional[str] = None) -> tuple[Block, bool]:
+          owner: Optional[str] = None,
+          may_relabel: Optional[Callable[[Block], bool]] = None) -> tuple[Block, bool]:
     """Learn ``text`` as a block (see [`Memory.learn()`][graftmem.Memory.learn]); returns it and whether it changed
     (a new block, or new labels on a block learned before), which tells the caller to re-route it.
 
     ``owner``: the tenant the block belongs to (`graftmem.memory.access`): its name goes into the
-    metadata and is mixed into the id, so another tenant's block of the same text is another block."""
+    metadata and is mixed into the id, so another tenant's block of the same text is another block.
+    ``may_relabel(existing)``: whether this caller may change the labels of a block already stored (a
+    tenant may not relabel a block shared by the operator or another tenant); if not, it is returned as is."""
     if not text:
         raise ConfigError("cannot learn an empty text")
     if chat or when_to_use is not None:
@@ -141,6 +144,8 @@ def learn(engine: "Engine", store: "Store", text: str, *, name: Optional[str] = 
     if store.contains(bid):
         existing = store.get(bid)
         if existing.trusted:
+            if may_relabel is not None and not may_relabel(existing):
+                return existing, False
             again = learned_again(store, existing, metadata, name)
             return again, again is not existing
         # never deduplicate onto an unverified block: its state may be another text's. This engine's

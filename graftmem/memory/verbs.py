@@ -136,10 +136,12 @@ class MemoryVerbs:
                       metadata: Optional[Mapping[str, Any]] = None, progress: bool = False,
                       when_to_use: Optional[str] = None, chat: bool = False,
                       parent: Optional[str] = None, owner: Optional[str] = None,
-                      shared_by: Optional[str] = None) -> Callable[[], tuple[Block, bool]]:
+                      shared_by: Optional[str] = None,
+                      may_relabel: Optional[BlockFilter] = None) -> Callable[[], tuple[Block, bool]]:
         """Check the arguments now (before any prefill or write); return the call that learns
         (`graftmem.memory.learn.learn`). ``owner`` / ``shared_by``: the tenant that owns the block, or
-        that shared it (`graftmem.memory.access.Access.owns`), given by the server, never by a request."""
+        that shared it (`graftmem.memory.access.Access.owns`), given by the server, never by a request;
+        ``may_relabel``: whether the caller may change the labels of a block already stored (`Access.may_delete`)."""
         check.text("text", text)
         check.text("name", name, optional=True)
         check.text("kind", kind)
@@ -154,7 +156,7 @@ class MemoryVerbs:
             metadata = {**(metadata or {}), SHARED_BY_KEY: shared_by}
         return lambda: learn_text(self._engine, self._store, text, name=name, kind=kind, metadata=metadata,
                                   progress=progress, when_to_use=when_to_use, chat=chat, parent=parent,
-                                  owner=owner)
+                                  owner=owner, may_relabel=may_relabel)
 
     def prepare_ask(self, block_id: str, query: str, *, max_tokens: int = 64, sampling: Optional[Sampling] = None,
                     stop: "str | Sequence[str] | None" = None, allow_unverified: bool = False,

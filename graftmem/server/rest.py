@@ -211,7 +211,8 @@ class MemoryRoutes:
         started = datetime.now(timezone.utc)
 
         def learn(e: "Engine") -> tuple[Block, bool]:
-            block, changed = self._desk(e).learn(text, owner=owner, shared_by=shared_by, **args)
+            block, changed = self._desk(e).learn(text, owner=owner, shared_by=shared_by,
+                                                 may_relabel=access.may_delete, **args)
             access.own(block, scope, changed, started)
             return block, changed
         block, changed = await self._on_engine(learn)
