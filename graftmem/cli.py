@@ -611,7 +611,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              sightings=args.sightings, learn=not args.no_learn,
                              max_auto_bytes=args.max_auto_mb << 20, auto_storage=args.auto_storage,
                              warm=not args.no_warm, router=lambda: mem.router,  # loaded on the first routed request
-                             chat_template=args.chat_template_file, allow_unverified=args.allow_unverified)
+                             chat_template=args.chat_template_file, allow_unverified=args.allow_unverified,
+                             shared_learned=args.shared_learned)
         elif mem:
             srv = mem.serve(host=args.host, port=args.port, push_token=token, sign_key=_sign_key(args),
                             rederive=args.rederive)
@@ -975,6 +976,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--api-key-file", metavar="PATH",
                     help="one tenant per line, 'NAME sha256:<hex of the key>': each key's tenant gets its own "
                          "prompt cache, automatic blocks and receipts (docs/security.md)")
+    sp.add_argument("--shared-learned", action="store_true",
+                    help="with --api-key-file: blocks a tenant learns through REST are shared with every tenant "
+                         "unless it sends \"shared\": false (default: its own unless it sends \"shared\": true)")
     sp.add_argument("--blocks-only", action="store_true",
                     help="serve block sharing only: no model is loaded, no OpenAI API")
     sp.add_argument("--engines", type=int, default=1, help="engine contexts (requests decoded at once)")

@@ -207,8 +207,9 @@ GRAFT_FUNCTIONS = {
     "graftmem.memory.answer": {"ask", "graft", "answer"},
     "graftmem.memory.recall": {"recall", "answer_graft_way", "answer_text_way"},
     "graftmem.memory.learn": {"learn", "prefill_and_store"},
+    "graftmem.memory.pager": {"recall_document"},
     "graftmem.memory": {"ask", "graft", "answer_graft_way", "answer_text_way", "prefill_and_store",
-                        "answer", "recall", "learn"},
+                        "answer", "recall", "learn", "recall_document"},
     "graftmem.store.chain": {"load_state"},
     "graftmem.store": {"load_state"},
 }

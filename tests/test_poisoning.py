@@ -7,7 +7,7 @@ text than its own. ``Memory.ask`` refused it; the server's prefix cache, its war
 
 Here every door is tried with such a block prefixing the prompt: chat, completions, the warm start, the
 prefix index lookup, the in-RAM reuse after a consented request, REST ``recall`` / ``ask``,
-``Memory.recall``, ``recall_stream``. Without consent nothing of it is grafted (the request is served
+``Memory.recall``, ``recall_stream``, and the pager's ``recall_document`` (a page imported unchecked). Without consent nothing of it is grafted (the request is served
 cold, or refused where the verb is "answer from THIS block"); with consent it is, and the receipt names
 its provenance. A block is marked ``unverified`` the way the store does it for an unchecked arrival
 (`Store.set_provenance`): the gate looks at provenance, not at the bytes, so a faithful state marked
@@ -152,3 +152,35 @@ def test_rest_recall_and_ask_refuse_without_consent(poisoned, smol):
                                                                "allow_unverified": True}})
         assert r.model_extra["graftmem"]["recall"]["block_id"] == block.id
         assert r.model_extra["graftmem"]["provenance"] == PROVENANCE_UNVERIFIED
+
+
+DOC = ("The lighthouse keeper's log. " + long_text(40, seed=91) +
+       " The spare lamp oil is stored in the blue shed behind the chapel. " + long_text(40, seed=92))
+DOC_TASK = "Where is the spare lamp oil stored?"
+
+
+def test_recall_document_refuses_an_unverified_page_before_grafting(smol, minilm, tmp_path, monkeypatch):
+    """The pager's door: a page imported unchecked may hold another text's state, so it is refused before
+    a byte of it reaches llama.cpp (nothing restored, nothing prefilled, nothing decoded); with consent
+    it is grafted and the receipt names its provenance."""
+    with Memory(engine=smol, home=tmp_path / "home", embedder=minilm) as m:
+        m.learn_document(DOC, document="log", window=256, overlap=32, progress=False)
+        pages = {b.id for b in m.get_all(kind="page")}
+        assert pages
+        for bid in pages:
+            m.store.set_provenance(bid, PROVENANCE_UNVERIFIED)
+        calls: list[str] = []
+        for name in ("session", "restore", "prefill", "logits"):  # every way into llama.cpp's context
+            real = getattr(smol, name)
+            monkeypatch.setattr(smol, name, lambda *a, _n=name, _r=real, **k: (calls.append(_n), _r(*a, **k))[1])
+        with pytest.raises(UnverifiedBlock, match="unverified"):
+            m.recall_document(DOC_TASK, document="log", max_tokens=2, min_score=0.0)
+        assert calls == []  # refused before the graft: nothing of the page reached the engine
+        ans = m.recall_document(DOC_TASK, document="log", max_tokens=2, min_score=0.0, allow_unverified=True)
+        assert {"session", "restore", "prefill", "logits"} <= set(calls)
+        assert ans.recall.block is not None and ans.recall.block.id in pages
+        assert ans.recall.receipt.provenance == PROVENANCE_UNVERIFIED
+        # a trusted page: grafted without consent, stamped local
+        m.store.set_provenance(ans.recall.block.id, "local")
+        again = m.recall_document(DOC_TASK, document="log", max_tokens=2, min_score=0.0)
+        assert again.recall.receipt.provenance == "local" and again.text == ans.text

@@ -1,6 +1,8 @@
 """Tenants isolated by key (issue 24): tenant B never gets ``cached_tokens > 0`` or a receipt for a prefix
 only tenant A sent, never reads, lists or deletes A's automatic blocks, cannot evict them; the tenant
-comes from the key (hashed at rest), never from the request."""
+comes from the key (hashed at rest), never from the request. A block A learns is A's (B never lists,
+reads, searches, recalls, routes to or deletes it) unless A shares it; the operator's blocks are shared;
+REST scopes (``user_id`` ...) narrow what a tenant sees, inside that tenant only."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from graftmem import Memory
 from graftmem.server import AUTO_KIND, RECEIPT_HEADER, ApiKeys, api_server, hash_key
 from graftmem.store.local import Store
 
@@ -98,5 +101,157 @@ def test_tenant_b_never_reaches_tenant_a_s_prefixes_or_blocks(smol, key_file, tm
             assert a_id in {e["id"] for e in httpx.get(url + "/v1/blocks", headers=ha).json()["blocks"]}
             n, rec = _chat(url, KEYS["alice"])  # A still gets its own prefix, from the store
             assert n > 0 and rec["source"] == "store" and rec["block_id"] in mine
+    finally:
+        store.close()
+
+
+# --------------------------------------------------------------------------- learned blocks and scopes
+VAULT = "Alice's team notes: the vault combination is 5521."
+SHARED = "Team handbook: the office wifi password is tulip-42."
+OPERATOR = "Operator manual: the fire exit is behind the kitchen."
+SCOPED = "Carol prefers green tea in the morning."
+
+
+@pytest.fixture(scope="module")
+def tenant_srv(smol, minilm, tmp_path_factory):
+    """One server for the module: two tenants, a router, and one block the operator learned with the SDK
+    into the home before serving (shared with every tenant)."""
+    home = tmp_path_factory.mktemp("tenants-learned")
+    keys = home / "keys.txt"
+    keys.write_text("".join(f"{n} {hash_key(k)}\n" for n, k in KEYS.items()))
+    with Memory(engine=smol, home=home / "home", embedder=minilm) as m:
+        assert m.router is not None  # loaded first: every learn is routed
+        op = m.learn(OPERATOR, name="fire exit", when_to_use="where is the fire exit, evacuation")
+        with api_server(m.store, [smol], api_key=ApiKeys.load(keys), learn=False, router=lambda: m.router) as srv:
+            yield srv, m, op
+
+
+def _h(who: str) -> dict:
+    return {"Authorization": f"Bearer {KEYS[who]}"}
+
+
+def _rest(srv, who: str, method: str, path: str, **kw) -> httpx.Response:
+    r = httpx.request(method, srv.url + path, headers=_h(who), timeout=120, **kw)
+    assert r.status_code < 500, (method, path, r.status_code, r.text)
+    return r
+
+
+def _learn(srv, who: str, text: str, **fields) -> dict:
+    r = _rest(srv, who, "POST", "/v1/memory/learn", json={"text": text, **fields})
+    assert r.status_code == 200, r.text
+    return r.json()["block"]
+
+
+def _ids(srv, who: str, **scope) -> set[str]:
+    r = _rest(srv, who, "GET", "/v1/memory/blocks", params=scope)
+    assert r.status_code == 200, r.text
+    return {b["id"] for b in r.json()["blocks"]}
+
+
+def _search(srv, who: str, query: str, **scope) -> list[str]:
+    r = _rest(srv, who, "POST", "/v1/memory/search", json={"query": query, "top_k": 10, **scope})
+    assert r.status_code == 200, r.text
+    return [h["block_id"] for h in r.json()["hits"]]
+
+
+def _recalled(srv, who: str, task: str, **scope):
+    r = _rest(srv, who, "POST", "/v1/memory/recall",
+              json={"task": task, "max_tokens": 1, "min_score": -1.0, **scope})
+    assert r.status_code == 200, r.text
+    return r.json()["receipt"]["block_id"]
+
+
+def test_a_learned_block_is_its_tenant_s_unless_shared(tenant_srv):
+    srv, m, op = tenant_srv
+    vault = _learn(srv, "alice", VAULT, name="vault", when_to_use="vault combination, safe code")
+    assert vault["shared"] is False
+    a = vault["id"]
+    assert a in _ids(srv, "alice") and a not in _ids(srv, "bob")
+    assert a in _search(srv, "alice", "What is the vault combination?")
+    assert a not in _search(srv, "bob", "What is the vault combination?")
+    assert _recalled(srv, "bob", "What is the vault combination?") != a
+    for method, path in (("GET", f"/v1/memory/blocks/{a}"), ("GET", f"/v1/memory/blocks/{a[:10]}"),
+                         ("DELETE", f"/v1/memory/blocks/{a}"), ("GET", f"/v1/blocks/{a}"),
+                         ("GET", f"/v1/blocks/{a}/manifest")):
+        assert _rest(srv, "bob", method, path).status_code == 404, (method, path)
+    assert _rest(srv, "bob", "POST", "/v1/memory/ask", json={"id": a, "question": "code?", "max_tokens": 1}
+                 ).status_code == 404
+    assert a not in {e["id"] for e in _rest(srv, "bob", "GET", "/v1/blocks").json()["blocks"]}
+    # B chaining on A's block, or claiming a tenant in its metadata: refused
+    assert _rest(srv, "bob", "POST", "/v1/memory/learn", json={"text": "More.", "parent": a}).status_code == 404
+    r = _rest(srv, "bob", "POST", "/v1/memory/learn", json={"text": "Mine.", "metadata": {"tenant": "alice"}})
+    assert r.status_code == 400 and "reserved" in r.text
+    # routed recall on the chat route: B is never routed to A's block
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEYS["bob"], max_retries=0, timeout=120)
+    r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "What is the vault combination?"}],
+                                  max_tokens=1, extra_body={"graftmem": {"recall": True, "min_score": -1.0}})
+    assert r.model_extra["graftmem"]["recall"]["block_id"] != a
+    # B learning the same text gets its own block: no "not new", no shared id (an oracle for A's text)
+    mine = _learn(srv, "bob", VAULT)
+    assert mine["id"] != a
+    assert _rest(srv, "alice", "GET", f"/v1/memory/blocks/{mine['id']}").status_code == 404
+    assert _rest(srv, "alice", "GET", f"/v1/memory/blocks/{a}").status_code == 200
+
+
+def test_an_explicitly_shared_block_and_the_operator_s_are_seen_by_both(tenant_srv):
+    srv, m, op = tenant_srv
+    shared = _learn(srv, "alice", SHARED, name="wifi", when_to_use="office wifi password", shared=True)
+    s = shared["id"]
+    assert shared["shared"] is True
+    for who in ("alice", "bob"):
+        assert {s, op.id} <= _ids(srv, who)
+        assert s in _search(srv, who, "What is the office wifi password?")
+        assert _rest(srv, who, "GET", f"/v1/memory/blocks/{s}").status_code == 200
+        assert op.id in {e["id"] for e in _rest(srv, who, "GET", "/v1/blocks").json()["blocks"]}
+    assert _recalled(srv, "bob", "What is the office wifi password?") == s
+    # B learning the shared text again (shared) gets it, without relabelling it for everyone
+    again = _learn(srv, "bob", SHARED, when_to_use="anything at all", shared=True)
+    assert again["id"] == s and again["when_to_use"] == "office wifi password"
+    # seen, not B's to delete: only the tenant that shared it (or the operator) deletes it
+    for bid in (s, op.id):
+        assert _rest(srv, "bob", "DELETE", f"/v1/memory/blocks/{bid}").status_code == 403
+    assert _rest(srv, "alice", "DELETE", f"/v1/memory/blocks/{op.id}").status_code == 403
+    assert _rest(srv, "alice", "DELETE", f"/v1/memory/blocks/{s}").json()["deleted"] == [s]
+    assert m.get(op.id).id == op.id
+
+
+def test_rest_scopes_are_honoured_within_a_tenant(tenant_srv):
+    srv, m, op = tenant_srv
+    s = _learn(srv, "alice", SCOPED, user_id="carol", when_to_use="drink preferences, tea or coffee")["id"]
+    shared = _learn(srv, "alice", "Dave likes black coffee.", user_id="dave", shared=True)["id"]
+    assert s in _ids(srv, "alice", user_id="carol") and s not in _ids(srv, "alice", user_id="erin")
+    assert _ids(srv, "alice", user_id="dave") == {shared}
+    assert s in _search(srv, "alice", "What tea does Carol drink?", user_id="carol")
+    assert s not in _search(srv, "alice", "What tea does Carol drink?", user_id="erin")
+    assert _recalled(srv, "alice", "What tea does Carol drink?", user_id="erin") != s
+    assert _rest(srv, "alice", "GET", f"/v1/memory/blocks/{s}", params={"user_id": "erin"}).status_code == 404
+    assert _rest(srv, "alice", "POST", "/v1/memory/ask", json={"id": s, "question": "tea?", "max_tokens": 1,
+                                                               "user_id": "erin"}).status_code == 404
+    assert _rest(srv, "alice", "DELETE", f"/v1/memory/blocks/{s}", params={"user_id": "erin"}).status_code == 404
+    # scopes live inside a tenant: B's "dave" is not A's, even for a block both see (shared)
+    assert shared in _ids(srv, "bob") and _ids(srv, "bob", user_id="dave") == set()
+    assert _search(srv, "bob", "What does Dave drink?", user_id="dave") == []
+    assert _ids(srv, "bob", user_id="carol") == set()
+    for method, path in (("GET", f"/v1/memory/blocks/{s}"), ("DELETE", f"/v1/memory/blocks/{s}")):
+        assert _rest(srv, "bob", method, path, params={"user_id": "carol"}).status_code == 404
+    assert _rest(srv, "alice", "GET", "/v1/memory/blocks", params={"user_id": ""}).status_code == 400
+    assert _rest(srv, "alice", "POST", "/v1/memory/search", json={"query": "tea", "user_id": 5}).status_code == 400
+    # A deletes in the scope: the block and its scope rows go
+    assert _rest(srv, "alice", "DELETE", f"/v1/memory/blocks/{s}", params={"user_id": "carol"}).json()["deleted"] == [s]
+    assert _ids(srv, "alice", user_id="carol") == set()
+
+
+def test_without_keys_learned_blocks_stay_shared_and_scopes_work(smol, tmp_path):
+    """No key file: one local trust domain, as before tenants (every learn shared, deletable by anyone)."""
+    store = Store(tmp_path / "home")
+    try:
+        with api_server(store, [smol], learn=False) as srv:
+            r = httpx.post(srv.url + "/v1/memory/learn", json={"text": SCOPED, "user_id": "carol"}, timeout=120)
+            b = r.json()["block"]
+            assert r.status_code == 200 and b["shared"] is True and "tenant" not in store.get(b["id"]).metadata
+            listed = lambda **q: {x["id"] for x in httpx.get(srv.url + "/v1/memory/blocks", params=q).json()["blocks"]}  # noqa: E731
+            assert b["id"] in listed() and b["id"] in listed(user_id="carol") and b["id"] not in listed(user_id="erin")
+            assert httpx.get(srv.url + f"/v1/memory/blocks/{b['id']}").status_code == 200
+            assert httpx.delete(srv.url + f"/v1/memory/blocks/{b['id']}").json()["deleted"] == [b["id"]]
     finally:
         store.close()

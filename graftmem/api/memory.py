@@ -24,10 +24,11 @@ from ..core.blocks import PROVENANCE_REDERIVED, PROVENANCE_UNVERIFIED
 from ..core.errors import BlockNotFound, ClosedError, ConfigError, GraftmemError
 from ..core.prompt import detect_format
 from ..memory import validate as check
+from ..memory.access import Access
 from ..memory.answer import OnText
 from ..memory.exactness import verify_block
 from ..memory.learn import default_name
-from ..memory.pager import DEFAULT_OVERLAP, PageIndex, learn_document, recall_document
+from ..memory.pager import DEFAULT_OVERLAP, PageIndex, learn_document
 from ..memory.verbs import MemoryVerbs
 from ..memory.rederive import RederiveReport, rederive as _rederive, rederive_state
 from ..memory.router import Embedder, Router, SentenceTransformerEmbedder
@@ -134,6 +135,8 @@ class Memory:
         self._closed = False
         #: the verbs with their rules (checks, consent, provenance stamp), shared with the server's doors
         self._verbs = MemoryVerbs(self._engine, self._store)
+        #: who sees what (`graftmem.memory.access`): the operator's view, every block and every scope
+        self._access = Access(self._store, scopes=lambda: self.scopes, operator=True)
         # routing loads torch and MiniLM (seconds): created on the first recall/search, never by learn/ask
         self._embedder = embedder
         self._router: Optional[Router] = None
@@ -224,18 +227,10 @@ class Memory:
 
     def _filter(self, scope: Scope, filters: Optional[Mapping[str, Any]],
                 kind: Optional[str] = None) -> Optional[Callable[[Block], bool]]:
-        """A block predicate for a scope, metadata filters (exact values) and a kind; None if no filter."""
-        if filters is not None and not isinstance(filters, Mapping):
-            raise ConfigError(f"filters must be a mapping of metadata field -> value, got {type(filters).__name__}")
-        if scope.empty and not filters and kind is None:
-            return None
-        owned = None if scope.empty else self.scopes.blocks_of(scope)
-        want = dict(filters or {})
-
-        def allow(b: Block) -> bool:
-            return ((owned is None or b.id in owned) and (kind is None or b.kind == kind)
-                    and all(b.metadata.get(k) == v for k, v in want.items()))
-        return allow
+        """A block predicate for a scope, metadata filters (exact values) and a kind; None if no filter.
+        The rule is `graftmem.memory.access.Access`'s (the one the server's doors use), in the operator's
+        view: this process owns the home, so it sees every block and every tenant's scopes."""
+        return self._access.allow(scope, filters, kind)
 
     @property
     def pages(self) -> PageIndex:
@@ -334,23 +329,7 @@ class Memory:
         started = datetime.now(timezone.utc)
         block, changed = self._verbs.learn(text, name=name, kind=kind, metadata=metadata, progress=progress,
                                            when_to_use=when_to_use, chat=chat, parent=parent)
-        try:
-            if not scope.empty:
-                self.scopes.add(block.id, scope)
-            if changed or not scope.empty:
-                self.scopes.record(block.id, "learned" if changed else "learned_again",
-                                   {"name": block.name, "kind": block.kind, **scope.model_dump(exclude_none=True)})
-        except GraftmemError:
-            # all or nothing: a block this call created is not left behind, unowned and without its
-            # history, when its scope cannot be written (a full disk); the caller retries the whole learn
-            if changed and block.created_at >= started:
-                try:
-                    self._store.delete(block.id)
-                    self.scopes.remove(block.id)
-                except GraftmemError as exc:
-                    log.warning("learn: block %s could not be removed after its scope write failed: %s",
-                                block.short_id, exc)
-            raise
+        self._access.own(block, scope, changed, started)
         if self._router is not None and changed:
             self._router.add_blocks([block])
         return block
@@ -508,21 +487,27 @@ class Memory:
         return report
 
     def recall_document(self, task: str, *, prompt: Optional[str] = None, document: Optional[str] = None,
-                        max_tokens: int = 32, min_score: Optional[float] = None) -> "DocumentAnswer":
+                        max_tokens: int = 32, min_score: Optional[float] = None,
+                        allow_unverified: bool = False) -> "DocumentAnswer":
         """Route ``task`` to the passage that answers it, graft ONLY its page and answer after ``prompt``
-        (default: a blank line and the task); the answer says which page and where in the document."""
+        (default: a blank line and the task); the answer says which page and where in the document.
+
+        A page nothing here vouches for (imported without re-derivation) is refused
+        ([`UnverifiedBlock`][graftmem.UnverifiedBlock]) before it is grafted, unless
+        ``allow_unverified=True``; ``answer.recall.receipt.provenance`` names what was grafted."""
         self._check()
         _text("task", task)
         _text("prompt", prompt, optional=True, empty=True)
         _text("document", document, optional=True)
         _int("max_tokens", max_tokens, lo=1)
         _score("min_score", min_score)
+        _flag("allow_unverified", allow_unverified)
         pages = self.pages
         if document is not None and isinstance(self._store, FleetStore) and not any(
                 d["id"] == document for d in pages.documents()):
             self._sync_pages(force=True)  # published by another worker since the last look
-        return recall_document(self._engine, self._store, pages, task, prompt=prompt,
-                               document=document, max_tokens=max_tokens, min_score=min_score)
+        return self._verbs.recall_document(pages, task, prompt=prompt, document=document, max_tokens=max_tokens,
+                                           min_score=min_score, allow_unverified=allow_unverified)
 
     # ------------------------------------------------------------------ store verbs
     def get(self, block_id: str) -> Block:
@@ -552,9 +537,7 @@ class Memory:
         gone = self._store.delete(bid, cascade=cascade)
         if self._router is not None:
             self._router.remove(gone)
-        for g in gone:
-            self.scopes.remove(g)
-            self.scopes.record(g, "deleted", {"cascade_from": bid} if g != bid else {})
+        self._access.forget(gone, cascade_from=bid)
         return gone
 
     def history(self, block_id: str) -> list[HistoryEvent]:

@@ -140,4 +140,5 @@ class TransferError(GraftmemError):
 
 
 class AccessDenied(TransferError):
-    """The server refused the request's token (push without a token, or a wrong one)."""
+    """The server refused the request's token (push without a token, or a wrong one), or the key's tenant
+    may not change that block (one shared with every tenant: the operator's, or another tenant's share)."""

@@ -19,6 +19,7 @@ from ..core.progress import progress_bar
 from ..core.prompt import FORMATS, detect_format
 from ..store.chain import capture_child
 from ..store.local import incompatibility
+from .access import TENANT_KEY, owned_parent
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -103,9 +104,16 @@ def prefill_and_store(engine: "Engine", store: "Store", *, block_id: str, tokens
 
 def learn(engine: "Engine", store: "Store", text: str, *, name: Optional[str] = None, kind: str = "manual",
           metadata: Optional[Mapping[str, Any]] = None, progress: bool = False,
-          when_to_use: Optional[str] = None, chat: bool = False, parent: Optional[str] = None) -> tuple[Block, bool]:
+          when_to_use: Optional[str] = None, chat: bool = False, parent: Optional[str] = None,
+          owner: Optional[str] = None,
+          may_relabel: Optional[Callable[[Block], bool]] = None) -> tuple[Block, bool]:
     """Learn ``text`` as a block (see [`Memory.learn()`][graftmem.Memory.learn]); returns it and whether it changed
-    (a new block, or new labels on a block learned before), which tells the caller to re-route it."""
+    (a new block, or new labels on a block learned before), which tells the caller to re-route it.
+
+    ``owner``: the tenant the block belongs to (`graftmem.memory.access`): its name goes into the
+    metadata and is mixed into the id, so another tenant's block of the same text is another block.
+    ``may_relabel(existing)``: whether this caller may change the labels of a block already stored (a
+    tenant may not relabel a block shared by the operator or another tenant); if not, it is returned as is."""
     if not text:
         raise ConfigError("cannot learn an empty text")
     if chat or when_to_use is not None:
@@ -129,11 +137,15 @@ def learn(engine: "Engine", store: "Store", text: str, *, name: Optional[str] = 
     if start + len(tokens) >= engine.n_ctx:
         raise ConfigError(f"text is {len(tokens)} tokens after {start} positions, the engine's n_ctx "
                           f"is {engine.n_ctx}: raise n_ctx or split the text")
-    bid = block_id_for(engine.fingerprint, tokens, pblock.id if pblock is not None else None)
+    bid = block_id_for(engine.fingerprint, tokens, owned_parent(pblock.id if pblock is not None else None, owner))
+    if owner is not None:
+        metadata = {**(metadata or {}), TENANT_KEY: owner}
     replace = False
     if store.contains(bid):
         existing = store.get(bid)
         if existing.trusted:
+            if may_relabel is not None and not may_relabel(existing):
+                return existing, False
             again = learned_again(store, existing, metadata, name)
             return again, again is not existing
         # never deduplicate onto an unverified block: its state may be another text's. This engine's

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Sequen
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from ..core.blocks import Recall, block_id_for
+from ..core.blocks import Block, Recall, block_id_for
 from ..core.errors import BlockNotFound, ConfigError, StoreError
 from ..core.progress import progress_bar
 from ..store.home import Home
@@ -655,11 +655,15 @@ def learn_document(engine: "Engine", store: "Store", index: PageIndex, source: S
 # --------------------------------------------------------------------------- asking
 def recall_document(engine: "Engine", store: "Store", index: PageIndex, task: str, *, prompt: Optional[str] = None,
                     document: Optional[str] = None, max_tokens: int = 32,
-                    min_score: Optional[float] = None) -> DocumentAnswer:
+                    min_score: Optional[float] = None,
+                    admit: Optional[Callable[["Block"], None]] = None) -> DocumentAnswer:
     """Route ``task`` to the passage that answers it, graft ONLY that passage's page, prefill the
     prompt (default: a blank line and the task) and answer greedily.
 
-    The context holds one page and the prompt, whatever the size of the store.
+    The context holds one page and the prompt, whatever the size of the store. ``admit(block)`` runs on
+    the page's block before any byte of it reaches the engine, and refuses it by raising: the consent
+    rule of `graftmem.memory.verbs` (a page imported unchecked may hold another text's state). Call this
+    through `MemoryVerbs.recall_document`, which passes it.
     """
     if not isinstance(task, str) or not task.strip():
         raise ConfigError("the task is empty: give the question to route")
@@ -682,6 +686,8 @@ def recall_document(engine: "Engine", store: "Store", index: PageIndex, task: st
     else:
         raise BlockNotFound("every page that matched this task has been deleted from the store")
     hits = hits[n:]
+    if admit is not None:
+        admit(block)
     r = answer_graft_way(engine, store, block, prompt if prompt is not None else "\n\n" + task, max_tokens=max_tokens)
     prefetch = getattr(store, "prefetch", None)  # a fleet store: bring the runner-up pages into its cache
     if prefetch is not None:

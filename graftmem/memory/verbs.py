@@ -27,10 +27,12 @@ from ..core.blocks import Block, Recall, SearchHit
 from ..core.decoding import Sampling, check_stops
 from ..core.errors import ConfigError, UnverifiedBlock
 from . import validate as check
+from .access import SHARED_BY_KEY
 from .answer import OnText
 from .answer import ask as ask_block
 from .answer import graft as graft_block
 from .learn import learn as learn_text
+from .pager import recall_document as recall_pages
 from .recall import continuation_for
 from .recall import recall as route_and_answer
 from .recall import search as route_search
@@ -38,6 +40,7 @@ from .recall import search as route_search
 if TYPE_CHECKING:
     from ..core.engine import Engine
     from ..store.local import Store
+    from .pager import DocumentAnswer, PageIndex
     from .router import Router
 
 __all__ = ["MemoryVerbs", "first_untrusted", "untrusted_in_chain", "weakest_provenance"]
@@ -132,9 +135,13 @@ class MemoryVerbs:
     def prepare_learn(self, text: str, *, name: Optional[str] = None, kind: str = "manual",
                       metadata: Optional[Mapping[str, Any]] = None, progress: bool = False,
                       when_to_use: Optional[str] = None, chat: bool = False,
-                      parent: Optional[str] = None) -> Callable[[], tuple[Block, bool]]:
+                      parent: Optional[str] = None, owner: Optional[str] = None,
+                      shared_by: Optional[str] = None,
+                      may_relabel: Optional[BlockFilter] = None) -> Callable[[], tuple[Block, bool]]:
         """Check the arguments now (before any prefill or write); return the call that learns
-        (`graftmem.memory.learn.learn`)."""
+        (`graftmem.memory.learn.learn`). ``owner`` / ``shared_by``: the tenant that owns the block, or
+        that shared it (`graftmem.memory.access.Access.owns`), given by the server, never by a request;
+        ``may_relabel``: whether the caller may change the labels of a block already stored (`Access.may_delete`)."""
         check.text("text", text)
         check.text("name", name, optional=True)
         check.text("kind", kind)
@@ -143,8 +150,13 @@ class MemoryVerbs:
         check.text("when_to_use", when_to_use, optional=True)
         check.flag("chat", chat)
         check.text("parent", parent, optional=True)
+        check.text("owner", owner, optional=True)
+        check.text("shared_by", shared_by, optional=True)
+        if shared_by is not None:
+            metadata = {**(metadata or {}), SHARED_BY_KEY: shared_by}
         return lambda: learn_text(self._engine, self._store, text, name=name, kind=kind, metadata=metadata,
-                                  progress=progress, when_to_use=when_to_use, chat=chat, parent=parent)
+                                  progress=progress, when_to_use=when_to_use, chat=chat, parent=parent,
+                                  owner=owner, may_relabel=may_relabel)
 
     def prepare_ask(self, block_id: str, query: str, *, max_tokens: int = 64, sampling: Optional[Sampling] = None,
                     stop: "str | Sequence[str] | None" = None, allow_unverified: bool = False,
@@ -214,3 +226,26 @@ class MemoryVerbs:
     def recall(self, router: "Callable[[], Router]", task: str, **kw: Any) -> Recall:
         """`prepare_recall` and run it."""
         return self.prepare_recall(router, task, **kw)(None)
+
+    def recall_document(self, index: "PageIndex", task: str, *, prompt: Optional[str] = None,
+                        document: Optional[str] = None, max_tokens: int = 32, min_score: Optional[float] = None,
+                        allow_unverified: bool = False) -> "DocumentAnswer":
+        """Route ``task`` to a page of a long document and answer from it
+        (`graftmem.memory.pager.recall_document`), the page's consent asked before it is grafted (a page
+        imported unchecked is refused, `UnverifiedBlock`, unless ``allow_unverified``) and the receipt
+        stamped with its provenance, as for every other graft."""
+        check.text("task", task)
+        check.text("prompt", prompt, optional=True, empty=True)
+        check.text("document", document, optional=True)
+        check.max_tokens(max_tokens, self._engine.n_ctx)
+        check.score("min_score", min_score)
+        check.flag("allow_unverified", allow_unverified)
+        grafted: list[Block] = []
+
+        def admit(block: Block) -> None:
+            self.consent(block, allow_unverified)
+            grafted.append(block)
+
+        ans = recall_pages(self._engine, self._store, index, task, prompt=prompt, document=document,
+                           max_tokens=max_tokens, min_score=min_score, admit=admit)
+        return ans.model_copy(update={"recall": self.stamp(ans.recall, grafted[-1] if grafted else None)})

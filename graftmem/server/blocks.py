@@ -54,7 +54,8 @@ from ..share.trust import SigningKey, TrustPolicy
 from ..store.local import Store
 from .http import HTTPError, Limits, body_length, guarded, public_message
 from .metrics import Metrics
-from .tenants import ApiKeys, tenant_of, visible
+from ..memory.access import Access
+from .tenants import ApiKeys, tenant_of
 
 __all__ = ["BlockRoutes", "BlockServer"]
 
@@ -131,9 +132,8 @@ class BlockRoutes:
 
     async def blocks(self, request: Request) -> Response:
         kind = request.query_params.get("kind") or None
-        tenant = tenant_of(request.scope)  # another tenant's automatic blocks are never listed
-        body = await anyio.to_thread.run_sync(lambda: self.listing_body(
-            [b for b in self.store.list(kind=kind) if visible(b, tenant)]))
+        access = Access(self.store, tenant_of(request.scope))  # another tenant's blocks are never listed
+        body = await anyio.to_thread.run_sync(lambda: self.listing_body(access.list(kind)))
         headers = {}
         if self.sign_key is not None:
             headers[SIGNATURE_HEADER] = self.sign_key.sign(LISTING_DOMAIN, body).to_header()
@@ -141,8 +141,8 @@ class BlockRoutes:
 
     async def block(self, request: Request) -> Response:
         m = _ID.fullmatch(request.path_params["rest"])
-        if m is None or not self.store.contains(m.group(1)) or not visible(self.store.get(m.group(1)),
-                                                                           tenant_of(request.scope)):
+        if m is None or not self.store.contains(m.group(1)) or not Access(
+                self.store, tenant_of(request.scope)).sees(self.store.get(m.group(1))):
             # another tenant's automatic block answers exactly as a missing one: its existence is not told
             raise HTTPError(404, f"no block {request.path_params['rest'][:64]!r} on this server",
                             name="BlockNotFound")

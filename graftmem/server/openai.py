@@ -52,6 +52,7 @@ from .generate import Job, Result, check_fits, run_job
 from .http import HTTPError, Limits, client_gone, guarded, json_object, off_loop, public_message, read_body
 from .pool import EnginePool
 from .routing import RouterRef
+from ..memory.access import Access
 from .tenants import tenant_of
 from .tools import ThinkStream, ToolSpec, ToolStream, parse_calls, parse_tools
 
@@ -265,7 +266,7 @@ class OpenAIRoutes:
         # a large body is rendered and tokenized in a worker thread: the event loop keeps serving
         texts, segments, notes, literal = await off_loop(
             sum(len(str(m)) for m in body.get("messages") or [] if isinstance(m, dict)), prompt)
-        routed = await self._recall(body, segments, texts)
+        routed = await self._recall(body, segments, texts, tenant_of(request.scope))
         job = self._job(body, segments, texts, chat=True)
         job.extra = routed
         job.tenant = tenant_of(request.scope)
@@ -278,11 +279,13 @@ class OpenAIRoutes:
             job.extra = {**(routed or {}), "template": {"notes": notes}}
         return job, tools
 
-    async def _recall(self, body: dict[str, Any], segments: list[list[int]], texts: list[str]) -> Optional[dict]:
+    async def _recall(self, body: dict[str, Any], segments: list[list[int]], texts: list[str],
+                      tenant: Optional[str] = None) -> Optional[dict]:
         """Opt-in routing (``"graftmem": {"recall": true, "min_score": 0.4}``): the router picks ONE block
         for the last user message and its chain is put before the messages, as ``Memory.recall`` puts
         it before the task. The prefix cache then grafts it like any stored prefix (exact: the cold
-        path prefills the same segments). Mutates ``segments`` / ``texts``; returns the receipt part."""
+        path prefills the same segments). Mutates ``segments`` / ``texts``; returns the receipt part.
+        Only blocks ``tenant`` sees are routed to (`graftmem.memory.access`: its own and the shared ones)."""
         gm = body.get("graftmem") or {}
         if not isinstance(gm, dict) or not gm.get("recall"):
             return None
@@ -300,7 +303,8 @@ class OpenAIRoutes:
         desk = self.desks[id(self.engine0)]
         router = self.router
         # the router never indexes automatic prefix blocks (memory.router.UNROUTED_KINDS)
-        hits = await asyncio.to_thread(lambda: desk.search(router.get(), task, top_k=1))
+        allow = Access(self.store, tenant).allow()
+        hits = await asyncio.to_thread(lambda: desk.search(router.get(), task, top_k=1, allow=allow))
         if not hits or hits[0].score < min_score:
             return {"recall": {"block_id": None, "score": hits[0].score if hits else None, "min_score": min_score}}
         block = self.store.get(hits[0].block_id)

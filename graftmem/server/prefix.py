@@ -45,8 +45,8 @@ from ..core.blocks import PROVENANCE_LOCAL, Block, Fingerprint, block_id_for
 from ..core.format import state_digest
 from ..core.errors import ConfigError, GraftmemError
 from ..memory.router import AUTO_KIND
+from ..memory.access import owned_parent, owner_of
 from ..memory.verbs import first_untrusted
-from .tenants import owner_of
 from ..store.chain import chain_of, full_state, make_delta
 
 if TYPE_CHECKING:
@@ -63,7 +63,8 @@ _MAX_SIGHTINGS = 4096
 def prefix_keys(segments: Sequence[Sequence[int]], tenant: Optional[str] = None) -> list[bytes]:
     """``keys[k]`` is the key of the first ``k + 1`` segments (each hashed with its length). ``tenant``
     salts every key: one tenant's automatic prefixes are found only under its own keys
-    (`graftmem.server.tenants`); None is the shared space (learned blocks, a server without tenants)."""
+    (`graftmem.server.tenants`); None is the shared space (the operator's and shared blocks, a server without
+    tenants). A block a tenant learned through REST is indexed under its tenant's keys like its automatic ones."""
     h = hashlib.sha256(b"graftmem-prefix-v1")
     if tenant is not None:
         h.update(b"\0tenant\0" + tenant.encode("utf-8") + b"\0")
@@ -82,13 +83,6 @@ def segment_ends(segments: Sequence[Sequence[int]]) -> list[int]:
         n += len(seg)
         out.append(n)
     return out
-
-
-def _id_parent(parent: Optional[str], tenant: Optional[str]) -> Optional[str]:
-    """What an automatic block's id is computed over in place of its parent: the tenant is mixed in."""
-    if tenant is None:
-        return parent
-    return f"{parent or ''}|tenant:{hashlib.sha256(tenant.encode('utf-8')).hexdigest()}"
 
 
 @dataclass(frozen=True)
@@ -164,7 +158,7 @@ class PrefixCache:
         its text's, and a forged system prompt would answer every client.
 
         ``tenant``: the requester (``keys``, if given, are its salted keys); its own automatic prefixes
-        and the shared (learned) ones are found, never another tenant's."""
+        (and learned) prefixes and the shared ones are found, never another tenant's."""
         self.refresh()
         keys = (prefix_keys(segments, tenant) if keys is None else keys)[:len(segments) - 1]
         shared = prefix_keys(segments[:len(keys)]) if tenant is not None else keys
@@ -244,7 +238,7 @@ class PrefixCache:
         try:
             for i, full in zip(range(first, first + len(states)), states):
                 tokens = list(segments[i])
-                bid = block_id_for(self.fingerprint, tokens, _id_parent(parent.id if parent is not None else None,
+                bid = block_id_for(self.fingerprint, tokens, owned_parent(parent.id if parent is not None else None,
                                                                          tenant))
                 if self.store.contains(bid):
                     block = self.store.get(bid)

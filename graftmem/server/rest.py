@@ -1,13 +1,21 @@
 """REST endpoints for the memory itself, so agents in any language (and ``graftmem --url``) can manage
 it without loading a model::
 
-    GET    /v1/memory/blocks[?kind=K]       summaries (id, name, kind, tokens, parent, labels)
-    GET    /v1/memory/blocks/<id>           one block's manifest (id or unique prefix)
-    DELETE /v1/memory/blocks/<id>[?cascade=true]
-    POST   /v1/memory/learn                 {"text", "name"?, "kind"?, "chat"?, "when_to_use"?, "parent"?, "metadata"?}
-    POST   /v1/memory/ask                   {"id", "question", "max_tokens"?, "raw"?, "stop"?, "allow_unverified"?}
-    POST   /v1/memory/search                {"query", "top_k"?}            (the router)
-    POST   /v1/memory/recall                {"task", "max_tokens"?, "min_score"?, "stop"?, "allow_unverified"?}
+    GET    /v1/memory/blocks[?kind=K&SCOPE]  summaries (id, name, kind, tokens, parent, labels, shared)
+    GET    /v1/memory/blocks/<id>[?SCOPE]    one block's manifest (id or unique prefix)
+    DELETE /v1/memory/blocks/<id>[?cascade=true&SCOPE]
+    POST   /v1/memory/learn                 {"text", "name"?, "kind"?, "chat"?, "when_to_use"?, "parent"?, "metadata"?,
+                                             "shared"?, SCOPE}
+    POST   /v1/memory/ask                   {"id", "question", "max_tokens"?, "raw"?, "stop"?, "allow_unverified"?, SCOPE}
+    POST   /v1/memory/search                {"query", "top_k"?, SCOPE}            (the router)
+    POST   /v1/memory/recall                {"task", "max_tokens"?, "min_score"?, "stop"?, "allow_unverified"?, SCOPE}
+
+SCOPE is ``user_id`` / ``agent_id`` / ``session_id`` (any of them), as `Memory` takes them: a learn records
+the scope, the other verbs see only the blocks learned in it (``get`` / ``ask`` / ``delete`` of a block
+outside it: 404). Who sees which block is `graftmem.memory.access.Access`'s rule, the same for every door:
+with tenants (``serve --api-key-file``) a block a tenant learns is its own unless it asks ``"shared":
+true`` (or the server runs with ``--shared-learned``); the operator's blocks are shared; scopes live inside
+a tenant.
 
 Each verb calls the same object [`Memory`][graftmem.Memory] calls (`graftmem.memory.verbs.MemoryVerbs`)
 with an engine from the pool, so an answer through the server is the answer ``Memory.recall`` gives,
@@ -21,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 import anyio.to_thread
@@ -28,15 +37,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from ..core.blocks import Block
+from ..core.blocks import Block, Scope
 from ..core.errors import (AccessDenied, BlockNotFound, ConfigError, GraftmemError, IncompatibleBlock, StoreLocked,
                            UnverifiedBlock)
 from ..memory import validate as check
+from ..memory.access import Access, owner_of, reserved_metadata
 from ..memory.verbs import MemoryVerbs
+from ..store.scopes import ScopeIndex
 from .http import HTTPError, Limits, client_gone, guarded, json_object, off_loop, public_message, read_body
 from .pool import EnginePool
 from .routing import RouterRef
-from .tenants import tenant_of, visible
+from .tenants import tenant_of
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -52,17 +63,42 @@ log = logging.getLogger("graftmem")
 def _summary(b: Block) -> dict[str, Any]:
     return {"id": b.id, "name": b.name, "kind": b.kind, "n_tokens": b.n_tokens, "parent": b.parent,
             "created_at": b.created_at.isoformat(), "when_to_use": b.metadata.get("when_to_use"),
-            "state_size": b.state_size}
+            "state_size": b.state_size, "shared": owner_of(b) is None}
+
+
+_SCOPE = ("user_id", "agent_id", "session_id")
 
 
 class MemoryRoutes:
     """The memory's verbs over HTTP, on the server's pool, store and router."""
 
     def __init__(self, pool: EnginePool, store: "Store", router: RouterRef, *,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, shared_learned: bool = False) -> None:
         self.pool, self.store, self.router = pool, store, router
         self.limits = limits or Limits()
         self.home = str(store.home)
+        #: ``serve --shared-learned``: a tenant's learn is shared unless it sends ``"shared": false``
+        self.shared_learned = shared_learned
+        self._scopes: Optional[ScopeIndex] = None
+        self._scopes_lock = threading.Lock()
+
+    def scopes(self) -> ScopeIndex:
+        """The home's scope index (the one `Memory.scopes` opens), opened on the first scoped request."""
+        with self._scopes_lock:
+            if self._scopes is None:
+                self._scopes = ScopeIndex(self.store.home, timeout=getattr(self.store, "lock_timeout", 30.0),
+                                          read_only=bool(getattr(self.store, "read_only", False)))
+            return self._scopes
+
+    def close(self) -> None:
+        with self._scopes_lock:
+            if self._scopes is not None:
+                self._scopes.close()
+                self._scopes = None
+
+    def access(self, request: Request) -> Access:
+        """What this request's tenant may see (`graftmem.memory.access`): the one rule of every door."""
+        return Access(self.store, tenant_of(request.scope), scopes=self.scopes)
 
     def routes(self) -> list[BaseRoute]:
         g = lambda h: guarded(self._translated(h), self.home)  # noqa: E731
@@ -127,60 +163,59 @@ class MemoryRoutes:
             raise HTTPError(400, "this server was started without a router", code="router_unavailable")
         return self.router.get()
 
-    def _descendants(self, bid: str) -> list[str]:
-        out, todo = [], list(self.store.children(bid))
-        while todo and len(out) < 100_000:
-            c = todo.pop()
-            out.append(c)
-            todo += self.store.children(c)
-        return out
-
     # ------------------------------------------------------------------ verbs
     def _desk(self, engine: "Engine") -> MemoryVerbs:
         """The verbs of this pooled engine: every check, consent and stamp is theirs, as for `Memory`."""
         return MemoryVerbs(engine, self.store)
 
-    def _visible(self, request: Request, bid: str) -> Block:
-        """The block ``bid`` (id or prefix) if the request's tenant may see it; else as if missing."""
-        check.text("block id", bid)
-        tenant = tenant_of(request.scope)
-        try:
-            block = self.store.get(bid)
-        except ConfigError:  # an ambiguous prefix could tell that another tenant's block exists
-            block = None
-        if block is None or not visible(block, tenant):
-            raise BlockNotFound(f"no block {bid[:64]!r} in this store")
-        return block
-
     async def list(self, request: Request) -> Response:
         kind = request.query_params.get("kind") or None
-        tenant = tenant_of(request.scope)
-        return JSONResponse({"blocks": [_summary(b) for b in self.store.list(kind=kind) if visible(b, tenant)]})
+        scope = _scope(request.query_params)
+        blocks = await anyio.to_thread.run_sync(lambda: self.access(request).list(kind, scope))
+        return JSONResponse({"blocks": [_summary(b) for b in blocks]})
 
     async def get(self, request: Request) -> Response:
-        return Response(self._visible(request, request.path_params["bid"]).model_dump_json(),
-                        media_type="application/json")
+        block = self.access(request).get(request.path_params["bid"], _scope(request.query_params))
+        return Response(block.model_dump_json(), media_type="application/json")
 
     async def delete(self, request: Request) -> Response:
+        """Delete a block this tenant owns (a shared one: only the tenant that shared it; 403 otherwise),
+        within the scope if one is given; its scope rows go with it."""
         cascade = request.query_params.get("cascade", "").lower() in ("1", "true", "yes")
-        bid = self._visible(request, request.path_params["bid"]).id
-        tenant = tenant_of(request.scope)
-        if cascade and any(not visible(self.store.get(c), tenant) for c in self._descendants(bid)):
-            raise BlockNotFound(f"block {bid[:12]} has descendants this key may not delete")
+        access = self.access(request)
+        bid = access.deletable(request.path_params["bid"], _scope(request.query_params), cascade).id
         gone = self.store.delete(bid, cascade=cascade)
         self.router.removed(gone)
+        access.forget(gone, cascade_from=bid)
         return JSONResponse({"deleted": gone})
 
     async def learn(self, request: Request) -> Response:
         """``Memory.learn``: the same checks (`graftmem.memory.validate`: ``name: 5``, ``kind: ""``, a lone
-        surrogate are 400s), the same learn path."""
+        surrogate are 400s), the same learn path, the scope recorded. With tenants the block is the
+        requester's own (another tenant's learn of the same text is another block) unless ``shared``."""
         body = await self._body(request)
         args = _fields(body, ("name", "kind", "chat", "when_to_use", "parent", "metadata"))
-        text = body.get("text")
+        text, shared = body.get("text"), body.get("shared", self.shared_learned)
+        check.flag("shared", shared)
+        scope = _scope(body)
+        reserved_metadata(args.get("metadata"))
+        access = self.access(request)
+        owner, shared_by = access.owns(shared)
         self._desk(self.pool.engines[0]).prepare_learn(text, **args)  # the checks, before queueing
-        if "parent" in args:  # chaining on another tenant's automatic block would graft its state here
-            self._visible(request, args["parent"])
-        block, changed = await self._on_engine(lambda e: self._desk(e).learn(text, **args))
+        if "parent" in args:  # chaining on a block this key may not see would graft its state here
+            pblock = access.get(args["parent"])
+            if owner is None and owner_of(pblock) is not None:  # every tenant would read its parent's text
+                raise check._error("parent", "a shared block cannot be chained on a tenant's own block: learn "
+                                   "it unshared, or chain it on a shared parent")
+            args["parent"] = pblock.id
+        started = datetime.now(timezone.utc)
+
+        def learn(e: "Engine") -> tuple[Block, bool]:
+            block, changed = self._desk(e).learn(text, owner=owner, shared_by=shared_by,
+                                                 may_relabel=access.may_delete, **args)
+            access.own(block, scope, changed, started)
+            return block, changed
+        block, changed = await self._on_engine(learn)
         if changed:
             self.router.added([block])
         return JSONResponse({"block": _summary(block), "new": changed})
@@ -192,7 +227,8 @@ class MemoryRoutes:
         check.integer("top_k", top_k, lo=1, hi=100)
         desk = self._desk(self.pool.engines[0])
         router = self._router
-        hits = await anyio.to_thread.run_sync(lambda: desk.search(router(), query, top_k=top_k))
+        allow = self.access(request).allow(_scope(body))
+        hits = await anyio.to_thread.run_sync(lambda: desk.search(router(), query, top_k=top_k, allow=allow))
         return JSONResponse({"hits": [h.model_dump(mode="json") for h in hits]})
 
     async def recall(self, request: Request) -> Response:
@@ -201,6 +237,7 @@ class MemoryRoutes:
         body = await self._body(request)
         args = _fields(body, ("max_tokens", "min_score", "stop", "allow_unverified"))
         task = body.get("task")
+        args["allow"] = self.access(request).allow(_scope(body))  # this tenant's blocks, in the scope
         self._desk(self.pool.engines[0]).prepare_recall(self._router, task, **args)  # the checks, before queueing
         router = await anyio.to_thread.run_sync(self._router)
         cancel = threading.Event()
@@ -217,13 +254,19 @@ class MemoryRoutes:
         bid, question, raw = body.get("id"), body.get("question"), body.get("raw", False)
         check.flag("raw", raw)
         check.text("question", question, empty=True)
+        scope = _scope(body)
         if isinstance(bid, str) and bid.strip():
-            self._visible(request, bid)  # another tenant's automatic block is not there for this key
+            bid = self.access(request).get(bid, scope).id  # another tenant's block is not there for this key
         self._desk(self.pool.engines[0]).prepare_ask(bid, question, turn=not raw, **args)  # checks, consent
         cancel = threading.Event()
         r = await self._on_engine(lambda e: self._desk(e).prepare_ask(bid, question, turn=not raw, **args)(
             lambda _: cancel.is_set()), request, cancel)
         return Response(r.model_dump_json(), media_type="application/json")
+
+
+def _scope(fields: Any) -> Scope:
+    """The scope a request names (a JSON body or the query string), checked (`ConfigError`: a 400)."""
+    return check.scope(*(fields.get(k) for k in _SCOPE))
 
 
 def _fields(body: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:

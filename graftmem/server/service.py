@@ -43,7 +43,7 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
                max_auto_bytes: Optional[int] = 2 << 30, model_id: Optional[str] = None,
                limits: Optional[Limits] = None, router: Optional[Callable[[], "Router"]] = None,
                auto_storage: str = "full", warm: bool = True, allow_unverified: bool = False,
-               chat_template: Optional[str] = None) -> BlockServer:
+               chat_template: Optional[str] = None, shared_learned: bool = False) -> BlockServer:
     """A `BlockServer` that also answers ``/v1/chat/completions``, ``/v1/completions``,
     ``/v1/models``, Anthropic's ``/v1/messages`` (`graftmem.server.anthropic`), ``/health`` and
     ``/metrics`` (`graftmem.server.metrics`) with ``engines`` (one request per engine at a time, ``max_queue`` waiting), grafting
@@ -68,7 +68,11 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
     key names a tenant, whose automatic blocks, cached prefixes and receipts no other tenant reaches
     (`graftmem.server.tenants`); each keeps its automatic blocks under its share of ``max_auto_bytes``.
     Without a key the server is one local trust domain, said in the log at start-up (a warning when it
-    listens beyond loopback)."""
+    listens beyond loopback). With tenants, a block a tenant learns through REST is its own unless it
+    sends ``"shared": true``; ``shared_learned`` (``serve --shared-learned``) makes sharing the default
+    (the clients are one team that keeps automatic blocks apart but learns together). The operator's
+    blocks (learned into the home with the SDK or the CLI) are shared with every tenant either way
+    (`graftmem.memory.access`)."""
     keys = ApiKeys.single(api_key) if isinstance(api_key, str) else api_key
     tenants = len(keys.entries) if keys is not None and keys.named else 1
     if keys is None or not keys.named:
@@ -84,7 +88,7 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
                       allow_unverified=allow_unverified, chat_template=chat_template)
     desks = [oa.desks[id(e)] for e in engines]
     warmed = warm_engines(desks, cache, allow_unverified=allow_unverified, tokens=oa.tokens) if warm else []
-    rest = MemoryRoutes(pool, store, ref, limits=limits)
+    rest = MemoryRoutes(pool, store, ref, limits=limits, shared_learned=shared_learned)
     metrics = Metrics(pool, store)
     oa.on_result.append(metrics.served)
     srv = BlockServer(store, host=host, port=port, push_token=push_token, fingerprint=engines[0].fingerprint,
@@ -104,6 +108,7 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
                     pass
             except GraftmemError:  # closed already: nothing kept
                 pass
+        rest.close()
 
     srv.on_close.append(forget)
     return srv

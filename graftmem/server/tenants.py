@@ -6,8 +6,10 @@ client's system prompt was confirmed by ``cached_tokens`` and by latency (the pr
 of Gu et al., ICML 2025). As providers do (per organization) and as vLLM does (a salt per tenant set by
 the server), each key names a tenant, and the tenant is mixed into every automatic block's id and every
 prefix-index key (`graftmem.server.prefix`), so one tenant's cached prefixes cannot be found, read,
-listed, deleted or evicted by another. Blocks a user *learned* stay shared: sharing them is an explicit
-choice.
+listed, deleted or evicted by another. Blocks a tenant *learns* through the server are its own too
+(salted the same way); sharing them is an explicit choice (``shared: true``, ``serve --shared-learned``),
+and the operator's blocks (learned into the home with the SDK or the CLI) are shared with every tenant.
+Who sees what is decided in one place for every door: `graftmem.memory.access.Access`.
 
 The key file (``serve --api-key-file``) holds one tenant per line, the key hashed (a leaked file does not
 give the keys away)::
@@ -31,9 +33,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..core.blocks import Block
 from ..core.errors import ConfigError
-from ..memory.router import AUTO_KIND
+from ..memory.access import owner_of, visible
 
 __all__ = ["ApiKeys", "hash_key", "tenant_of", "visible", "owner_of", "TENANT_STATE"]
 
@@ -105,17 +106,3 @@ def tenant_of(scope: Any) -> Optional[str]:
     """The tenant the API key middleware found for this request (None: no keys, one trust domain)."""
     state = scope.get("state") if isinstance(scope, dict) else None
     return state.get(TENANT_STATE) if isinstance(state, dict) else None
-
-
-def owner_of(block: Block) -> Optional[str]:
-    """The tenant an automatic block belongs to (None: a learned block, or a server without tenants)."""
-    if block.kind != AUTO_KIND:
-        return None
-    t = block.metadata.get("tenant")
-    return t if isinstance(t, str) else None
-
-
-def visible(block: Block, tenant: Optional[str]) -> bool:
-    """Whether ``tenant`` may see (list, read, delete, graft) ``block``: learned blocks are shared, an
-    automatic block only with the tenant whose requests made it."""
-    return block.kind != AUTO_KIND or owner_of(block) == tenant

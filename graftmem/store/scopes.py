@@ -9,6 +9,11 @@ what was done to each block (learned, learned again, labels changed, verified, d
 
 Kept in its own SQLite file (``scopes.sqlite``) beside the block index: the block index is rebuilt from
 the block files when they disagree, and scopes are not in the block files (they are not content).
+
+Scopes live inside a tenant (``graftmem serve --api-key-file``): each row records the tenant that
+wrote it (``''``: the SDK, the CLI or a server without tenants, the operator's trust domain), so tenant
+B's ``user_id="alice"`` is not tenant A's, whatever ids either passes. ``tenant=None`` on a read is the
+operator's view: every tenant's rows.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ CREATE TABLE IF NOT EXISTS scopes (
     agent_id   TEXT NOT NULL DEFAULT '',
     session_id TEXT NOT NULL DEFAULT '',
     added_at   REAL NOT NULL,
-    PRIMARY KEY (block_id, user_id, agent_id, session_id)
+    tenant     TEXT NOT NULL DEFAULT '',
+    PRIMARY KEY (block_id, user_id, agent_id, session_id, tenant)
 );
 CREATE INDEX IF NOT EXISTS scopes_user ON scopes(user_id);
 CREATE TABLE IF NOT EXISTS history (
@@ -63,9 +69,13 @@ class ScopeIndex:
                 self._db = sqlite3.connect(self.path, timeout=timeout, check_same_thread=False,
                                            isolation_level=None)
                 self._db.execute("PRAGMA journal_mode=WAL")
+                _migrate(self._db)
                 self._db.executescript(_SCHEMA)
+            cols = {r[1] for r in self._db.execute("PRAGMA table_info(scopes)")}
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open the scope index {self.path}: {exc}") from exc
+        #: a read-only index written before tenants has no tenant column: its rows are all the operator's
+        self._tenant_col = "tenant" if "tenant" in cols or not cols else "''"
 
     def close(self) -> None:
         with self._lock:
@@ -90,36 +100,42 @@ class ScopeIndex:
             raise StoreError(f"cannot write {self.path}: {exc}") from exc
 
     # ------------------------------------------------------------------ scopes
-    def add(self, block_id: str, scope: Scope) -> None:
-        """Record that ``scope`` owns ``block_id`` (idempotent). An empty scope records nothing."""
+    def add(self, block_id: str, scope: Scope, tenant: Optional[str] = None) -> None:
+        """Record that ``scope`` of ``tenant`` (None: the operator's) owns ``block_id`` (idempotent). An
+        empty scope records nothing."""
         if scope.empty:
             return
-        self._write("INSERT OR IGNORE INTO scopes VALUES (?, ?, ?, ?, ?)",
-                    [(block_id, scope.user_id or "", scope.agent_id or "", scope.session_id or "", time.time())])
+        self._write("INSERT OR IGNORE INTO scopes (block_id, user_id, agent_id, session_id, added_at, tenant) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    [(block_id, scope.user_id or "", scope.agent_id or "", scope.session_id or "", time.time(),
+                      tenant or "")])
 
-    def remove(self, block_id: str, scope: Optional[Scope] = None) -> int:
-        """Forget ``block_id`` for ``scope`` (every field given must match), or for everyone; returns the
-        number of owners left."""
+    def remove(self, block_id: str, scope: Optional[Scope] = None, tenant: Optional[str] = None) -> int:
+        """Forget ``block_id`` for ``scope`` (every field given must match) of ``tenant`` (None: of every
+        tenant), or for everyone; returns the number of owners left."""
         if scope is None or scope.empty:
             self._write("DELETE FROM scopes WHERE block_id = ?", [(block_id,)])
         else:
-            where, args = self._where(scope)
+            where, args = self._where(scope, tenant)
             self._write(f"DELETE FROM scopes WHERE block_id = ? AND {where}", [(block_id, *args)])
         return len(self.owners(block_id))
 
-    @staticmethod
-    def _where(scope: Scope) -> tuple[str, list[str]]:
+    def _where(self, scope: Scope, tenant: Optional[str] = None) -> tuple[str, list[str]]:
         conds, args = [], []
         for col in ("user_id", "agent_id", "session_id"):
             val = getattr(scope, col)
             if val is not None:
                 conds.append(f"{col} = ?")
                 args.append(val)
+        if tenant is not None:
+            conds.append(f"{self._tenant_col} = ?")
+            args.append(tenant)
         return " AND ".join(conds) or "1", args
 
-    def blocks_of(self, scope: Scope) -> set[str]:
-        """The ids of the blocks owned within ``scope`` (each given field must match)."""
-        where, args = self._where(scope)
+    def blocks_of(self, scope: Scope, tenant: Optional[str] = None) -> set[str]:
+        """The ids of the blocks owned within ``scope`` (each given field must match) by ``tenant``
+        (``''``: the operator's own rows; None: every tenant's, the operator's view)."""
+        where, args = self._where(scope, tenant)
         with self._lock:
             return {r[0] for r in self._db.execute(f"SELECT DISTINCT block_id FROM scopes WHERE {where}", args)}
 
@@ -143,3 +159,27 @@ class ScopeIndex:
 
     def reset(self) -> None:
         self._write("DELETE FROM scopes", [()])
+
+
+def _migrate(db: sqlite3.Connection) -> None:
+    """An index written before tenants: its ``scopes`` table gets the ``tenant`` column (in the primary
+    key, so that two tenants' identical scopes are two rows), every old row the operator's (``''``)."""
+    cols = {r[1] for r in db.execute("PRAGMA table_info(scopes)")}
+    if not cols or "tenant" in cols:
+        return
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        if "tenant" in {r[1] for r in db.execute("PRAGMA table_info(scopes)")}:  # another process did it
+            db.execute("COMMIT")
+            return
+        db.execute("ALTER TABLE scopes RENAME TO scopes_before_tenants")
+        db.execute("DROP INDEX IF EXISTS scopes_user")
+        db.execute(_SCHEMA.split(";")[0])
+        db.execute("INSERT INTO scopes (block_id, user_id, agent_id, session_id, added_at, tenant) "
+                   "SELECT block_id, user_id, agent_id, session_id, added_at, '' FROM scopes_before_tenants")
+        db.execute("DROP TABLE scopes_before_tenants")
+        db.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(sqlite3.Error):
+            db.execute("ROLLBACK")
+        raise

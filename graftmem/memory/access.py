@@ -1,0 +1,219 @@
+"""Who may see which block: the tenant rule and the scope rule, in one place for every door.
+
+Why one place: the server answers the same question ("may this requester see, route to, graft or
+delete this block?") in the REST verbs, the block-sharing routes (``/v1/blocks``), the OpenAI routes'
+routed recall and the prefix cache; `Memory` answers it for scopes. When each route filtered on its
+own, REST dropped ``user_id``, recall routed to another tenant's blocks, and a learned block was
+readable by every key (issue 24). Every door now asks an `Access`.
+
+The rules (docs/security.md, "Tenants"):
+
+* **Ownership is in the block**, as for automatic blocks: a block a tenant learned through the server
+  carries ``metadata["tenant"]`` and its id is salted with the tenant (`owned_parent`), so two tenants
+  learning the same text get two blocks: neither finds, reads, routes to, deletes nor even detects the
+  other's (a shared id would answer "not new" and skip the prefill: an oracle for a guessed text).
+* **Shared blocks** have no owner: the operator's (learned with the SDK or the CLI into the home, imported,
+  pulled), and those a tenant learned with ``shared: true`` (or under ``serve --shared-learned``), which
+  carry ``metadata["shared_by"]``. Every tenant sees them; only their sharer (or the operator) deletes them.
+* **Scopes** (``user_id`` / ``agent_id`` / ``session_id``) live inside a tenant (`ScopeIndex` rows carry
+  the tenant): a scope narrows what a tenant sees, it never widens it.
+* ``tenant=None`` on a server is one local trust domain (no key file): it sees every block no tenant
+  owns, as before tenants. The operator's view (``operator=True``, what `Memory` uses) sees everything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+
+from ..core.blocks import Block, Scope
+from ..core.errors import AccessDenied, BlockNotFound, ConfigError, GraftmemError
+from . import validate as check
+
+if TYPE_CHECKING:
+    from ..store.local import Store
+    from ..store.scopes import ScopeIndex
+
+__all__ = ["Access", "TENANT_KEY", "SHARED_BY_KEY", "RESERVED_METADATA", "owner_of", "visible", "owned_parent",
+           "reserved_metadata"]
+
+#: the metadata key naming the tenant that owns a block (automatic or learned through the server)
+TENANT_KEY = "tenant"
+#: the metadata key naming the tenant that learned a shared block (it may delete it)
+SHARED_BY_KEY = "shared_by"
+#: metadata keys a caller may not set: the server derives them from the API key, never from a request
+RESERVED_METADATA = (TENANT_KEY, SHARED_BY_KEY)
+
+log = logging.getLogger("graftmem")
+
+BlockFilter = Callable[[Block], bool]
+
+
+def owner_of(block: Block) -> Optional[str]:
+    """The tenant a block belongs to (None: shared, the operator's or shared by a tenant)."""
+    t = block.metadata.get(TENANT_KEY)
+    return t if isinstance(t, str) else None
+
+
+def visible(block: Block, tenant: Optional[str]) -> bool:
+    """Whether ``tenant`` (None: a server without tenants) may see (list, read, route to, graft) ``block``:
+    a shared block always, an owned one only by its owner."""
+    owner = owner_of(block)
+    return owner is None or owner == tenant
+
+
+def owned_parent(parent: Optional[str], tenant: Optional[str]) -> Optional[str]:
+    """What a block's id is computed over in place of its parent id (`block_id_for`): the tenant is mixed
+    in, so that a tenant's block of a text never has the id of another tenant's (or the shared) block of
+    the same text. ``tenant=None``: the parent id itself (a shared block's content id)."""
+    if tenant is None:
+        return parent
+    return f"{parent or ''}|tenant:{hashlib.sha256(tenant.encode('utf-8')).hexdigest()}"
+
+
+def reserved_metadata(metadata: Optional[Mapping[str, Any]]) -> None:
+    """A caller's metadata may not claim an owner or a sharer: `ConfigError` naming the key."""
+    for k in RESERVED_METADATA:
+        if metadata is not None and k in metadata:
+            raise ConfigError(f"metadata key {k!r} is reserved: the server derives a block's tenant from the "
+                              "API key (learn with shared=true to share it)")
+
+
+class Access:
+    """One requester's view of a store: which blocks it sees (tenant), narrowed by a scope and filters.
+
+    ``tenant``: the requester's tenant (None: no tenants, one trust domain). ``operator``: the home's
+    owner (the SDK, the CLI), who sees every block and every tenant's scope rows. ``scopes``: the home's
+    `ScopeIndex` (called when a scope is first used: opening it costs a SQLite connection)."""
+
+    def __init__(self, store: "Store", tenant: Optional[str] = None, *,
+                 scopes: "Optional[Callable[[], ScopeIndex]]" = None, operator: bool = False) -> None:
+        self.store, self.tenant, self.operator = store, tenant, operator
+        self._scopes = scopes
+
+    @property
+    def scope_tenant(self) -> Optional[str]:
+        """The tenant whose scope rows this view reads and writes (None: every tenant's, the operator's)."""
+        return None if self.operator else (self.tenant or "")
+
+    def scopes(self) -> "ScopeIndex":
+        if self._scopes is None:
+            raise ConfigError("scopes (user_id, agent_id, session_id) are not available here")
+        return self._scopes()
+
+    # ------------------------------------------------------------------ seeing
+    def sees(self, block: Block) -> bool:
+        """Whether this requester may see ``block`` at all (its tenant's rule; the operator sees all)."""
+        return self.operator or visible(block, self.tenant)
+
+    def allow(self, scope: Optional[Scope] = None, filters: Optional[Mapping[str, Any]] = None,
+              kind: Optional[str] = None) -> Optional[BlockFilter]:
+        """The predicate of the blocks this requester may see within ``scope``, with the ``filters``
+        metadata values and of ``kind``; None when it would accept every block (the operator, no filter)."""
+        if filters is not None and not isinstance(filters, Mapping):
+            raise ConfigError(f"filters must be a mapping of metadata field -> value, got {type(filters).__name__}")
+        scoped = scope is not None and not scope.empty
+        if self.operator and not scoped and not filters and kind is None:
+            return None
+        owned = self.scopes().blocks_of(scope, self.scope_tenant) if scoped else None  # type: ignore[arg-type]
+        want = dict(filters or {})
+
+        def allow(b: Block) -> bool:
+            return (self.sees(b) and (owned is None or b.id in owned) and (kind is None or b.kind == kind)
+                    and all(b.metadata.get(k) == v for k, v in want.items()))
+        return allow
+
+    def list(self, kind: Optional[str] = None, scope: Optional[Scope] = None,
+             filters: Optional[Mapping[str, Any]] = None) -> list[Block]:
+        """The blocks of ``kind`` this requester sees within ``scope`` (and ``filters``)."""
+        allow = self.allow(scope, filters)
+        return [b for b in self.store.list(kind=kind) if allow is None or allow(b)]
+
+    def get(self, block_id: Any, scope: Optional[Scope] = None) -> Block:
+        """The block ``block_id`` (id or unique prefix) if this requester sees it within ``scope``; else
+        `BlockNotFound`, exactly as for a missing block (an ambiguous prefix too: it could tell that
+        another tenant's block exists)."""
+        check.text("block id", block_id)
+        try:
+            block: Optional[Block] = self.store.get(block_id)
+        except ConfigError:
+            if self.operator:
+                raise
+            block = None
+        except BlockNotFound:
+            block = None
+        allow = self.allow(scope)
+        if block is None or (allow is not None and not allow(block)):
+            raise BlockNotFound(f"no block {block_id[:64]!r} in this store")
+        return block
+
+    # ------------------------------------------------------------------ changing
+    def may_delete(self, block: Block) -> bool:
+        """Its owner deletes a block; a shared one only its sharer; the operator and a server without
+        tenants (one trust domain) delete any block they see."""
+        if self.operator or self.tenant is None:
+            return self.sees(block)
+        return owner_of(block) == self.tenant or block.metadata.get(SHARED_BY_KEY) == self.tenant
+
+    def deletable(self, block_id: Any, scope: Optional[Scope] = None, cascade: bool = False) -> Block:
+        """The block to delete (`get`), refused with `AccessDenied` when this requester may see but not
+        delete it or one of the descendants a cascade would take (a block shared with every tenant)."""
+        block = self.get(block_id, scope)
+        todo, seen = [block.id], 0
+        while todo and seen < 100_000:
+            b = self.store.get(todo.pop())
+            seen += 1
+            if not self.may_delete(b):
+                raise (BlockNotFound(f"block {block.short_id} has descendants this key may not delete")
+                       if not self.sees(b) else
+                       AccessDenied(f"block {b.short_id} ({b.name!r}) is shared with every tenant: only the "
+                                    "tenant that shared it, or the operator (`graftmem delete`), deletes it"))
+            if cascade:
+                todo += self.store.children(b.id)
+        return block
+
+    def owns(self, shared: bool) -> tuple[Optional[str], Optional[str]]:
+        """(owner, sharer) of a block this requester learns: an unshared block is its tenant's (salted id,
+        ``metadata["tenant"]``), a shared one everybody's (``metadata["shared_by"]`` names the tenant);
+        without tenants, or for the operator, neither."""
+        if self.operator or self.tenant is None:
+            return None, None
+        return (None, self.tenant) if shared else (self.tenant, None)
+
+    def own(self, block: Block, scope: Optional[Scope], changed: bool, started: datetime) -> None:
+        """Record that ``scope`` (of this requester's tenant) learned ``block``, and the history event.
+        All or nothing: when the scope cannot be written (a full disk), a block this learn created
+        (``changed`` and created after ``started``) is deleted again and the error raised, so it is not
+        left behind unowned and without its history; the caller retries the whole learn."""
+        scoped = scope is not None and not scope.empty
+        if not scoped and not changed:
+            return
+        try:
+            idx = self.scopes()
+            if scoped:
+                idx.add(block.id, scope, self.scope_tenant)  # type: ignore[arg-type]
+            details = {"name": block.name, "kind": block.kind,
+                       **(scope.model_dump(exclude_none=True) if scoped else {}),  # type: ignore[union-attr]
+                       **({"tenant": self.tenant} if self.tenant is not None and not self.operator else {})}
+            idx.record(block.id, "learned" if changed else "learned_again", details)
+        except GraftmemError:
+            if changed and block.created_at >= started:
+                try:
+                    self.store.delete(block.id)
+                    self.scopes().remove(block.id)
+                except GraftmemError as exc:
+                    log.warning("learn: block %s could not be removed after its scope write failed: %s",
+                                block.short_id, exc)
+            raise
+
+    def forget(self, block_ids: "list[str]", cascade_from: Optional[str] = None) -> None:
+        """Drop every scope row of deleted blocks (a later learn of the same text starts unscoped) and
+        record their deletion in the history."""
+        if self._scopes is None:
+            return
+        for bid in block_ids:
+            self.scopes().remove(bid)
+            self.scopes().record(bid, "deleted", {"cascade_from": cascade_from}
+                                 if cascade_from is not None and bid != cascade_from else {})
