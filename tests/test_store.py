@@ -196,3 +196,42 @@ def test_full_disk_raises_store_full_and_loses_nothing(mem, tmp_path):
             assert m.ask(small.id, " Q:", max_tokens=2).receipt.exact
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_one_sqlite_transaction_rolls_back_and_never_masks_the_error(tmp_path):
+    """graftmem.store.sqlite.transaction: an error in the block rolls the writes back; when nothing is
+    left to roll back (a COMMIT that failed on a full disk has rolled back already), the error raised
+    is still the cause, not "cannot rollback - no transaction is active"."""
+    import sqlite3
+
+    from graftmem.store.sqlite import connect, transaction
+
+    class Cause(Exception):
+        pass
+
+    db = connect(tmp_path / "t.sqlite", timeout=5, setup=lambda d: d.execute("CREATE TABLE IF NOT EXISTS t (x)"))
+    try:
+        assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+        with pytest.raises(Cause):
+            with transaction(db):
+                db.execute("INSERT INTO t VALUES (1)")
+                raise Cause
+        assert db.execute("SELECT count(*) FROM t").fetchone() == (0,)  # rolled back
+        with pytest.raises(Cause):
+            with transaction(db):
+                db.execute("INSERT INTO t VALUES (2)")
+                db.execute("COMMIT")  # the transaction is over, as after a COMMIT that failed
+                raise Cause
+        with pytest.raises(sqlite3.OperationalError, match="cannot rollback"):
+            db.execute("ROLLBACK")  # what transaction() had to keep from replacing the cause
+        with transaction(db):
+            db.execute("INSERT INTO t VALUES (3)")
+        assert [r[0] for r in db.execute("SELECT x FROM t ORDER BY x")] == [2, 3]
+    finally:
+        db.close()
+    ro = connect(tmp_path / "t.sqlite", timeout=5, read_only=True)
+    try:
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            ro.execute("INSERT INTO t VALUES (4)")
+    finally:
+        ro.close()

@@ -51,6 +51,7 @@ from ..core.blocks import Block, Recall, block_id_for
 from ..core.errors import BlockNotFound, ConfigError, StoreError
 from ..core.progress import progress_bar
 from ..store.home import Home
+from ..store.sqlite import connect, transaction
 from .learn import prefill_and_store
 from .recall import answer_graft_way
 from .router import LEX_WEIGHT, Router, embedder_id
@@ -370,8 +371,7 @@ _USER_VERSION = 1
 def _migrate(db: sqlite3.Connection) -> None:
     if db.execute("PRAGMA user_version").fetchone()[0] >= _USER_VERSION:
         return
-    db.execute("BEGIN IMMEDIATE")
-    try:  # re-read inside the write lock: another process may have migrated meanwhile
+    with transaction(db):  # re-read inside the write lock: another process may have migrated meanwhile
         if db.execute("PRAGMA user_version").fetchone()[0] < _USER_VERSION:
             sql = db.execute("SELECT sql FROM sqlite_master WHERE name='passages'").fetchone()
             if sql is not None and "UNIQUE (block_id, idx, embedder)" not in sql[0]:
@@ -381,10 +381,6 @@ def _migrate(db: sqlite3.Connection) -> None:
                 db.execute("DROP TABLE passages_v0")
                 log.info("page index: passages re-keyed by page block (schema version %d)", _USER_VERSION)
             db.execute(f"PRAGMA user_version={_USER_VERSION}")
-        db.execute("COMMIT")
-    except BaseException:
-        db.execute("ROLLBACK")
-        raise
 
 
 class PageIndex:
@@ -408,11 +404,8 @@ class PageIndex:
         self.embedder_id = embedder_id(embedder)
         self.lex_weight = float(lex_weight)
         self._lock = threading.RLock()
-        self._db = sqlite3.connect(self.path, timeout=60, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(_SCHEMA)
-        _migrate(self._db)
+        self._db = connect(self.path, timeout=60, setup=lambda db: (
+            db.execute("PRAGMA synchronous=FULL"), db.executescript(_SCHEMA), _migrate(db)))
         self._router: "Router | None" = None
         self._loaded_rowid = 0
 
@@ -428,13 +421,8 @@ class PageIndex:
         with self._lock:
             self._db.execute(f"ATTACH DATABASE ? AS {alias}", (str(path),))
             try:
-                self._db.execute(begin)
-                try:
+                with transaction(self._db, begin):
                     yield
-                    self._db.execute("COMMIT")
-                except BaseException:
-                    self._db.execute("ROLLBACK")
-                    raise
             finally:
                 self._db.execute(f"DETACH DATABASE {alias}")
 
@@ -493,8 +481,7 @@ class PageIndex:
         texts = [plan.text[s:e] for s, e, _ in page.passages]
         vecs = np.asarray(self.embedder.embed_batch(texts), dtype=np.float32) if embed and texts else None
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
+            with transaction(self._db):
                 self._db.execute("INSERT OR REPLACE INTO pages VALUES (?,?,?,?,?,?,?,?)",
                                  (plan.document, fp_digest, page.page, block_id, page.char_start,
                                   page.char_end, page.token_start, page.n_tokens))
@@ -504,10 +491,6 @@ class PageIndex:
                         "token_start, text, embedder, vec) VALUES (?,?,?,?,?,?,?,?,?,?)",
                         [(block_id, plan.document, page.page, k, s, e, t, texts[k], self.embedder_id,
                           vecs[k].tobytes()) for k, (s, e, t) in enumerate(page.passages)])
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
         return len(texts) if vecs is not None else 0
 
     def finish_pages(self, plan: DocumentPlan, fp_digest: str) -> tuple[int, bool]:

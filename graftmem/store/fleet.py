@@ -60,6 +60,7 @@ from ..core.format import HEADER, TRAILER_LEN, parse_header, parse_manifest, sta
 from .home import BLOCK_SUFFIX, Home
 from .local import Store, _marks, check_head, checked_id, deletion_order, incompatibility
 from .remote import Bucket, RetryPolicy, parse_url
+from .sqlite import connect, transaction
 
 __all__ = ["FleetStore", "default_cache_dir", "DEFAULT_CACHE_BYTES", "DEFAULT_POLL_INTERVAL", "is_remote"]
 
@@ -216,10 +217,7 @@ class FleetStore:
         self._writes: dict[str, Future] = {}  #: block id -> its cache write in progress
         self.counters = {"gets": 0, "get_bytes": 0, "puts": 0, "put_bytes": 0, "lists": 0, "cache_hits": 0}
         try:
-            self._db = sqlite3.connect(root / "fleet.sqlite", timeout=lock_timeout, check_same_thread=False,
-                                       isolation_level=None)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.executescript(_SCHEMA)
+            self._db = connect(root / "fleet.sqlite", timeout=lock_timeout, setup=lambda db: db.executescript(_SCHEMA))
         except sqlite3.Error as exc:
             self.cache.close()
             raise StoreError(f"cannot open the fleet index in {root}: {exc}") from exc
@@ -279,18 +277,12 @@ class FleetStore:
             new = [bid for bid, tag in live.items() if rows.get(bid) != tag]
             fetched = self._fetch_markers(new)
             with self._tlock:
-                self._db.execute("BEGIN IMMEDIATE")
-                try:
+                with transaction(self._db):
                     for bid in gone:
                         self._db.execute("DELETE FROM remote WHERE id=?", (bid,))
                     for bid, marker in fetched.items():
                         # the listing's tag: an unchanged marker is not fetched again
                         self._upsert(marker, live[bid])
-                    self._db.execute("COMMIT")
-                except BaseException:
-                    with contextlib.suppress(sqlite3.Error):
-                        self._db.execute("ROLLBACK")
-                    raise
             for bid in gone:  # a deleted block must not be grafted from the cache either
                 self._drop_cached(bid)
             changed = bool(gone or fetched)

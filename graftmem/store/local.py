@@ -43,6 +43,7 @@ from ..core.blocks import (PROVENANCE_LOCAL, PROVENANCE_UNVERIFIED, Block, Finge
 from ..core.errors import (BlockCorrupted, BlockNotFound, ConfigError, IncompatibleBlock, StoreError,
                            StoreFull, StoreLocked, StoreReadOnly)
 from .home import BLOCK_SUFFIX, Home
+from .sqlite import connect, transaction
 from ..core.format import HEADER, TRAILER_LEN, parse_header, parse_manifest, state_digest, write_block
 
 __all__ = ["Store", "default_home", "read_block_file", "atomic_file", "open_regular", "TEMP_MAX_AGE"]
@@ -350,18 +351,10 @@ class Store:
 
     def _open_index(self) -> sqlite3.Connection:
         if not self.read_only:
-            db = None
             try:
-                db = sqlite3.connect(self.layout.index, timeout=self.lock_timeout,
-                                     check_same_thread=False, isolation_level=None)
-                db.execute("PRAGMA journal_mode=WAL")
-                db.execute("PRAGMA synchronous=FULL")
-                db.executescript(_SCHEMA)
-                self._migrate(db)
-                return db
+                return connect(self.layout.index, timeout=self.lock_timeout, setup=lambda db: (
+                    db.execute("PRAGMA synchronous=FULL"), db.executescript(_SCHEMA), self._migrate(db)))
             except sqlite3.DatabaseError as exc:
-                if db is not None:
-                    db.close()
                 code = (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF  # primary code of an extended one
                 if code in (_SQLITE_CORRUPT, _SQLITE_NOTADB) and not self._index_set_aside:
                     # the files are the truth: set the damaged index aside and rebuild it from them
@@ -718,16 +711,13 @@ class Store:
         existed = os.path.lexists(path)
         renamed = False
         try:
-            self._db.execute("BEGIN IMMEDIATE")
             try:
-                self._insert(block, size, provenance, labels_trusted)
-                os.replace(tmp, path)
-                renamed = True
-                fsync_path(path.parent)
-                self._db.execute("COMMIT")
+                with transaction(self._db):
+                    self._insert(block, size, provenance, labels_trusted)
+                    os.replace(tmp, path)
+                    renamed = True
+                    fsync_path(path.parent)
             except BaseException:
-                with contextlib.suppress(sqlite3.Error):
-                    self._db.execute("ROLLBACK")
                 if renamed and not existed:
                     path.unlink(missing_ok=True)
                 raise
@@ -776,8 +766,7 @@ class Store:
         replaced: set[str] = set()  # an unverified block overwritten by its proved copy: not undone
         with self.lock():
             try:
-                self._db.execute("BEGIN IMMEDIATE")
-                try:
+                with transaction(self._db):
                     for block, src in files:
                         dst = self.path_of(block.id)
                         if dst.exists() and self.contains(block.id):
@@ -800,11 +789,6 @@ class Store:
                     else:
                         for d in dirs:
                             fsync_path(d)
-                    self._db.execute("COMMIT")
-                except BaseException:
-                    with contextlib.suppress(sqlite3.Error):
-                        self._db.execute("ROLLBACK")
-                    raise
             except BaseException as exc:
                 for b, dst in moved:
                     if b.id not in replaced:

@@ -18,7 +18,6 @@ operator's view: every tenant's rows.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sqlite3
 import threading
@@ -29,6 +28,7 @@ from typing import Any, Iterable, Mapping, Optional
 from ..core.blocks import HistoryEvent, Scope
 from ..core.errors import StoreError, StoreFull
 from .home import Home
+from .sqlite import connect, transaction
 
 __all__ = ["ScopeIndex"]
 
@@ -61,16 +61,8 @@ class ScopeIndex:
         self.path = Home(root).scopes
         self._lock = threading.Lock()
         try:
-            if read_only:
-                uri = f"file:{self.path}?mode=ro"
-                self._db = sqlite3.connect(uri, uri=True, timeout=timeout, check_same_thread=False,
-                                           isolation_level=None)
-            else:
-                self._db = sqlite3.connect(self.path, timeout=timeout, check_same_thread=False,
-                                           isolation_level=None)
-                self._db.execute("PRAGMA journal_mode=WAL")
-                _migrate(self._db)
-                self._db.executescript(_SCHEMA)
+            self._db = connect(self.path, timeout=timeout, read_only=read_only,
+                               setup=lambda db: (_migrate(db), db.executescript(_SCHEMA)))
             cols = {r[1] for r in self._db.execute("PRAGMA table_info(scopes)")}
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open the scope index {self.path}: {exc}") from exc
@@ -84,16 +76,8 @@ class ScopeIndex:
     def _write(self, sql: str, rows: Iterable[tuple[Any, ...]]) -> None:
         try:
             with self._lock:
-                self._db.execute("BEGIN IMMEDIATE")
-                try:
+                with transaction(self._db):  # a failed COMMIT (disk full) stays the error raised
                     self._db.executemany(sql, list(rows))
-                    self._db.execute("COMMIT")
-                except BaseException:
-                    # a failed COMMIT (disk full) may have rolled back already: "cannot rollback - no
-                    # transaction is active" must not replace the cause (it turned StoreFull into StoreError)
-                    with contextlib.suppress(sqlite3.Error):
-                        self._db.execute("ROLLBACK")
-                    raise
         except sqlite3.OperationalError as exc:
             if "full" in str(exc).lower():
                 raise StoreFull(f"disk full while writing {self.path}: free space and retry") from exc
@@ -167,10 +151,8 @@ def _migrate(db: sqlite3.Connection) -> None:
     cols = {r[1] for r in db.execute("PRAGMA table_info(scopes)")}
     if not cols or "tenant" in cols:
         return
-    db.execute("BEGIN IMMEDIATE")
-    try:
+    with transaction(db):
         if "tenant" in {r[1] for r in db.execute("PRAGMA table_info(scopes)")}:  # another process did it
-            db.execute("COMMIT")
             return
         db.execute("ALTER TABLE scopes RENAME TO scopes_before_tenants")
         db.execute("DROP INDEX IF EXISTS scopes_user")
@@ -178,8 +160,3 @@ def _migrate(db: sqlite3.Connection) -> None:
         db.execute("INSERT INTO scopes (block_id, user_id, agent_id, session_id, added_at, tenant) "
                    "SELECT block_id, user_id, agent_id, session_id, added_at, '' FROM scopes_before_tenants")
         db.execute("DROP TABLE scopes_before_tenants")
-        db.execute("COMMIT")
-    except BaseException:
-        with contextlib.suppress(sqlite3.Error):
-            db.execute("ROLLBACK")
-        raise
