@@ -87,7 +87,8 @@ def _bad(field: str, why: str, code: str = "unsupported_parameter") -> HTTPError
 
 
 def _not_found(rid: str, param: Optional[str] = None) -> HTTPError:
-    return HTTPError(404, f"Response with id '{rid[:80]}' not found.", param=param, code="not_found",
+    return HTTPError(404, f"{param + ': ' if param else ''}Response with id '{rid[:80]}' not found.", param=param,
+                     code="not_found",
                      name="BlockNotFound")
 
 
