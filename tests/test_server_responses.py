@@ -156,6 +156,22 @@ def test_function_call_items_round_trip_through_a_stored_chain(srv):
             assert any(e.type == "response.function_call_arguments.done" and e.arguments == o.arguments for e in events)
 
 
+def test_other_instructions_re_render_the_conversation_from_its_items(srv):
+    """The chain holds turn 1's instructions: a turn with other instructions is served by re-rendering
+    the stored items with the new ones (as OpenAI does: instructions are not carried over), and says so."""
+    c = _client(srv)
+    r1 = c.responses.create(model="smollm2", instructions=INSTRUCTIONS, input="Name a primary colour.", **GREEDY)
+    r2 = c.responses.create(model="smollm2", instructions="You are a poet.", input="Name another one.",
+                            previous_response_id=r1.id, **GREEDY)
+    info = _receipt(r2)["response"]
+    assert info["continued"] is False and info["chain"] is None and r2.output_text
+    cold = c.responses.create(model="smollm2", instructions="You are a poet.", store=False, temperature=0,
+                              max_output_tokens=12, input=[{"role": "user", "content": "Name a primary colour."},
+                                                          {"role": "assistant", "content": r1.output_text},
+                                                          {"role": "user", "content": "Name another one."}])
+    assert cold.output_text == r2.output_text  # the same conversation as items: the same prompt
+
+
 def test_tenants_cannot_reach_each_others_responses(srv):
     a, b = _client(srv), _client(srv, BOB)
     r = a.responses.create(model="smollm2", input="Say hi.", **GREEDY)

@@ -271,11 +271,12 @@ class ResponseStore:
         self._lock = threading.RLock()
         self._index: dict[str, str] = {}
         self._version: Optional[tuple[int, int]] = None
+        self._next_sweep = 0.0
 
-    def _refresh(self) -> None:
+    def _refresh(self, force: bool = False) -> None:
         refresh = getattr(self.store, "refresh", None)
-        if refresh is not None:  # a fleet store: see what other servers wrote to the bucket
-            refresh()
+        if refresh is not None:  # a fleet store: see what other servers wrote to the bucket (polled)
+            refresh(force=force)
         now = (self.store.data_version(), self.store.stats().blocks)
         with self._lock:
             if now == self._version:
@@ -294,6 +295,11 @@ class ResponseStore:
             return None
         self._refresh()
         bid = self._index.get(rid)
+        if bid is None and hasattr(self.store, "refresh"):
+            # a fleet store lists the bucket every poll interval: an id another worker stored a moment
+            # ago is looked for now (a load balancer needs no stickiness)
+            self._refresh(force=True)
+            bid = self._index.get(rid)
         if bid is None:
             return None
         try:
@@ -352,6 +358,13 @@ class ResponseStore:
             self._version = None
         if self.cache is not None:
             self.cache.refresh(force=True)
+
+    def maybe_sweep(self, every: float = 60.0) -> None:
+        """`sweep` at most once per ``every`` seconds of the clock (it lists the automatic blocks)."""
+        now = self.clock()
+        if now >= self._next_sweep:
+            self._next_sweep = now + every
+            self.sweep(now)
 
     def sweep(self, now: Optional[float] = None) -> list[str]:
         """Expire responses older than ``ttl`` and drop deleted ones no chain needs any more; the ids of
@@ -449,7 +462,7 @@ class ResponsesRoutes:
         if body.get("input") is None:
             raise _bad("input", "input is required", "missing_required_parameter")
         chat = to_chat(body)
-        new = items_to_messages(body["input"])
+        new = turn = items_to_messages(body["input"])  # ``turn``: this request's own messages, as stored
         if not new:
             raise _bad("input", "input has no message", "invalid_value")
         tenant = tenant_of(request.scope)
@@ -486,8 +499,7 @@ class ResponsesRoutes:
         obj = self._object(rid, created, body, instructions, store)
         input_items = self._input_items(rid, body["input"])
         record_base = {"id": rid, "created_at": self.stored.clock(), "input_items": input_items,
-                       "previous_response_id": prev_id, "system": instructions, "tools_key": _tools_key(chat),
-                       "new_messages": None}
+                       "previous_response_id": prev_id, "system": instructions, "tools_key": _tools_key(chat)}
         job.capture_end = store and self.oa.cache is not None
         state: dict[str, Any] = {}
 
@@ -498,12 +510,11 @@ class ResponsesRoutes:
                 final["store"] = False
                 return
             out_msgs = self._output_messages(final["output"])
-            record = {**record_base, "object": final, "messages": new + out_msgs}
-            record.pop("new_messages")
+            record = {**record_base, "object": final, "messages": turn + out_msgs}
             if self.stored.put(job, end, record) is None:
                 final["store"] = False
             if self.stored.ttl is not None:
-                self.stored.sweep()
+                self.stored.maybe_sweep()
 
         job.on_end = on_end
         if not stream:
