@@ -16,7 +16,8 @@ and prefills only what follows it: the end of the assistant's turn as the model'
 the new input, the generation header (`graftmem.server.chat.continuation_segments`). Nothing of the
 conversation is rendered again, so a template that drops earlier reasoning, dates its system block or
 moves the system prompt cannot make the stored state miss. Two responses continuing one response share
-its blocks (each new block's parent is the continued one).
+its blocks (each new block's parent is the continued one). On a fleet store the blocks (record included)
+live in the bucket, so any worker continues any conversation.
 
 **Exact** here means: the continued turn computes the bytes the process that generated the response
 would compute had it kept its context and appended the same new tokens (same prefill calls) and decoded
