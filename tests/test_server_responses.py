@@ -125,6 +125,10 @@ def test_previous_response_id_across_a_restart_equals_continuing_in_ram(srv, key
     leaves = [b for b in store.list(kind="auto") if b.metadata.get("response", {}).get("id") in
               (in_ram.id, restarted.id)]
     assert len(leaves) == 2 and {b.parent for b in leaves} == {parent}  # two branches share turn 1's block
+    # the whole state after turn 2 (prompt, answer and all), captured on A from RAM and on B after the
+    # graft: the same bytes (stored whole, so each block's state digest is the digest of the full state)
+    assert leaves[0].storage == leaves[1].storage == "full"
+    assert leaves[0].state_digest == leaves[1].state_digest
     assert c.responses.retrieve(restarted.id).output_text == restarted.output_text  # stored by B, read by A
 
 
