@@ -20,6 +20,11 @@ n_ubatch, threads and flash attention:
   cache that survives a restart; unverified). ``cold``: a new process and an empty cache directory;
   ``restart``: a new process on the same cache directory.
 
+- ``graftmem-responses``: the same user turns as an agent of the Responses API: each turn sends only its
+  user message with ``previous_response_id`` (the server grafts the stored chain, or finds it in RAM):
+  5 turns, a restart, 5 more turns continuing the stored conversation; next to the same conversation
+  over Chat Completions (the model's own answers re-sent as history each turn), on a fresh home.
+
 The order of the servers rotates per rep (the machine is shared and noisy); the JSON keeps every
 number, the table shows medians and [min, max]. Afterwards, ``graftmem search --url`` through a running
 server: p50 of the HTTP request alone and of the whole CLI process.
@@ -205,6 +210,51 @@ def session(url: str, requests: list[list[dict]], extra: dict) -> list[dict[str,
     return [ttft(client, msgs, extra) for msgs in requests]
 
 
+# --------------------------------------------------------------------------- a Responses agent
+def responses_turn(client: openai.OpenAI, system: str, user: str, prev: Optional[str]) -> dict[str, Any]:
+    """One turn of the Responses agent: only the new user message, ``previous_response_id`` naming the
+    last answer (the server grafts its stored chain); TTFT to the first ``output_text`` delta."""
+    t0 = time.perf_counter()
+    first, parts, final = None, [], None
+    kw: dict[str, Any] = {"previous_response_id": prev} if prev else {}
+    for ev in client.responses.create(model="m", instructions=system, input=user, max_output_tokens=MAX_TOKENS,
+                                      temperature=0, stream=True, **kw):
+        if ev.type == "response.output_text.delta" and ev.delta and first is None:
+            first = time.perf_counter() - t0
+        if ev.type == "response.output_text.delta":
+            parts.append(ev.delta)
+        if ev.type in ("response.completed", "response.incomplete"):
+            final = ev.response
+    end = time.perf_counter() - t0
+    rc = (final.model_extra or {}).get("graftmem") or {} if final is not None else {}
+    return {"ttft_ms": round((first if first is not None else end) * 1e3, 2), "total_ms": round(end * 1e3, 2),
+            "text": "".join(parts), "cached_tokens": rc.get("tokens_restored"), "restore_ms": rc.get("restore_ms"),
+            "prefill_ms": rc.get("prefill_ms"), "tokens_prefilled": rc.get("tokens_prefilled"),
+            "source": rc.get("source"), "id": final.id if final is not None else None}
+
+
+def responses_agent(url: str, system: str, prev: Optional[str]) -> list[dict[str, Any]]:
+    """The 5 user turns as a Responses conversation continuing ``prev`` (None: a new one)."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    out = []
+    for u in USER_TURNS:
+        out.append(responses_turn(client, system, u, prev))
+        prev = out[-1]["id"]
+    return out
+
+
+def chat_agent(url: str, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The same 5 user turns over Chat Completions, re-sending ``history`` (extended in place) with the
+    model's own answers each turn, as a client without stored responses must."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    out = []
+    for u in USER_TURNS:
+        history.append({"role": "user", "content": u})
+        out.append(ttft(client, list(history), {}))
+        history.append({"role": "assistant", "content": out[-1]["text"]})
+    return out
+
+
 # --------------------------------------------------------------------------- the CLI through the server
 def cli_search(url: str, reps: int, work: Path) -> dict[str, Any]:
     """p50 of ``POST /v1/memory/search`` and of a whole ``graftmem search --url`` process."""
@@ -269,7 +319,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--words", type=int, default=2000, help="manual words in the system prompt (~3,000 tokens)")
     ap.add_argument("--cli-reps", type=int, default=10)
-    ap.add_argument("--only", default="graftmem,llama-server,llama-cpp-python")
+    ap.add_argument("--only", default="graftmem,graftmem-responses,llama-server,llama-cpp-python",
+                    help="graftmem-responses: the same user turns as a Responses agent (previous_response_id), "
+                         "5 turns, a restart, 5 more continuing the stored conversation, next to the same "
+                         "conversation over Chat Completions re-sending its history")
     ap.add_argument("--out", default=str(HERE / "results" / "serve.json"))
     ap.add_argument("--serve-args", default="", help='extra `graftmem serve` flags, e.g. "--sightings 1"')
     args = ap.parse_args()
@@ -294,7 +347,8 @@ def main() -> None:
         peers_note["llama-cpp-python"] = f"unavailable: {exc} (pip install 'llama-cpp-python[server]')"
         only.discard("llama-cpp-python")
     res: dict[str, list] = {k: [] for k in ("graftmem_cold", "graftmem_restart", "llama_server_cold",
-                                            "llama_server_warm", "lcp_cold", "lcp_restart")}
+                                            "llama_server_warm", "lcp_cold", "lcp_restart", "responses_first",
+                                            "responses_after_restart", "chat_first", "chat_after_restart")}
     startup: dict[str, list] = {"graftmem": [], "llama-server": [], "llama-cpp-python": []}
     cached: list[list] = []
     cli: dict[str, Any] = {}
@@ -327,7 +381,22 @@ def main() -> None:
                 startup["llama-cpp-python"].append(s.startup_s)
                 res[key].append(session(s.url, reqs, {}))
 
-    runners = [("graftmem", run_graftmem), ("llama-server", run_llama_server), ("llama-cpp-python", run_lcp)]
+    def run_responses(rep: int) -> None:
+        system = reqs[0][0]["content"]
+        home = work / f"home-responses-{rep}"
+        with started(lambda: graftmem_server(home, work)) as s:
+            res["responses_first"].append(responses_agent(s.url, system, None))
+        with started(lambda: graftmem_server(home, work)) as s:  # the conversation continues after a restart
+            res["responses_after_restart"].append(responses_agent(s.url, system, res["responses_first"][-1][-1]["id"]))
+        home = work / f"home-chat-{rep}"
+        history: list[dict[str, Any]] = [{"role": "system", "content": system}]
+        with started(lambda: graftmem_server(home, work)) as s:
+            res["chat_first"].append(chat_agent(s.url, history))
+        with started(lambda: graftmem_server(home, work)) as s:
+            res["chat_after_restart"].append(chat_agent(s.url, history))
+
+    runners = [("graftmem", run_graftmem), ("graftmem-responses", run_responses), ("llama-server", run_llama_server),
+               ("llama-cpp-python", run_lcp)]
     runners = [r for r in runners if r[0] in only]
     t_start = time.time()
     for rep in range(args.reps):
@@ -363,6 +432,9 @@ def main() -> None:
         "graftmem_restart / lcp_restart (first turn)": ratio("graftmem_restart", "lcp_restart", "first_turn_ttft_ms"),
         "graftmem_cold / llama_server_cold (session sum)": ratio("graftmem_cold", "llama_server_cold",
                                                                  "session_sum_ttft_ms"),
+        "chat_after_restart / responses_after_restart (session sum)": ratio("chat_after_restart",
+                                                                            "responses_after_restart",
+                                                                            "session_sum_ttft_ms"),
     }
     out = {
         "command": "python bench/serve.py " + " ".join(sys.argv[1:]),
@@ -378,7 +450,7 @@ def main() -> None:
         "weight_buffers": {"graftmem_extra_bufts": cfg.extra_bufts,
                            "llama_server": " ".join(cpp_peer.weight_buffer_args(cfg.extra_bufts == "on")) or "repack on"},
         "raw": {k: [[{kk: t[kk] for kk in ("ttft_ms", "total_ms", "cached_tokens", "tokens_prefilled", "restore_ms",
-                                           "prefill_ms") if t.get(kk) is not None} for t in s] for s in v]
+                                           "prefill_ms", "source") if t.get(kk) is not None} for t in s] for s in v]
                 for k, v in res.items()},
     }
     (HERE / "results").mkdir(exist_ok=True)

@@ -612,7 +612,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              max_auto_bytes=args.max_auto_mb << 20, auto_storage=args.auto_storage,
                              warm=not args.no_warm, router=lambda: mem.router,  # loaded on the first routed request
                              chat_template=args.chat_template_file, allow_unverified=args.allow_unverified,
-                             shared_learned=args.shared_learned)
+                             shared_learned=args.shared_learned,
+                             responses_ttl=args.responses_ttl)
         elif mem:
             srv = mem.serve(host=args.host, port=args.port, push_token=token, sign_key=_sign_key(args),
                             rederive=args.rederive)
@@ -627,6 +628,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"serving {srv.store.home} at {srv.url} ({what}pushes {'on' if token else 'off'}, "
                   f"listings {'signed' if args.sign else 'unsigned'}, "
                   f"API key {_key_mode(api_key)}); Ctrl-C stops", flush=True)
+            for line in _endpoint_lines(srv.url, api):
+                print(line, flush=True)
             srv.serve_forever()
         except KeyboardInterrupt:
             pass
@@ -638,6 +641,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if mem:
             mem.close()
     return 0
+
+
+def _endpoint_lines(url: str, api: bool) -> list[str]:
+    """What ``serve`` answers, one line per route group (printed after the first line, which scripts
+    read for the URL)."""
+    lines = [f"  blocks      {url}/v1/info, /v1/blocks, /v1/push, /v1/bundles (sharing: pull, push)"]
+    if api:
+        lines = [f"  openai      {url}/v1/chat/completions, /v1/completions, /v1/models, /v1/embeddings",
+                 f"  responses   {url}/v1/responses, /v1/responses/{{id}}, /v1/responses/{{id}}/input_items",
+                 f"  anthropic   {url}/v1/messages, /v1/messages/count_tokens",
+                 f"  memory      {url}/v1/memory/blocks, /learn, /search, /recall, /ask",
+                 *lines, f"  ops         {url}/health (no key), /metrics"]
+    return lines
 
 
 def _key_mode(api_key: Any) -> str:
@@ -992,6 +1008,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "blocks you learned are never evicted)")
     sp.add_argument("--auto-storage", choices=("full", "delta"), default="full",
                     help="store automatic chained blocks whole (fast grafts) or as deltas over their parent (less disk)")
+    sp.add_argument("--responses-ttl", type=float, default=30 * 24 * 3600, metavar="SECONDS",
+                    help="delete a stored response (/v1/responses, store: true) this long after it was created "
+                         "(it counts in --max-auto-mb meanwhile; 0: keep none past the request)")
     sp.add_argument("--no-warm", action="store_true",
                     help="start with empty engines instead of grafting the most recently learned prompt prefixes")
     sp.add_argument("--chat-template-file", metavar="FILE",

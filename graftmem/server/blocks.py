@@ -311,8 +311,8 @@ class BlockServer:
 
         if isinstance(api_key, str) and len(api_key) < 8:
             raise ConfigError("the API key is too short: use at least 8 characters")
-        self._owns_store = not isinstance(store, Store)
-        self.store = store if isinstance(store, Store) else Store(store)
+        self._owns_store = isinstance(store, (str, os.PathLike))  # a path: opened here (a FleetStore is a store too)
+        self.store = Store(store) if self._owns_store else store
         #: called by `close()` after the socket stopped (the API server drops the cells it kept in RAM)
         self.on_close: list[Callable[[], None]] = []
         try:

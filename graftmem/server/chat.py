@@ -29,7 +29,7 @@ from .tools import ToolSpec, call_parts, render_calls, render_tool_result, tools
 if TYPE_CHECKING:
     from ..core.engine import Engine
 
-__all__ = ["answer_text", "literal_spans", "message_text", "render_segments", "template_messages", "template_segments", "tokenize_segments",
+__all__ = ["answer_text", "continuation_segments", "literal_spans", "message_text", "render_segments", "template_messages", "template_segments", "tokenize_segments",
            "chunk_prompt", "CHUNK_TOKENS", "TokenCache"]
 
 #: A raw prompt (``/v1/completions``) is cut into segments of about this many tokens.
@@ -386,3 +386,56 @@ def chunk_prompt(engine: "Engine", prompt: str, size: int = CHUNK_TOKENS, slack:
     segs.append(ids[start:])
     texts.append(engine.detokenize(ids[start:]))
     return segs, texts
+
+
+#: What stands for an earlier assistant answer when a continuation is rendered (`continuation_segments`).
+_SENTINEL = "GRAFTMEMTURNEND7f3a"
+
+
+def continuation_segments(engine: "Engine", tpl: Optional[ChatTemplate], fmt: Optional[ChatFormat],
+                          system: Optional[str], messages: list[dict[str, Any]], tools: Optional[ToolSpec] = None,
+                          kwargs: Optional[dict[str, Any]] = None,
+                          cache: Optional[TokenCache] = None) -> tuple[list[str], list[list[int]]]:
+    """What follows an assistant answer whose tokens are already in the cells, up to the next
+    assistant header: the end of that turn as the template puts it after an assistant message (its
+    end-of-turn token(s)), then ``messages`` (the new turn: user text, tool results) and the
+    generation header, as segments of token ids without BOS.
+
+    Why rendered around a stand-in: the answer itself is never rendered again (its generated tokens are
+    what the cells hold; a template that drops earlier reasoning or re-renders a message once another
+    follows would give other tokens). The conversation ``system``, a user turn, an assistant turn whose
+    content is a sentinel, then ``messages`` is rendered by the same code as any chat request
+    (`template_segments` / `render_segments`: untrusted text stays text), and everything after the
+    sentinel is the continuation, cut where that render cuts it."""
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+    msgs += [{"role": "user", "content": "."}, {"role": "assistant", "content": _SENTINEL}, *messages]
+    if tpl is not None:
+        texts, _, literal = template_segments(engine, tpl, msgs, tools, kwargs)
+    else:
+        assert fmt is not None
+        untrusted: list[Spans] = []
+        texts = render_segments(fmt, msgs, tools, untrusted)
+        literal, _ = literal_spans(engine, texts, untrusted)
+    full = "".join(texts)
+    at = full.find(_SENTINEL)
+    if at < 0 or full.find(_SENTINEL, at + 1) >= 0:
+        raise HTTPError(400, "the model's chat template does not render an assistant answer verbatim: this "
+                        "conversation cannot be continued from its stored state", param="previous_response_id",
+                        code="template_error")
+    at += len(_SENTINEL)
+    out_texts: list[str] = []
+    out_spans: list[Spans] = []
+    lo = 0
+    for text, spans in zip(texts, literal):
+        hi = lo + len(text)
+        if hi > at:
+            cut = max(0, at - lo)
+            if text[cut:]:
+                out_texts.append(text[cut:])
+                out_spans.append([(max(a, cut) - cut, b - cut) for a, b in spans if b > cut])
+        lo = hi
+    segments = [tokenize_literal(engine, t, s, add_special=False) if s else
+                (cache.tokenize(engine, t, False) if cache is not None else engine.tokenize(t, add_special=False))
+                for t, s in zip(out_texts, out_spans)]
+    keep = [i for i, s in enumerate(segments) if s]
+    return [out_texts[i] for i in keep], [segments[i] for i in keep]

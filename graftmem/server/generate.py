@@ -40,11 +40,11 @@ if TYPE_CHECKING:
     from ..core.engine import Engine
     from ..core.blocks import Block
     from .chat import TokenCache
-    from .prefix import PrefixCache
+    from .prefix import Match, PrefixCache
 
 log = logging.getLogger("graftmem")
 
-__all__ = ["Job", "Kept", "Result", "run_job", "kept_segments", "warm_engines", "MAX_CAPTURE_BYTES"]
+__all__ = ["EndState", "Job", "Kept", "Result", "run_job", "kept_segments", "warm_engines", "MAX_CAPTURE_BYTES"]
 
 #: States one request keeps in memory to learn its prefix; a longer new prefix is learned in part (a
 #: contiguous chain from the grafted block) and the rest by the requests that follow.
@@ -74,6 +74,14 @@ class Job:
     tenant: Optional[str] = None
     #: a GBNF grammar the answer must follow (``response_format``; `graftmem.memory.validate.response_format`)
     grammar: Optional[str] = None
+    #: a stored chain this prompt continues (a Responses ``previous_response_id``): its blocks are the
+    #: prompt's first ``base.n_segments`` segments and it is grafted (or found in RAM) instead of looked up
+    base: Optional["Match"] = None
+    #: keep the state after the answer's last token (`EndState`; a stored response's chain ends in it)
+    capture_end: bool = False
+    #: called in the worker with the result and the end state (None: not captured) before ``done`` is
+    #: emitted, so a stored response exists before its client can name it in the next request
+    on_end: Optional[Callable[["Result", Optional["EndState"]], None]] = None
 
     @functools.cached_property
     def keys(self) -> list[bytes]:
@@ -96,6 +104,21 @@ class Result:
     receipt: Receipt
     #: the stop string that ended the answer, if one did (``finish_reason`` is then ``"stop"``)
     stop_sequence: Optional[str] = None
+
+
+@dataclass
+class EndState:
+    """The cells after a request's last generated token, captured from the engine that generated them
+    (never re-prefilled): ``parent`` is the stored chain that holds the prompt's first
+    ``parent.n_segments`` segments (None: none, the state starts at position 0); ``tokens`` are the rest
+    of the prompt and the generated tokens, prefilled in the calls ``calls`` lists (the prompt's
+    segments, then one call per generated token, as the decode loop makes them)."""
+
+    parent: Optional["Match"]
+    tokens: list[int]
+    text: str
+    calls: list[int]
+    state: bytes
 
 
 @dataclass(frozen=True)
@@ -243,7 +266,12 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
     ends = segment_ends(segs)
     n_prompt = ends[-1]
     consent = job.allow_unverified
-    match = cache.lookup(segs, keys, allow_unverified=consent, tenant=job.tenant) if caching else None
+    if job.base is not None:  # a stored response's chain: grafted as it is, never looked up
+        match: Optional["Match"] = job.base
+        caching = False  # a continued prompt is not learned as a prefix: its response chain is what stays
+        keep = can_keep(engine)
+    else:
+        match = cache.lookup(segs, keys, allow_unverified=consent, tenant=job.tenant) if caching else None
     answer = AnswerText(engine.piece, job.stops)  # final text only: no half character, no partial stop
     entries: list[dict[str, Any]] = []
     pending: list[dict[str, Any]] = []  # logprob entries not streamed yet
@@ -298,6 +326,8 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
                     if match.untrusted is not None:
                         untrusted = provenance
                 except GraftmemError as exc:
+                    if job.base is not None:
+                        raise  # a continued response has no other state to start from
                     assert cache is not None
                     cache.refuse(match.block.id, str(exc))
                     engine.reset()
@@ -322,7 +352,14 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
             if grammar is not None:
                 grammar.close()
         t3 = time.perf_counter()
-        if keep:
+        end: Optional[EndState] = None
+        if job.capture_end and untrusted is None and can_keep(engine) and out.finish_reason in ("stop", "length") \
+                and engine.n_past + 1 < engine.n_ctx:
+            end = _capture_end(engine, segs, job.texts, match, n_prompt, list(out.tokens))
+        if end is not None and keep:
+            parts = [*segs[:end.parent.n_segments if end.parent is not None else 0], end.tokens]
+            engine.kept = Kept(tuple(prefix_keys(parts, job.tenant)), tuple(segment_ends(parts)), None, None)
+        elif keep:
             engine.kept = Kept(tuple(keys), tuple(ends), None, untrusted)
     text = answer.text
     rest = answer.delta(final=True)
@@ -336,12 +373,38 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
                       provenance=provenance if source else None, recall=(job.extra or {}).get("recall"))
     result = Result(text=text, tokens=list(out.tokens), logprobs=entries, finish_reason=out.finish_reason,
                     prompt_tokens=n_prompt, cached_tokens=restored, receipt=receipt, stop_sequence=answer.stopped_by)
+    if job.on_end is not None:
+        try:
+            job.on_end(result, end)
+        except GraftmemError as exc:  # the answer stands; what it would have stored is lost (logged)
+            log.warning("serve: storing a response failed: %s", exc)
     if job.emit is not None:
         job.emit("done", result)
     if captured and out.finish_reason != "cancelled":
         assert cache is not None
         cache.store_captured(engine, segs, job.texts, first_seg, captured, match, job.tenant)
     return result
+
+
+def _capture_end(engine: "Engine", segs: Sequence[Sequence[int]], texts: Sequence[str], match: Optional["Match"],
+                 n_prompt: int, generated: list[int]) -> Optional[EndState]:
+    """The state after the last generated token: the decode loop evaluates every token but the last
+    (it stops once it has picked it), so that one is evaluated here, in its own call as the loop would
+    have. ``match`` (the grafted chain, or the one the kept cells equal) becomes the parent."""
+    if engine.n_past == n_prompt + len(generated) - 1 and generated:
+        engine.prefill([generated[-1]])
+    if engine.n_past != n_prompt + len(generated):
+        return None  # a stop string cut the answer: no state to keep
+    first = match.n_segments if match is not None else 0
+    rest = [list(s) for s in segs[first:]]
+    tokens = [t for s in rest for t in s] + generated
+    return EndState(parent=match, tokens=tokens, text="".join(texts[first:]) + answer_text_of(engine, generated),
+                    calls=[len(s) for s in rest] + [1] * len(generated), state=bytes(engine.capture()))
+
+
+def answer_text_of(engine: "Engine", tokens: Sequence[int]) -> str:
+    """The generated tokens' text, as their bytes decode."""
+    return b"".join(engine.piece(t) for t in tokens).decode("utf-8", "replace")
 
 
 def check_fits(engine: "Engine", segments: Sequence[Sequence[int]], max_tokens: int) -> Optional[str]:

@@ -230,12 +230,9 @@ class OpenAIRoutes:
         if self.fmt is None and self.template is None:
             raise HTTPError(400, f"model {self.model_id!r} has no chat template graftmem knows; use "
                             "/v1/completions", code="unsupported_model")
-        tools = parse_tools(body)
+        tools = self.tool_spec(body)
         notes: Optional[list[str]] = None
         literal = None
-        if tools is not None and self.template is not None and self.template.uses_tools:
-            # the template renders the tools: the model answers in its family's call grammar
-            tools = dataclasses.replace(tools, fmt=tool_format(self.template.source))
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise HTTPError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
@@ -278,6 +275,14 @@ class OpenAIRoutes:
         if notes:
             job.extra = {**(routed or {}), "template": {"notes": notes}}
         return job, tools
+
+    def tool_spec(self, body: dict[str, Any]) -> Optional[ToolSpec]:
+        """The request's tools (``tools`` / ``tool_choice`` in the chat shape), in the call grammar the
+        model answers in: its family's when its template renders the tools, else Hermes."""
+        tools = parse_tools(body)
+        if tools is not None and self.template is not None and self.template.uses_tools:
+            tools = dataclasses.replace(tools, fmt=tool_format(self.template.source))
+        return tools
 
     async def _recall(self, body: dict[str, Any], segments: list[list[int]], texts: list[str],
                       tenant: Optional[str] = None) -> Optional[dict]:

@@ -181,6 +181,13 @@ class PrefixCache:
                 return Match(block, k, sum(len(s) for s in segments[:k]), tuple(chain), untrusted)
         return None
 
+    def touch(self, block_ids: Sequence[str]) -> None:
+        """Mark blocks used now (for least-recently-used eviction): a chain grafted without a lookup."""
+        now = time.time()
+        with self._lock:
+            for b in block_ids:
+                self._used[b] = now
+
     def refuse(self, block_id: str, why: str) -> None:
         """Stop using ``block_id`` in this process (it failed its checks); the store is left as it is."""
         with self._lock:
@@ -220,7 +227,8 @@ class PrefixCache:
 
     def store_captured(self, engine: "Engine", segments: Sequence[Sequence[int]], texts: Sequence[str],
                        first: int, states: Sequence[bytes], start: Optional[Match],
-                       tenant: Optional[str] = None) -> Optional[Block]:
+                       tenant: Optional[str] = None, *, metadata: Optional[dict[str, Any]] = None,
+                       salt: Optional[str] = None, evict: bool = True) -> Optional[Block]:
         """Store segments ``first .. first + len(states) - 1`` of a served request as a chain, from the
         states the request captured after prefilling each of them (no second prefill: learning costs
         a copy and a write, after the answer). ``start`` is the grafted block they continue, if any.
@@ -231,15 +239,19 @@ class PrefixCache:
 
         ``tenant`` owns what is stored: its name is in each block's metadata, mixed into each block's id
         (two tenants sending the same prompt get two blocks: neither can read, delete or evict the
-        other's) and into its index key."""
+        other's) and into its index key. ``metadata`` is added to each block's, and ``salt`` mixed into each
+        id (a stored response's block is its own, `graftmem.server.responses`, even when another response
+        generated the same tokens)."""
         parent = start.block if start is not None and first > 0 else None
         pfull: Optional[bytes] = full_state(self.store, parent, fingerprint=self.fingerprint) \
             if parent is not None and self.auto_storage == "delta" else None
         try:
             for i, full in zip(range(first, first + len(states)), states):
                 tokens = list(segments[i])
-                bid = block_id_for(self.fingerprint, tokens, owned_parent(parent.id if parent is not None else None,
-                                                                         tenant))
+                salted = owned_parent(parent.id if parent is not None else None, tenant)
+                if salt is not None:
+                    salted = f"{salted or ''}|{salt}"
+                bid = block_id_for(self.fingerprint, tokens, salted)
                 if self.store.contains(bid):
                     block = self.store.get(bid)
                 else:
@@ -256,7 +268,8 @@ class PrefixCache:
                                       state_digest=state_digest(data))
                     block = Block(id=bid, name=f"auto: {' '.join(texts[i].split())[:40]}", kind=AUTO_KIND,
                                   text=texts[i], tokens=tokens, n_tokens=len(tokens), fingerprint=self.fingerprint,
-                                  metadata={"segment": i, **({"tenant": tenant} if tenant is not None else {})},
+                                  metadata={"segment": i, **({"tenant": tenant} if tenant is not None else {}),
+                                            **(metadata or {})},
                                   **fields)
                     block = self.store.put(block, memoryview(data), provenance=PROVENANCE_LOCAL,
                                            labels_trusted=True)
@@ -271,7 +284,8 @@ class PrefixCache:
             self._version = self._current()
         log.info("prefix cache: learned a %d-token prompt prefix as block %s",
                  sum(len(s) for s in segments[:first + len(states)]), parent.short_id if parent else "-")
-        self.evict(tenant)
+        if evict:
+            self.evict(tenant)
         return parent
 
     def evict(self, tenant: Optional[str] = None) -> list[str]:

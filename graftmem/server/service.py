@@ -18,6 +18,7 @@ from .metrics import Metrics
 from .openai import OpenAIRoutes
 from .pool import EnginePool
 from .prefix import PrefixCache
+from .responses import DEFAULT_TTL, ResponsesRoutes
 from .rest import MemoryRoutes
 from .routing import RouterRef
 from .tenants import ApiKeys
@@ -43,9 +44,12 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
                max_auto_bytes: Optional[int] = 2 << 30, model_id: Optional[str] = None,
                limits: Optional[Limits] = None, router: Optional[Callable[[], "Router"]] = None,
                auto_storage: str = "full", warm: bool = True, allow_unverified: bool = False,
-               chat_template: Optional[str] = None, shared_learned: bool = False) -> BlockServer:
+               chat_template: Optional[str] = None, shared_learned: bool = False,
+               responses_ttl: Optional[float] = DEFAULT_TTL) -> BlockServer:
     """A `BlockServer` that also answers ``/v1/chat/completions``, ``/v1/completions``,
-    ``/v1/models``, Anthropic's ``/v1/messages`` (`graftmem.server.anthropic`), ``/health`` and
+    ``/v1/models``, the Responses API ``/v1/responses`` (`graftmem.server.responses`: stored responses
+    are KV chains, kept ``responses_ttl`` seconds at most, None: until evicted), Anthropic's
+    ``/v1/messages`` (`graftmem.server.anthropic`), ``/health`` and
     ``/metrics`` (`graftmem.server.metrics`) with ``engines`` (one request per engine at a time, ``max_queue`` waiting), grafting
     stored prompt prefixes and learning those seen ``sightings`` times with at least
     ``min_prefix_tokens`` tokens (automatic blocks kept under ``max_auto_bytes``, least recently used
@@ -88,15 +92,18 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
                       allow_unverified=allow_unverified, chat_template=chat_template)
     desks = [oa.desks[id(e)] for e in engines]
     warmed = warm_engines(desks, cache, allow_unverified=allow_unverified, tokens=oa.tokens) if warm else []
+    responses = ResponsesRoutes(oa, ttl=responses_ttl)
+    responses.stored.sweep()  # what expired while the server was down
     rest = MemoryRoutes(pool, store, ref, limits=limits, shared_learned=shared_learned)
     metrics = Metrics(pool, store)
     oa.on_result.append(metrics.served)
     srv = BlockServer(store, host=host, port=port, push_token=push_token, fingerprint=engines[0].fingerprint,
                       sign_key=sign_key, check=check, api_key=keys, limits=limits,
-                      extra=oa.routes() + AnthropicRoutes(oa).routes() + EmbeddingRoutes(oa).routes() + rest.routes(),
+                      extra=oa.routes() + responses.routes() + AnthropicRoutes(oa).routes() + EmbeddingRoutes(oa).routes()
+                      + rest.routes(),
                       metrics=metrics)
     srv.pool, srv.cache, srv.openai, srv.warm = pool, cache, oa, warmed  # type: ignore[attr-defined]
-    srv.metrics = metrics  # type: ignore[attr-defined]
+    srv.metrics, srv.responses = metrics, responses  # type: ignore[attr-defined]
 
     def forget() -> None:
         # running requests finish (what they learn is stored), bounded like uvicorn's graceful shutdown
