@@ -115,7 +115,7 @@ def io_and_hash_rates(sizes_gb: list[float], reps: int, tmp: Path) -> dict:
 
 
 def engine_rates(set_tokens: int, prefill_tokens: int, reps: int) -> dict:
-    from graftmem.core.engine import Engine
+    from graftmem import Engine
 
     words = "the agent reads a manual and follows each step before it answers about orders refunds".split()
     text = " ".join(words[i % len(words)] for i in range(max(set_tokens, prefill_tokens) * 2))
