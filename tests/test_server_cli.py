@@ -103,7 +103,7 @@ def _one_shot(reply: bytes) -> str:
 
 
 def test_the_light_http_client_reads_what_servers_send():
-    from graftmem.cli import _remote
+    from graftmem.cli.remote import _remote
     from graftmem.core.errors import TransferError
 
     chunked = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Type: application/json\r\n\r\n"
