@@ -23,7 +23,22 @@ __all__ = [
     "VerificationRecord", "Receipt", "Recall", "SampleResult", "VerifyReport", "StoreStats",
     "block_id_for", "SearchHit", "Scope", "HistoryEvent", "Provenance", "PROVENANCE_LOCAL",
     "PROVENANCE_REDERIVED", "PROVENANCE_UNVERIFIED", "provenance_is_trusted",
+    "MANUAL_KIND", "PAGE_KIND", "AUTO_KIND", "SOLUTION_KIND", "UNROUTED_KINDS",
 ]
+
+# ------------------------------------------------------------------------------------ block kinds
+#: the default kind: a text an application learned (a skill manual, a system prompt, a note)
+MANUAL_KIND = "manual"
+#: the page blocks of long documents (`graftmem.memory.pager`): routed per passage by the page index,
+#: never by the block router
+PAGE_KIND = "page"
+#: the prefix blocks the server keeps automatically (pieces of conversations, not knowledge anyone
+#: learned for tasks): never routed, in the server or in a Memory opened on the same home
+AUTO_KIND = "auto"
+#: verified solutions the flywheel deposits (`graftmem.memory.flywheel`)
+SOLUTION_KIND = "solution"
+#: kinds the block router leaves out
+UNROUTED_KINDS = (PAGE_KIND, AUTO_KIND)
 
 #: Version of the block file layout and of the state payload convention (per-sequence state of seq 0).
 FORMAT_VERSION = 1
@@ -211,7 +226,7 @@ class Block(_Strict):
 
     id: str
     name: str
-    kind: str = "manual"
+    kind: str = MANUAL_KIND
     text: str
     tokens: list[int]
     n_tokens: int

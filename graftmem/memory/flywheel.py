@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional, Pro
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..core.blocks import Block, Fingerprint, Recall, Receipt, SearchHit
+from ..core.blocks import SOLUTION_KIND, Block, Fingerprint, Recall, Receipt, SearchHit
 from ..core.decoding import Sampling, decode
 from ..core.errors import BlockNotFound, ConfigError
 from ..core.prompt import detect_format
@@ -68,7 +68,6 @@ __all__ = ["Flywheel", "Solution", "Attempt", "Gate", "GateReport", "SolverOutpu
 
 log = logging.getLogger("graftmem")
 
-SOLUTION_KIND = "solution"
 Method = Literal["graft", "substitution", "adaptation", "model", "solver"]
 
 

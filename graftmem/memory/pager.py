@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Sequen
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from ..core.blocks import Block, Recall, block_id_for
+from ..core.blocks import PAGE_KIND, Block, Recall, block_id_for
 from ..core.errors import BlockNotFound, ConfigError, StoreError
 from ..core.progress import progress_bar
 from ..store.home import Home
@@ -67,7 +67,6 @@ __all__ = ["Page", "DocumentPlan", "PageInfo", "PassageHit", "DocumentReport", "
 
 log = logging.getLogger("graftmem")
 
-PAGE_KIND = "page"
 #: positions of the window kept free for the question and the answer when ``window`` is not given
 DEFAULT_RESERVE = 256
 #: tokens repeated at the start of the next page, so a sentence cut by a page end is whole in one page
@@ -516,14 +515,6 @@ class PageIndex:
                 "WHERE document=? AND fp_digest=? ORDER BY page", (document, fp_digest)).fetchall()
         return [PageInfo(document=r[0], page=r[1], block_id=r[2], char_start=r[3], char_end=r[4],
                          token_start=r[5], n_tokens=r[6]) for r in rows]
-
-    def page_of_block(self, block_id: str, fp_digest: str, document: Optional[str] = None) -> Optional[PageInfo]:
-        q = ("SELECT document, page, block_id, char_start, char_end, token_start, n_tokens FROM pages "
-             "WHERE block_id=? AND fp_digest=?" + (" AND document=?" if document else "") + " LIMIT 1")
-        with self._lock:
-            r = self._db.execute(q, (block_id, fp_digest, document) if document else (block_id, fp_digest)).fetchone()
-        return None if r is None else PageInfo(document=r[0], page=r[1], block_id=r[2], char_start=r[3],
-                                               char_end=r[4], token_start=r[5], n_tokens=r[6])
 
     def _refresh(self) -> "Router":
         """Load passage vectors added since the last call into the in-memory router."""

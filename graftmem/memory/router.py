@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, runtime_che
 
 import numpy as np
 
+from ..core.blocks import AUTO_KIND, PAGE_KIND, UNROUTED_KINDS
 from ..core.errors import ConfigError, StoreError
 from .lexical import Lexicon, tokens
 
@@ -59,7 +60,8 @@ if TYPE_CHECKING:
     from ..store.local import Store
 
 __all__ = ["Embedder", "SentenceTransformerEmbedder", "Router", "route_text", "normalize_task",
-           "minilm_path", "passages", "INDEX_VERSION", "DEFAULT_MIN_SCORE", "LEX_WEIGHT", "ROUTE_WEIGHT"]
+           "minilm_path", "passages", "INDEX_VERSION", "DEFAULT_MIN_SCORE", "LEX_WEIGHT", "ROUTE_WEIGHT",
+           "AUTO_KIND", "PAGE_KIND", "UNROUTED_KINDS"]  # the kinds: defined in core.blocks, kept importable here
 
 log = logging.getLogger("graftmem")
 
@@ -320,15 +322,6 @@ def route_parts(name: str, when_to_use: Optional[str], body: str) -> tuple[list[
     texts = [route_text(name, when_to_use, body)] + passages(body)
     terms = tokens(" ".join([name.replace("-", " ").replace("_", " "), when_to_use or "", body[:LEX_CHARS]]))
     return texts, terms
-
-
-#: kind of the page blocks of long documents; routed per passage by _pager, never by this index
-PAGE_KIND = "page"
-#: kind of the prefix blocks the server keeps automatically (pieces of conversations, not knowledge
-#: anyone learned for tasks): never routed, in the server or in a Memory opened on the same home
-AUTO_KIND = "auto"
-#: kinds this index leaves out
-UNROUTED_KINDS = (PAGE_KIND, AUTO_KIND)
 
 
 class Router:

@@ -53,7 +53,7 @@ from starlette.routing import BaseRoute, Route
 
 from ..core.errors import GraftmemError
 from ..core.toolcalls import split_reasoning
-from ..memory.router import AUTO_KIND
+from ..core.blocks import AUTO_KIND
 from ..memory.verbs import first_untrusted
 from ..store.chain import chain_of
 from .chat import continuation_segments
