@@ -1,6 +1,15 @@
 """One request on one engine: graft the longest stored prefix, prefill the rest segment by segment,
-decode with stop strings, stream the text out, then store the prefix if it keeps coming back (its
-states captured during this request's own prefill).
+decode with stop strings, stream the text out, then hand the prefix to the prefix cache's writer if it
+keeps coming back.
+
+Learning takes no second prefill and holds the engine for one copy at most. A prefix to learn is
+decided before the prefill (`PrefixCache.learn_target`); its states are the cells this request holds
+anyway, those it kept from the previous request included: on a model without a sliding window, one
+copy of the engine's cells after the answer, each learned segment's state cut out of it on the
+writer's thread (`graftmem.core.statefmt.cut`, byte-equal to a fresh capture: tests/test_state_cut.py);
+on a sliding-window model (whose state past the window cannot be cut), a copy at each learned
+segment's end: the kept cells are trimmed to the first one and captured there. The writer cuts,
+hashes and writes after the engine is released (`PrefixCache.store_later`).
 
 This is the engine side of the OpenAI-compatible routes; it runs in a worker thread and speaks to the
 event loop only through ``emit`` (text deltas, then the result). Cache on or off, the prompt is
@@ -246,7 +255,7 @@ class PrefixStates(Sequence[bytes]):
     demand out of one copy of the engine's cells taken after the answer: the engine is held for that
     copy only; the cuts (and whatever the store writes and hashes) happen on the store's thread."""
 
-    def __init__(self, whole: bytes, ends: Sequence[int]) -> None:
+    def __init__(self, whole: "bytes | bytearray", ends: Sequence[int]) -> None:
         self.whole, self.ends = whole, list(ends)
 
     def __len__(self) -> int:
@@ -262,7 +271,7 @@ def capture_prefixes(engine: "Engine", ends: Sequence[int]) -> Sequence[bytes]:
     """The states of the prefixes ending at ``ends`` of what the engine holds (`PrefixStates`); none
     if the capture is larger than `MAX_CAPTURE_BYTES` or cannot be cut (logged: nothing is learned, the
     answer is unaffected)."""
-    whole = bytes(engine.capture())  # a copy: capture() reuses the engine's buffer
+    whole = engine.capture_copy()  # its own buffer: capture() reuses the engine's
     if len(whole) > MAX_CAPTURE_BYTES:
         log.info("prefix cache: a %d MB state is over the capture limit: not learned", len(whole) >> 20)
         return []
@@ -353,12 +362,12 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
         t1 = time.perf_counter()
         captured: list[bytes] = []
         if learn_k > learn_from and not cut_later and first_seg == learn_from + 1:
-            captured.append(bytes(engine.capture()))  # the kept cells end where the first learned segment does
+            captured.append(engine.capture_copy())  # the kept cells end where the first learned segment does
         held = sum(map(len, captured))
         for i in range(first_seg, len(segs)):
             engine.prefill(segs[i])
             if not cut_later and i < learn_k and held < MAX_CAPTURE_BYTES and len(captured) == i - learn_from:
-                captured.append(bytes(engine.capture()))  # a copy: capture() reuses its buffer
+                captured.append(engine.capture_copy())  # its own buffer: capture() reuses the engine's
                 held += len(captured[-1])
         first = engine.logits()
         t2 = time.perf_counter()

@@ -16,8 +16,11 @@ Learning: a request's prompt up to the start of its last message (all segments b
 and the assistant's header) that is at least ``min_tokens`` long and has been seen ``sightings`` times
 is learned as a chain, one block per segment (kind ``"auto"``), continuing the longest chain already
 stored, so an agent that re-sends its system prompt, tools and conversation on every call finds them
-grafted on the next call, and after a restart too. The states are captured while the request itself
-is prefilled (`store_captured()`), so learning costs no second prefill.
+grafted on the next call, and after a restart too. Learning costs no second prefill: the states are
+those of the cells the request (or the previous request, whose cells it kept in RAM) computed anyway
+(`graftmem.server.generate`: cut out of one capture after the answer, or captured at the prefix's end
+on a sliding-window model), and they are written by the cache's writer thread (`store_later()`) after
+the request has released its engine, so neither the answer nor the next request waits for the writes.
 
 Storage: a chained automatic block is stored ``"full"`` by default (its whole state, not a delta over
 its parent): a delta chain is rebuilt level by level on every graft, each level merged and its full
@@ -32,8 +35,10 @@ by this process, else learned.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import os
 import queue
 import struct
 import threading
@@ -318,6 +323,10 @@ class PrefixCache:
         self._writes.put((engine, segments, texts, first, states, start, tenant, keys))
 
     def _write_loop(self) -> None:
+        # below the engines' threads: on a machine with few cores the writes share them with the next
+        # request's prefill, which a client is waiting for (Linux: a thread's nice value is its own)
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, os.getpriority(os.PRIO_PROCESS, 0) + 5))
         while True:
             item = self._writes.get()
             engine, segments, texts, first, states, start, tenant, keys = item
