@@ -403,7 +403,7 @@ def cuttable(sections: list[Section]) -> int:
     return max(n, 0)
 
 
-def cut(state: memoryview | bytes, n_tokens: int) -> bytes:
+def cut(state: memoryview | bytes | bytearray, n_tokens: int) -> bytearray:
     """The per-sequence state of the first ``n_tokens`` positions, cut out of the state of a longer
     sequence that was computed by the same prefill calls up to ``n_tokens`` (the cells a request left in
     its engine, the answer's included).
@@ -423,4 +423,7 @@ def cut(state: memoryview | bytes, n_tokens: int) -> bytes:
     n = cuttable(secs)
     if not 0 < n_tokens <= n:
         raise StateLayoutError(f"cannot cut {n_tokens} positions out of a state of {n}")
-    return encode_state([s.take(slice(0, n_tokens)) for s in secs])
+    parts = [struct.pack("<Ii", _IO_MAGIC, 0)] + [p for s in secs for p in _section_parts(s.take(slice(0, n_tokens)))]
+    out = bytearray(_size(parts))  # written once (encode_state's bytes would copy it again)
+    _write(parts, memoryview(out))
+    return out
