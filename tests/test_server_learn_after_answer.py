@@ -91,3 +91,29 @@ def test_next_request_on_the_engine_does_not_wait_for_the_store_step(smol, tmp_p
             assert store.list(kind="auto")
     finally:
         store.close()
+
+
+def test_sigterm_closes_serve_through_close(tmp_path):
+    """`graftmem serve` stopped by SIGTERM (what a service manager and bench/serve.py send) returns through
+    its ``close()``, which waits for the requests and the prefixes they learned; uvicorn re-raises the
+    signal after its graceful shutdown, and with the default handler the process died there (exit
+    status -SIGTERM), losing whatever the writer had not stored yet."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "graftmem", "--home", str(tmp_path / "home"), "serve", "--port", "0",
+                             "--blocks-only"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(repo)})
+    try:
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        assert "serving" in line, proc.stderr.read() if proc.poll() is not None else line  # type: ignore[union-attr]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()  # type: ignore[union-attr]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
