@@ -159,12 +159,16 @@ def python_env(work: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def graftmem_server(home: Path, work: Path) -> Proc:
+def graftmem_server(home: Path, work: Path, root: Path = ROOT) -> Proc:
+    """``graftmem serve`` from the sources under ``root`` (``--baseline``: another checkout, e.g. the
+    commit before a change, measured in the same run)."""
     port = cpp_peer.free_port()
     env = python_env(work)
+    env["PYTHONPATH"] = str(root)
+    env["PYTHONPYCACHEPREFIX"] = str(work / ("pycache" if root == ROOT else "pycache-baseline"))
     return Proc("graftmem", [sys.executable, "-m", "graftmem", "serve", "--home", str(home), "--port", str(port),
                              *SERVE_ARGS],
-                port, "/v1/models", work / f"graftmem-{time.time_ns()}.log", cwd=ROOT, env=env)
+                port, "/v1/models", work / f"graftmem-{time.time_ns()}.log", cwd=root, env=env)
 
 
 def llama_server(exe: Path, model: Path, cfg: EngineConfig, threads: int, work: Path) -> Proc:
@@ -325,6 +329,8 @@ def main() -> None:
                          "conversation over Chat Completions re-sending its history")
     ap.add_argument("--out", default=str(HERE / "results" / "serve.json"))
     ap.add_argument("--serve-args", default="", help='extra `graftmem serve` flags, e.g. "--sightings 1"')
+    ap.add_argument("--baseline", default=None, help="another graftmem source tree (e.g. `git archive` of the "
+                    "commit before a change) run as `graftmem-baseline` in the same run, interleaved")
     args = ap.parse_args()
     only = set(args.only.split(","))
     SERVE_ARGS[:] = args.serve_args.split()
@@ -346,10 +352,13 @@ def main() -> None:
     except ImportError as exc:
         peers_note["llama-cpp-python"] = f"unavailable: {exc} (pip install 'llama-cpp-python[server]')"
         only.discard("llama-cpp-python")
-    res: dict[str, list] = {k: [] for k in ("graftmem_cold", "graftmem_restart", "llama_server_cold",
-                                            "llama_server_warm", "lcp_cold", "lcp_restart", "responses_first",
-                                            "responses_after_restart", "chat_first", "chat_after_restart")}
-    startup: dict[str, list] = {"graftmem": [], "llama-server": [], "llama-cpp-python": []}
+    res: dict[str, list] = {k: [] for k in ("graftmem_cold", "graftmem_restart", "baseline_cold", "baseline_restart",
+                                            "llama_server_cold", "llama_server_warm", "lcp_cold", "lcp_restart",
+                                            "responses_first", "responses_after_restart", "chat_first",
+                                            "chat_after_restart")}
+    startup: dict[str, list] = {"graftmem": [], "graftmem-baseline": [], "llama-server": [], "llama-cpp-python": []}
+    if args.baseline:
+        only.add("graftmem-baseline")
     cached: list[list] = []
     cli: dict[str, Any] = {}
 
@@ -364,6 +373,13 @@ def main() -> None:
             cached.append([t["cached_tokens"] for t in res["graftmem_restart"][-1]])
             if rep == args.reps - 1 and args.cli_reps:
                 cli.update(cli_search(s.url, args.cli_reps, work))
+
+    def run_baseline(rep: int) -> None:
+        home, root = work / f"home-baseline-{rep}", Path(args.baseline).resolve()
+        for key in ("baseline_cold", "baseline_restart"):
+            with started(lambda: graftmem_server(home, work, root)) as s:
+                startup["graftmem-baseline"].append(s.startup_s)
+                res[key].append(session(s.url, reqs, {}))
 
     def run_llama_server(rep: int) -> None:
         if exe is None:
@@ -396,6 +412,7 @@ def main() -> None:
             res["chat_after_restart"].append(chat_agent(s.url, history))
 
     runners = [("graftmem", run_graftmem), ("graftmem-responses", run_responses), ("llama-server", run_llama_server),
+               ("graftmem-baseline", run_baseline),
                ("llama-cpp-python", run_lcp)]
     runners = [r for r in runners if r[0] in only]
     t_start = time.time()
@@ -411,7 +428,8 @@ def main() -> None:
     load_after = os.getloadavg()
     summ = {k: summary(v) for k, v in res.items() if v}
     texts = {k: [t["text"] for t in v[0]] for k, v in res.items() if v}
-    gm_texts = [[t["text"] for t in x] for x in res["graftmem_cold"] + res["graftmem_restart"]]
+    gm_texts = [[t["text"] for t in x] for x in res["graftmem_cold"] + res["graftmem_restart"] + res["baseline_cold"]
+                + res["baseline_restart"]]
     gm_equal = all(t == gm_texts[0] for t in gm_texts) if gm_texts else None
     ratios: dict[str, Any] = {}
 
@@ -435,9 +453,23 @@ def main() -> None:
         "chat_after_restart / responses_after_restart (session sum)": ratio("chat_after_restart",
                                                                             "responses_after_restart",
                                                                             "session_sum_ttft_ms"),
+        "baseline_cold / llama_server_cold (session sum)": ratio("baseline_cold", "llama_server_cold",
+                                                                 "session_sum_ttft_ms"),
+        "baseline_restart / llama_server_warm (session sum)": ratio("baseline_restart", "llama_server_warm",
+                                                                    "session_sum_ttft_ms"),
     }
+
+    def per_turn(a: str, b: str) -> Optional[list[float]]:
+        if a in summ and b in summ:
+            return [round(x / y, 2) for x, y in zip(summ[a]["per_turn_median_ms"], summ[b]["per_turn_median_ms"])]
+        return None
+
+    ratios["per turn: graftmem_cold / llama_server_cold (target <= 1.2)"] = per_turn("graftmem_cold", "llama_server_cold")
+    ratios["per turn: graftmem_restart / llama_server_warm"] = per_turn("graftmem_restart", "llama_server_warm")
+    ratios["per turn: baseline_cold / llama_server_cold"] = per_turn("baseline_cold", "llama_server_cold")
+    ratios["per turn: baseline_restart / llama_server_warm"] = per_turn("baseline_restart", "llama_server_warm")
     out = {
-        "command": "python bench/serve.py " + " ".join(sys.argv[1:]),
+        "command": "python bench/serve.py " + " ".join(sys.argv[1:]), "baseline": args.baseline,
         "model": "smollm2 (SmolLM2-135M-Instruct Q4_1)", "engine": {**cfg.model_dump(), "threads": threads},
         "max_tokens": MAX_TOKENS, "reps": args.reps, "turns": len(reqs), "system_words": args.words,
         "machine": {"cpu_count": os.cpu_count(), "usable_cores": usable_cores(), "platform": platform.platform(),

@@ -1,5 +1,7 @@
 """A non-streamed answer is sent before the request stores the prefix it learned: the client's wait does
-not include writing blocks (the engine is freed after, so the next request still sees them)."""
+not include writing blocks, and the next request on the same engine does not wait for them either (the
+prefix cache's writer thread stores them after the engine is released; the next request reuses the
+same cells from RAM meanwhile)."""
 
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def test_answer_comes_before_the_prefix_is_stored(smol, tmp_path, monkeypatch):
             gate.set()
             second = c.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, temperature=0)
             assert released == [True], "the answer waited for the store step"
-            assert second.usage.prompt_tokens_details.cached_tokens > 16  # it waited for the engine: stored
+            assert second.usage.prompt_tokens_details.cached_tokens > 16  # the kept cells, or the stored prefix
     finally:
         store.close()
 
@@ -65,3 +67,53 @@ def test_closing_waits_for_what_requests_learn(smol, tmp_path, monkeypatch):
         assert store.list(kind="auto"), "close() returned before the request stored what it learned"
     finally:
         store.close()
+
+
+def test_next_request_on_the_engine_does_not_wait_for_the_store_step(smol, tmp_path, monkeypatch):
+    """The store step runs off the engine: with it held, the next request on the same (only) engine is
+    answered, from the cells the first one kept; the blocks are stored once the step is let go, and
+    wait_idle() waits for them."""
+    store = Store(tmp_path / "home")
+    try:
+        with api_server(store, [smol], min_prefix_tokens=16, sightings=1) as srv:
+            gate, released = _held_store(srv.cache, monkeypatch)
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+            msgs = [{"role": "system", "content": long_text(40, seed=11)}, {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Thanks"}]
+            c.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, temperature=0)
+            more = msgs + [{"role": "assistant", "content": "Welcome"}, {"role": "user", "content": "Bye"}]
+            second = c.chat.completions.create(model="smollm2", messages=more, max_tokens=2, temperature=0)
+            assert released == [], "the second request waited for the first one's store step"
+            assert second.usage.prompt_tokens_details.cached_tokens > 16  # the first request's kept cells
+            gate.set()
+            assert srv.openai.wait_idle()
+            assert released and all(released)
+            assert store.list(kind="auto")
+    finally:
+        store.close()
+
+
+def test_sigterm_closes_serve_through_close(tmp_path):
+    """`graftmem serve` stopped by SIGTERM (what a service manager and bench/serve.py send) returns through
+    its ``close()``, which waits for the requests and the prefixes they learned; uvicorn re-raises the
+    signal after its graceful shutdown, and with the default handler the process died there (exit
+    status -SIGTERM), losing whatever the writer had not stored yet."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "graftmem", "--home", str(tmp_path / "home"), "serve", "--port", "0",
+                             "--blocks-only"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(repo)})
+    try:
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        assert "serving" in line, proc.stderr.read() if proc.poll() is not None else line  # type: ignore[union-attr]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()  # type: ignore[union-attr]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -47,6 +47,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             srv = BlockServer(_home(args), host=args.host, port=args.port, sign_key=_sign_key(args),
                               api_key=api_key)
         try:
+            _close_on_sigterm()  # before the line that tells a supervisor the server is up
             warmed = getattr(srv, "warm", [])
             what = (f"OpenAI API at {srv.url}/v1 with {1 + len(extra)} engine(s), " if api else "")
             if warmed:
@@ -80,3 +81,19 @@ def _endpoint_lines(url: str, api: bool) -> list[str]:
                  f"  memory      {url}/v1/memory/blocks, /learn, /search, /recall, /ask",
                  *lines, f"  ops         {url}/health (no key), /metrics"]
     return lines
+
+
+def _close_on_sigterm() -> None:
+    """Make SIGTERM end ``serve`` through ``srv.close()`` as Ctrl-C does. uvicorn shuts down gracefully on
+    it, then raises the signal again with the handler found before it started; with the default one the
+    process died there, before ``close()`` waited for the requests' learned prefixes to be written
+    (measured: `bench/serve.py` stopping a server lost the last turn's blocks)."""
+    import signal
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: whoever embeds it handles its signals
+        pass

@@ -715,6 +715,21 @@ class Engine:
                 raise EngineError(f"state capture wrote {written} of {size} bytes")
             return view
 
+    def capture_copy(self) -> bytearray:
+        """The per-sequence state of sequence 0 in a new buffer the caller owns: what `capture()` then
+        ``bytes()`` gives, written once instead of twice (the server keeps it past the engine's release
+        to learn prefixes from it on another thread; 69 MB for 3,000 SmolLM2 tokens)."""
+        with self._lock:
+            self._check()
+            size = C.llama_state_seq_get_size(self._ctx, 0)
+            out = bytearray(size)
+            arr = (ctypes.c_uint8 * size).from_buffer(out)
+            written = C.llama_state_seq_get_data(self._ctx, arr, size, 0)
+            del arr
+            if written != size:
+                raise EngineError(f"state capture wrote {written} of {size} bytes")
+            return out
+
     def restore(self, state: memoryview, n_tokens: int) -> float:
         """Clear the cache and graft ``state`` as sequence 0; return the milliseconds of the clear and
         the llama call.

@@ -47,7 +47,8 @@ from typing import Callable, Optional
 import numpy as np
 
 __all__ = ["StateLayoutError", "Section", "parse_state", "encode_state", "split", "merge",
-           "DELTA_MAGIC", "delta_sizes", "place_cells", "place_cells_into", "needs_placing", "join"]
+           "DELTA_MAGIC", "delta_sizes", "place_cells", "place_cells_into", "needs_placing", "join",
+           "cut", "cuttable"]
 
 DELTA_MAGIC = b"GMDELTA1"
 _IO_MAGIC = 0xAF143CD8  # llama-context.cpp: io_magic
@@ -386,3 +387,43 @@ def join(first: memoryview | bytes, second: memoryview | bytes) -> bytes:
         if x.n_cells and y.n_cells and int(y.positions[0]) <= int(x.positions[-1]):
             raise StateLayoutError("the second state's positions must follow the first's")
     return encode_state([_concat(x, y) for x, y in zip(a, b)])
+
+
+def cuttable(sections: list[Section]) -> int:
+    """How many positions every section of a parsed state holds from position 0, contiguously, in cell
+    order (the ``n`` of a state that `cut()` can shorten); raises `StateLayoutError` otherwise."""
+    n = -1
+    for s in sections:
+        pos = s.positions
+        if n < 0:
+            n = s.n_cells
+        if s.n_cells != n or (n and (int(pos[0]) != 0 or int(pos[-1]) != n - 1)):
+            raise StateLayoutError("a section does not hold every position from 0 (a sliding-window section "
+                                   "past its window): the state of a shorter prefix cannot be cut out of it")
+    return max(n, 0)
+
+
+def cut(state: memoryview | bytes | bytearray, n_tokens: int) -> bytearray:
+    """The per-sequence state of the first ``n_tokens`` positions, cut out of the state of a longer
+    sequence that was computed by the same prefill calls up to ``n_tokens`` (the cells a request left in
+    its engine, the answer's included).
+
+    Why this is the state a fresh prefill of those calls captures: llama.cpp writes one cell per
+    position in cell order, each cell's K row (and V row, or V column when transposed) computed once,
+    when its token was prefilled, and never touched by later tokens; a cache filled from empty holds
+    position ``p`` at cell ``p``. So the first ``n_tokens`` cells of the longer state are byte for byte
+    the cells a capture after the ``n_tokens``-th token writes (tests/test_state_cut.py compares them
+    with fresh captures on SmolLM2 and Gemma 3).
+
+    Where it is impossible: a sliding-window section writes only the cells its LAST position still
+    sees (``llama_kv_cache::state_write`` skips SWA-masked cells), so the capture of a sequence longer
+    than the window lacks the cells ``n_tokens - window .. `` that a shorter prefix's state holds. Such
+    a state raises `StateLayoutError` (`cuttable()`): capture at the prefix's end instead."""
+    secs = parse_state(state)
+    n = cuttable(secs)
+    if not 0 < n_tokens <= n:
+        raise StateLayoutError(f"cannot cut {n_tokens} positions out of a state of {n}")
+    parts = [struct.pack("<Ii", _IO_MAGIC, 0)] + [p for s in secs for p in _section_parts(s.take(slice(0, n_tokens)))]
+    out = bytearray(_size(parts))  # written once (encode_state's bytes would copy it again)
+    _write(parts, memoryview(out))
+    return out

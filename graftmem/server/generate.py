@@ -1,6 +1,15 @@
 """One request on one engine: graft the longest stored prefix, prefill the rest segment by segment,
-decode with stop strings, stream the text out, then store the prefix if it keeps coming back (its
-states captured during this request's own prefill).
+decode with stop strings, stream the text out, then hand the prefix to the prefix cache's writer if it
+keeps coming back.
+
+Learning takes no second prefill and holds the engine for one copy at most. A prefix to learn is
+decided before the prefill (`PrefixCache.learn_target`); its states are the cells this request holds
+anyway, those it kept from the previous request included: on a model without a sliding window, one
+copy of the engine's cells after the answer, each learned segment's state cut out of it on the
+writer's thread (`graftmem.core.statefmt.cut`, byte-equal to a fresh capture: tests/test_state_cut.py);
+on a sliding-window model (whose state past the window cannot be cut), a copy at each learned
+segment's end: the kept cells are trimmed to the first one and captured there. The writer cuts,
+hashes and writes after the engine is released (`PrefixCache.store_later`).
 
 This is the engine side of the OpenAI-compatible routes; it runs in a worker thread and speaks to the
 event loop only through ``emit`` (text deltas, then the result). Cache on or off, the prompt is
@@ -27,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
+from ..core import statefmt
 from ..core.blocks import Receipt
 from ..core.decoding import AnswerText, Sampling, decode
 from ..core.engine import logits_sha256
@@ -254,6 +264,49 @@ def _entry(engine: "Engine", tok: int, lp: float, top: Optional[list[tuple[int, 
     return {**one(tok, lp), "top_logprobs": [one(t, v) for t, v in (top or [])]}
 
 
+def cuts_states(engine: "Engine") -> bool:
+    """Whether a request on ``engine`` learns its prefix from ONE capture of its cells after the answer,
+    each learned segment's state cut out of it (`graftmem.core.statefmt.cut`): on a model without a
+    sliding window, where every section of the state holds every position from 0. A sliding-window
+    model's capture lacks the cells a shorter prefix's window holds once the sequence passes the
+    window, so there the states are captured at each learned segment's end, during the prefill."""
+    return engine.n_swa == 0
+
+
+class PrefixStates(Sequence[bytes]):
+    """The states of a request's first segments (``ends``: the token count at each one's end), cut on
+    demand out of one copy of the engine's cells taken after the answer: the engine is held for that
+    copy only; the cuts (and whatever the store writes and hashes) happen on the store's thread."""
+
+    def __init__(self, whole: "bytes | bytearray", ends: Sequence[int]) -> None:
+        self.whole, self.ends = whole, list(ends)
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return statefmt.cut(self.whole, self.ends[i])
+
+
+def capture_prefixes(engine: "Engine", ends: Sequence[int]) -> Sequence[bytes]:
+    """The states of the prefixes ending at ``ends`` of what the engine holds (`PrefixStates`); none
+    if the capture is larger than `MAX_CAPTURE_BYTES` or cannot be cut (logged: nothing is learned, the
+    answer is unaffected)."""
+    whole = engine.capture_copy()  # its own buffer: capture() reuses the engine's
+    if len(whole) > MAX_CAPTURE_BYTES:
+        log.info("prefix cache: a %d MB state is over the capture limit: not learned", len(whole) >> 20)
+        return []
+    try:
+        if statefmt.cuttable(statefmt.parse_state(whole)) < max(ends):
+            raise statefmt.StateLayoutError("the state ends before the prefix to learn")
+    except statefmt.StateLayoutError as exc:
+        log.warning("prefix cache: the prefix's state cannot be cut out of the engine's cells: %s", exc)
+        return []
+    return PrefixStates(whole, ends)
+
+
 def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Result:
     """Compute ``job`` on ``desk``'s engine (which the caller holds exclusively); see the module
     docstring. Every graft goes through ``desk`` (consent first); cells that hold a state nothing here
@@ -298,8 +351,9 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
         learn_k = cache.learn_target(segs, job.learn_tail, keys, job.tenant) if caching else 0
         m = match.n_segments if match is not None else 0
         in_ram = kept_segments(engine, keys, consent) if keep else 0
-        if learn_k > m:  # what is learned continues the stored chain at m: start there, not later
-            in_ram = min(in_ram, m)
+        cut_later = learn_k > 0 and cuts_states(engine)
+        if learn_k > m and not cut_later:  # what is learned continues the stored chain at m: keep no more
+            in_ram = min(in_ram, m + 1)    # than its first segment, captured right after the trim below
         restored, first_seg, block_id, source = 0, 0, None, None
         untrusted: Optional[str] = None  #: provenance of an unverified state in the cells, if any
         provenance: Optional[str] = None
@@ -332,15 +386,18 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
                     cache.refuse(match.block.id, str(exc))
                     engine.reset()
                     match = None
-        if untrusted is not None:
-            learn_k = 0  # a chain learned from these cells would carry the unverified state as ``local``
+        if untrusted is not None or (match is not None and match.untrusted is not None):
+            learn_k = 0  # a chain learned from these cells (or on that block) would carry the unverified state
+        learn_from = min(m, first_seg)  # the first segment learned (0: a refused graft starts the chain anew)
         t1 = time.perf_counter()
         captured: list[bytes] = []
-        held = 0
+        if learn_k > learn_from and not cut_later and first_seg == learn_from + 1:
+            captured.append(engine.capture_copy())  # the kept cells end where the first learned segment does
+        held = sum(map(len, captured))
         for i in range(first_seg, len(segs)):
             engine.prefill(segs[i])
-            if i < learn_k and held < MAX_CAPTURE_BYTES and len(captured) == i - first_seg:
-                captured.append(bytes(engine.capture()))  # a copy: capture() reuses its buffer
+            if not cut_later and i < learn_k and held < MAX_CAPTURE_BYTES and len(captured) == i - learn_from:
+                captured.append(engine.capture_copy())  # its own buffer: capture() reuses the engine's
                 held += len(captured[-1])
         first = engine.logits()
         t2 = time.perf_counter()
@@ -352,6 +409,9 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
             if grammar is not None:
                 grammar.close()
         t3 = time.perf_counter()
+        states: Sequence[bytes] = captured
+        if cut_later and learn_k > learn_from and out.finish_reason != "cancelled":
+            states = capture_prefixes(engine, ends[learn_from:learn_k])
         end: Optional[EndState] = None
         if job.capture_end and untrusted is None and can_keep(engine) and out.finish_reason in ("stop", "length") \
                 and engine.n_past + 1 < engine.n_ctx:
@@ -380,9 +440,9 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
             log.warning("serve: storing a response failed: %s", exc)
     if job.emit is not None:
         job.emit("done", result)
-    if captured and out.finish_reason != "cancelled":
+    if states and out.finish_reason != "cancelled":
         assert cache is not None
-        cache.store_captured(engine, segs, job.texts, first_seg, captured, match, job.tenant)
+        cache.store_later(engine, segs, job.texts, learn_from, states, match, job.tenant)
     return result
 
 

@@ -391,7 +391,10 @@ class OpenAIRoutes:
             workers = list(self._workers)
         for t in workers:
             t.join(max(0.0, deadline - time.monotonic()))
-        return not any(t.is_alive() for t in workers)
+        if any(t.is_alive() for t in workers):
+            return False
+        # the prefixes those requests learned are written by the prefix cache's thread after them
+        return self.cache is None or self.cache.flush(max(0.0, deadline - time.monotonic()))
 
     async def _serve(self, request: Request, body: dict[str, Any], job: Job, *, chat: bool,
                      tools: Optional[ToolSpec] = None) -> Response:

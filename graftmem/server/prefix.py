@@ -16,8 +16,11 @@ Learning: a request's prompt up to the start of its last message (all segments b
 and the assistant's header) that is at least ``min_tokens`` long and has been seen ``sightings`` times
 is learned as a chain, one block per segment (kind ``"auto"``), continuing the longest chain already
 stored, so an agent that re-sends its system prompt, tools and conversation on every call finds them
-grafted on the next call, and after a restart too. The states are captured while the request itself
-is prefilled (`store_captured()`), so learning costs no second prefill.
+grafted on the next call, and after a restart too. Learning costs no second prefill: the states are
+those of the cells the request (or the previous request, whose cells it kept in RAM) computed anyway
+(`graftmem.server.generate`: cut out of one capture after the answer, or captured at the prefix's end
+on a sliding-window model), and they are written by the cache's writer thread (`store_later()`) after
+the request has released its engine, so neither the answer nor the next request waits for the writes.
 
 Storage: a chained automatic block is stored ``"full"`` by default (its whole state, not a delta over
 its parent): a delta chain is rebuilt level by level on every graft, each level merged and its full
@@ -32,8 +35,11 @@ by this process, else learned.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import os
+import queue
 import struct
 import threading
 import time
@@ -58,6 +64,11 @@ __all__ = ["AUTO_KIND", "PrefixCache", "Match", "prefix_keys", "segment_ends"]
 log = logging.getLogger("graftmem")
 
 _MAX_SIGHTINGS = 4096
+
+#: Learned prefixes waiting for the writer thread (each holds one copy of a request's cells): a request
+#: that finds the queue full waits for room while it still holds its engine (back-pressure on a writer
+#: that cannot keep up), so the states held in RAM stay bounded.
+MAX_PENDING_STORES = 2
 
 
 def prefix_keys(segments: Sequence[Sequence[int]], tenant: Optional[str] = None) -> list[bytes]:
@@ -119,6 +130,12 @@ class PrefixCache:
         self._seen: "OrderedDict[bytes, int]" = OrderedDict()
         self._refused: set[str] = set()
         self._version: Optional[tuple[int, int]] = None
+        #: prefixes handed to the writer (`store_later`) and not stored yet: not learned a second time
+        self._pending: dict[bytes, int] = {}
+        self._writes: "queue.Queue[Optional[tuple]]" = queue.Queue(maxsize=MAX_PENDING_STORES)
+        self._writer: Optional[threading.Thread] = None
+        self._unfinished = 0
+        self._idle = threading.Condition(self._lock)
 
     # ------------------------------------------------------------------ index
     def _current(self) -> tuple[int, int]:
@@ -215,7 +232,7 @@ class PrefixCache:
         best = 0
         with self._lock:
             for k, key in enumerate(keys, start=1):
-                if key in self._index or shared[k - 1] in self._index:
+                if key in self._index or shared[k - 1] in self._index or key in self._pending:
                     continue
                 n = self._seen.pop(key, 0) + 1
                 self._seen[key] = n
@@ -245,27 +262,31 @@ class PrefixCache:
         parent = start.block if start is not None and first > 0 else None
         pfull: Optional[bytes] = full_state(self.store, parent, fingerprint=self.fingerprint) \
             if parent is not None and self.auto_storage == "delta" else None
+        keys = prefix_keys(segments[:first + len(states)], tenant)
         try:
-            for i, full in zip(range(first, first + len(states)), states):
+            for i in range(first, first + len(states)):
                 tokens = list(segments[i])
                 salted = owned_parent(parent.id if parent is not None else None, tenant)
                 if salt is not None:
                     salted = f"{salted or ''}|{salt}"
                 bid = block_id_for(self.fingerprint, tokens, salted)
+                full: Optional[bytes] = None  # ``states`` may cut it on demand: only when it is needed
                 if self.store.contains(bid):
                     block = self.store.get(bid)
                 else:
+                    full = states[i - first]
                     fields: dict[str, Any]
                     if parent is None:
                         fields = {"state_size": len(full), "state_digest": state_digest(full)}
                         data: bytes = full
                     else:
+                        digest = state_digest(full)
                         fields = {"parent": parent.id, "pos_start": parent.pos_end,
-                                  "full_state_size": len(full), "full_state_digest": state_digest(full)}
+                                  "full_state_size": len(full), "full_state_digest": digest}
                         delta = make_delta(pfull, full, parent.pos_end) if pfull is not None else None
                         data = full if delta is None else delta
                         fields.update(storage="full" if delta is None else "delta", state_size=len(data),
-                                      state_digest=state_digest(data))
+                                      state_digest=digest if delta is None else state_digest(data))
                     block = Block(id=bid, name=f"auto: {' '.join(texts[i].split())[:40]}", kind=AUTO_KIND,
                                   text=texts[i], tokens=tokens, n_tokens=len(tokens), fingerprint=self.fingerprint,
                                   metadata={"segment": i, **({"tenant": tenant} if tenant is not None else {}),
@@ -274,8 +295,10 @@ class PrefixCache:
                     block = self.store.put(block, memoryview(data), provenance=PROVENANCE_LOCAL,
                                            labels_trusted=True)
                 with self._lock:
-                    self._index[prefix_keys(segments[:i + 1], tenant)[-1]] = block.id
+                    self._index[keys[i]] = block.id
                     self._used[block.id] = time.time()
+                if self.auto_storage == "delta" and full is None:
+                    full = states[i - first]
                 parent, pfull = block, (full if self.auto_storage == "delta" else None)
         except GraftmemError as exc:
             log.warning("prefix cache: storing a %d-segment prefix failed: %s", first + len(states), exc)
@@ -287,6 +310,59 @@ class PrefixCache:
         if evict:
             self.evict(tenant)
         return parent
+
+    def store_later(self, engine: "Engine", segments: Sequence[Sequence[int]], texts: Sequence[str],
+                    first: int, states: Sequence[bytes], start: Optional[Match],
+                    tenant: Optional[str] = None) -> None:
+        """`store_captured()` on the cache's writer thread, so that the request's engine is free for the
+        next request while the blocks are cut, hashed and written (measured: ~0.4 s per turn for a
+        3,000-token SmolLM2 prefix, which the next turn of the same agent used to wait for). Until
+        then its prefixes count as learned for `learn_target()` (no second copy is taken) but are not
+        found by `lookup()`: the next request reuses the same cells from RAM. `flush()` waits for
+        what is queued (graceful shutdown, `OpenAIRoutes.wait_idle`)."""
+        keys = prefix_keys(segments[:first + len(states)], tenant)[first:]
+        with self._lock:
+            for k in keys:
+                self._pending[k] = self._pending.get(k, 0) + 1
+            self._unfinished += 1
+            if self._writer is None or not self._writer.is_alive():
+                self._writer = threading.Thread(target=self._write_loop, name="graftmem-prefix-writer", daemon=True)
+                self._writer.start()
+        self._writes.put((engine, segments, texts, first, states, start, tenant, keys))
+
+    def _write_loop(self) -> None:
+        # below the engines' threads: on a machine with few cores the writes share them with the next
+        # request's prefill, which a client is waiting for (Linux: a thread's nice value is its own)
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, os.getpriority(os.PRIO_PROCESS, 0) + 5))
+        while True:
+            item = self._writes.get()
+            engine, segments, texts, first, states, start, tenant, keys = item
+            try:
+                self.store_captured(engine, segments, texts, first, states, start, tenant)
+            except Exception:  # noqa: BLE001 - a failed store loses a cache entry, never the server
+                log.exception("prefix cache: storing a learned prefix failed")
+            finally:
+                with self._lock:
+                    for k in keys:
+                        left = self._pending.get(k, 1) - 1
+                        if left > 0:
+                            self._pending[k] = left
+                        else:
+                            self._pending.pop(k, None)
+                    self._unfinished -= 1
+                    self._idle.notify_all()
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every prefix handed to `store_later()` is stored (or failed); False at ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._unfinished:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
 
     def evict(self, tenant: Optional[str] = None) -> list[str]:
         """Delete ``tenant``'s least recently used leaf auto blocks until they fit its share of

@@ -33,6 +33,10 @@ __all__ = ["api_server"]
 log = logging.getLogger("graftmem")
 
 
+#: Seconds a closing server waits for the prefix cache's writer after its requests have finished.
+STORE_FLUSH_S = 120.0
+
+
 def _loopback(host: str) -> bool:
     return host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
 
@@ -109,6 +113,10 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
         # running requests finish (what they learn is stored), bounded like uvicorn's graceful shutdown
         if not oa.wait_idle(oa.limits.graceful_shutdown):
             log.warning("serve: closed with requests still running; what they learn may not be stored")
+        # the prefixes they learned are written after them (a bounded backlog of local writes, which
+        # a loaded machine may take longer than the requests' grace to finish): wait for those too
+        if not cache.flush(STORE_FLUSH_S):
+            log.warning("serve: closed before every learned prefix was stored (%.0f s)", STORE_FLUSH_S)
         for e in engines:  # the engines may outlive the server (Memory.serve): leave them empty
             try:
                 with e.session():

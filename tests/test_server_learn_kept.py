@@ -1,0 +1,60 @@
+"""A prefix learned on its second sighting is learned from the cells the first request left in the engine
+(no second prefill): turn 2 reuses them (``cached_tokens`` > 0) and stores the system prompt; the stored
+state is byte for byte a fresh prefill's, and after a restart turn 3 grafts it with the cold request's
+first-token logits. SmolLM2 cuts the state out of one capture after the answer (`statefmt.cut`); Gemma 3,
+past its sliding window, captures it right after trimming the kept cells to the system prompt."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from graftmem.server import RECEIPT_HEADER, api_server
+from graftmem.store.chain import full_state
+from graftmem.store.local import Store
+
+from .conftest import long_text
+
+
+def _ask(c: openai.OpenAI, messages, *, cache: bool = True) -> tuple[str, dict]:
+    raw = c.chat.completions.with_raw_response.create(
+        model="m", messages=messages, max_tokens=3, temperature=0, extra_body={"graftmem": {"cache": cache}})
+    return raw.parse().choices[0].message.content, json.loads(raw.headers[RECEIPT_HEADER])
+
+
+@pytest.mark.parametrize("model,words", [("smol", 60), ("gemma", 470)])
+def test_turn_two_learns_from_the_kept_cells_and_a_restart_grafts_them_exactly(model, words, request, tmp_path):
+    engine = request.getfixturevalue(model)
+    system = {"role": "system", "content": "You are a shop's support agent. " + long_text(words, seed=23)}
+    t1 = [system, {"role": "user", "content": "Hi"}]
+    t2 = t1 + [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Thanks"}]
+    t3 = t2 + [{"role": "assistant", "content": "Welcome"}, {"role": "user", "content": "Bye"}]
+    store = Store(tmp_path / "home")
+    try:
+        with api_server(store, [engine], min_prefix_tokens=32, sightings=2) as srv:
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+            cold_text, cold = _ask(c, t3, cache=False)
+            _, r1 = _ask(c, t1)
+            assert r1["tokens_restored"] == 0
+            _, r2 = _ask(c, t2)  # the system prompt's second sighting: learned, from the kept cells
+            assert r2["source"] == "ram" and r2["tokens_restored"] > 0, r2
+            assert srv.openai.wait_idle()
+            autos = store.list(kind="auto")
+            assert [b.metadata["segment"] for b in autos] == [0], autos
+            sys_block = autos[0]
+            if model == "gemma":
+                assert sys_block.n_tokens > engine.n_swa  # past the window: the capture-after-trim path
+        with engine.session():  # a fresh prefill of the same segment, captured
+            engine.prefill(list(sys_block.tokens))
+            fresh = bytes(engine.capture())
+        assert full_state(store, sys_block) == fresh
+        with api_server(store, [engine], min_prefix_tokens=32, sightings=2, warm=False) as srv:  # a restart
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+            text, r3 = _ask(c, t3)
+            assert r3["source"] == "store" and r3["block_id"] == sys_block.id, r3
+            assert r3["first_logits_sha256"] == cold["first_logits_sha256"]
+            assert text == cold_text
+    finally:
+        store.close()
