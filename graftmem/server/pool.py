@@ -13,6 +13,7 @@ All methods run on the event loop's thread, which is what makes the counters saf
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import deque
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
@@ -37,6 +38,8 @@ class EnginePool:
         self.max_queue = max_queue
         self._free: deque["Engine"] = deque(engines)
         self._waiters: deque[asyncio.Future["Engine"]] = deque()
+        #: notified on every release: `wait_all_free()` (graceful shutdown, tests) waits on it
+        self._released = threading.Condition()
 
     @property
     def size(self) -> int:
@@ -78,4 +81,13 @@ class EnginePool:
             if not fut.done():
                 fut.set_result(engine)
                 return
-        self._free.append(engine)
+        with self._released:
+            self._free.append(engine)
+            self._released.notify_all()
+
+    def wait_all_free(self, timeout: float = 60.0) -> bool:
+        """Wait (from any thread but the event loop's) until no request holds an engine: a request's
+        worker may have finished while the loop has yet to hand its engine back (a streamed answer's
+        last chunk is sent just before). False if some engine is still held at ``timeout``."""
+        with self._released:
+            return self._released.wait_for(lambda: len(self._free) == len(self.engines), timeout)
