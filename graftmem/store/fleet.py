@@ -210,7 +210,6 @@ class FleetStore:
         self._last_poll = float("-inf")
         self._version = 0
         self._closed = False
-        self._inflight: set[str] = set()
         self._prefetches: dict[str, Future] = {}  # block id -> its prefetch, until it ends
         self._prefetcher: Optional[ThreadPoolExecutor] = None
         self._writer: Optional[ThreadPoolExecutor] = None  #: writes fetched blocks into the cache
@@ -653,13 +652,12 @@ class FleetStore:
         futures = []
         for bid in block_ids:
             with self._tlock:
-                if bid in self._inflight or bid in self._writes or self._closed:
+                if bid in self._prefetches or bid in self._writes or self._closed:
                     continue
                 if self.cache.contains(bid):
                     continue
                 if self._prefetcher is None:
                     self._prefetcher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="graftmem-prefetch")
-                self._inflight.add(bid)
                 fut = self._prefetches[bid] = self._prefetcher.submit(self._prefetch_one, bid)
                 futures.append(fut)
         return futures
@@ -675,7 +673,6 @@ class FleetStore:
             return False
         finally:
             with self._tlock:
-                self._inflight.discard(bid)
                 self._prefetches.pop(bid, None)
 
     def _evict(self, keep: str) -> None:
