@@ -5,7 +5,9 @@ same cells from RAM meanwhile)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from typing import Any, Iterator
 
 import openai
 
@@ -32,65 +34,60 @@ def _held_store(cache, monkeypatch) -> tuple[threading.Event, list[bool]]:
     return gate, released
 
 
-def test_answer_comes_before_the_prefix_is_stored(smol, tmp_path, monkeypatch):
+@contextlib.contextmanager
+def _held_server(smol, tmp_path, monkeypatch, seed: int) -> Iterator[tuple[Any, Store, Any, threading.Event,
+                                                                          list[bool], list[dict]]]:
+    """A server on SmolLM2 that learns a prompt prefix on its first sighting, its store step held
+    (`_held_store`), a client, and a conversation whose system prompt is long enough to be learned;
+    the store is closed after the server."""
     store = Store(tmp_path / "home")
     try:
         with api_server(store, [smol], min_prefix_tokens=16, sightings=1) as srv:
             gate, released = _held_store(srv.cache, monkeypatch)
             c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-            msgs = [{"role": "system", "content": long_text(40, seed=9)}, {"role": "user", "content": "Hi"},
+            msgs = [{"role": "system", "content": long_text(40, seed=seed)}, {"role": "user", "content": "Hi"},
                     {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Thanks"}]
-            c.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, temperature=0)
-            assert store.list(kind="auto") == []  # answered while the store step was still held
-            gate.set()
-            second = c.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, temperature=0)
-            assert released == [True], "the answer waited for the store step"
-            assert second.usage.prompt_tokens_details.cached_tokens > 16  # the kept cells, or the stored prefix
+            yield srv, store, c, gate, released, msgs
     finally:
         store.close()
+
+
+def test_answer_comes_before_the_prefix_is_stored(smol, tmp_path, monkeypatch):
+    with _held_server(smol, tmp_path, monkeypatch, 9) as (srv, store, c, gate, released, msgs):
+        c.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, temperature=0)
+        assert store.list(kind="auto") == []  # answered while the store step was still held
+        gate.set()
+        second = c.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, temperature=0)
+        assert released == [True], "the answer waited for the store step"
+        assert second.usage.prompt_tokens_details.cached_tokens > 16  # the kept cells, or the stored prefix
 
 
 def test_closing_waits_for_what_requests_learn(smol, tmp_path, monkeypatch):
     """Graceful shutdown covers the learning after the answer: a server closed right after answering
     has stored the prefix when close() returns."""
-    store = Store(tmp_path / "home")
-    try:
-        with api_server(store, [smol], min_prefix_tokens=16, sightings=1) as srv:
-            gate, released = _held_store(srv.cache, monkeypatch)
-            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-            msgs = [{"role": "system", "content": long_text(40, seed=10)}, {"role": "user", "content": "Hi"},
-                    {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Thanks"}]
-            c.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, temperature=0)
-            assert store.list(kind="auto") == []  # answered, not stored yet
-            gate.set()  # close() below starts while the store step may still be running
+    with _held_server(smol, tmp_path, monkeypatch, 10) as (srv, store, c, gate, released, msgs):
+        c.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, temperature=0)
+        assert store.list(kind="auto") == []  # answered, not stored yet
+        gate.set()  # close() below starts while the store step may still be running
+        srv.close()
         assert released == [True]
         assert store.list(kind="auto"), "close() returned before the request stored what it learned"
-    finally:
-        store.close()
 
 
 def test_next_request_on_the_engine_does_not_wait_for_the_store_step(smol, tmp_path, monkeypatch):
     """The store step runs off the engine: with it held, the next request on the same (only) engine is
     answered, from the cells the first one kept; the blocks are stored once the step is let go, and
     wait_idle() waits for them."""
-    store = Store(tmp_path / "home")
-    try:
-        with api_server(store, [smol], min_prefix_tokens=16, sightings=1) as srv:
-            gate, released = _held_store(srv.cache, monkeypatch)
-            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-            msgs = [{"role": "system", "content": long_text(40, seed=11)}, {"role": "user", "content": "Hi"},
-                    {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Thanks"}]
-            c.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, temperature=0)
-            more = msgs + [{"role": "assistant", "content": "Welcome"}, {"role": "user", "content": "Bye"}]
-            second = c.chat.completions.create(model="smollm2", messages=more, max_tokens=2, temperature=0)
-            assert released == [], "the second request waited for the first one's store step"
-            assert second.usage.prompt_tokens_details.cached_tokens > 16  # the first request's kept cells
-            gate.set()
-            assert srv.openai.wait_idle()
-            assert released and all(released)
-            assert store.list(kind="auto")
-    finally:
-        store.close()
+    with _held_server(smol, tmp_path, monkeypatch, 11) as (srv, store, c, gate, released, msgs):
+        c.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, temperature=0)
+        more = msgs + [{"role": "assistant", "content": "Welcome"}, {"role": "user", "content": "Bye"}]
+        second = c.chat.completions.create(model="smollm2", messages=more, max_tokens=2, temperature=0)
+        assert released == [], "the second request waited for the first one's store step"
+        assert second.usage.prompt_tokens_details.cached_tokens > 16  # the first request's kept cells
+        gate.set()
+        assert srv.openai.wait_idle()
+        assert released and all(released)
+        assert store.list(kind="auto")
 
 
 def test_sigterm_closes_serve_through_close(tmp_path):
