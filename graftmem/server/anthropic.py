@@ -36,7 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
-from .http import HTTPError, anthropic_error, guarded
+from .http import HTTPError, anthropic_error, guarded, sse
 from .openai import RECEIPT_HEADER, OpenAIRoutes, job_events
 from .tools import ToolSpec, ToolStream
 
@@ -187,7 +187,7 @@ def to_chat(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]
 
 
 def _sse(event: str, data: dict[str, Any]) -> bytes:
-    return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
+    return sse(data, event=event)
 
 
 class AnthropicRoutes:

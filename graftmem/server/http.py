@@ -38,7 +38,7 @@ from .tenants import TENANT_STATE, ApiKeys
 #: paths the API key does not guard: the health probe (`graftmem.server.metrics`)
 PUBLIC_PATHS = frozenset({"/health"})
 
-__all__ = ["HTTPError", "Limits", "error_response", "public_message", "read_body", "body_length",
+__all__ = ["HTTPError", "Limits", "error_response", "sse", "public_message", "read_body", "body_length",
            "ApiKeyMiddleware", "is_block_path", "is_anthropic_path", "anthropic_error", "PUBLIC_PATHS", "bearer", "guarded", "json_object", "json_depth", "client_gone",
            "off_loop", "OFF_LOOP_BYTES"]
 
@@ -109,6 +109,13 @@ def public_message(message: str, home: Optional[str] = None) -> str:
     if home:
         message = message.replace(home, "<home>")
     return message
+
+
+def sse(data: Any, *, event: Optional[str] = None) -> bytes:
+    """One server-sent event: an ``event:`` line when named (Anthropic's and the Responses streams name
+    every event), then ``data:`` with the JSON (OpenAI's chat stream sends data lines only)."""
+    head = f"event: {event}\n" if event is not None else ""
+    return f"{head}data: {json.dumps(data)}\n\n".encode()
 
 
 def error_response(path: str, err: HTTPError, *, close: bool = False) -> Response:

@@ -49,7 +49,7 @@ from ..store.chain import chain_of
 from .chat import (TokenCache, answer_text, chunk_prompt, literal_spans, render_segments, template_segments,
                    tokenize_segments)
 from .generate import Job, Result, check_fits, run_job
-from .http import HTTPError, Limits, client_gone, guarded, json_object, off_loop, public_message, read_body
+from .http import HTTPError, Limits, client_gone, guarded, json_object, off_loop, public_message, read_body, sse
 from .pool import EnginePool
 from .routing import RouterRef
 from ..memory.access import Access
@@ -500,7 +500,7 @@ class OpenAIRoutes:
         def chunk(choice: dict[str, Any], **extra: Any) -> bytes:
             d = {"id": rid, "object": obj, "created": created, "model": self.model_id,
                  "choices": [choice] if choice else [], **extra}
-            return b"data: " + json.dumps(d).encode() + b"\n\n"
+            return sse(d)
 
         def delta(text: str, entries: list[dict[str, Any]]) -> bytes:
             if think is not None:
@@ -561,12 +561,10 @@ class OpenAIRoutes:
                 yield b"data: [DONE]\n\n"
                 return
         except HTTPError as exc:
-            yield b"data: " + json.dumps({"error": {"message": exc.message, "type": "server_error",
-                                                    "param": None, "code": exc.code}}).encode() + b"\n\n"
+            yield sse({"error": {"message": exc.message, "type": "server_error", "param": None, "code": exc.code}})
         except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
-            yield b"data: " + json.dumps({"error": {"message": f"internal error ({type(exc).__name__})",
-                                                    "type": "server_error", "param": None,
-                                                    "code": "internal_error"}}).encode() + b"\n\n"
+            yield sse({"error": {"message": f"internal error ({type(exc).__name__})", "type": "server_error",
+                                 "param": None, "code": "internal_error"}})
         finally:
             job.cancel.set()  # a client that went away stops the decode at the next token
 

@@ -57,7 +57,7 @@ from ..core.blocks import AUTO_KIND
 from ..memory.verbs import first_untrusted
 from ..store.chain import chain_of
 from .chat import continuation_segments
-from .http import HTTPError, guarded, off_loop
+from .http import HTTPError, guarded, off_loop, sse
 from .openai import RECEIPT_HEADER, OpenAIRoutes, job_events
 from .prefix import Match
 from .tenants import owner_of, tenant_of
@@ -257,7 +257,7 @@ def _tools_key(chat: dict[str, Any]) -> Optional[str]:
 
 
 def _sse(data: dict[str, Any]) -> bytes:
-    return f"event: {data['type']}\ndata: {json.dumps(data)}\n\n".encode()
+    return sse(data, event=data["type"])
 
 
 class ResponseStore:
