@@ -12,7 +12,7 @@ import pytest
 from graftmem import EngineConfig
 from graftmem.core.decoding import decode
 from graftmem.core.engine import Engine, logits_sha256
-from graftmem.memory.exactness import kl_divergence, sample_queries
+from graftmem.memory.exactness import REPREFILL_BUDGET, kl_divergence, sample_queries, verify_block
 
 from .conftest import long_text
 
@@ -63,10 +63,11 @@ def test_swa_model_without_full_cache_is_marked_inexact():
 
 
 def test_verify_reports_50_of_50_on_smollm2(mem):
-    # a short block keeps 50 full re-prefills (verify's default mode at this size) cheap; the long and
-    # window-crossing blocks are verified by the tests around this one
+    # verify's default ("auto") trims the query's cells after each sample at this size (the block is
+    # prefilled once); the re-prefill mode is checked on the same block below, and trim == re-prefill
+    # byte for byte by test_trimmed_fresh_prefix_equals_reprefilled_prefix
     block = mem.learn(long_text(70, seed=7), name="fifty")
-    assert block.n_tokens * 50 <= 20_000  # so verify re-prefills the block for every sample
+    assert block.n_tokens * 50 > REPREFILL_BUDGET
     rep = mem.verify(block.id, samples=50)
     assert rep.samples == 50
     assert rep.sha_equal == 50 and rep.argmax_agree == 50 and rep.max_kl == 0.0
@@ -74,6 +75,10 @@ def test_verify_reports_50_of_50_on_smollm2(mem):
     assert rep.cross_process is True
     assert rep.ok
     assert mem.get(block.id).verification.ok  # the record is stored in the manifest
+
+    full = verify_block(mem.engine, mem.store, block.id, samples=8, fresh="reprefill", cross_process=False)
+    assert (full.sha_equal, full.argmax_agree, full.max_kl) == (8, 8, 0.0)
+    assert [r.fresh_sha256 for r in full.rows] == [r.fresh_sha256 for r in rep.rows[:8]]
 
 
 def test_verify_reports_50_of_50_on_gemma3_past_the_window(gmem):

@@ -16,6 +16,7 @@ import pytest
 
 from graftmem import AsyncMemory, ConfigError, Embedder, Memory, SearchHit, SentenceTransformerEmbedder
 from graftmem.memory.router import DEFAULT_MIN_SCORE, Router, normalize_task, passages, route_text
+from graftmem.testing import HashEmbedder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -234,10 +235,12 @@ def test_when_to_use_can_be_replaced_and_reroutes(rmem):
     assert top.block_id == ids["dates"] and top.score > 0.3
 
 
-def test_fingerprint_filter_and_free_standing_index(minilm):
-    r = Router(minilm)
+def test_fingerprint_filter_and_free_standing_index():
+    # index plumbing, not semantics: the torch-free embedder of graftmem.testing
+    emb = HashEmbedder()
+    r = Router(emb)
     texts = {"a1": "open a support ticket", "b1": "open a support ticket now", "a2": "format a date"}
-    r.add_vectors(list(texts), minilm.embed_batch(list(texts.values())), digests=["A", "B", "A"])
+    r.add_vectors(list(texts), emb.embed_batch(list(texts.values())), digests=["A", "B", "A"])
     assert [i for i, _ in r.search("open a ticket", 3)][:2] in (["a1", "b1"], ["b1", "a1"])
     assert [i for i, _ in r.search("open a ticket", 2, fingerprint_digest="A")] == ["a1", "a2"]
     assert [i for i, _ in r.search("open a ticket", 5, fingerprint_digest="B")] == ["b1"]

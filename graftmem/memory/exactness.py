@@ -7,8 +7,11 @@ For each sample query q:
 
 ``fresh="reprefill"`` recomputes the block prefix for every sample. ``fresh="trim"`` prefills it once
 and, after each sample, removes the query's cells with ``llama_memory_seq_rm``, which leaves exactly
-the cells and cache head that a fresh prefill leaves; the first sample is always a full re-prefill, and
-``fresh="auto"`` picks trim only when re-prefilling would cost more than ~20k tokens of compute.
+the cells and cache head that a fresh prefill leaves (``test_trimmed_fresh_prefix_equals_reprefilled_prefix``
+compares the bytes); the first sample and the floor's samples are always full re-prefills.
+``fresh="auto"`` trims unless re-prefilling costs under ``REPREFILL_BUDGET`` tokens in all: the prefill
+is nearly all of a verification's time (50 samples of a 90-token block re-prefilled took 47 s of one
+core, trimmed about a fifth of it), and a re-prefill per sample proves nothing that trim does not.
 The **floor** is fresh-vs-fresh on the first samples: if it were not SHA-equal the engine would be
 nondeterministic and no graft could be called exact. **Cross-process** runs the graft in a new Python
 process on the same store and compares its SHA-256s with the fresh ones computed here.
@@ -34,6 +37,9 @@ if TYPE_CHECKING:
     from ..store.local import Store
 
 __all__ = ["sample_queries", "kl_divergence", "graft_logits", "verify_block", "graft_in_new_process"]
+
+#: ``fresh="auto"`` re-prefills the block for every sample only when that costs fewer tokens than this
+REPREFILL_BUDGET = 2_000
 
 _WORDS = ("what when where which how why explain list name give the first last step rule value "
           "code answer because therefore next then total number page line word").split()
@@ -86,7 +92,7 @@ def verify_block(engine: "Engine", store: "Store", block_id: str, *, samples: in
     queries = sample_queries(samples)
     qtoks = [eng.tokenize(q, add_special=False) for q in queries]
     if fresh == "auto":
-        fresh = "reprefill" if block.pos_end * samples <= 20_000 else "trim"
+        fresh = "reprefill" if block.pos_end * samples <= REPREFILL_BUDGET else "trim"
     rows: list[SampleResult] = []
     fresh_logits: list[np.ndarray] = []
     floor_eq = 0
