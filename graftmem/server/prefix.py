@@ -213,7 +213,8 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ learning
     def learn_target(self, segments: Sequence[Sequence[int]], tail: int = 2,
-                     keys: Optional[Sequence[bytes]] = None, tenant: Optional[str] = None) -> int:
+                     keys: Optional[Sequence[bytes]] = None, tenant: Optional[str] = None,
+                     marks: Sequence[int] = ()) -> int:
         """How many segments of this prompt to learn (0: none), decided before the prompt is prefilled.
 
         Every prefix of the prompt up to the start of its last message is counted as seen once; the
@@ -223,21 +224,35 @@ class PrefixCache:
         (their second sighting, learned then), turn 3 re-sends turn 2's messages, and so on.
 
         ``tail``: how many final segments are never learned (2 for a chat: the last message and the
-        assistant's header; 1 for a raw completion prompt: its last chunk)."""
-        if not self.learn_enabled or len(segments) < tail + 1:
+        assistant's header; 1 for a raw completion prompt: its last chunk).
+
+        ``marks``: prefixes (counts of segments, the last one excluded) the client asked to be stored
+        (Anthropic's ``cache_control``): one that is not stored yet and at least ``min_tokens`` long is
+        learned at its first sighting, the last message included (Anthropic, too, caches nothing
+        shorter than a minimum). With learning off (``serve --no-learn``) nothing is stored, marked or not."""
+        if not self.learn_enabled:
             return 0
-        keys = (prefix_keys(segments, tenant) if keys is None else keys)[:len(segments) - tail]
-        shared = prefix_keys(segments[:len(keys)]) if tenant is not None else keys
-        lengths = [0, *segment_ends(segments[:len(keys)])]
+        auto = max(0, len(segments) - tail) if len(segments) >= tail + 1 else 0
+        wanted = {k for k in marks if 0 < k < len(segments)}
+        top = max([auto, *wanted])
+        if top == 0:
+            return 0
+        keys = (prefix_keys(segments, tenant) if keys is None else keys)[:top]
+        shared = prefix_keys(segments[:top]) if tenant is not None else keys
+        lengths = [0, *segment_ends(segments[:top])]
         best = 0
         with self._lock:
             for k, key in enumerate(keys, start=1):
                 if key in self._index or shared[k - 1] in self._index or key in self._pending:
                     continue
+                if k in wanted and lengths[k] >= self.min_tokens:
+                    best = max(best, k)
+                if k > auto:
+                    continue
                 n = self._seen.pop(key, 0) + 1
                 self._seen[key] = n
                 if n >= self.sightings and lengths[k] >= self.min_tokens:
-                    best = k
+                    best = max(best, k)
             while len(self._seen) > _MAX_SIGHTINGS:
                 self._seen.popitem(last=False)
         return best
