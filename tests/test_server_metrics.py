@@ -57,3 +57,60 @@ def test_health_is_public_and_metrics_count_requests_and_tokens(smol, tmp_path):
         s = _samples(httpx.get(srv.url + "/metrics", headers={"x-api-key": KEY}).text)
         assert s['graftmem_requests_total{route="other",status="404"}'] == 1
         assert s['graftmem_requests_total{route="/metrics",status="200"}'] == 1
+
+
+def test_health_says_loading_until_the_engines_are_loaded(smol, tmp_path):
+    """The socket is bound before the engines load (what ``graftmem serve`` does): a probe reads 503
+    ``loading`` and an API call a 503 in its API's shape, until the server built on it starts; then 200."""
+    import threading
+
+    import anthropic
+
+    from graftmem.core.engine import Engine
+    from graftmem.server import bind
+
+    runner = bind()
+    runner.start()
+    go = threading.Event()
+    made: dict = {}
+
+    def load() -> None:  # what serve's loader thread does, held until the test lets it go
+        go.wait()
+        made["engine"] = engine = Engine(smol.model_path, smol.config)
+        made["srv"] = api_server(Store(tmp_path / "home"), [engine], api_key=KEY, runner=runner).start()
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    try:
+        r = httpx.get(runner.url + "/health")
+        assert r.status_code == 503 and r.json() == {"status": "loading"}
+        assert r.headers["retry-after"] == "1"
+        c = openai.OpenAI(base_url=runner.url + "/v1", api_key=KEY, max_retries=0)
+        try:
+            c.chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+        except openai.APIStatusError as exc:
+            assert exc.status_code == 503 and exc.body["code"] == "loading"
+        else:
+            raise AssertionError("a request was served while loading")
+        a = anthropic.Anthropic(base_url=runner.url, api_key=KEY, max_retries=0)
+        try:
+            a.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+        except anthropic.APIStatusError as exc:
+            assert exc.status_code == 503 and exc.body["error"]["type"] == "overloaded_error"
+        else:
+            raise AssertionError("a request was served while loading")
+        go.set()
+        loader.join()
+        r = httpx.get(runner.url + "/health")
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+        out = c.chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+        assert out.choices[0].message is not None
+    finally:
+        go.set()
+        loader.join()
+        if "srv" in made:
+            made["srv"].close()
+        else:
+            runner.close()
+        if "engine" in made:
+            made["engine"].close()
