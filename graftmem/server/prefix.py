@@ -129,6 +129,7 @@ class PrefixCache:
         self._index: dict[bytes, str] = {}
         self._seen: "OrderedDict[bytes, int]" = OrderedDict()
         self._refused: set[str] = set()
+        self.refusals = 0  #: blocks that failed a check when grafted or warmed (`refuse`), for /metrics
         self._version: Optional[tuple[int, int]] = None
         #: prefixes handed to the writer (`store_later`) and not stored yet: not learned a second time
         self._pending: dict[bytes, int] = {}
@@ -209,6 +210,7 @@ class PrefixCache:
         """Stop using ``block_id`` in this process (it failed its checks); the store is left as it is."""
         with self._lock:
             self._refused.add(block_id)
+            self.refusals += 1
         log.warning("prefix cache: block %s refused, the request is served cold: %s", block_id[:12], why)
 
     # ------------------------------------------------------------------ learning

@@ -113,7 +113,7 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
     responses = ResponsesRoutes(oa, ttl=responses_ttl)
     responses.stored.sweep()  # what expired while the server was down
     rest = MemoryRoutes(pool, store, ref, limits=limits, shared_learned=shared_learned)
-    metrics = Metrics(pool, store)
+    metrics = Metrics(pool, store, cache)
     oa.on_result.append(metrics.served)
     srv = BlockServer(store, host=host, port=port, push_token=push_token, fingerprint=engines[0].fingerprint,
                       sign_key=sign_key, check=check, api_key=keys, limits=limits,
