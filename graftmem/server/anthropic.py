@@ -14,14 +14,22 @@ blocks become ``tool`` messages (before the user's own text, as the calls they a
 / none become auto / required / the named function / none. ``thinking`` and ``redacted_thinking``
 blocks of earlier turns are dropped (templates drop earlier reasoning too). Images and documents are
 refused (400), as are ``top_k``, enabled ``thinking`` and ``output_config.format`` (structured
-outputs), which this server cannot honour yet.
-``cache_control`` is accepted and, for now, ignored: the prefix cache decides what to persist.
+outputs), which this server cannot honour yet. Claude Code's billing line (`BILLING_HEADER`, whose
+``cch`` changes on every request) is dropped from the system prompt: kept, no prefix would ever match.
+docs/agents.md has the table of every field.
 
-Usage: ``cache_read_input_tokens`` is the prompt tokens not prefilled (grafted from a stored block, or
-kept in RAM from the previous request: the receipt's ``source`` says which); ``input_tokens`` is the
-rest (Anthropic counts the three apart: total = input + cache read + cache creation).
-``cache_creation_input_tokens`` is 0: a request stores its prefix after its answer is sent, so the
-answer cannot count it yet (the receipt and ``/metrics`` show what was learned).
+``cache_control`` breakpoints (on a system block, a tool, a content block, or at the top level) are
+prefixes the client wants kept: `to_chat` turns them into prefixes of the chat messages, `OpenAIRoutes.chat_job`
+into segment boundaries (a breakpoint inside a message moves to that message's end: blocks are cut per
+message), and the prefix cache stores each one not stored yet at its first sighting
+(`PrefixCache.learn_target`), from the request's own cells, after the answer.
+
+Usage: the prompt in three parts that sum to it. ``cache_read_input_tokens``: tokens not prefilled
+(grafted from a stored block, or kept in RAM from the previous request: the receipt's ``source`` says
+which); ``cache_creation_input_tokens``: tokens this request writes to new blocks (`Result.created_tokens`:
+a breakpoint's prefix, or a prefix learned on its second sighting; 0 when stored already);
+``input_tokens``: the rest. A stream's ``message_start`` waits until the prompt's start is restored
+(`Job.on_start`), so its usage already has the split.
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ those of the cells the request (or the previous request, whose cells it kept in 
 on a sliding-window model), and they are written by the cache's writer thread (`store_later()`) after
 the request has released its engine, so neither the answer nor the next request waits for the writes.
 
+A prefix the client marked (Anthropic's ``cache_control``, `graftmem.server.anthropic`) is learned the
+same way at its first sighting, its last message included, if it is at least ``min_tokens`` long.
+
 Storage: a chained automatic block is stored ``"full"`` by default (its whole state, not a delta over
 its parent): a delta chain is rebuilt level by level on every graft, each level merged and its full
 state hashed again, which costs hundreds of milliseconds per level at a few thousand tokens, while a
