@@ -52,8 +52,111 @@ def test_health_is_public_and_metrics_count_requests_and_tokens(smol, tmp_path):
         assert s["graftmem_queue_depth"] == 0
         assert s["graftmem_rate_limited_total"] == 0
         assert s["graftmem_auto_block_bytes"] >= 0
+        # where the time went: the first request prefilled cold, the second restored from RAM
+        assert s['graftmem_prefill_seconds_total{source="none"}'] > 0
+        assert s['graftmem_prefill_seconds_total{source="ram"}'] > 0
+        assert s['graftmem_restore_seconds_total{source="ram"}'] > 0
+        assert s['graftmem_restore_seconds_total{source="store"}'] == 0
+        assert s['graftmem_cached_tokens_total{source="bucket"}'] == 0
+        assert s["graftmem_decode_seconds_total"] > 0
+        assert s["graftmem_created_tokens_total"] == 0  # a short prompt, seen twice: nothing stored
+        assert s["graftmem_verify_failures_total"] == 0
         # a path no route serves is labelled "other": random paths do not grow the label set
         assert httpx.get(srv.url + "/no/such/path/123", headers={"x-api-key": KEY}).status_code == 404
         s = _samples(httpx.get(srv.url + "/metrics", headers={"x-api-key": KEY}).text)
         assert s['graftmem_requests_total{route="other",status="404"}'] == 1
         assert s['graftmem_requests_total{route="/metrics",status="200"}'] == 1
+
+
+def test_health_says_loading_until_the_engines_are_loaded(smol, tmp_path):
+    """The socket is bound before the engines load (what ``graftmem serve`` does): a probe reads 503
+    ``loading`` and an API call a 503 in its API's shape, until the server built on it starts; then 200."""
+    import threading
+
+    import anthropic
+
+    from graftmem.core.engine import Engine
+    from graftmem.server import bind
+
+    runner = bind()
+    runner.start()
+    go = threading.Event()
+    made: dict = {}
+
+    def load() -> None:  # what serve's loader thread does, held until the test lets it go
+        go.wait()
+        made["engine"] = engine = Engine(smol.model_path, smol.config)
+        made["srv"] = api_server(Store(tmp_path / "home"), [engine], api_key=KEY, runner=runner).start()
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    try:
+        r = httpx.get(runner.url + "/health")
+        assert r.status_code == 503 and r.json() == {"status": "loading"}
+        assert r.headers["retry-after"] == "1"
+        c = openai.OpenAI(base_url=runner.url + "/v1", api_key=KEY, max_retries=0)
+        try:
+            c.chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+        except openai.APIStatusError as exc:
+            assert exc.status_code == 503 and exc.body["code"] == "loading"
+        else:
+            raise AssertionError("a request was served while loading")
+        a = anthropic.Anthropic(base_url=runner.url, api_key=KEY, max_retries=0)
+        try:
+            a.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+        except anthropic.APIStatusError as exc:
+            assert exc.status_code == 503 and exc.body["error"]["type"] == "overloaded_error"
+        else:
+            raise AssertionError("a request was served while loading")
+        go.set()
+        loader.join()
+        r = httpx.get(runner.url + "/health")
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+        out = c.chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+        assert out.choices[0].message is not None
+    finally:
+        go.set()
+        loader.join()
+        if "srv" in made:
+            made["srv"].close()
+        else:
+            runner.close()
+        if "engine" in made:
+            made["engine"].close()
+
+
+def test_metrics_count_written_blocks_store_grafts_and_refused_blocks(smol, tmp_path):
+    """A breakpoint's block written (created tokens), grafted from the store (restore seconds by source),
+    then damaged on disk: the graft's check refuses it (a verify failure) and the request is served cold."""
+    import anthropic
+
+    from .conftest import flip_bit, long_text
+
+    system = [{"type": "text", "text": "You file tickets. " + long_text(260, seed=21), "cache_control": {"type": "ephemeral"}}]
+    ask = [{"role": "user", "content": "Open a ticket."}]
+    with api_server(Store(tmp_path / "home"), [smol], api_key=KEY) as srv:
+        c = anthropic.Anthropic(base_url=srv.url, api_key=KEY, max_retries=0)
+        first = c.messages.create(model="m", max_tokens=2, system=system, messages=ask, extra_body={"temperature": 0})
+        created = first.usage.cache_creation_input_tokens
+        assert created > 0
+        assert srv.cache.flush(60)
+        # served cold (and nothing kept in RAM), then from the stored block
+        c.messages.create(model="m", max_tokens=2, system=system, messages=ask,
+                          extra_body={"temperature": 0, "graftmem": {"cache": False}})
+        read = c.messages.create(model="m", max_tokens=2, system=system, messages=ask, extra_body={"temperature": 0})
+        assert read.model_extra["graftmem"]["source"] == "store"
+        s = _samples(httpx.get(srv.url + "/metrics", headers={"x-api-key": KEY}).text)
+        assert s["graftmem_created_tokens_total"] == created
+        assert s['graftmem_cached_tokens_total{source="store"}'] == read.usage.cache_read_input_tokens
+        assert s['graftmem_restore_seconds_total{source="store"}'] > 0
+        assert s["graftmem_verify_failures_total"] == 0
+        # the block's state damaged on disk: its next graft is refused, the answer served cold
+        block = srv.store.get(read.model_extra["graftmem"]["block_id"])
+        path = srv.store.path_of(block.id)
+        flip_bit(path, path.stat().st_size - 64 - 1000)
+        c.messages.create(model="m", max_tokens=2, system=system, messages=ask,
+                          extra_body={"temperature": 0, "graftmem": {"cache": False}})
+        cold = c.messages.create(model="m", max_tokens=2, system=system, messages=ask, extra_body={"temperature": 0})
+        assert cold.usage.cache_read_input_tokens == 0
+        s = _samples(httpx.get(srv.url + "/metrics", headers={"x-api-key": KEY}).text)
+        assert s["graftmem_verify_failures_total"] == 1

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
-from typing import Any
+import threading
+from typing import Any, Optional
 
 from .common import _home, _memory, _sign_key
 from .sharing import _key_mode
+
+log = logging.getLogger("graftmem")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """One long-running server: block sharing, and (unless --blocks-only) the OpenAI-compatible API
     with the persistent prompt cache, on one socket."""
     from .. import ConfigError
-    from ..core import Engine
-    from ..server import ApiKeys, BlockServer, api_server
+    from ..server import ApiKeys, BlockServer
 
     token = args.push_token or os.environ.get("GRAFTMEM_PUSH_TOKEN")
     api_key: Any = args.api_key or os.environ.get("GRAFTMEM_API_KEY")
@@ -24,23 +27,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ConfigError("give --api-key (one shared key) or --api-key-file (a key per tenant), not both")
         api_key = ApiKeys.load(args.api_key_file)
     api = not args.blocks_only
-    mem = _memory(args) if (token or api) else None  # the API and pushes need the engine
-    extra: list[Any] = []
+    if api:
+        return _serve_api(args, token, api_key)
+    mem = _memory(args) if token else None  # pushes need the engine
     try:
-        if api:
-            assert mem is not None
-            extra = [Engine(mem.engine.model_path, mem.engine.config) for _ in range(max(1, args.engines) - 1)]
-            srv = api_server(mem.store, [mem.engine, *extra], host=args.host, port=args.port, api_key=api_key,
-                             push_token=token, sign_key=_sign_key(args),
-                             check=mem.vetting(rederive=args.rederive),
-                             max_queue=args.max_queue, min_prefix_tokens=args.min_prefix_tokens,
-                             sightings=args.sightings, learn=not args.no_learn,
-                             max_auto_bytes=args.max_auto_mb << 20, auto_storage=args.auto_storage,
-                             warm=not args.no_warm, router=lambda: mem.router,  # loaded on the first routed request
-                             chat_template=args.chat_template_file, allow_unverified=args.allow_unverified,
-                             shared_learned=args.shared_learned,
-                             responses_ttl=args.responses_ttl)
-        elif mem:
+        if mem:
             srv = mem.serve(host=args.host, port=args.port, push_token=token, sign_key=_sign_key(args),
                             rederive=args.rederive)
         else:
@@ -48,14 +39,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               api_key=api_key)
         try:
             _close_on_sigterm()  # before the line that tells a supervisor the server is up
-            warmed = getattr(srv, "warm", [])
-            what = (f"OpenAI API at {srv.url}/v1 with {1 + len(extra)} engine(s), " if api else "")
-            if warmed:
-                what += f"{sum(w['tokens'] for w in warmed)} prompt tokens warm in RAM, "
-            print(f"serving {srv.store.home} at {srv.url} ({what}pushes {'on' if token else 'off'}, "
+            print(f"serving {srv.store.home} at {srv.url} (pushes {'on' if token else 'off'}, "
                   f"listings {'signed' if args.sign else 'unsigned'}, "
                   f"API key {_key_mode(api_key)}); Ctrl-C stops", flush=True)
-            for line in _endpoint_lines(srv.url, api):
+            for line in _endpoint_lines(srv.url, False):
                 print(line, flush=True)
             srv.serve_forever()
         except KeyboardInterrupt:
@@ -63,10 +50,76 @@ def cmd_serve(args: argparse.Namespace) -> int:
         finally:
             srv.close()
     finally:
-        for e in extra:
-            e.close()
         if mem:
             mem.close()
+    return 0
+
+
+def _serve_api(args: argparse.Namespace, token: Optional[str], api_key: Any) -> int:
+    """The API server, bound before its model loads: ``/health`` answers 503 ``loading`` from the first
+    second (an orchestrator's probe reads "loading", not "connection refused"), 200 once the engines are
+    loaded and warmed. The engines load in a thread while this (the main) thread serves, so Ctrl-C and
+    SIGTERM are handled throughout; the first line (which scripts read for the URL) is printed once the
+    server answers."""
+    from ..core import Engine
+    from ..server import api_server, bind
+
+    runner = bind(args.host, args.port)
+    log.info("serve: listening on %s; loading the model (/health answers 503 until it is ready)", runner.url)
+    made: dict[str, Any] = {"extra": []}
+    stopping = threading.Event()
+
+    def load() -> None:
+        try:
+            made["mem"] = mem = _memory(args)
+            made["extra"] = extra = [Engine(mem.engine.model_path, mem.engine.config)
+                                     for _ in range(max(1, args.engines) - 1)]
+            made["srv"] = srv = api_server(
+                mem.store, [mem.engine, *extra], api_key=api_key, push_token=token, sign_key=_sign_key(args),
+                check=mem.vetting(rederive=args.rederive), max_queue=args.max_queue,
+                min_prefix_tokens=args.min_prefix_tokens, sightings=args.sightings, learn=not args.no_learn,
+                max_auto_bytes=args.max_auto_mb << 20, auto_storage=args.auto_storage, warm=not args.no_warm,
+                router=lambda: mem.router,  # loaded on the first routed request
+                chat_template=args.chat_template_file, allow_unverified=args.allow_unverified,
+                shared_learned=args.shared_learned, responses_ttl=args.responses_ttl, runner=runner)
+            if stopping.is_set():  # Ctrl-C / SIGTERM while loading: closed by the main thread, never opened
+                return
+            srv.start()  # the gate opens: requests reach the routes
+            warmed = getattr(srv, "warm", [])
+            what = f"OpenAI API at {srv.url}/v1 with {1 + len(extra)} engine(s), "
+            if warmed:
+                what += f"{sum(w['tokens'] for w in warmed)} prompt tokens warm in RAM, "
+            print(f"serving {srv.store.home} at {srv.url} ({what}pushes {'on' if token else 'off'}, "
+                  f"listings {'signed' if args.sign else 'unsigned'}, "
+                  f"API key {_key_mode(api_key)}); Ctrl-C stops", flush=True)
+            for line in _endpoint_lines(srv.url, True):
+                print(line, flush=True)
+        except BaseException as exc:  # noqa: BLE001 - raised again by the main thread
+            made["error"] = exc
+            runner.stop()
+
+    loader = threading.Thread(target=load, name="graftmem-load", daemon=True)
+    try:
+        _close_on_sigterm()
+        loader.start()
+        runner.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stopping.set()
+        runner.stop()
+        loader.join()  # a load under way finishes before its engines are closed
+        srv = made.get("srv")
+        if srv is not None:
+            srv.close()
+        else:
+            runner.close()
+        for e in made["extra"]:
+            e.close()
+        if made.get("mem") is not None:
+            made["mem"].close()
+    if "error" in made:
+        raise made["error"]
     return 0
 
 

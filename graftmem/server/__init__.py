@@ -8,8 +8,8 @@ from .openai import RECEIPT_HEADER, OpenAIRoutes
 from .pool import EnginePool
 from .prefix import AUTO_KIND, PrefixCache
 from .rest import MemoryRoutes
-from .service import api_server
+from .service import api_server, bind
 from .tenants import ApiKeys, hash_key
 
 __all__ = ["AUTO_KIND", "ApiKeys", "BlockRoutes", "BlockServer", "EnginePool", "Limits", "MemoryRoutes", "OpenAIRoutes", "PrefixCache",
-           "RECEIPT_HEADER", "api_server", "hash_key"]
+           "RECEIPT_HEADER", "api_server", "bind", "hash_key"]

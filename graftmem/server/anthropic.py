@@ -14,14 +14,22 @@ blocks become ``tool`` messages (before the user's own text, as the calls they a
 / none become auto / required / the named function / none. ``thinking`` and ``redacted_thinking``
 blocks of earlier turns are dropped (templates drop earlier reasoning too). Images and documents are
 refused (400), as are ``top_k``, enabled ``thinking`` and ``output_config.format`` (structured
-outputs), which this server cannot honour yet.
-``cache_control`` is accepted and, for now, ignored: the prefix cache decides what to persist.
+outputs), which this server cannot honour yet. Claude Code's billing line (`BILLING_HEADER`, whose
+``cch`` changes on every request) is dropped from the system prompt: kept, no prefix would ever match.
+docs/agents.md has the table of every field.
 
-Usage: ``cache_read_input_tokens`` is the prompt tokens not prefilled (grafted from a stored block, or
-kept in RAM from the previous request: the receipt's ``source`` says which); ``input_tokens`` is the
-rest (Anthropic counts the three apart: total = input + cache read + cache creation).
-``cache_creation_input_tokens`` is 0: a request stores its prefix after its answer is sent, so the
-answer cannot count it yet (the receipt and ``/metrics`` show what was learned).
+``cache_control`` breakpoints (on a system block, a tool, a content block, or at the top level) are
+prefixes the client wants kept: `to_chat` turns them into prefixes of the chat messages, `OpenAIRoutes.chat_job`
+into segment boundaries (a breakpoint inside a message moves to that message's end: blocks are cut per
+message), and the prefix cache stores each one not stored yet at its first sighting
+(`PrefixCache.learn_target`), from the request's own cells, after the answer.
+
+Usage: the prompt in three parts that sum to it. ``cache_read_input_tokens``: tokens not prefilled
+(grafted from a stored block, or kept in RAM from the previous request: the receipt's ``source`` says
+which); ``cache_creation_input_tokens``: tokens this request writes to new blocks (`Result.created_tokens`:
+a breakpoint's prefix, or a prefix learned on its second sighting; 0 when stored already);
+``input_tokens``: the rest. A stream's ``message_start`` waits until the prompt's start is restored
+(`Job.on_start`), so its usage already has the split.
 """
 
 from __future__ import annotations
@@ -43,9 +51,16 @@ from .tools import ToolSpec, ToolStream
 if TYPE_CHECKING:
     from .generate import Job, Result
 
-__all__ = ["AnthropicRoutes", "to_chat"]
+__all__ = ["AnthropicRoutes", "BILLING_HEADER", "to_chat"]
 
 log = logging.getLogger("graftmem")
+
+#: How Claude Code's billing line starts: ``x-anthropic-billing-header: cc_version=...; cc_entrypoint=cli;
+#: cch=<5 hex digits>;`` as the first system block. ``cch`` changes on every request, so a prompt that
+#: keeps it differs from the previous one at its first tokens and no prefix is ever found again. It is
+#: metadata for Anthropic's own servers (which lift it out), not text for the model: that line is dropped
+#: before rendering, as vLLM, SGLang and vllm-mlx drop it (llama-server blanks the ``cch`` value).
+BILLING_HEADER = "x-anthropic-billing-header:"
 
 
 def _text_of(blocks: Any, where: str) -> str:
@@ -63,8 +78,40 @@ def _text_of(blocks: Any, where: str) -> str:
     return "\n".join(parts)
 
 
-def _message(i: int, m: Any) -> list[dict[str, Any]]:
-    """One Anthropic message as the OpenAI chat messages it stands for."""
+def _cache_control(b: Any, where: str) -> bool:
+    """Whether block ``b`` carries a ``cache_control`` breakpoint (a malformed one is a 400). Its ``ttl``
+    (``5m`` / ``1h``) is accepted: a stored block is kept until evicted, not for a time."""
+    cc = b.get("cache_control") if isinstance(b, dict) else None
+    if cc is None:
+        return False
+    if not isinstance(cc, dict) or cc.get("type") != "ephemeral" or cc.get("ttl", "5m") not in ("5m", "1h"):
+        raise HTTPError(400, f"{where}.cache_control must be {{\"type\": \"ephemeral\"}} (with an optional "
+                        "\"ttl\" of \"5m\" or \"1h\")")
+    return True
+
+
+def _system_text(system: Any) -> tuple[str, bool]:
+    """The system prompt's text without Claude Code's billing line (`BILLING_HEADER`), and whether one
+    of its blocks carries a ``cache_control`` breakpoint."""
+    blocks = [{"type": "text", "text": system}] if isinstance(system, str) else system
+    if not isinstance(blocks, list):
+        raise HTTPError(400, "system must be a string or a list of content blocks")
+    marked = any([_cache_control(b, f"system.{i}") for i, b in enumerate(blocks)])
+    _text_of(blocks, "system")  # every block is a text block
+    texts = [t for t in (_without_billing(b["text"]) for b in blocks) if t]
+    return "\n".join(texts), marked
+
+
+def _without_billing(text: str) -> str:
+    """``text`` without a first line that is Claude Code's billing header (see `BILLING_HEADER`)."""
+    if not text.startswith(BILLING_HEADER):
+        return text
+    return text.split("\n", 1)[1] if "\n" in text else ""
+
+
+def _message(i: int, m: Any, marked: Optional[list[bool]] = None) -> list[dict[str, Any]]:
+    """One Anthropic message as the OpenAI chat messages it stands for. ``marked`` receives whether one
+    of its content blocks carries a ``cache_control`` breakpoint."""
     where = f"messages.{i}"
     if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
         raise HTTPError(400, f"{where}: a message needs role 'user' or 'assistant'")
@@ -73,6 +120,8 @@ def _message(i: int, m: Any) -> list[dict[str, Any]]:
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
         raise HTTPError(400, f"{where}.content must be a string or a list of content blocks")
+    if marked is not None:
+        marked.append(any([_cache_control(b, f"{where}.content.{j}") for j, b in enumerate(content)]))
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
@@ -124,9 +173,13 @@ def _tool_choice(choice: Any) -> Any:
                     "{\"type\": \"tool\", \"name\": ...}")
 
 
-def to_chat(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]:
+def to_chat(body: dict[str, Any], *, count_only: bool = False, marks: Optional[list[int]] = None) -> dict[str, Any]:
     """An Anthropic Messages request as the OpenAI chat request it means (400 on what it cannot mean).
-    ``count_only``: for ``count_tokens``, which sends no ``max_tokens``."""
+    ``count_only``: for ``count_tokens``, which sends no ``max_tokens``. ``marks`` receives the request's
+    ``cache_control`` breakpoints as prefixes of the chat messages (counts of messages, for
+    `OpenAIRoutes.chat_job`): a tool's or a system block's is the end of the first message (the system
+    prompt, where templates render the tools), a message's is the end of that message, a top-level
+    ``cache_control`` (automatic caching) is the end of the last message."""
     if not count_only:
         mt = body.get("max_tokens")
         if mt is None:
@@ -145,13 +198,21 @@ def to_chat(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]
     if not isinstance(msgs, list) or not msgs:
         raise HTTPError(400, "messages: a non-empty list of messages is required")
     chat: list[dict[str, Any]] = []
+    found: list[int] = []
     system = body.get("system")
     if system is not None:
-        text = _text_of(system, "system")
+        text, marked = _system_text(system)
         if text:
             chat.append({"role": "system", "content": text})
+        if marked:
+            found.append(1)
     for i, m in enumerate(msgs):
-        chat.extend(_message(i, m))
+        flags: list[bool] = []
+        chat.extend(_message(i, m, flags))
+        if any(flags):
+            found.append(len(chat))
+    if _cache_control(body, "request"):
+        found.append(len(chat))
     out: dict[str, Any] = {"messages": chat, "max_tokens": 1 if count_only else body["max_tokens"]}
     temperature = body.get("temperature")
     if temperature is not None:
@@ -175,6 +236,8 @@ def to_chat(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]
         for i, t in enumerate(tools):
             if not isinstance(t, dict) or t.get("type") not in (None, "custom") or not isinstance(t.get("name"), str):
                 raise HTTPError(400, f"tools.{i}: only custom tools with a name and an input_schema are supported")
+            if _cache_control(t, f"tools.{i}"):
+                found.append(1)
             fn: dict[str, Any] = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object"}}
             if t.get("description") is not None:
                 fn["description"] = t["description"]
@@ -183,11 +246,20 @@ def to_chat(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]
     choice = _tool_choice(body.get("tool_choice"))
     if choice is not None and tools:
         out["tool_choice"] = choice
+    if marks is not None:
+        marks.extend(sorted(set(found)))
     return out
 
 
 def _sse(event: str, data: dict[str, Any]) -> bytes:
     return sse(data, event=event)
+
+
+def _usage(prompt: int, read: int, created: int, output: int) -> dict[str, Any]:
+    """Anthropic's usage: the prompt counted in three parts that sum to it (read from the cache, written
+    to new blocks, the rest)."""
+    return {"input_tokens": prompt - read - created, "output_tokens": output,
+            "cache_read_input_tokens": read, "cache_creation_input_tokens": created}
 
 
 class AnthropicRoutes:
@@ -211,7 +283,8 @@ class AnthropicRoutes:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise HTTPError(400, "stream must be a boolean")
-        job, tools = await self.oa.chat_job(request, to_chat(body))
+        marks: list[int] = []
+        job, tools = await self.oa.chat_job(request, to_chat(body, marks=marks), marks)
         mid = "msg_" + uuid.uuid4().hex[:24]
         if not stream:
             result = await self.oa.answer(request, job)
@@ -225,9 +298,17 @@ class AnthropicRoutes:
                 "id": mid, "type": "message", "role": "assistant", "model": self.oa.model_id, "content": blocks,
                 "stop_reason": self._stop_reason(result, calls), "stop_sequence": result.stop_sequence,
                 "usage": self._usage(result), "graftmem": receipt}, headers={RECEIPT_HEADER: json.dumps(receipt)})
+        loop = asyncio.get_running_loop()
+        started: asyncio.Future[tuple[int, int]] = loop.create_future()
+
+        def start(read: int, created: int) -> None:
+            if not started.done():
+                started.set_result((read, created))
+
+        job.on_start = lambda read, created: loop.call_soon_threadsafe(start, read, created)
         events, done = await self.oa.stream(job)  # a 429 is raised here, before the stream starts
         prompt = sum(len(s) for s in job.segments)
-        return StreamingResponse(self._events(mid, prompt, job, tools, events, done),
+        return StreamingResponse(self._events(mid, prompt, job, tools, events, done, started),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     # ------------------------------------------------------------------ formatting
@@ -250,12 +331,13 @@ class AnthropicRoutes:
 
     @staticmethod
     def _usage(r: "Result") -> dict[str, Any]:
-        return {"input_tokens": r.prompt_tokens - r.cached_tokens, "output_tokens": len(r.tokens),
-                "cache_read_input_tokens": r.cached_tokens, "cache_creation_input_tokens": 0}
+        return _usage(r.prompt_tokens, r.cached_tokens, r.created_tokens, len(r.tokens))
 
     async def _events(self, mid: str, prompt: int, job: "Job", tools: Optional[ToolSpec],
-                      events: "asyncio.Queue[tuple[str, Any]]", done: "asyncio.Future[Result]") -> AsyncIterator[bytes]:
-        """The stream: ``message_start``, one text block (opened at the first text), then the tool_use
+                      events: "asyncio.Queue[tuple[str, Any]]", done: "asyncio.Future[Result]",
+                      started: "asyncio.Future[tuple[int, int]]") -> AsyncIterator[bytes]:
+        """The stream: ``message_start`` (sent once the prompt's start is restored: its usage says what
+        was read and what will be written), one text block (opened at the first text), then the tool_use
         blocks once the answer is complete (a call is only known whole), ``message_delta`` with the
         stop reason and the final usage, ``message_stop``."""
         held = ToolStream(tools.fmt) if tools is not None and tools.parse else None
@@ -277,11 +359,11 @@ class AnthropicRoutes:
                                                       "delta": {"type": "text_delta", "text": piece}})
 
         try:
+            await asyncio.wait({started, done}, return_when=asyncio.FIRST_COMPLETED)
+            read, created = started.result() if started.done() else (0, 0)
             yield _sse("message_start", {"type": "message_start", "message": {
                 "id": mid, "type": "message", "role": "assistant", "model": self.oa.model_id, "content": [],
-                "stop_reason": None, "stop_sequence": None,
-                "usage": {"input_tokens": prompt, "output_tokens": 0, "cache_read_input_tokens": 0,
-                          "cache_creation_input_tokens": 0}}})
+                "stop_reason": None, "stop_sequence": None, "usage": _usage(prompt, read, created, 0)}})
             async for kind, payload in job_events(events, done):
                 if kind == "delta":
                     if piece := text(payload[0]):

@@ -3,6 +3,10 @@
 Unknown paths and wrong methods answer in the error shape of the API they were aimed at
 (`error_response()`), so an ``openai`` client gets an OpenAI error and a
 ``graftmem pull`` gets a graftmem one.
+
+`Gate` is what a socket bound before the engines are loaded serves (`graftmem.server.service.bind`):
+``/health`` answers ``503 {"status": "loading"}`` and every other path a 503 in its API's error shape,
+until the app is ready and handed over.
 """
 
 from __future__ import annotations
@@ -15,14 +19,18 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .http import ApiKeyMiddleware, HTTPError, error_response
-from .metrics import Metrics, MetricsMiddleware
+from .metrics import HEALTH_PATH, Metrics, MetricsMiddleware
 from .tenants import ApiKeys
 
-__all__ = ["build_app"]
+__all__ = ["Gate", "build_app"]
+
+#: Seconds a client is told to wait (``Retry-After``) while the server loads.
+LOADING_RETRY_S = 1
 
 #: What anyio imports on a server's first streamed response (~7 ms, measured with -X importtime),
 #: imported with the app instead, so a restarted server's first request does not pay for it.
@@ -55,3 +63,44 @@ def build_app(routes: list[BaseRoute], *, api_key: "str | ApiKeys | None" = None
         middleware.insert(0, Middleware(MetricsMiddleware, metrics=metrics))
     return Starlette(routes=routes, middleware=middleware,
                      exception_handlers={HTTPException: _http_exception})
+
+
+class Gate:
+    """An ASGI app that answers 503 until `open()` hands it the app to serve.
+
+    Why: loading a model and warming its engines takes seconds to minutes, and an orchestrator
+    (Kubernetes, a load balancer, a supervisor script) probes ``/health`` from the moment the process
+    starts. A socket that is not bound yet refuses the probe's connection, which reads as "dead", not
+    "loading". Bound first and gated, the server says what it is doing: ``/health`` answers
+    ``503 {"status": "loading"}`` (public, like the ready server's), every other path a 503 in its API's
+    error shape with ``Retry-After`` (the ``openai`` and ``anthropic`` packages retry on it), and no
+    request reaches a route before the engines are loaded. Nothing is counted in ``/metrics`` meanwhile.
+    """
+
+    def __init__(self) -> None:
+        self.app: Optional[ASGIApp] = None
+
+    def open(self, app: ASGIApp) -> None:
+        """Serve ``app`` from now on (the engines are loaded and warmed)."""
+        self.app = app
+
+    @property
+    def loading(self) -> bool:
+        return self.app is None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        app = self.app
+        if app is not None:
+            await app(scope, receive, send)
+            return
+        if scope["type"] != "http":  # uvicorn runs without lifespan events; nothing else to answer
+            return
+        retry = {"Retry-After": str(LOADING_RETRY_S)}
+        response: Response
+        if scope["path"] == HEALTH_PATH:
+            response = JSONResponse({"status": "loading"}, status_code=503, headers=retry)
+        else:
+            response = error_response(scope["path"], HTTPError(
+                503, "the server is loading its model: retry in a moment (GET /health answers 200 once it "
+                "serves)", name="TransferError", code="loading", headers=retry))
+        await response(scope, receive, send)

@@ -34,7 +34,7 @@ import logging
 import os
 import re
 import time
-from typing import AsyncIterator, BinaryIO, Callable, Optional
+from typing import TYPE_CHECKING, AsyncIterator, BinaryIO, Callable, Optional
 
 import anyio
 import anyio.from_thread
@@ -56,6 +56,9 @@ from .http import HTTPError, Limits, body_length, guarded, public_message
 from .metrics import Metrics
 from ..memory.access import Access
 from .tenants import ApiKeys, tenant_of
+
+if TYPE_CHECKING:
+    from .runner import ServerThread
 
 __all__ = ["BlockRoutes", "BlockServer"]
 
@@ -296,7 +299,9 @@ class BlockServer:
     (``Memory.serve(rederive=True)`` re-derives each one). ``api_key`` guards every route.
     Use as a context manager, or `start()` (background thread) / `serve_forever()`.
     ``extra`` adds routes (the OpenAI-compatible ones of `OpenAIRoutes`, ...); ``metrics`` adds
-    ``/health`` and ``/metrics`` (`graftmem.server.metrics`).
+    ``/health`` and ``/metrics`` (`graftmem.server.metrics`). ``runner``: a socket bound earlier
+    (`graftmem.server.service.bind`), serving its loading gate until this server starts on it
+    (``host`` and ``port`` are then the runner's).
     """
 
     def __init__(self, store: Store | str | os.PathLike[str], *, host: str = "127.0.0.1",
@@ -305,8 +310,9 @@ class BlockServer:
                  sign_key: Optional[SigningKey] = None, max_push_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
                  check: Optional[BlockCheck] = None, api_key: "str | ApiKeys | None" = None,
                  limits: Optional[Limits] = None, routes: type[BlockRoutes] = BlockRoutes,
-                 extra: Optional[list[BaseRoute]] = None, metrics: Optional[Metrics] = None) -> None:
-        from .app import build_app
+                 extra: Optional[list[BaseRoute]] = None, metrics: Optional[Metrics] = None,
+                 runner: "Optional[ServerThread]" = None) -> None:
+        from .app import Gate, build_app
         from .runner import ServerThread
 
         if isinstance(api_key, str) and len(api_key) < 8:
@@ -320,7 +326,10 @@ class BlockServer:
                                  sign_key=sign_key, max_push_bytes=max_push_bytes, check=check, limits=limits)
             self.app = build_app(self.routes.routes() + list(extra or []), api_key=api_key,
                                  push_token=push_token, metrics=metrics)
-            self._server = ServerThread(self.app, host=host, port=port, limits=limits)
+            if runner is not None and not (isinstance(runner.app, Gate) and runner.app.loading):
+                raise ConfigError("a runner given to a server must be one bound by bind() and not opened yet")
+            self._server = runner if runner is not None else ServerThread(self.app, host=host, port=port,
+                                                                          limits=limits)
         except BaseException:
             if self._owns_store:
                 self.store.close()
@@ -336,11 +345,20 @@ class BlockServer:
 
     def start(self) -> "BlockServer":
         self._server.start()
+        self._open()
         log.info("serving %s at %s", self.store.home, self.url)
         return self
 
     def serve_forever(self) -> None:
+        self._open()
         self._server.serve_forever()
+
+    def _open(self) -> None:
+        """On a runner bound earlier: requests reach this server's routes from now on."""
+        from .app import Gate
+
+        if isinstance(self._server.app, Gate):
+            self._server.app.open(self.app)
 
     def close(self) -> None:
         self._server.close()

@@ -57,14 +57,16 @@ def message_text(msg: Any, i: int) -> tuple[str, str]:
 
 
 def render_segments(fmt: ChatFormat, messages: Sequence[Any], tools: Optional[ToolSpec] = None,
-                    untrusted: Optional[list[Spans]] = None) -> list[str]:
+                    untrusted: Optional[list[Spans]] = None, ends: Optional[list[int]] = None) -> list[str]:
     """The prompt's segments: one per message, then the assistant's header. ``tools`` are appended to
     the first message when it is a system one, else put in a system message of their own before it
     (`graftmem.server.tools`).
 
     ``untrusted``, when given, receives per segment the character span of the message's text if it
     is a user or tool message (what `literal_spans` narrows to those that spell a special token): the
-    hand-written formats keep untrusted text as text too, as the model templates do (`template_segments`)."""
+    hand-written formats keep untrusted text as text too, as the model templates do (`template_segments`).
+    ``ends``, when given, receives per message the length in characters of the prompt up to its end
+    (`template_segments` has the same)."""
     if not isinstance(messages, list) or not messages:
         raise HTTPError(400, "messages must be a non-empty list", param="messages")
     rendered = [message_text(msg, i) for i, msg in enumerate(messages)]
@@ -86,6 +88,9 @@ def render_segments(fmt: ChatFormat, messages: Sequence[Any], tools: Optional[To
         segs.append(f"{head}{text}{fmt.block_tail}")
         if untrusted is not None:
             untrusted.append([(len(head), len(head) + len(text))] if sent_as in ("user", "tool") and text else [])
+    if ends is not None:
+        shift = len(segs) - len(messages)  # a system message of tools put before the first one
+        ends.extend(sum(map(len, segs[:k + shift])) for k in range(1, len(messages) + 1))
     segs.append(fmt.task_tail[len(fmt.block_tail):])  # the assistant's header
     if untrusted is not None:
         untrusted.append([])
@@ -222,7 +227,8 @@ Spans = list[tuple[int, int]]
 
 
 def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools: Optional[ToolSpec] = None,
-                      kwargs: Optional[dict[str, Any]] = None) -> tuple[list[str], list[str], list[Spans]]:
+                      kwargs: Optional[dict[str, Any]] = None,
+                      ends: Optional[list[int]] = None) -> tuple[list[str], list[str], list[Spans]]:
     """A request rendered by the model's own template, cut into one segment per message where the
     template allows it, and why it did not where it does not.
 
@@ -237,6 +243,10 @@ def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools:
     tool messages that spell a special token (``"<|eot_id|>"`` typed by a user); `tokenize_segments`
     tokenizes them without special-token parsing (`graftmem.core.prompt.tokenize_literal`), while the
     template's own markers stay special. No cut falls inside such a span.
+
+    ``ends``, when given, receives per message of ``messages`` how many characters of the prompt its
+    render up to that message accounts for (where ``render(messages[:k])`` stops agreeing with the
+    whole): an Anthropic ``cache_control`` breakpoint on message k is the last cut at or before it.
     """
     msgs = template_messages(messages)
     kw = {**dict(kwargs or {}), "now": _DAYS.day(tpl, msgs)}
@@ -258,14 +268,17 @@ def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools:
         raise HTTPError(400, "the model's chat template rendered these messages as nothing", param="messages")
     cuts: list[int] = []
     notes: list[str] = []
+    agreed = [0]  # per prefix of msgs: the characters of the whole prompt its render accounts for
     for k in range(1, len(msgs) + 1):
         try:
             part = _RENDERS.render(tpl, msgs[:k], tool_list, kw, False)
         except TemplateError as exc:
             notes.append(f"messages[:{k}] do not render on their own ({exc}): no cut after message {k - 1}")
+            agreed.append(agreed[-1])
             continue
         agree = len(part) if full.startswith(part) else \
             next(i for i, (a, b) in enumerate(zip(part, full)) if a != b)
+        agreed.append(agree)
         if agree < len(part):
             notes.append(f"message {k - 1} renders differently once more follows: cut moved back")
         lo = cuts[-1] + 1 if cuts else 1
@@ -294,6 +307,9 @@ def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools:
         at = j + len(content)
         notes.append(f"message {i} spells a special token: tokenized as text, its segment not learned")
     cuts = [c for c in cuts if not any(a < c < b for a, b in spans)]
+    if ends is not None:
+        shift = len(msgs) - len(messages)  # a system message of tools put before the first one
+        ends.extend(agreed[k + shift] for k in range(1, len(messages) + 1))
     bounds = [0, *cuts, len(full)]
     literal = [[(max(a, lo) - lo, min(b, hi) - lo) for a, b in spans if a < hi and b > lo]
                for lo, hi in zip(bounds, bounds[1:])]

@@ -78,6 +78,13 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     extra: Optional[dict[str, Any]] = None  #: added to the receipt (what routing chose)
     learn_tail: int = 2  #: final segments never learned (see `PrefixCache.learn_target`)
+    #: prefixes (counts of segments) the client asked to be stored, at first sight (Anthropic's
+    #: ``cache_control`` breakpoints; see `PrefixCache.learn_target`)
+    marks: list[int] = field(default_factory=list)
+    #: called in the worker once the prompt's start is restored and before its prefill, with the tokens
+    #: restored (grafted or kept in RAM) and the tokens this request will write to new blocks (a stream's
+    #: first event reports them: Anthropic's ``message_start``)
+    on_start: Optional[Callable[[int, int], None]] = None
     #: the client's consent to graft blocks nothing here vouches for (``graftmem.allow_unverified``)
     allow_unverified: bool = False
     #: who asks (from the API key, `graftmem.server.tenants`): salts the prompt's keys, owns what it learns
@@ -114,6 +121,9 @@ class Result:
     receipt: Receipt
     #: the stop string that ended the answer, if one did (``finish_reason`` is then ``"stop"``)
     stop_sequence: Optional[str] = None
+    #: prompt tokens this request hands to the prefix cache's writer as new blocks (beyond
+    #: ``cached_tokens``: what Anthropic calls ``cache_creation_input_tokens``)
+    created_tokens: int = 0
 
 
 @dataclass
@@ -163,6 +173,10 @@ def kept_segments(engine: "Engine", keys: Sequence[bytes], allow_unverified: boo
         n -= 1
     return n
 
+
+#: The graft's phases a receipt carries (`graftmem.core.blocks.Receipt`): ``fetch_ms`` says the block
+#: came from a fleet store's bucket (a cache miss), which `/metrics` counts apart.
+_PHASES = ("fetch_ms", "read_ms", "check_ms", "place_ms", "set_data_ms")
 
 #: Bytes of the warmed chains' other blocks that the warm start reads and checks (BLAKE3) ahead.
 WARM_CHECK_BYTES = 1 << 30
@@ -348,13 +362,14 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
     with engine.session(resume=keep, keep=keep):
         t0 = time.perf_counter()
         # the prefix to learn is decided before the prefill, so its states are captured on the way
-        learn_k = cache.learn_target(segs, job.learn_tail, keys, job.tenant) if caching else 0
+        learn_k = cache.learn_target(segs, job.learn_tail, keys, job.tenant, job.marks) if caching else 0
         m = match.n_segments if match is not None else 0
         in_ram = kept_segments(engine, keys, consent) if keep else 0
         cut_later = learn_k > 0 and cuts_states(engine)
         if learn_k > m and not cut_later:  # what is learned continues the stored chain at m: keep no more
             in_ram = min(in_ram, m + 1)    # than its first segment, captured right after the trim below
         restored, first_seg, block_id, source = 0, 0, None, None
+        phases: dict[str, float] = {}  #: where a graft's time went (read, check, a bucket's fetch, ...)
         untrusted: Optional[str] = None  #: provenance of an unverified state in the cells, if any
         provenance: Optional[str] = None
         if in_ram > 0 and in_ram >= m:
@@ -374,7 +389,7 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
                 engine.reset()
             if match is not None:
                 try:
-                    desk.graft(match.block, allow_unverified=consent, chain=match.chain)
+                    desk.graft(match.block, allow_unverified=consent, chain=match.chain, timings=phases)
                     restored, first_seg, block_id, source = match.n_tokens, m, match.block.id, "store"
                     provenance = weakest_provenance(match.block, match.untrusted)
                     if match.untrusted is not None:
@@ -390,6 +405,8 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
             learn_k = 0  # a chain learned from these cells (or on that block) would carry the unverified state
         learn_from = min(m, first_seg)  # the first segment learned (0: a refused graft starts the chain anew)
         t1 = time.perf_counter()
+        if job.on_start is not None:
+            job.on_start(restored, _new_tokens(segs, max(learn_from, first_seg), learn_k))
         captured: list[bytes] = []
         if learn_k > learn_from and not cut_later and first_seg == learn_from + 1:
             captured.append(engine.capture_copy())  # the kept cells end where the first learned segment does
@@ -430,9 +447,13 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
                       prefill_ms=round((t2 - t1) * 1e3, 3), decode_ms=round((t3 - t2) * 1e3, 3),
                       decode_tokens=len(out.tokens), first_logits_sha256=logits_sha256(first),
                       exact=bool(engine.exactness.exact), cache=job.use_cache,
-                      provenance=provenance if source else None, recall=(job.extra or {}).get("recall"))
+                      provenance=provenance if source else None, recall=(job.extra or {}).get("recall"),
+                      **{k: round(v, 3) for k, v in phases.items() if k in _PHASES and source == "store"})
+    stored = bool(states) and out.finish_reason != "cancelled"
+    created = _new_tokens(segs, max(learn_from, first_seg), learn_from + len(states)) if stored else 0
     result = Result(text=text, tokens=list(out.tokens), logprobs=entries, finish_reason=out.finish_reason,
-                    prompt_tokens=n_prompt, cached_tokens=restored, receipt=receipt, stop_sequence=answer.stopped_by)
+                    prompt_tokens=n_prompt, cached_tokens=restored, receipt=receipt, stop_sequence=answer.stopped_by,
+                    created_tokens=created)
     if job.on_end is not None:
         try:
             job.on_end(result, end)
@@ -440,10 +461,16 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
             log.warning("serve: storing a response failed: %s", exc)
     if job.emit is not None:
         job.emit("done", result)
-    if states and out.finish_reason != "cancelled":
+    if stored:
         assert cache is not None
         cache.store_later(engine, segs, job.texts, learn_from, states, match, job.tenant)
     return result
+
+
+def _new_tokens(segs: Sequence[Sequence[int]], start: int, stop: int) -> int:
+    """Tokens of segments ``start .. stop - 1``: those written to new blocks that were not restored (the
+    segments between the stored chain and the cells kept in RAM are written too, but were not prefilled)."""
+    return sum(len(s) for s in segs[start:stop])
 
 
 def _capture_end(engine: "Engine", segs: Sequence[Sequence[int]], texts: Sequence[str], match: Optional["Match"],

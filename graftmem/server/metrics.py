@@ -1,9 +1,9 @@
 """``GET /health`` and ``GET /metrics``: what an orchestrator probes and what Prometheus scrapes.
 
 ``/health`` is public even on a server with an API key (a load balancer's probe carries no key, and
-the answer says nothing but that the server serves): ``200 {"status": "ok"}``. The server binds its
-socket only after its engines are loaded and warmed, so a probe that connects at all finds it
-serving; there is no loading state to report.
+the answer says nothing but that the server serves): ``200 {"status": "ok"}``. ``graftmem serve``
+binds its socket before it loads its engines; until they are loaded and warmed the socket's loading
+gate (`graftmem.server.app.Gate`) answers ``503 {"status": "loading"}`` here.
 
 ``/metrics`` is behind the key like every other route (token counts and queue depth tell a
 neighbour how busy the server is), in Prometheus' text exposition format 0.0.4. Names carry no
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from ..store.local import Store
     from .generate import Result
     from .pool import EnginePool
+    from .prefix import PrefixCache
 
 __all__ = ["Metrics", "MetricsMiddleware", "HEALTH_PATH", "METRICS_PATH", "PUBLIC_PATHS"]
 
@@ -46,6 +47,19 @@ METRICS_PATH = "/metrics"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+#: Where a request's restored prompt prefix came from: cells kept in RAM, a graft from the store, a graft
+#: whose block was fetched from a fleet store's bucket (a cache miss: the receipt has ``fetch_ms``).
+SOURCES = ("bucket", "ram", "store")
+
+
+def source_of(result: "Result") -> str:
+    """The `SOURCES` entry of a request's restored prefix (``store`` when nothing was restored)."""
+    r = result.receipt
+    if r.source == "store" and r.fetch_ms:
+        return "bucket"
+    return r.source or "store"
+
+
 def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
@@ -54,13 +68,18 @@ class Metrics:
     """The server's counters and gauges. Counters are updated from the event loop and from request
     workers, so one lock guards them; gauges are read when scraped (nothing to keep in step)."""
 
-    def __init__(self, pool: Optional["EnginePool"] = None, store: Optional["Store"] = None) -> None:
-        self.pool, self.store = pool, store
+    def __init__(self, pool: Optional["EnginePool"] = None, store: Optional["Store"] = None,
+                 cache: Optional["PrefixCache"] = None) -> None:
+        self.pool, self.store, self.cache = pool, store, cache
         self._lock = threading.Lock()
         self.requests: Counter[tuple[str, int]] = Counter()
         self.prompt_tokens = 0
-        self.cached_tokens: Counter[str] = Counter()  #: by source: ram, store
+        self.cached_tokens: Counter[str] = Counter()  #: by source: ram, store, bucket
+        self.created_tokens = 0
         self.generated_tokens = 0
+        self.restore_seconds: Counter[str] = Counter()  #: by source: ram, store, bucket
+        self.prefill_seconds: Counter[str] = Counter()  #: by source of the restored prefix (none: cold)
+        self.decode_seconds = 0.0
         self.routes: list[BaseRoute] = []  #: set by `build_app`: the templates requests are labelled by
 
     # ------------------------------------------------------------------ recording
@@ -79,11 +98,18 @@ class Metrics:
 
     def served(self, result: "Result") -> None:
         """One answered request's tokens (called once per request that decoded, streamed or not)."""
+        r = result.receipt
+        source = source_of(result)
         with self._lock:
             self.prompt_tokens += result.prompt_tokens
             self.generated_tokens += len(result.tokens)
+            self.created_tokens += result.created_tokens
             if result.cached_tokens:
-                self.cached_tokens[result.receipt.source or "store"] += result.cached_tokens
+                self.cached_tokens[source] += result.cached_tokens
+            if r.source:
+                self.restore_seconds[source] += r.restore_ms / 1e3
+            self.prefill_seconds[source if r.source else "none"] += r.prefill_ms / 1e3
+            self.decode_seconds += r.decode_ms / 1e3
 
     # ------------------------------------------------------------------ exposition
     def auto_block_bytes(self) -> Optional[int]:
@@ -96,8 +122,10 @@ class Metrics:
         """The Prometheus text format of every metric."""
         with self._lock:
             requests = sorted(self.requests.items())
-            prompt, generated = self.prompt_tokens, self.generated_tokens
+            prompt, generated, created = self.prompt_tokens, self.generated_tokens, self.created_tokens
             cached = dict(self.cached_tokens)
+            restore, prefill = dict(self.restore_seconds), dict(self.prefill_seconds)
+            decode = self.decode_seconds
         lines: list[str] = []
 
         def metric(name: str, kind: str, doc: str, samples: Sequence[tuple[str, Any]]) -> None:
@@ -111,10 +139,24 @@ class Metrics:
         metric("graftmem_rate_limited_total", "counter", "Requests refused with 429 (engine queue full).",
                [("", sum(n for (_, s), n in requests if s == 429))])
         metric("graftmem_prompt_tokens_total", "counter", "Prompt tokens of answered requests.", [("", prompt)])
+        sources = sorted({*SOURCES, *cached, *restore})
         metric("graftmem_cached_tokens_total", "counter",
-               "Prompt tokens not prefilled: grafted from the store or kept in RAM, by source.",
-               [(f'{{source="{_label(s)}"}}', cached.get(s, 0)) for s in sorted({"ram", "store", *cached})])
+               "Prompt tokens not prefilled: kept in RAM, grafted from the store or fetched from the bucket, by source.",
+               [(f'{{source="{_label(s)}"}}', cached.get(s, 0)) for s in sources])
+        metric("graftmem_created_tokens_total", "counter",
+               "Prompt tokens written to new prefix blocks (Anthropic's cache_creation_input_tokens).", [("", created)])
         metric("graftmem_generated_tokens_total", "counter", "Tokens generated.", [("", generated)])
+        metric("graftmem_restore_seconds_total", "counter",
+               "Seconds spent restoring prompt prefixes (trim of kept cells, or graft: read, check, set), by source.",
+               [(f'{{source="{_label(s)}"}}', round(restore.get(s, 0.0), 6)) for s in sources])
+        metric("graftmem_prefill_seconds_total", "counter",
+               "Seconds spent prefilling prompt tokens, by source of the restored prefix (none: served cold).",
+               [(f'{{source="{_label(s)}"}}', round(prefill.get(s, 0.0), 6)) for s in sorted({"none", *sources, *prefill})])
+        metric("graftmem_decode_seconds_total", "counter", "Seconds spent generating tokens.", [("", round(decode, 6))])
+        if self.cache is not None:
+            metric("graftmem_verify_failures_total", "counter",
+                   "Stored blocks refused because a check failed (digest, fingerprint, llama.cpp refusing the bytes); "
+                   "the request was served cold.", [("", self.cache.refusals)])
         if self.pool is not None:
             metric("graftmem_queue_depth", "gauge", "Requests waiting for an engine.", [("", self.pool.waiting)])
             metric("graftmem_engines_busy", "gauge", "Engines serving a request.", [("", self.pool.in_use)])

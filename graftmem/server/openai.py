@@ -26,13 +26,15 @@ segments of about 256 tokens (`graftmem.server.chat.chunk_prompt`) and uses the 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import dataclasses
+import itertools
 import logging
 import json
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional, Sequence
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -224,9 +226,14 @@ class OpenAIRoutes:
         job, tools = await self.chat_job(request, body)
         return await self._serve(request, body, job, chat=True, tools=tools)
 
-    async def chat_job(self, request: Request, body: dict[str, Any]) -> tuple[Job, Optional[ToolSpec]]:
+    async def chat_job(self, request: Request, body: dict[str, Any],
+                       marks: Sequence[int] = ()) -> tuple[Job, Optional[ToolSpec]]:
         """The `Job` of a chat request (``body`` in OpenAI's chat shape: other protocols' doors translate
-        into it, so every door renders, caches, consents and bounds the same way) and its tools."""
+        into it, so every door renders, caches, consents and bounds the same way) and its tools.
+
+        ``marks``: prefixes of the messages (counts of messages) the client asked to be stored (Anthropic's
+        ``cache_control``); each becomes the last segment boundary at or before the end of its messages
+        (`Job.marks`), which the prefix cache stores at first sight (`PrefixCache.learn_target`)."""
         if self.fmt is None and self.template is None:
             raise HTTPError(400, f"model {self.model_id!r} has no chat template graftmem knows; use "
                             "/v1/completions", code="unsupported_model")
@@ -238,16 +245,18 @@ class OpenAIRoutes:
             raise HTTPError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
         fmt, template = self.fmt, self.template
 
+        ends: list[int] = []  # per message: the prompt's characters up to its end (for ``marks``)
+
         def prompt() -> tuple[list[str], list[list[int]], Optional[list[str]], Any]:
             notes, literal = None, None
             _check_contents(body.get("messages"))  # before anything tokenizes them (a lone surrogate was a 500)
             if template is not None:  # the model's own template (graftmem.core.template)
                 texts, notes, literal = template_segments(self.engine0, template, body.get("messages"), tools,
-                                                          kwargs)
+                                                          kwargs, ends)
             else:
                 assert fmt is not None
                 untrusted: list[Any] = []
-                texts = render_segments(fmt, body.get("messages"), tools, untrusted)
+                texts = render_segments(fmt, body.get("messages"), tools, untrusted, ends)
                 literal, found = literal_spans(self.engine0, texts, untrusted)
                 notes = found or None
             for i, t in enumerate(texts):  # a lone surrogate never reaches the tokenizer (it was a 500)
@@ -263,15 +272,21 @@ class OpenAIRoutes:
         # a large body is rendered and tokenized in a worker thread: the event loop keeps serving
         texts, segments, notes, literal = await off_loop(
             sum(len(str(m)) for m in body.get("messages") or [] if isinstance(m, dict)), prompt)
+        stops = list(itertools.accumulate(map(len, texts)))  # each segment's end, in characters
+        cuts = {bisect.bisect_right(stops, ends[k - 1]) for k in marks if 0 < k <= len(ends)}
+        n_before = len(segments)
         routed = await self._recall(body, segments, texts, tenant_of(request.scope))
         job = self._job(body, segments, texts, chat=True)
         job.extra = routed
         job.tenant = tenant_of(request.scope)
+        shift = len(segments) - n_before  # the routed block's chain put before the messages
+        job.marks = sorted(c + shift for c in cuts if 0 < c < n_before)  # the header always stays to prefill
         if literal and any(literal):
             # a segment whose ids are not tokenize(its text) must not become a block (its text would
             # not re-derive its tokens): it and what follows are never learned; reuse before it stays
             first = next(i for i, spans in enumerate(literal) if spans)
             job.learn_tail = max(job.learn_tail, len(segments) - first)
+            job.marks = [k for k in job.marks if k <= first + shift]
         if notes:
             job.extra = {**(routed or {}), "template": {"notes": notes}}
         return job, tools

@@ -22,6 +22,9 @@ those of the cells the request (or the previous request, whose cells it kept in 
 on a sliding-window model), and they are written by the cache's writer thread (`store_later()`) after
 the request has released its engine, so neither the answer nor the next request waits for the writes.
 
+A prefix the client marked (Anthropic's ``cache_control``, `graftmem.server.anthropic`) is learned the
+same way at its first sighting, its last message included, if it is at least ``min_tokens`` long.
+
 Storage: a chained automatic block is stored ``"full"`` by default (its whole state, not a delta over
 its parent): a delta chain is rebuilt level by level on every graft, each level merged and its full
 state hashed again, which costs hundreds of milliseconds per level at a few thousand tokens, while a
@@ -129,6 +132,7 @@ class PrefixCache:
         self._index: dict[bytes, str] = {}
         self._seen: "OrderedDict[bytes, int]" = OrderedDict()
         self._refused: set[str] = set()
+        self.refusals = 0  #: blocks that failed a check when grafted or warmed (`refuse`), for /metrics
         self._version: Optional[tuple[int, int]] = None
         #: prefixes handed to the writer (`store_later`) and not stored yet: not learned a second time
         self._pending: dict[bytes, int] = {}
@@ -209,11 +213,13 @@ class PrefixCache:
         """Stop using ``block_id`` in this process (it failed its checks); the store is left as it is."""
         with self._lock:
             self._refused.add(block_id)
+            self.refusals += 1
         log.warning("prefix cache: block %s refused, the request is served cold: %s", block_id[:12], why)
 
     # ------------------------------------------------------------------ learning
     def learn_target(self, segments: Sequence[Sequence[int]], tail: int = 2,
-                     keys: Optional[Sequence[bytes]] = None, tenant: Optional[str] = None) -> int:
+                     keys: Optional[Sequence[bytes]] = None, tenant: Optional[str] = None,
+                     marks: Sequence[int] = ()) -> int:
         """How many segments of this prompt to learn (0: none), decided before the prompt is prefilled.
 
         Every prefix of the prompt up to the start of its last message is counted as seen once; the
@@ -223,21 +229,35 @@ class PrefixCache:
         (their second sighting, learned then), turn 3 re-sends turn 2's messages, and so on.
 
         ``tail``: how many final segments are never learned (2 for a chat: the last message and the
-        assistant's header; 1 for a raw completion prompt: its last chunk)."""
-        if not self.learn_enabled or len(segments) < tail + 1:
+        assistant's header; 1 for a raw completion prompt: its last chunk).
+
+        ``marks``: prefixes (counts of segments, the last one excluded) the client asked to be stored
+        (Anthropic's ``cache_control``): one that is not stored yet and at least ``min_tokens`` long is
+        learned at its first sighting, the last message included (Anthropic, too, caches nothing
+        shorter than a minimum). With learning off (``serve --no-learn``) nothing is stored, marked or not."""
+        if not self.learn_enabled:
             return 0
-        keys = (prefix_keys(segments, tenant) if keys is None else keys)[:len(segments) - tail]
-        shared = prefix_keys(segments[:len(keys)]) if tenant is not None else keys
-        lengths = [0, *segment_ends(segments[:len(keys)])]
+        auto = max(0, len(segments) - tail) if len(segments) >= tail + 1 else 0
+        wanted = {k for k in marks if 0 < k < len(segments)}
+        top = max([auto, *wanted])
+        if top == 0:
+            return 0
+        keys = (prefix_keys(segments, tenant) if keys is None else keys)[:top]
+        shared = prefix_keys(segments[:top]) if tenant is not None else keys
+        lengths = [0, *segment_ends(segments[:top])]
         best = 0
         with self._lock:
             for k, key in enumerate(keys, start=1):
                 if key in self._index or shared[k - 1] in self._index or key in self._pending:
                     continue
+                if k in wanted and lengths[k] >= self.min_tokens:
+                    best = max(best, k)
+                if k > auto:
+                    continue
                 n = self._seen.pop(key, 0) + 1
                 self._seen[key] = n
                 if n >= self.sightings and lengths[k] >= self.min_tokens:
-                    best = k
+                    best = max(best, k)
             while len(self._seen) > _MAX_SIGHTINGS:
                 self._seen.popitem(last=False)
         return best

@@ -144,8 +144,10 @@ class ServerThread:
             # requests in flight beyond the cap get uvicorn's 503 (each one holds a task and a socket)
             limit_concurrency=cap + 1, backlog=cap,
             timeout_graceful_shutdown=max(1, int(self.limits.graceful_shutdown)))
+        self.app = app  #: what it serves (a `graftmem.server.app.Gate` until the server built on it opens it)
         self._server = uvicorn.Server(self._config)
         self._thread: Optional[threading.Thread] = None
+        self._foreground = False  #: `serve_forever()` runs it in some thread: `start()` has nothing to do
         self._closed = False
 
     @property
@@ -160,7 +162,7 @@ class ServerThread:
             log.exception("serve: the server at %s stopped on an error", self.url)
 
     def start(self) -> "ServerThread":
-        if self._thread is not None:
+        if self._thread is not None or self._foreground:
             return self
         # uvicorn installs signal handlers only from the main thread; this one is not
         self._thread = threading.Thread(target=self._run, name="graftmem-serve", daemon=True)
@@ -174,8 +176,14 @@ class ServerThread:
         return self
 
     def serve_forever(self) -> None:
-        """Serve in this thread until Ctrl-C / SIGTERM (uvicorn's handlers: a graceful shutdown)."""
+        """Serve in this thread until Ctrl-C / SIGTERM (uvicorn's handlers: a graceful shutdown) or `close()`
+        from another thread."""
+        self._foreground = True
         self._server.run(sockets=[self._sock])
+
+    def stop(self) -> None:
+        """Ask the server to stop (from any thread): `serve_forever()` returns once it has shut down."""
+        self._server.should_exit = True
 
     def close(self) -> None:
         if self._closed:

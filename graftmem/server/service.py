@@ -10,6 +10,7 @@ from ..core.errors import GraftmemError
 from ..share.admission import BlockCheck
 from ..share.trust import SigningKey
 from .anthropic import AnthropicRoutes
+from .app import Gate
 from .blocks import BlockServer
 from .embeddings import EmbeddingRoutes
 from .generate import warm_engines
@@ -21,6 +22,7 @@ from .prefix import PrefixCache
 from .responses import DEFAULT_TTL, ResponsesRoutes
 from .rest import MemoryRoutes
 from .routing import RouterRef
+from .runner import ServerThread
 from .tenants import ApiKeys
 
 if TYPE_CHECKING:
@@ -28,13 +30,22 @@ if TYPE_CHECKING:
     from ..memory.router import Router
     from ..store.local import Store
 
-__all__ = ["api_server"]
+__all__ = ["api_server", "bind"]
 
 log = logging.getLogger("graftmem")
 
 
 #: Seconds a closing server waits for the prefix cache's writer after its requests have finished.
 STORE_FLUSH_S = 120.0
+
+
+def bind(host: str = "127.0.0.1", port: int = 0, limits: Optional[Limits] = None) -> ServerThread:
+    """A socket bound now, serving a loading gate (`graftmem.server.app.Gate`: ``/health`` answers
+    ``503 {"status": "loading"}``, every API path a 503) until the server built on it
+    (``api_server(..., runner=...)``) starts. ``graftmem serve`` binds first and loads its engines
+    after, so an orchestrator's first probe reads "loading", not "connection refused". Start it
+    (``.start()``, or ``.serve_forever()`` in the thread that handles signals) before loading."""
+    return ServerThread(Gate(), host=host, port=port, limits=limits)
 
 
 def _loopback(host: str) -> bool:
@@ -49,7 +60,7 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
                limits: Optional[Limits] = None, router: Optional[Callable[[], "Router"]] = None,
                auto_storage: str = "full", warm: bool = True, allow_unverified: bool = False,
                chat_template: Optional[str] = None, shared_learned: bool = False,
-               responses_ttl: Optional[float] = DEFAULT_TTL) -> BlockServer:
+               responses_ttl: Optional[float] = DEFAULT_TTL, runner: Optional[ServerThread] = None) -> BlockServer:
     """A `BlockServer` that also answers ``/v1/chat/completions``, ``/v1/completions``,
     ``/v1/models``, the Responses API ``/v1/responses`` (`graftmem.server.responses`: stored responses
     are KV chains, kept ``responses_ttl`` seconds at most, None: until evicted), Anthropic's
@@ -80,7 +91,10 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
     sends ``"shared": true``; ``shared_learned`` (``serve --shared-learned``) makes sharing the default
     (the clients are one team that keeps automatic blocks apart but learns together). The operator's
     blocks (learned into the home with the SDK or the CLI) are shared with every tenant either way
-    (`graftmem.memory.access`)."""
+    (`graftmem.memory.access`).
+
+    ``runner``: a socket bound before the engines were loaded (`bind()`), answering 503 until this server
+    starts on it; ``host`` and ``port`` are then its own."""
     keys = ApiKeys.single(api_key) if isinstance(api_key, str) else api_key
     tenants = len(keys.entries) if keys is not None and keys.named else 1
     if keys is None or not keys.named:
@@ -99,13 +113,13 @@ def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.
     responses = ResponsesRoutes(oa, ttl=responses_ttl)
     responses.stored.sweep()  # what expired while the server was down
     rest = MemoryRoutes(pool, store, ref, limits=limits, shared_learned=shared_learned)
-    metrics = Metrics(pool, store)
+    metrics = Metrics(pool, store, cache)
     oa.on_result.append(metrics.served)
     srv = BlockServer(store, host=host, port=port, push_token=push_token, fingerprint=engines[0].fingerprint,
                       sign_key=sign_key, check=check, api_key=keys, limits=limits,
                       extra=oa.routes() + responses.routes() + AnthropicRoutes(oa).routes() + EmbeddingRoutes(oa).routes()
                       + rest.routes(),
-                      metrics=metrics)
+                      metrics=metrics, runner=runner)
     srv.pool, srv.cache, srv.openai, srv.warm = pool, cache, oa, warmed  # type: ignore[attr-defined]
     srv.metrics, srv.responses = metrics, responses  # type: ignore[attr-defined]
 
