@@ -43,7 +43,7 @@ def _rebuilt(m, block):
     return full_state(m.store, block, fingerprint=m.fingerprint)
 
 
-@pytest.mark.parametrize("fixture,words", [("mem", (150, 110, 60)), ("gmem", (300, 220, 90))])
+@pytest.mark.parametrize("fixture,words", [("mem", (80, 60, 40)), ("gmem", (300, 220, 90))])
 def test_chain_is_exact_and_stored_as_delta(request, fixture, words):
     """Three levels; Gemma's chain (~670 tokens) crosses its 512-token sliding window."""
     m = request.getfixturevalue(fixture)
