@@ -256,3 +256,7 @@ def write_results(path: os.PathLike | str, data: dict[str, Any], *, args: Option
     tmp.write_text(json.dumps(out, indent=indent, default=default) + "\n")
     os.replace(tmp, dest)
     return dest
+
+
+if __name__ == "__main__":  # python -m bench.harness: what a result written here and now would be stamped with
+    print(json.dumps(stamp(), indent=2))
