@@ -11,27 +11,23 @@ server prefills a prompt: one message per call; ``H`` plays the assistant header
   the longer call, the cells of ``H`` prefilled as its own call?
 * ``one_call``: ``S + U + H`` prefilled as one call: equal logits?
 
-    python bench/batch_invariance.py [--out bench/results/batch_invariance.json]
+    python -m bench.batch_invariance [--out bench/results/batch_invariance.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from graftmem.core import Engine, logits_sha256  # noqa: E402
-from tests.conftest import long_text  # noqa: E402
+from bench.harness import RESULTS, engine, write_results
+from graftmem.core import logits_sha256
+from tests.conftest import long_text
 
 MODELS = (("smollm2", 2000), ("gemma3-270m", 900))
 
 
 def check(name: str, words: int) -> dict:
-    with Engine(name, {"n_ctx": 4096}) as e:
+    with engine(name, n_ctx=4096) as e:
         s = e.tokenize(long_text(words, seed=1))
         u = e.tokenize(" Question: what is the refund policy?", add_special=False)
         h = e.tokenize(" Answer:", add_special=False)
@@ -60,13 +56,12 @@ def check(name: str, words: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "batch_invariance.json"))
+    ap.add_argument("--out", default=str(RESULTS / "batch_invariance.json"))
     args = ap.parse_args()
     rows = [check(name, words) for name, words in MODELS]
     for r in rows:
         print(json.dumps(r))
-    Path(args.out).write_text(json.dumps({"command": "python " + " ".join(sys.argv), "machine": platform.platform(),
-                                          "rows": rows}, indent=1) + "\n")
+    write_results(args.out, {"rows": rows}, args=args, indent=1)
 
 
 if __name__ == "__main__":

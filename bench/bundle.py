@@ -14,32 +14,27 @@ this measures CPU and syscalls, not the disk. The three variants of each operati
 in every round (the machine is shared); MB/s are medians over ``--repeat`` rounds and each ratio is
 the median of the per-round ratios.
 
-    python bench/bundle.py [--blocks 8] [--tokens 400] [--repeat 5]
+    python -m bench.bundle [--blocks 8] [--tokens 400] [--repeat 5]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import httpx
 
-import httpx  # noqa: E402
-
-from graftmem import EngineConfig, Memory  # noqa: E402
-from graftmem.share import export, import_bundle  # noqa: E402
-from graftmem.share import pull  # noqa: E402
-from graftmem.store import Store, fsync_path  # noqa: E402
-from tests.conftest import long_text  # noqa: E402
+from bench.harness import RESULTS, ROOT, summary, write_results
+from graftmem import EngineConfig, Memory
+from graftmem.share import export, import_bundle, pull
+from graftmem.store import Store, fsync_path
+from tests.conftest import long_text
 
 TARGET = 0.70
 
@@ -62,9 +57,9 @@ def paired(nbytes: int, repeat: int, ours, plain, plain_no_fsync) -> dict[str, f
     for _ in range(repeat):
         for name, spec in (("graftmem", ours), ("plain", plain), ("plain_no_fsync", plain_no_fsync)):
             t[name].append(timed(*spec))
-    out = {k: nbytes / 1e6 / statistics.median(v) for k, v in t.items()}
-    out["ratio"] = statistics.median(p / o for o, p in zip(t["graftmem"], t["plain"]))
-    out["ratio_no_fsync"] = statistics.median(p / o for o, p in zip(t["graftmem"], t["plain_no_fsync"]))
+    out = {k: nbytes / 1e6 / summary(v)["median"] for k, v in t.items()}
+    out["ratio"] = summary(p / o for o, p in zip(t["graftmem"], t["plain"]))["median"]
+    out["ratio_no_fsync"] = summary(p / o for o, p in zip(t["graftmem"], t["plain_no_fsync"]))["median"]
     return out
 
 
@@ -89,7 +84,7 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=400, help="about this many tokens per block")
     ap.add_argument("--repeat", type=int, default=9)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "bundle.json"))
+    ap.add_argument("--out", default=str(RESULTS / "bundle.json"))
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="graftmem-bench-bundle-"))
@@ -192,7 +187,6 @@ def main() -> int:
             print(f"{op:<8} {r['graftmem']:>14.0f} {r['plain']:>11.0f} {r['ratio']:>6.2f} {ok:>7}   "
                   f"{r['plain_no_fsync']:>15.0f} {r['ratio_no_fsync']:>6.2f}   {peers[op]}")
         result = {
-            "command": ("python bench/bundle.py " + " ".join(sys.argv[1:])).strip(),
             "blocks": len(blocks), "tokens": sum(b.n_tokens for b in blocks), "block_bytes": nbytes,
             "bundle_bytes": bsize, "repeat": args.repeat, "target_ratio": TARGET, "cpus": os.cpu_count(),
             "results": rows, "peers": peers,
@@ -200,9 +194,7 @@ def main() -> int:
                     "back to back; ratio = median of per-round ratios; files in page cache; 'plain' peers "
                     "fsync like graftmem, 'plain_no_fsync' do not",
         }
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        out = write_results(args.out, result, args=args)
         print(f"\nwrote {out}")
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -14,7 +14,7 @@ In one run:
   cache of its own, asking random blocks among ``--blocks`` blocks of ``--block-tokens`` tokens for
   ``--seconds`` (graft + 1 token answer, ``Memory.ask``): asks per second, bytes fetched per ask, requests.
 
-    python bench/fleet.py [--reps 7] [--seconds 12] [--graft-only] [--out bench/results/fleet.json]
+    python -m bench.fleet [--reps 7] [--seconds 12] [--graft-only] [--out bench/results/fleet.json]
 
 Results: bench/results/fleet.json with the machine's load average before and after. ``--graft-only``
 measures the graft latency alone and keeps the throughput section of an existing results file (marked
@@ -27,21 +27,18 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
 import random
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from graftmem import FleetStore, Memory  # noqa: E402
-from graftmem.core import logits_sha256  # noqa: E402
-from graftmem.store import load_state  # noqa: E402
-from tests.conftest import long_text  # noqa: E402
-from tests.seaweed import BUCKET, Seaweed  # noqa: E402
+from bench.harness import RESULTS, summary, write_results
+from graftmem import FleetStore, Memory
+from graftmem.core import logits_sha256
+from graftmem.store import load_state
+from tests.conftest import long_text
+from tests.seaweed import BUCKET, Seaweed
 
 N_CTX, THREADS = 4096, 2
 CONFIG = {"n_ctx": N_CTX, "n_threads": THREADS}
@@ -62,11 +59,6 @@ def text_of_tokens(mem: Memory, n: int, seed: int) -> str:
             return text
         words = int(words * n / got)
     return text
-
-
-def spread(xs: list[float]) -> dict:
-    return {"median": round(statistics.median(xs), 2), "min": round(min(xs), 2), "max": round(max(xs), 2),
-            "n": len(xs)}
 
 
 def graft_latency(url: str, root: Path, reps: int) -> dict:
@@ -134,15 +126,15 @@ def graft_latency(url: str, root: Path, reps: int) -> dict:
         for s in colds:
             s.close()
         warm.close()
-        ratios = {f"{k}/local": spread([a / b for a, b in zip(samples[k], samples["local"])])
+        ratios = {f"{k}/local": summary([a / b for a, b in zip(samples[k], samples["local"])], digits=2)
                   for k in ("warm", "cold", "local_b3")}
-        ratios["cold/local_b3"] = spread([a / b for a, b in zip(samples["cold"], samples["local_b3"])])
+        ratios["cold/local_b3"] = summary([a / b for a, b in zip(samples["cold"], samples["local_b3"])], digits=2)
         return {"block_tokens": block.n_tokens, "state_bytes": block.state_size,
-                "ms": {k: spread(v) for k, v in samples.items()}, "ratios": ratios, "exact": exact,
-                "cold_bytes_fetched_per_graft": statistics.median(fetched),
-                "cold_phases_ms": {k: spread(v) for k, v in phases.items()},
-                "targets": {"warm/local <= 1.2": statistics.median(samples["warm"]) <= 1.2 * statistics.median(samples["local"]),
-                            "cold/local <= 3": statistics.median(samples["cold"]) <= 3 * statistics.median(samples["local"])}}
+                "ms": {k: summary(v, digits=2) for k, v in samples.items()}, "ratios": ratios, "exact": exact,
+                "cold_bytes_fetched_per_graft": summary(fetched)["median"],
+                "cold_phases_ms": {k: summary(v, digits=2) for k, v in phases.items()},
+                "targets": {"warm/local <= 1.2": summary(samples["warm"])["median"] <= 1.2 * summary(samples["local"])["median"],
+                            "cold/local <= 3": summary(samples["cold"])["median"] <= 3 * summary(samples["local"])["median"]}}
 
 
 def worker(args: tuple) -> dict:
@@ -172,7 +164,7 @@ def throughput(url: str, root: Path, n_blocks: int, block_tokens: int, seconds: 
                 config=WORKER_CONFIG) as mem:
         ids = [mem.learn(text_of_tokens(mem, block_tokens, seed=100 + i), name=f"tp{i}").id for i in range(n_blocks)]
         sizes = [mem.get(i).state_size for i in ids]
-    out = {"blocks": n_blocks, "block_tokens": block_tokens, "state_bytes_each": statistics.median(sizes),
+    out = {"blocks": n_blocks, "block_tokens": block_tokens, "state_bytes_each": summary(sizes)["median"],
            "seconds": seconds, "workers": {}}
     ctx = mp.get_context("spawn")
     for n in (1, 2, 4):
@@ -183,8 +175,8 @@ def throughput(url: str, root: Path, n_blocks: int, block_tokens: int, seconds: 
         asks = sum(r["asks"] for r in res)
         lat = [x for r in res for x in r["lat_ms"]]
         out["workers"][str(n)] = {
-            "asks": asks, "asks_per_s": round(asks / statistics.mean(r["wall_s"] for r in res), 2),
-            "latency_ms": spread(lat), "bytes_fetched_per_ask": round(sum(r["get_bytes"] for r in res) / max(asks, 1)),
+            "asks": asks, "asks_per_s": round(asks / summary(r["wall_s"] for r in res)["mean"], 2),
+            "latency_ms": summary(lat, digits=2), "bytes_fetched_per_ask": round(sum(r["get_bytes"] for r in res) / max(asks, 1)),
             "gets": sum(r["gets"] for r in res), "lists": sum(r["lists"] for r in res),
             "cache_hits": sum(r["cache_hits"] for r in res)}
     return out
@@ -197,7 +189,7 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--block-tokens", type=int, default=1000)
     ap.add_argument("--graft-only", action="store_true", help="skip the throughput part (kept from --out)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "fleet.json"))
+    ap.add_argument("--out", default=str(RESULTS / "fleet.json"))
     args = ap.parse_args()
     previous = json.loads(Path(args.out).read_text()) if Path(args.out).is_file() else {}
     load_before = os.getloadavg()
@@ -214,20 +206,19 @@ def main() -> int:
             if args.graft_only:  # the last full run's throughput, with the command that measured it
                 tp = previous.get("throughput")
                 if tp is not None and "command" not in tp:
-                    tp = {"command": previous.get("command"), **tp}
+                    tp = {"command": previous.get("command"), "commit": previous.get("commit"), **tp}
             else:
                 tp = throughput(f"s3://{BUCKET}/tp", root, args.blocks, args.block_tokens, args.seconds, env)
                 print(json.dumps(tp, indent=1))
         finally:
             server.stop()
-    result = {"command": "python bench/fleet.py " + " ".join(sys.argv[1:]), "graft": lat, "throughput": tp,
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                          "loadavg_before": [round(x, 2) for x in load_before],
+    result = {"graft": lat, "throughput": tp,
+              "machine": {"loadavg_before": [round(x, 2) for x in load_before],
                           "loadavg_after": [round(x, 2) for x in os.getloadavg()],
                           "note": "shared machine: other sessions' jobs ran alongside (see loadavg)"},
               "seaweedfs": "weed server -s3, single node, 127.0.0.1 (tests/seaweed.py)", "wall_s": round(time.time() - t0, 1)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_results(args.out, result, args=args, indent=1,
+                  threads={"graft": THREADS, "throughput_worker": WORKER_CONFIG["n_threads"]})
     print(f"wrote {args.out}")
     return 0
 

@@ -1,8 +1,8 @@
 """Flywheel benchmark: learn (run 1), recur in a new process (run 2), transfer to held-out variants,
 and the do-no-harm gate. Prints tables and writes bench/results/flywheel.json.
 
-    python bench/flywheel.py                  # all phases; run 2 is a child process
-    python bench/flywheel.py --limit 10       # the first 10 problems only
+    python -m bench.flywheel                  # all phases; run 2 is a child process
+    python -m bench.flywheel --limit 10       # the first 10 problems only
 
 Arms, per problem of examples/flywheel/problems.py (30 problems with known answers):
 
@@ -25,24 +25,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples" / "flywheel"))
+from bench.harness import RESULTS, example_modules, write_results
+from graftmem import ExactMatch, Flywheel, Gate, Memory
+from graftmem.memory import literals, normalize_answer
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from graftmem import ExactMatch, Flywheel, Gate, Memory  # noqa: E402
-from graftmem.memory import literals  # noqa: E402
-from graftmem.memory import normalize_answer  # noqa: E402
-
-from problems import EASY, answers, problem_set, variants  # noqa: E402
-from solver import make_solver  # noqa: E402
+# the example's problem set and stand-in solver (examples/flywheel/problems.py, solver.py)
+problems, solver = example_modules("flywheel", "problems", "solver")
+EASY, answers, problem_set, variants = problems.EASY, problems.answers, problems.problem_set, problems.variants
+make_solver = solver.make_solver
 
 
 def flywheel(mem: Memory, gate: bool = True) -> Flywheel:
@@ -143,7 +142,7 @@ def main() -> int:
     ap.add_argument("--store", default="/tmp/graftmem-flywheel-bench")
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--base-tokens", type=int, default=48)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "flywheel.json"))
+    ap.add_argument("--out", default=str(RESULTS / "flywheel.json"))
     ap.add_argument("--phase", choices=["all", "recur"], default="all")
     ap.add_argument("--child-out", default=None)
     args = ap.parse_args()
@@ -155,7 +154,8 @@ def main() -> int:
     learn = phase_learn(args)
     print("run 2 (recurrence, new process) ...", flush=True)
     child_out = Path(args.store) / "run2.json"
-    cmd = [sys.executable, __file__, "--phase", "recur", "--store", args.store, "--child-out", str(child_out)]
+    cmd = [sys.executable, "-m", "bench.flywheel", "--phase", "recur", "--store", args.store,
+           "--child-out", str(child_out)]
     if args.limit:
         cmd += ["--limit", str(args.limit)]
     subprocess.run(cmd, check=True)
@@ -213,7 +213,6 @@ def report(learn: dict, recur: dict, args) -> None:
           f"{harmed}/{len(harm)}; the flywheel answered {gated_right}/{len(harm)} right, its gate kept the block "
           f"away from {gated_kept}/{len(harm)} (the rest went through a verified transfer)")
     out = {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "model": "smollm2 (SmolLM2-135M-Instruct Q4_1)", "n_problems": n,
         "totals": {"base_solved": base_solved, "base_greedy_right": greedy, "base_tokens": base_tok, "base_s": base_s,
                    "run1_verified": r1_solved, "run1_model_tokens": r1_tok, "run1_solver_tokens": r1_solver,
@@ -226,10 +225,8 @@ def report(learn: dict, recur: dict, args) -> None:
                    "harm_n": len(harm),
                    "run2_router_loaded": recur["router_loaded_after_recurrences"]},
         "run1": rows, "run2": r2, "transfer": tr, "harm": harm,
-        "command": "python bench/flywheel.py" + (f" --limit {args.limit}" if args.limit else ""),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2, default=str))
+    write_results(args.out, out, args=args, threads=CONFIG["n_threads"], default=str)
     print(f"\nwrote {args.out}")
 
 

@@ -20,7 +20,7 @@ at the start by re-deriving every reference block), and its manifest (text, toke
 parent) equals the original. Anything else is a **silent acceptance**. A store that raises on open or
 list, hangs, or refuses a good write after the mutation is an **unusable store**.
 
-    python bench/fuzz.py [--mutations 10000] [--seed 1] [--minutes 30]
+    python -m bench.fuzz [--mutations 10000] [--seed 1] [--minutes 30] [--out bench/results/fuzz.json]
 
 Writes bench/results/fuzz.json. The engine runs only for the reference (a few prefills); the rounds
 are file and hash work, one process, so the run is cheap per mutation on a shared machine.
@@ -29,26 +29,21 @@ are file and hash work, one process, so the run is cheap per mutation on a share
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
-import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from graftmem import GraftmemError, Memory  # noqa: E402
-from graftmem.core import state_digest  # noqa: E402
-from graftmem.share import import_bundle  # noqa: E402
-from graftmem.store import Store, load_state  # noqa: E402
-from tests.conftest import no_hang  # noqa: E402  (the same guard the store tests use)
+from bench.harness import RESULTS, engine, write_results
+from graftmem import GraftmemError, Memory
+from graftmem.core import state_digest
+from graftmem.share import import_bundle
+from graftmem.store import Store, load_state
+from tests.conftest import no_hang  # the same guard the store tests use
 
 ROOT_TEXT = ("Refunds: always ask for the order number first, then check the purchase date. Orders older "
              "than thirty days are refused politely.")
@@ -345,14 +340,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--minutes", type=float, default=30.0, help="stop after this long even if not done")
     ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--out", default=str(RESULTS / "fuzz.json"))
     args = ap.parse_args()
-    from graftmem import Engine
-
-    with Engine(args.model, {"n_ctx": 512, "probe": False}) as eng:
+    with engine(args.model, n_ctx=512, probe=False) as eng:
         res = run(eng, mutations=args.mutations, seed=args.seed, seconds=args.minutes * 60,
                   log=lambda s: print(s, flush=True))
     res["model"] = args.model
-    res["command"] = "python " + " ".join(sys.argv)
     print(f"\n{'class':<34}{'count':>10}")
     for k, v in res["counts"].items():
         print(f"{k:<34}{v:>10}")
@@ -360,8 +353,7 @@ def main() -> None:
           f"acceptances, {res['unusable_stores']} unusable stores")
     for n in res["notes"][:20]:
         print("  ", n)
-    out = ROOT / "bench" / "results" / "fuzz.json"
-    out.write_text(json.dumps(res, indent=2) + "\n")
+    out = write_results(args.out, res, args=args)
     print(f"wrote {out}")
     if res["silent_acceptances"] or res["unusable_stores"]:
         raise SystemExit(1)

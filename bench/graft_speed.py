@@ -32,7 +32,7 @@ Also recorded: whether the server's restored slot gives the same next token and 
 as its own fresh prefill (llama-server makes no such promise), and a per-phase breakdown of a recall
 (``Memory.ask`` receipts: read, check, place, set_data, task prefill, decode).
 
-    python bench/graft_speed.py [--models smollm2 gemma3-270m] [--lengths 512 1024 2048 3000 4000]
+    python -m bench.graft_speed [--models smollm2 gemma3-270m] [--lengths 512 1024 2048 3000 4000]
                                 [--reps 7] [--no-server] [--pickle-lengths 512 3000]
 """
 
@@ -43,30 +43,21 @@ import json
 import os
 import pickle
 import signal
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import peer as cpp_peer  # noqa: E402  (bench/peer.py)
-
-from graftmem import EngineConfig, Memory  # noqa: E402
-from graftmem.core import logits_sha256, needs_placing, place_cells_into  # noqa: E402
-from graftmem.store import load_state  # noqa: E402
-from tests.conftest import long_text  # noqa: E402
+from bench import peer as cpp_peer
+from bench.harness import RESULTS, summary, write_results
+from graftmem import EngineConfig, Memory
+from graftmem.core import logits_sha256, needs_placing, place_cells_into
+from graftmem.store import load_state
+from tests.conftest import long_text
 
 QUESTION = "\nQuestion: according to the manual, what should the agent do first?\nAnswer:"
 N_CTX, N_BATCH, N_UBATCH, THREADS = 4096, 512, 512, 2
 PHASES = ("read_ms", "check_ms", "place_ms", "set_data_ms", "prefill_ms", "decode_ms", "restore_ms")
-
-
-def stats(xs: list[float], nd: int = 2) -> dict:
-    return {"median": round(statistics.median(xs), nd), "min": round(min(xs), nd), "max": round(max(xs), nd),
-            "samples": [round(x, nd) for x in xs]}
 
 
 def ms_since(t0: float) -> float:
@@ -238,7 +229,7 @@ def bench_model(model: str, lengths: list[int], reps: int, home: Path, server_ex
             # n_probs sorts the whole vocabulary, 262k entries for Gemma, which would swamp the +1 time)
             srv.slot("restore", slot_file)
             outs["server"] = srv.complete(list(block.tokens) + q1, n_predict=1, n_probs=10)
-        graft_q_ms = statistics.median(graft(qn)()[0] for _ in range(reps))
+        graft_q_ms = summary(graft(qn)()[0] for _ in range(reps))["median"]
         gq = graft(qn)()[1]
 
         # ---- per-phase breakdown from Memory.ask receipts (hot file version), median over reps
@@ -246,7 +237,7 @@ def bench_model(model: str, lengths: list[int], reps: int, home: Path, server_ex
         for _ in range(max(3, reps // 2)):
             rc = mem.ask(block.id, QUESTION, max_tokens=8).receipt
             phase_rows.append(rc)
-        phases = {p: round(statistics.median(getattr(rc, p) or 0.0 for rc in phase_rows), 2) for p in PHASES}
+        phases = {p: round(summary(getattr(rc, p) or 0.0 for rc in phase_rows)["median"], 2) for p in PHASES}
         os.utime(path)
         rc_b3 = mem.ask(block.id, QUESTION, max_tokens=8).receipt
         phases_b3 = {p: round(getattr(rc_b3, p) or 0.0, 2) for p in PHASES}
@@ -272,31 +263,31 @@ def bench_model(model: str, lengths: list[int], reps: int, home: Path, server_ex
                 t0 = time.perf_counter()
                 peer_restore()
                 peer_ts.append(ms_since(t0))
-            peer_ms = statistics.median(peer_ts)
+            peer_ms = summary(peer_ts)["median"]
             pk_bytes = pk.stat().st_size
             pk.unlink()
         eng.reset()
 
-        g1 = stats(samples["graft_1"])
-        rs = stats(samples["restore"])
-        fl = stats(samples["floor"])
+        g1 = summary(samples["graft_1"], digits=2, samples=True)
+        rs = summary(samples["restore"], digits=2, samples=True)
+        fl = summary(samples["floor"], digits=2, samples=True)
         # the floor the restore is held to: the placed one where the block needs placing
         fkey = "floor_placed" if placing else "floor"
-        fe = stats(samples[fkey])
+        fe = summary(samples[fkey], digits=2, samples=True)
         row = {
             "model": model, "n_tokens": n, "state_bytes": block.state_size,
             "file_bytes": path.stat().st_size, "peer_file_bytes": pk_bytes,
             "cold_1_ms": round(cold_1_ms, 1), "graft_1_ms": g1["median"],
             "speedup_1": round(cold_1_ms / g1["median"], 1),
-            "graft_1": g1, "graft_1_b3": stats(samples["graft_1_b3"]),
+            "graft_1": g1, "graft_1_b3": summary(samples["graft_1_b3"], digits=2, samples=True),
             "cold_q_ms": round(cold_q_ms, 1), "graft_q_ms": round(graft_q_ms, 2),
             "speedup_q": round(cold_q_ms / graft_q_ms, 1), "q_tokens": len(qn),
-            "restore_ms": rs["median"], "restore": rs, "restore_b3": stats(samples["restore_b3"]),
+            "restore_ms": rs["median"], "restore": rs, "restore_b3": summary(samples["restore_b3"], digits=2, samples=True),
             "floor_ms": fl["median"], "floor": fl, "needs_placing": placing,
-            "floor_placed": stats(samples["floor_placed"]) if placing else None,
+            "floor_placed": summary(samples["floor_placed"], digits=2, samples=True) if placing else None,
             "floor_exact_ms": fe["median"],
             "restore_vs_floor": round(rs["median"] / fe["median"], 2),
-            "restore_vs_floor_rounds": stats([a / b for a, b in zip(samples["restore"], samples[fkey])]),
+            "restore_vs_floor_rounds": summary([a / b for a, b in zip(samples["restore"], samples[fkey])], digits=2, samples=True),
             "restore_vs_raw_floor": round(rs["median"] / fl["median"], 2),
             "peer_restore_ms": peer_ms and round(peer_ms, 1),
             "peer_vs_restore": peer_ms and round(peer_ms / rs["median"], 1),
@@ -312,16 +303,16 @@ def bench_model(model: str, lengths: list[int], reps: int, home: Path, server_ex
             restored = outs["server"]
             row.update(srv_row)
             row.update({
-                "server_restore_ms": round(statistics.median(sr), 2), "server_restore": stats(sr),
-                "server_restore_inner": stats(inner),
-                "server_plus1_ms": round(statistics.median(s1), 2), "server_plus1": stats(s1),
-                "server_restore_1_ms": round(statistics.median(tot), 2), "server_restore_1": stats(tot),
-                "graft1_vs_server": stats([a / b for a, b in zip(samples["graft_1"], tot)]),
+                "server_restore_ms": round(summary(sr)["median"], 2), "server_restore": summary(sr, digits=2, samples=True),
+                "server_restore_inner": summary(inner, digits=2, samples=True),
+                "server_plus1_ms": round(summary(s1)["median"], 2), "server_plus1": summary(s1, digits=2, samples=True),
+                "server_restore_1_ms": round(summary(tot)["median"], 2), "server_restore_1": summary(tot, digits=2, samples=True),
+                "graft1_vs_server": summary([a / b for a, b in zip(samples["graft_1"], tot)], digits=2, samples=True),
                 "server_restored_prompt_n": restored["timings"]["prompt_n"],
                 "server_same_token": restored["tokens"] == fresh["tokens"],
                 "server_same_top10_probs": (restored.get("completion_probabilities")
                                             == fresh.get("completion_probabilities")),
-                "server_cold_vs_restore_1": round(srv_row["server_cold_ms"] / statistics.median(tot), 1),
+                "server_cold_vs_restore_1": round(srv_row["server_cold_ms"] / summary(tot)["median"], 1),
             })
             (srv.slot_dir / slot_file).unlink(missing_ok=True)
         rows.append(row)
@@ -401,7 +392,7 @@ def main() -> None:
     ap.add_argument("--no-server", action="store_true", help="skip the llama-server peer")
     ap.add_argument("--pickle-lengths", nargs="*", type=int, default=[512, 3000],
                     help="lengths at which the pickle peer runs (it prefills the block once more)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "graft_speed.json"))
+    ap.add_argument("--out", default=str(RESULTS / "graft_speed.json"))
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run atexit: stop the llama-server it started
     if args.markdown:
@@ -421,14 +412,13 @@ def main() -> None:
         rows = [r for m in args.models for r in bench_model(m, args.lengths, args.reps, Path(tmp), exe, note,
                                                  args.pickle_lengths)]
     load = os.getloadavg()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({
-        "cpu_count": os.cpu_count(), "threads": THREADS, "n_ctx": N_CTX, "reps": args.reps,
-        "command": " ".join(sys.argv), "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
+    write_results(args.out, {
+        "cpu_count": os.cpu_count(), "n_ctx": N_CTX, "reps": args.reps,
+        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
         "duration_s": round(time.time() - t_start, 1), "loadavg_at_end": [round(x, 2) for x in load],
         "llama_server": {"available": exe is not None, "note": note, "exe": str(exe) if exe else None,
                          **build},
-        "rows": rows}, indent=2))
+        "rows": rows}, args=args, threads=THREADS)
 
 
 if __name__ == "__main__":

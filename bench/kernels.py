@@ -6,7 +6,7 @@ and the exactness of a graft (restore + query == fresh prefill + query, SHA-256 
 given length. The "on" setting is first run in a child process (`graftmem.core.engine.kernel_verdict`):
 on a host where those kernels crash, its row says so instead of taking this script down.
 
-    python bench/kernels.py [--models smollm2 gemma3-270m] [--tokens 512] [--decode 32] [--reps 3]
+    python -m bench.kernels [--models smollm2 gemma3-270m] [--tokens 512] [--decode 32] [--reps 3]
 """
 
 from __future__ import annotations
@@ -15,17 +15,12 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from graftmem import EngineConfig, system_report  # noqa: E402
-from graftmem.core import Engine, logits_sha256, probe_kernels  # noqa: E402
-from tests.conftest import long_text  # noqa: E402
+from bench.harness import RESULTS, engine, summary, write_results
+from graftmem import EngineConfig, system_report
+from graftmem.core import Engine, logits_sha256, probe_kernels
+from tests.conftest import long_text
 
 
 def one_rep(eng: Engine, tokens: list[int], query: list[int], n_decode: int) -> dict:
@@ -49,20 +44,15 @@ def one_rep(eng: Engine, tokens: list[int], query: list[int], n_decode: int) -> 
             "graft_equal": graft == fresh, "fresh_sha": fresh}
 
 
-def spread(xs: list[float]) -> dict:
-    return {"median": round(statistics.median(xs), 1), "min": round(min(xs), 1), "max": round(max(xs), 1)}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["smollm2", "gemma3-270m"])
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--out", default="bench/results/kernels.json")
+    ap.add_argument("--out", default=str(RESULTS / "kernels.json"))
     args = ap.parse_args()
     out: dict = {"system": system_report(), "platform": platform.platform(),
-                 "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
                  "loadavg_before": os.getloadavg()[0], "tokens": args.tokens, "decode": args.decode,
                  "reps": args.reps, "models": {}}
     for model in args.models:
@@ -75,7 +65,7 @@ def main() -> None:
                 if not verdict.ran:
                     rows[setting] = {"verdict": verdict.model_dump()}
                     continue
-            eng = Engine(model, cfg)
+            eng = engine(model, **cfg.model_dump(exclude_unset=True))
             engines[setting] = eng
             rows[setting] = {"weight_buffers": eng.weight_buffers, "extra_bufts_used": eng.extra_bufts,
                              "fingerprint": eng.fingerprint.digest(), "exact": eng.exactness.model_dump(), "reps": []}
@@ -88,8 +78,8 @@ def main() -> None:
         for setting, row in rows.items():
             reps = row.get("reps")
             if reps:
-                row["prefill_tok_s"] = spread([r["prefill_tok_s"] for r in reps])
-                row["decode_tok_s"] = spread([r["decode_tok_s"] for r in reps])
+                row["prefill_tok_s"] = summary((r["prefill_tok_s"] for r in reps), digits=1)
+                row["decode_tok_s"] = summary((r["decode_tok_s"] for r in reps), digits=1)
                 row["graft_equal"] = f"{sum(r['graft_equal'] for r in reps)}/{len(reps)}"
                 row["fresh_sha"] = sorted({r["fresh_sha"][:16] for r in reps})
                 del row["reps"]
@@ -105,7 +95,7 @@ def main() -> None:
                                                                       "graft_equal")} if "reps" not in v and k != "on_vs_off"
                                           else v for k, v in rows.items()}, default=str))
     out["loadavg_after"] = os.getloadavg()[0]
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    write_results(args.out, out, args=args)
     print(f"wrote {args.out}")
 
 

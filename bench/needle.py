@@ -5,20 +5,20 @@ Builds a store of ``--tokens`` document tokens (deterministic synthetic prose wi
 every needle: route to a passage, graft ONLY its page, prefill the question, check the number by code.
 
     # small (a few minutes)
-    python bench/needle.py --tokens 16000 --store /tmp/needle-16k
+    python -m bench.needle --tokens 16000 --store /tmp/needle-16k
     # the big run: resumable, low priority, in the background
-    nice -n 19 nohup python bench/needle.py --tokens 1000000 --store /work/needle-store \
+    nice -n 19 nohup python -m bench.needle --tokens 1000000 --store /work/needle-store \
         --out bench/results/needle_1m.json > /work/needle-build.log 2>&1 &
     # ask over whatever is built so far (a partial store is reported as such)
-    python bench/needle.py --tokens 1000000 --store /work/needle-store --ask-only --out ...
+    python -m bench.needle --tokens 1000000 --store /work/needle-store --ask-only --out ...
     # served from object storage: upload the store (blocks, page index, needle metadata) into a bucket,
     # then ask from a fresh worker with an EMPTY cache (per question: fetch, check, restore, prefill);
     # --seaweed starts a local single-node SeaweedFS for the run, else the AWS_* variables say where
-    python bench/needle.py --tokens 16000 --store /tmp/needle-16k --ask-only --bucket s3://fleet/needle-16k --seaweed
+    python -m bench.needle --tokens 16000 --store /tmp/needle-16k --ask-only --bucket s3://fleet/needle-16k --seaweed
     # bytes per stored token, per model and KV type
-    python bench/needle.py --sizes
+    python -m bench.needle --sizes
     # the plot from the JSON files
-    python bench/needle.py --plot bench/results/needle_16k.json bench/results/needle_1m.json
+    python -m bench.needle --plot bench/results/needle_16k.json bench/results/needle_1m.json
 
 The build order puts the pages that hold needles first (``--needles-first``, default on), then every
 page in document order, so an interrupted build can already be asked at every depth; the report says how
@@ -33,21 +33,19 @@ import json
 import os
 import random
 import resource
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.harness import RESULTS, ROOT, engine, summary, write_results
+from graftmem import EngineConfig, FleetStore, Memory
+from graftmem.core import Engine, logits_sha256
+from graftmem.memory import learn_pages, plan_document
+from graftmem.store import Home, Store, load_state
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-from graftmem import EngineConfig, FleetStore, Memory  # noqa: E402
-from graftmem.core import Engine, logits_sha256  # noqa: E402
-from graftmem.memory import learn_pages, plan_document  # noqa: E402
-from graftmem.store import Home, Store, load_state  # noqa: E402
 
 # ----------------------------------------------------------------------------- corpus
 _SUBJ = ["the harbor master", "a young cartographer", "the old miller", "the night watchman", "a traveling tinker",
@@ -172,7 +170,7 @@ def ensure_meta(args: argparse.Namespace) -> dict:
     path = _meta_path(args)
     if path.exists():
         return json.loads(path.read_text())
-    eng = Engine(args.model, engine_config(args).model_copy(update={"probe": False}))
+    eng = engine(args.model, **{**engine_config(args).model_dump(), "probe": False})
     try:
         text, needles = make_corpus(eng, args.tokens, args.needles, args.seed)
         plan = plan_document(eng, text, window=args.window, overlap=args.overlap,
@@ -417,8 +415,7 @@ def sizes(args: argparse.Namespace) -> list[dict]:
     for model in ("gemma3-270m", "smollm2"):
         for kv in ("f16", "q8_0"):
             for page in args.size_pages:
-                eng = Engine(model, EngineConfig(n_ctx=page + 256, type_k=kv, type_v=kv, probe=False,
-                                                 n_threads=args.threads))
+                eng = engine(model, n_ctx=page + 256, type_k=kv, type_v=kv, probe=False, n_threads=args.threads)
                 toks = eng.tokenize(long_text(page * 2))[:page]
                 eng.reset()
                 t = time.perf_counter()
@@ -445,7 +442,7 @@ def compare(paths: list[str]) -> str:
 
         def med(key: str, scale: float = 1.0, nd: int = 0) -> str:  # over the questions that have the key
             xs = [q[key] for q in qs if q.get(key) is not None]
-            return "–" if not xs else f"{statistics.median(xs) * scale:,.{nd}f}"
+            return "–" if not xs else f"{summary(xs)['median'] * scale:,.{nd}f}"
 
         fetched = [q for q in qs if q.get("fetch_ms") is not None]
         ex = a.get("exactness") or {}
@@ -566,14 +563,13 @@ def main() -> None:
         return
     if args.sizes:
         rows = sizes(args)
-        out = Path(args.out or ROOT / "bench" / "results" / "needle_sizes.json")
-        out.write_text(json.dumps({"rows": rows, "threads": args.threads}, indent=1))
+        write_results(args.out or RESULTS / "needle_sizes.json", {"rows": rows}, args=args, indent=1)
         return
     if args._child:
         print("ASK_JSON " + json.dumps(ask(args)), flush=True)
         return
-    out = Path(args.out or ROOT / "bench" / "results" / f"needle_{args.tokens // 1000}k.json")
-    result: dict = {"command": " ".join(sys.argv), "tokens": args.tokens, "model": args.model, "kv": args.kv,
+    out = Path(args.out or RESULTS / f"needle_{args.tokens // 1000}k.json")
+    result: dict = {"tokens": args.tokens, "model": args.model, "kv": args.kv,
                     "window": args.window, "overlap": args.overlap, "store": args.store}
     if not args.ask_only:
         result["build"] = build(args)
@@ -585,7 +581,7 @@ def main() -> None:
             except (ValueError, KeyError):
                 pass
     if args.build_only:
-        out.write_text(json.dumps(result, indent=1))
+        write_results(out, result, args=args, indent=1)
         return
     ensure_meta(args)  # here, not in the child: the child's peak RSS is the cost of asking only
     server = None
@@ -608,13 +604,13 @@ def main() -> None:
     print(f"found {a['found']}/{a['asked']}; store {a['store_tokens']:,} tokens in {a['pages_stored']}/"
           f"{a['pages_in_document']} pages, {a['bytes_per_token']:.0f} B/token, peak RSS {a['peak_rss_mb']} MB",
           flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    write_results(out, result, args=args, indent=1)
 
 
 def _ask_child(args: argparse.Namespace, result: dict) -> None:
-    out = Path(args.out or ROOT / "bench" / "results" / f"needle_{args.tokens // 1000}k.json")
-    cmd = [sys.executable, __file__, "--_child"] + [a for a in sys.argv[1:] if a not in ("--ask-only", "--build-only")]
+    out = Path(args.out or RESULTS / f"needle_{args.tokens // 1000}k.json")
+    cmd = [sys.executable, "-m", "bench.needle", "--_child"] + [a for a in sys.argv[1:]
+                                                                if a not in ("--ask-only", "--build-only")]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     sys.stdout.write("".join(l + "\n" for l in proc.stdout.splitlines() if not l.startswith("ASK_JSON")))
     line = [l for l in proc.stdout.splitlines() if l.startswith("ASK_JSON ")]

@@ -7,7 +7,7 @@ llama-cpp-python sdist (same commit, same kernels). The build happens once, into
 outside the repository (``platformdirs.user_cache_dir("graftmem")/llama-server-<version>``); binaries
 are never committed.
 
-    python bench/peer.py            # build (or find) llama-server, print its path and the build time
+    python -m bench.peer            # build (or find) llama-server, print its path and the build time
 
 The build runs at ``nice -n 10`` with ``-j2`` (the bench machines are shared); only the
 ``llama-server`` target is built, without libcurl (nothing downloads at run time).

@@ -15,7 +15,7 @@ p99 and max, argmax flips):
              (llama.cpp re-rotates K by RoPE), vs a fresh prefill of A at positions M..
 * own@M      A captured at positions M.. and restored there: own position, away from 0
 
-    python bench/position.py [--models smollm2 gemma3-270m] [--samples 50] [--words 200]
+    python -m bench.position [--models smollm2 gemma3-270m] [--samples 50] [--words 200]
                              [--offsets 8 128 1024 4096]
 
 Prints a table and writes bench/results/position.json.
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import tempfile
 import time
@@ -34,13 +33,11 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from graftmem import EngineConfig, Memory  # noqa: E402
-from graftmem.core import join_states  # noqa: E402
-from graftmem.core import Engine, logits_sha256  # noqa: E402
-from graftmem.memory import kl_divergence, sample_queries  # noqa: E402
-from tests.conftest import long_text  # noqa: E402
+from bench.harness import RESULTS, engine, write_results
+from graftmem import Memory
+from graftmem.core import join_states, logits_sha256
+from graftmem.memory import kl_divergence, sample_queries
+from tests.conftest import long_text
 
 #: the paper's figures (PAPER.md, 4.1 / 4.2 / 4.8), for the side-by-side columns
 PAPER = {
@@ -70,7 +67,7 @@ def compare(ref: list[np.ndarray], got: list[np.ndarray]) -> dict:
 def run_model(model: str, samples: int, words: int, offsets: list[int], threads: int | None = 1) -> dict:
     # one thread by default: on a shared, oversubscribed CPU llama.cpp's spinning barriers waste most
     # of a second thread's time (the thread count does not change the bytes: docs/exactness.md)
-    eng = Engine(model, EngineConfig(n_threads=threads))
+    eng = engine(model, n_threads=threads)
     qtoks = [eng.tokenize(q, add_special=False) for q in sample_queries(samples)]
     a = eng.tokenize(long_text(words, 31))
     b = eng.tokenize(" " + long_text(words, 32), add_special=False)
@@ -243,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--words", type=int, default=200, help="words per block (about 1.2 tokens each)")
     ap.add_argument("--offsets", type=int, nargs="+", default=[8, 128, 1024, 4096])
     ap.add_argument("--threads", type=int, default=1, help="llama.cpp threads (default 1: shared machines)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "position.json"))
+    ap.add_argument("--out", default=str(RESULTS / "position.json"))
     args = ap.parse_args(argv)
     if args.markdown:
         print(markdown(args.markdown))
@@ -254,11 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     results = [run_model(m, args.samples, args.words, args.offsets, args.threads) for m in args.models]
     print(table(results))
-    doc = {"command": "python bench/position.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-           "machine": platform.platform(), "paper": PAPER, "results": results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=2))
+    doc = {"when": datetime.now(timezone.utc).isoformat(timespec="seconds"), "paper": PAPER, "results": results}
+    write_results(args.out, doc, args=args)
     print(f"wrote {args.out}")
     return 0
 

@@ -4,9 +4,9 @@ Each claim of PAPER.md that this code can test is run (or, for the heavy benchma
 own, read from their result files, which the row names); a claim whose capability is not built says
 so instead of a number; a claim that needs hardware we do not have says that.
 
-    python bench/repro.py                          # run everything, print the table
-    python bench/repro.py --write docs/paper.md    # ... and write the docs page (never edit it by hand)
-    python bench/repro.py --quick                  # fewer samples, for a smoke run
+    python -m bench.repro                          # run everything, print the table
+    python -m bench.repro --write docs/paper.md    # ... and write the docs page (never edit it by hand)
+    python -m bench.repro --quick                  # fewer samples, for a smoke run
 
 Rows run here: graft exactness (both models, N samples, new process), cross-store exactness
 (bundle export -> import into another store -> graft), prefill subsidy (cold prefill vs graft),
@@ -29,17 +29,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
+from bench import position
+from bench.harness import RESULTS, command_line, engine, write_results
+from graftmem import Memory
+from graftmem.core import Engine, logits_sha256
+from graftmem.memory import graft_logits, sample_queries
+from tests.conftest import long_text
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from graftmem import EngineConfig, Memory  # noqa: E402
-from graftmem.core import Engine, logits_sha256  # noqa: E402
-from graftmem.memory import graft_logits, sample_queries  # noqa: E402
-from tests.conftest import long_text  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results"
 MODELS = ["smollm2", "gemma3-270m"]
 
 
@@ -129,12 +125,10 @@ def speed_rows(engines: dict[str, Engine], words: int) -> list[Row]:
 
 
 def position_rows(samples: int, offsets: list[int], reuse: bool, threads: int = 1) -> tuple[list[Row], dict]:
-    import position  # bench/position.py
-
     data = _json("position.json") if reuse else None
     if data is None:
         data = {"results": [position.run_model(m, samples, 200, offsets, threads) for m in MODELS],
-                "command": f"bench/position.py run by bench/repro.py (samples={samples})"}
+                "command": f"bench.position run by bench.repro (samples={samples})"}
     rows = []
     for r in data["results"]:
         c = r["conditions"]
@@ -271,10 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     samples = 10 if args.quick else args.samples
     offsets = [8, 1024] if args.quick else [8, 128, 1024, 4096]
-    meta = {"command": "python bench/repro.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    meta = {"command": command_line(),
             "when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.machine()}, {platform.system()}, Python {platform.python_version()}"}
-    engines = {m: Engine(m, EngineConfig(n_threads=args.threads)) for m in MODELS}
+    engines = {m: engine(m, n_threads=args.threads) for m in MODELS}
     try:
         rows = exactness_rows(engines, samples)
         rows += portability_rows(engines, 4 if args.quick else 8)
@@ -288,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.write:
         Path(args.write).write_text(text)
-        (RESULTS / "repro.json").write_text(json.dumps(
-            {**meta, "rows": [r.__dict__ for r in rows]}, indent=2))
+        write_results(RESULTS / "repro.json", {"when": meta["when"], "rows": [r.__dict__ for r in rows]},
+                      args=args)
         print(f"wrote {args.write} and {RESULTS / 'repro.json'}", file=sys.stderr)
     return 0
 

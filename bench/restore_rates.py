@@ -18,17 +18,13 @@ Then the projection for Llama-3.1-8B (32 layers, 8 KV heads x 128, KV f16 = 128 
 68 KiB/token) at 3k and 32k tokens, on this CPU and on a GPU host with assumed rates (printed with
 their sources in the JSON and in docs/benchmarks.md).
 
-    python bench/restore_rates.py [--max-gb 4] [--reps 3] [--out bench/results/restore_rates.json]
+    python -m bench.restore_rates [--max-gb 4] [--reps 3] [--out bench/results/restore_rates.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +33,8 @@ from pathlib import Path
 import blake3
 import numpy as np
 import xxhash
+
+from bench.harness import RESULTS, engine, summary, write_results
 
 GB = 1e9
 CHUNK = 64 << 20
@@ -108,19 +106,16 @@ def io_and_hash_rates(sizes_gb: list[float], reps: int, tmp: Path) -> dict:
         (tmp / f"state-{gb}.bin").unlink()
         row = out[str(gb)]
         for k in ("read_warm", "read_cold", "blake3_auto", "blake3_1", "xxh3"):
-            secs = row[k]
-            row[k] = {"median_s": statistics.median(secs), "min_s": min(secs), "max_s": max(secs),
-                      "gb_s": row["bytes"] / GB / statistics.median(secs)}
+            row[k] = summary(row[k], unit="s")
+            row[k]["gb_s"] = row["bytes"] / GB / row[k]["median_s"]
     return out
 
 
 def engine_rates(set_tokens: int, prefill_tokens: int, reps: int) -> dict:
-    from graftmem import Engine
-
     words = "the agent reads a manual and follows each step before it answers about orders refunds".split()
     text = " ".join(words[i % len(words)] for i in range(max(set_tokens, prefill_tokens) * 2))
     out: dict = {"set_data": {}, "prefill": {}}
-    with Engine("smollm2", {"n_ctx": max(set_tokens, prefill_tokens) + 64}) as eng:
+    with engine("smollm2", n_ctx=max(set_tokens, prefill_tokens) + 64) as eng:
         toks = eng.tokenize(text)
         lengths = [n for n in (512, 1024, 2048, 4096, 8192) if n <= set_tokens]
         states = {}
@@ -131,19 +126,20 @@ def engine_rates(set_tokens: int, prefill_tokens: int, reps: int) -> dict:
                 done = n
                 states[n] = memoryview(bytearray(bytes(eng.capture())))
         for n in lengths:
-            ms = [eng.restore(states[n], n) for _ in range(reps)]
-            out["set_data"][str(n)] = {"bytes": len(states[n]), "median_ms": statistics.median(ms), "min_ms": min(ms),
-                                       "gb_s": len(states[n]) / GB / (statistics.median(ms) / 1e3)}
+            ms = summary((eng.restore(states[n], n) for _ in range(reps)), unit="ms")
+            out["set_data"][str(n)] = {"bytes": len(states[n]), **ms,
+                                       "gb_s": len(states[n]) / GB / (ms["median_ms"] / 1e3)}
         eng.reset()
     for model, params in (("smollm2", 134.5e6), ("gemma3-270m", 268e6)):
-        with Engine(model, {"n_ctx": prefill_tokens + 64, "probe": False}) as eng:
+        with engine(model, n_ctx=prefill_tokens + 64, probe=False) as eng:
             toks = eng.tokenize(text)[:prefill_tokens]
             secs = []
             for _ in range(reps):
                 with eng.session():
                     secs.append(_timed(lambda: eng.prefill(toks)))
-            tok_s = prefill_tokens / statistics.median(secs)
-            out["prefill"][model] = {"tokens": prefill_tokens, "threads": eng.n_threads, "median_s": statistics.median(secs),
+            median_s = summary(secs)["median"]
+            tok_s = prefill_tokens / median_s
+            out["prefill"][model] = {"tokens": prefill_tokens, "threads": eng.n_threads, "median_s": median_s,
                                      "tok_s": tok_s, "params": params, "effective_gflop_s": 2 * params * tok_s / 1e9}
     return out
 
@@ -193,19 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set-tokens", type=int, default=4096, help="largest SmolLM2 state restored (tokens)")
     ap.add_argument("--prefill-tokens", type=int, default=1024)
     ap.add_argument("--tmp", type=Path, default=None, help="where the synthetic state files go (a real disk)")
-    ap.add_argument("--out", type=Path, default=Path("bench/results/restore_rates.json"))
+    ap.add_argument("--out", type=Path, default=RESULTS / "restore_rates.json")
     args = ap.parse_args(argv)
     sizes = [s for s in (0.1, 0.25, 0.5, 1.0, 2.0, 4.0) if s <= args.max_gb]
     with tempfile.TemporaryDirectory(dir=args.tmp, prefix="graftmem-rates-") as tmp:
         rates = io_and_hash_rates(sizes, args.reps, Path(tmp))
     engine = engine_rates(args.set_tokens, args.prefill_tokens, args.reps)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    out = {"command": " ".join([Path(sys.argv[0]).as_posix()] + (argv if argv is not None else sys.argv[1:])),
-           "commit": commit, "machine": {"cpu": platform.processor() or platform.machine(),
-                                         "cores": len(os.sched_getaffinity(0)), "load_avg": os.getloadavg()},
+    out = {"machine": {"load_avg": os.getloadavg()},
            "rates": rates, "engine": engine, "gpu_assumed": {k: {"value": v, "source": s} for k, (v, s) in GPU_ASSUMED.items()},
            "projection": project(rates, engine)}
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    write_results(args.out, out, args=args, indent=1)
     top = rates[str(sizes[-1])]
     sys.stdout.write(f"at {sizes[-1]} GB: read warm {top['read_warm']['gb_s']:.2f} GB/s, cold {top['read_cold']['gb_s']:.2f}, "
                      f"blake3 {top['blake3_auto']['gb_s']:.2f} (1 thread {top['blake3_1']['gb_s']:.2f}), "

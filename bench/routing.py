@@ -2,8 +2,8 @@
 prose, the min_score trade-off, route latency at 100 and 10,000 blocks, and recall with graft vs the
 text way on a ~1,000-token manual.
 
-    python bench/routing.py [--reps 3] [--synthetic 10000] [--home DIR] [--out bench/results/routing.json]
-    python bench/routing.py --quality-only      # sections 0 and 0b only (no LLM prefill; a few minutes)
+    python -m bench.routing [--reps 3] [--synthetic 10000] [--home DIR] [--out bench/results/routing.json]
+    python -m bench.routing --quality-only      # sections 0 and 0b only (no LLM prefill; a few minutes)
 
 0. **Quality, tuning vs held-out** (free-standing routers over the manuals' texts, no store): top-1 on
    the tuning set (bench/routing_set.py: 72 phrasings, 12 manuals) and on the HELD-OUT set
@@ -32,28 +32,22 @@ text way on a ~1,000-token manual.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from graftmem import Memory  # noqa: E402
-from graftmem.memory import (DEFAULT_MIN_SCORE, DEFAULT_PAGE_MIN_SCORE, LEX_WEIGHT, ROUTE_WEIGHT,  # noqa: E402
+from bench.harness import RESULTS, engine, summary, write_results
+from bench.routing_heldout import (ALL_MANUALS, DOC_NEEDLES_HELDOUT, DOC_NEEDLES_TUNE, HELDOUT,
+                                   HELDOUT_OFF_TOPIC, docstring_document, insert_needles)
+from bench.routing_set import LABELLED, MANUALS, OFF_TOPIC
+from graftmem import Memory
+from graftmem.memory import (DEFAULT_MIN_SCORE, DEFAULT_PAGE_MIN_SCORE, LEX_WEIGHT, ROUTE_WEIGHT,
                              PageIndex, Router, SentenceTransformerEmbedder, plan_document)
-from routing_heldout import (ALL_MANUALS, DOC_NEEDLES_HELDOUT, DOC_NEEDLES_TUNE, HELDOUT,  # noqa: E402
-                             HELDOUT_OFF_TOPIC, docstring_document, insert_needles)
-from routing_set import LABELLED, MANUALS, OFF_TOPIC  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 #: the routers compared in section 0: (label, Router keyword arguments)
 VARIANTS = [("dense v1 (route text only)", {"lex_weight": 0.0, "passages": False}),
@@ -61,8 +55,8 @@ VARIANTS = [("dense v1 (route text only)", {"lex_weight": 0.0, "passages": False
             ("hybrid (default)", {})]
 
 
-def pct(xs: list[float], p: float) -> float:
-    return float(np.percentile(np.asarray(xs), p))
+#: how a route latency is summarised: milliseconds with p50 and p95 (the keys docs/routing.md quotes)
+LATENCY = {"unit": "ms", "percentiles": (50, 95)}
 
 
 def table(rows: list[list], header: list[str]) -> str:
@@ -135,9 +129,8 @@ def accuracy_and_sweep(mem: Memory, ids: dict[str, str]) -> dict:
                       "wrong_grafts_total": int(wrong + off_grafted)})
     return {"manuals": len(MANUALS), "phrasings": n, "off_topic": len(OFF_TOPIC),
             "top1": sum(correct) / n, "top3": sum(r <= 3 for r in ranks) / n, "misses": misses,
-            "in_domain_top_score": {"min": min(tops), "p5": pct(tops, 5), "median": pct(tops, 50)},
-            "off_topic_top_score": {"max": max(off_scores), "p95": pct(off_scores, 95),
-                                    "median": pct(off_scores, 50)},
+            "in_domain_top_score": summary(tops, percentiles=(5,)),
+            "off_topic_top_score": summary(off_scores, percentiles=(95,)),
             "sweep": sweep}
 
 
@@ -170,11 +163,10 @@ def quality(emb) -> dict:
 
 def page_quality(emb, window: int = 1024) -> dict:
     """Section 0b: passage routing on needle sets in real prose and in the synthetic corpus."""
-    import needle as needle_bench
-    from graftmem.core import Engine
+    from bench import needle as needle_bench
 
     out = {}
-    with Engine("gemma3-270m") as eng:
+    with engine("gemma3-270m") as eng:
         synth_text, synth = needle_bench.make_corpus(eng, 16_000, 7, 0)
         sets = [("docstrings, tuning", *insert_needles(docstring_document(DOC_NEEDLES_TUNE["modules"]),
                                                       DOC_NEEDLES_TUNE["needles"])),
@@ -243,10 +235,6 @@ def latency(fn, tasks: list[str], reps: int) -> list[float]:
     return out
 
 
-def summary(xs: list[float]) -> dict:
-    return {"n": len(xs), "p50_ms": pct(xs, 50), "p95_ms": pct(xs, 95), "mean_ms": statistics.fmean(xs)}
-
-
 def long_manual(mem: Memory, target: int = 1000) -> str:
     """A ~target-token handbook: the 12 manuals as chapters, cut at a line boundary."""
     parts = [f"Chapter {i + 1}: {m.name}\n{m.manual}\n" for i, m in enumerate(MANUALS)]
@@ -270,21 +258,21 @@ def graft_vs_text_summary(qs: list[str], rows: list[dict], max_tokens: int) -> d
         g = [r for r in rows if r["task"] == q and r["mode"] == "graft"]
         x = [r for r in rows if r["task"] == q and r["mode"] == "text"]
         per_task.append({
-            "task": q, "graft_ms": statistics.median(r["ms"] for r in g),
-            "text_ms": statistics.median(r["ms"] for r in x),
-            "graft_ttft_ms": statistics.median(r["ttft_ms"] for r in g),
-            "text_ttft_ms": statistics.median(r["ttft_ms"] for r in x),
-            "graft_decode_ms": statistics.median(r["decode_ms"] for r in g),
-            "text_decode_ms": statistics.median(r["decode_ms"] for r in x),
+            "task": q, "graft_ms": summary(r["ms"] for r in g)["median"],
+            "text_ms": summary(r["ms"] for r in x)["median"],
+            "graft_ttft_ms": summary(r["ttft_ms"] for r in g)["median"],
+            "text_ttft_ms": summary(r["ttft_ms"] for r in x)["median"],
+            "graft_decode_ms": summary(r["decode_ms"] for r in g)["median"],
+            "text_decode_ms": summary(r["decode_ms"] for r in x)["median"],
             "identical": len({r["text"] for r in g + x}) == 1 and len({r["sha"] for r in g + x}) == 1,
             "answer": g[0]["text"], "decode_tokens": g[0]["decode_tokens"],
             "graft_prefilled": g[0]["prefilled"], "text_prefilled": x[0]["prefilled"]})
-    g_all = statistics.median(r["ms"] for r in rows if r["mode"] == "graft")
-    x_all = statistics.median(r["ms"] for r in rows if r["mode"] == "text")
+    g_all = summary(r["ms"] for r in rows if r["mode"] == "graft")["median"]
+    x_all = summary(r["ms"] for r in rows if r["mode"] == "text")["median"]
     return {"max_tokens": max_tokens, "per_task": per_task, "graft_ms_median": g_all, "text_ms_median": x_all,
             "speedup": x_all / g_all,
-            "ttft_speedup": statistics.median(r["ttft_ms"] for r in rows if r["mode"] == "text")
-            / statistics.median(r["ttft_ms"] for r in rows if r["mode"] == "graft"),
+            "ttft_speedup": summary(r["ttft_ms"] for r in rows if r["mode"] == "text")["median"]
+            / summary(r["ttft_ms"] for r in rows if r["mode"] == "graft")["median"],
             "all_identical": all(p["identical"] for p in per_task)}
 
 
@@ -295,7 +283,7 @@ def main() -> int:
     ap.add_argument("--graft-reps", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, nargs="+", default=[1, 4, 16],
                     help="answer lengths to compare at (1 = the recall call up to its first answer token)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "routing.json"))
+    ap.add_argument("--out", default=str(RESULTS / "routing.json"))
     ap.add_argument("--threads", type=int, default=1,
                     help="llama.cpp threads (1: robust on a shared, oversubscribed CPU; both paths use the same)")
     ap.add_argument("--quality-only", action="store_true",
@@ -303,9 +291,7 @@ def main() -> int:
     ap.add_argument("--home", default=None, help="store to (re)use; learning is skipped for blocks already "
                                                  "there (default: a fresh temp dir)")
     args = ap.parse_args()
-    res: dict = {"command": "python bench/routing.py " + " ".join(sys.argv[1:]),
-                 "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                             "load_avg_start": os.getloadavg()[0], "llama_threads": args.threads}}
+    res: dict = {"machine": {"load_avg_start": os.getloadavg()[0], "llama_threads": args.threads}}
     emb = SentenceTransformerEmbedder()
     tasks = [t for t, _ in LABELLED]
     t0 = time.perf_counter()
@@ -315,8 +301,7 @@ def main() -> int:
     print_quality(res["quality"], res["page_quality"])
     if args.quality_only:
         out = Path(args.out).with_name(Path(args.out).stem + "_quality.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=2, default=float))
+        write_results(out, res, args=args, default=float)
         print(f"wrote {out}")
         return 0
 
@@ -383,8 +368,9 @@ def main() -> int:
                 r10._lex.coverage(t)
                 lex10k.append((time.perf_counter() - t0) * 1e3)
         acc10k = sum(r10.search(t, 1, use_cache=False)[0][0] == w for t, w in LABELLED) / len(LABELLED)
-        res["latency_10k"] = {"entries": len(r10), "build_s": build_s, "route": summary(lat10k),
-                              "faiss_search_only": summary(idx10k), "lexical_coverage_only": summary(lex10k),
+        res["latency_10k"] = {"entries": len(r10), "build_s": build_s, "route": summary(lat10k, **LATENCY),
+                              "faiss_search_only": summary(idx10k, **LATENCY),
+                              "lexical_coverage_only": summary(lex10k, **LATENCY),
                               "dense_rows": r10.n_rows, "top1_with_synthetic_distractors": acc10k}
         for t in tasks:  # fill the exact-lookup memory, then time only hits
             router.search(t, 2, fingerprint_digest=digest)
@@ -392,9 +378,10 @@ def main() -> int:
         msearch = latency(lambda t: mem.search(t, top_k=5), tasks, 1)
         embed_only = latency(lambda t: router.embed_task(t), tasks, args.reps)
         acc100 = sum(mem.search(t, top_k=1)[0].block_id == ids[w] for t, w in LABELLED) / len(LABELLED)
-        res["latency_100"] = {"route": summary(lat100), "exact_lookup": summary(cached),
-                              "faiss_search_only": summary(idx100),
-                              "memory_search_top5": summary(msearch), "embed_task_only": summary(embed_only),
+        res["latency_100"] = {"route": summary(lat100, **LATENCY), "exact_lookup": summary(cached, **LATENCY),
+                              "faiss_search_only": summary(idx100, **LATENCY),
+                              "memory_search_top5": summary(msearch, **LATENCY),
+                              "embed_task_only": summary(embed_only, **LATENCY),
                               "top1_with_88_fillers": acc100}
 
         # ---------------------------------------------------------------- 5 graft vs text, ~1k tokens
@@ -461,8 +448,7 @@ def main() -> int:
               f"{run['speedup']:.1f}x for the whole recall call, {run['ttft_speedup']:.1f}x for restore+prefill "
               f"vs prefill; identical answers: {run['all_identical']}")
     print(f"load average: {res['machine']['load_avg_start']:.1f} at start, {res['machine']['load_avg_end']:.1f} at end")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2, default=float))
+    write_results(args.out, res, args=args, default=float)
     print(f"wrote {args.out}")
     return 0
 

@@ -24,11 +24,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from routing_set import MANUALS, Skill  # noqa: E402
+from bench.routing_set import LABELLED, MANUALS, Skill
 
 EXTRA_MANUALS = [
     Skill("disk-space-runbook", "on-call runbook for a server whose disk or filesystem is filling up",
@@ -235,4 +232,4 @@ DOC_NEEDLES_HELDOUT = {
 assert len(EXTRA_MANUALS) == 6 and len({m.name for m in ALL_MANUALS}) == 18
 assert {w for _, w in HELDOUT} == {m.name for m in ALL_MANUALS}
 assert all(sum(w == m.name for _, w in HELDOUT) == 3 for m in ALL_MANUALS)
-assert not {t for t, _ in HELDOUT} & {t for t, _ in __import__("routing_set").LABELLED}
+assert not {t for t, _ in HELDOUT} & {t for t, _ in LABELLED}

@@ -1,6 +1,6 @@
 """Experiment: re-rank the router's top 3 by the model's own likelihood of the task after grafting each.
 
-    python bench/routing_rerank.py [--gamma 0.3] [--out bench/results/routing_rerank.json]
+    python -m bench.routing_rerank [--gamma 0.3] [--out bench/results/routing_rerank.json]
 
 For every task, the hybrid router's top 3 blocks are each grafted (restored at their own positions),
 the task's chat turn is prefilled token by token and the log-probability of each next token summed
@@ -16,23 +16,16 @@ the engine keeps only the last position's logits). See docs/routing.md.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from graftmem import Memory  # noqa: E402
-from graftmem.memory import SentenceTransformerEmbedder, continuation_for, graft  # noqa: E402
-from routing_heldout import ALL_MANUALS, HELDOUT  # noqa: E402
-from routing_set import LABELLED, MANUALS  # noqa: E402
+from bench.harness import RESULTS, summary, write_results
+from bench.routing_heldout import ALL_MANUALS, HELDOUT
+from bench.routing_set import LABELLED, MANUALS
+from graftmem import Memory
+from graftmem.memory import SentenceTransformerEmbedder, continuation_for, graft
 
 GAMMAS = [0.0, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0]
 
@@ -82,7 +75,7 @@ def accuracy(rows: list[dict], gamma: float) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gamma", type=float, default=0.3, help="the weight measured on the held-out set")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "routing_rerank.json"))
+    ap.add_argument("--out", default=str(RESULTS / "routing_rerank.json"))
     args = ap.parse_args()
     emb = SentenceTransformerEmbedder()
     tune = score_set(emb, MANUALS, LABELLED)
@@ -90,17 +83,16 @@ def main() -> int:
     for g in GAMMAS:
         print(f"gamma {g:<5} {accuracy(tune, g)}/{len(tune)}")
     held = score_set(emb, ALL_MANUALS, HELDOUT)
-    res = {"command": "python bench/routing_rerank.py " + " ".join(sys.argv[1:]), "gamma": args.gamma,
+    res = {"gamma": args.gamma,
            "tuning": {str(g): accuracy(tune, g) for g in GAMMAS}, "tuning_n": len(tune),
            "heldout_router": accuracy(held, 0.0), "heldout_reranked": accuracy(held, args.gamma),
            "heldout_n": len(held), "heldout_top3": sum(r["want"] in r["names"] for r in held),
-           "rerank_ms_p50": statistics.median(r["rerank_ms"] for r in tune + held),
+           "rerank_ms_p50": summary(r["rerank_ms"] for r in tune + held)["median"],
            "rows": {"tuning": tune, "heldout": held}}
     print(f"## held-out: router {res['heldout_router']}/{len(held)}, re-ranked (gamma {args.gamma}) "
           f"{res['heldout_reranked']}/{len(held)}, right block in the top 3: {res['heldout_top3']}/{len(held)}; "
           f"re-ranking p50 {res['rerank_ms_p50']:.0f} ms per task (3 grafts + token-by-token scoring)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2))
+    write_results(args.out, res, args=args, threads=1)
     print(f"wrote {args.out}")
     return 0
 

@@ -8,11 +8,11 @@ things an agent is asked that no manual covers (they must be refused, not grafte
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from bench.harness import example_modules
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "skill_agent"))
-from skills import SKILLS, Skill  # noqa: E402
+# the skill-agent example's manuals (examples/skill_agent/skills.py) are the first six
+(skills,) = example_modules("skill_agent", "skills")
+SKILLS, Skill = skills.SKILLS, skills.Skill
 
 MORE = [
     Skill("password-reset", "reset a forgotten password or unlock a locked user account",

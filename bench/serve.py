@@ -29,7 +29,7 @@ The order of the servers rotates per rep (the machine is shared and noisy); the 
 number, the table shows medians and [min, max]. Afterwards, ``graftmem search --url`` through a running
 server: p50 of the HTTP request alone and of the whole CLI process.
 
-    python bench/serve.py [--reps 3] [--words 2000] [--cli-reps 10]
+    python -m bench.serve [--reps 3] [--words 2000] [--cli-reps 10]
 """
 
 from __future__ import annotations
@@ -38,10 +38,8 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,14 +50,12 @@ from typing import Any, Callable, Iterator, Optional
 import httpx
 import openai
 
+from bench import peer as cpp_peer  # builds / finds llama-server
+from bench import harness
+from bench.harness import RESULTS, ROOT, write_results
+from graftmem.core import EngineConfig, resolve_model, usable_cores
+
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(HERE))
-
-import peer as cpp_peer  # noqa: E402  bench/peer.py: builds / finds llama-server
-
-from graftmem.core import EngineConfig, resolve_model, usable_cores  # noqa: E402
 
 MAX_TOKENS = 8
 TOOLS = [
@@ -299,22 +295,20 @@ def cli_search(url: str, reps: int, work: Path) -> dict[str, Any]:
     subprocess.run([sys.executable, "-c", "pass"], check=True, env=env)
     bare_ms = (time.perf_counter() - t0) * 1e3
     return {"first_request_ms": round(first_ms, 1), "http_ms": [round(x, 2) for x in http_ms],
-            "http_p50_ms": round(statistics.median(http_ms), 2), "cli_ms": [round(x, 1) for x in cli_ms],
-            "cli_p50_ms": round(statistics.median(cli_ms), 1), "bare_python_ms": round(bare_ms, 1),
+            "http_p50_ms": round(harness.summary(http_ms)["median"], 2), "cli_ms": [round(x, 1) for x in cli_ms],
+            "cli_p50_ms": round(harness.summary(cli_ms)["median"], 1), "bare_python_ms": round(bare_ms, 1),
             "cli_output": out.strip().splitlines()[:4]}
 
 
 # --------------------------------------------------------------------------- main
 def summary(sessions: list[list[dict]]) -> dict[str, Any]:
     firsts = [s[0]["ttft_ms"] for s in sessions]
-    meds = [statistics.median(t["ttft_ms"] for t in s) for s in sessions]
+    meds = [harness.summary(t["ttft_ms"] for t in s)["median"] for s in sessions]
     sums = [sum(t["ttft_ms"] for t in s) for s in sessions]
-
-    def ms(v: list[float]) -> dict[str, float]:
-        return {"median": round(statistics.median(v), 1), "min": round(min(v), 1), "max": round(max(v), 1)}
-
-    return {"first_turn_ttft_ms": ms(firsts), "session_median_ttft_ms": ms(meds), "session_sum_ttft_ms": ms(sums),
-            "per_turn_median_ms": [round(statistics.median(s[i]["ttft_ms"] for s in sessions), 1)
+    return {"first_turn_ttft_ms": harness.summary(firsts, digits=1),
+            "session_median_ttft_ms": harness.summary(meds, digits=1),
+            "session_sum_ttft_ms": harness.summary(sums, digits=1),
+            "per_turn_median_ms": [round(harness.summary(s[i]["ttft_ms"] for s in sessions)["median"], 1)
                                    for i in range(len(sessions[0]))]}
 
 
@@ -327,7 +321,7 @@ def main() -> None:
                     help="graftmem-responses: the same user turns as a Responses agent (previous_response_id), "
                          "5 turns, a restart, 5 more continuing the stored conversation, next to the same "
                          "conversation over Chat Completions re-sending its history")
-    ap.add_argument("--out", default=str(HERE / "results" / "serve.json"))
+    ap.add_argument("--out", default=str(RESULTS / "serve.json"))
     ap.add_argument("--serve-args", default="", help='extra `graftmem serve` flags, e.g. "--sightings 1"')
     ap.add_argument("--baseline", default=None, help="another graftmem source tree (e.g. `git archive` of the "
                     "commit before a change) run as `graftmem-baseline` in the same run, interleaved")
@@ -469,10 +463,10 @@ def main() -> None:
     ratios["per turn: baseline_cold / llama_server_cold"] = per_turn("baseline_cold", "llama_server_cold")
     ratios["per turn: baseline_restart / llama_server_warm"] = per_turn("baseline_restart", "llama_server_warm")
     out = {
-        "command": "python bench/serve.py " + " ".join(sys.argv[1:]), "baseline": args.baseline,
+        "baseline": args.baseline,
         "model": "smollm2 (SmolLM2-135M-Instruct Q4_1)", "engine": {**cfg.model_dump(), "threads": threads},
         "max_tokens": MAX_TOKENS, "reps": args.reps, "turns": len(reqs), "system_words": args.words,
-        "machine": {"cpu_count": os.cpu_count(), "usable_cores": usable_cores(), "platform": platform.platform(),
+        "machine": {"cpu_count": os.cpu_count(), "usable_cores": usable_cores(),
                     "loadavg_before": load_before, "loadavg_after": load_after},
         "wall_s": round(time.time() - t_start, 1),
         "summary": summ, "ratios": ratios, "graftmem_restart_cached_tokens": cached,
@@ -485,8 +479,7 @@ def main() -> None:
                                            "prefill_ms", "source") if t.get(kk) is not None} for t in s] for s in v]
                 for k, v in res.items()},
     }
-    (HERE / "results").mkdir(exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    write_results(args.out, out, args=args, threads=threads)
     print(f"{'way':<20}{'turn-1 TTFT ms':>16}{'[min, max]':>20}{'5-turn sum ms':>16}   per turn (median ms)")
     for k, s in summ.items():
         f, t = s["first_turn_ttft_ms"], s["session_sum_ttft_ms"]

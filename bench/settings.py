@@ -5,23 +5,17 @@ the logits; then graft the *default* engine's state into the variant engine and 
 variant's own fresh logits. A setting belongs in the fingerprint's identity when it changes the state
 bytes or the logits, or when a cross-setting graft is not exact.
 
-    python bench/settings.py [--tokens 700] [--models smollm2 gemma3-270m]
+    python -m bench.settings [--tokens 700] [--models smollm2 gemma3-270m]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from graftmem import EngineConfig  # noqa: E402
-from graftmem.core import Engine, logits_sha256  # noqa: E402
-from graftmem.core import state_digest  # noqa: E402
-from tests.conftest import long_text  # noqa: E402
+from bench.harness import RESULTS, engine, write_results
+from graftmem.core import logits_sha256, state_digest
+from tests.conftest import long_text
 
 VARIANTS: dict[str, dict] = {
     "default": {},
@@ -37,7 +31,7 @@ VARIANTS: dict[str, dict] = {
 
 
 def measure(model: str, n_tokens: int) -> list[dict]:
-    base = Engine(model, EngineConfig(probe=False))
+    base = engine(model, probe=False)
     tokens = base.tokenize(long_text(n_tokens))[:n_tokens]
     query = base.tokenize(" Then the agent answers the customer", add_special=False)
     base.reset(); base.prefill(tokens)
@@ -47,7 +41,7 @@ def measure(model: str, n_tokens: int) -> list[dict]:
     base.close()
     rows = []
     for name, over in VARIANTS.items():
-        eng = Engine(model, EngineConfig(probe=False, **over))
+        eng = engine(model, probe=False, **over)
         eng.reset()
         t0 = time.perf_counter()
         eng.prefill(tokens)
@@ -78,7 +72,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=700)
     ap.add_argument("--models", nargs="+", default=["smollm2", "gemma3-270m"])
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "settings.json"))
+    ap.add_argument("--out", default=str(RESULTS / "settings.json"))
     args = ap.parse_args()
     rows = [r for m in args.models for r in measure(m, args.tokens)]
     cols = ["model", "variant", "state_equal_default", "logits_equal_default", "own_graft_exact",
@@ -87,8 +81,7 @@ def main() -> None:
     print("  ".join(c.ljust(x) for c, x in zip(cols, w)))
     for r in rows:
         print("  ".join(str(r[c]).ljust(x) for c, x in zip(cols, w)))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"tokens": args.tokens, "rows": rows}, indent=2))
+    write_results(args.out, {"tokens": args.tokens, "rows": rows}, args=args)
 
 
 if __name__ == "__main__":

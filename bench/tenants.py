@@ -3,7 +3,7 @@ tenant A sent, right after A's request (A's cells are in the engine), against B'
 random prefix of the same shape. Before tenants, B got ``cached_tokens`` > 0 and a faster answer for A's
 prefix (36 vs 0 cached tokens, 200 ms vs 436-757 ms in the red team's run).
 
-    python bench/tenants.py [--repeats 6]    # prints a table, writes bench/results/tenants.json
+    python -m bench.tenants [--repeats 6]    # prints a table, writes bench/results/tenants.json
 
 SmolLM2, one engine, ``min_prefix_tokens=16``, ``sightings=1``, every B request from a fresh tenant.
 """
@@ -11,19 +11,16 @@ SmolLM2, one engine, ``min_prefix_tokens=16``, ``sightings=1``, every B request 
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import openai
 
-from graftmem import Engine, Store
+from bench.harness import RESULTS, engine, summary, write_results
+from graftmem import Store
 from graftmem.server import ApiKeys, api_server, hash_key
-
-OUT = Path(__file__).resolve().parent / "results" / "tenants.json"
 
 
 def prose(n_words: int, seed: int) -> str:
@@ -35,16 +32,17 @@ def prose(n_words: int, seed: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=6)
+    ap.add_argument("--out", default=str(RESULTS / "tenants.json"))
     args = ap.parse_args()
     n = args.repeats
     keys = {"alice": "alice-key-0123456789", **{f"b{i}": f"tenant-b-key-{i}-0123456789" for i in range(2 * n)}}
     secret = [{"role": "system", "content": "Alice's door code is 7311. " + prose(150, 3)},
               {"role": "user", "content": "Hi"}]
-    with Engine("smollm2") as engine, tempfile.TemporaryDirectory() as d:
+    with engine("smollm2") as eng, tempfile.TemporaryDirectory() as d:
         (Path(d) / "keys").write_text("".join(f"{k} {hash_key(v)}\n" for k, v in keys.items()))
         store = Store(Path(d) / "home")
         try:
-            with api_server(store, [engine], api_key=ApiKeys.load(Path(d) / "keys"), min_prefix_tokens=16,
+            with api_server(store, [eng], api_key=ApiKeys.load(Path(d) / "keys"), min_prefix_tokens=16,
                             sightings=1) as srv:
                 def ask(key: str, msgs: list) -> tuple[float, int]:
                     c = openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0, timeout=300)
@@ -72,10 +70,10 @@ def main() -> None:
     for name, xs in rows.items():
         ts = [t * 1e3 for t, _ in xs]
         out[name] = {"ms": ts, "cached_tokens": [c for _, c in xs]}
-        print(f"| {'B, first, ' if name != 'A again' else ''}{name} | {len(ts)} | {statistics.median(ts):.0f} | "
-              f"{min(ts):.0f} | {max(ts):.0f} | {sorted({c for _, c in xs})} |")
-    OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(json.dumps(out, indent=1))
+        s = summary(ts)
+        print(f"| {'B, first, ' if name != 'A again' else ''}{name} | {s['n']} | {s['median']:.0f} | "
+              f"{s['min']:.0f} | {s['max']:.0f} | {sorted({c for _, c in xs})} |")
+    write_results(args.out, out, args=args, indent=1)
 
 
 if __name__ == "__main__":

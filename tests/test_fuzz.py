@@ -1,7 +1,7 @@
 """A seeded fuzz run over a store with a root and a delta block, and over its bundle: random bit flips,
 truncations and junk directory entries (FIFO, dangling symlink, symlink out of the store, directory
 named <id>.gmb, garbage files, temp files of reused pids, a junk index). Bounded to about a minute
-here; ``python bench/fuzz.py`` is the long mode (>= 10,000 mutations, counts in docs/security.md).
+here; ``python -m bench.fuzz`` is the long mode (>= 10,000 mutations, counts in docs/security.md).
 
 0 silent acceptances: every block that reads back (or imports) is byte-identical to the reference,
 whose state was re-derived (equal to a fresh prefill) at the start. 0 unusable stores: every mutated
@@ -9,22 +9,10 @@ store opens (no hang), lists, and takes a good write afterwards."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _fuzz():
-    spec = importlib.util.spec_from_file_location("graftmem_bench_fuzz", ROOT / "bench" / "fuzz.py")
-    mod = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(mod)
-    return mod
+from bench import fuzz
 
 
 def test_fuzzed_stores_and_bundles_never_accept_silently_nor_break(smol, tmp_path):
-    fuzz = _fuzz()
     res = fuzz.run(smol, mutations=400, seed=20261201, seconds=60, workdir=tmp_path)
     assert res["silent_acceptances"] == 0, res["notes"]
     assert res["unusable_stores"] == 0, res["notes"]

@@ -291,9 +291,9 @@ def test_needle_bench_small(tmp_path):
     would only wait on it)."""
     out = tmp_path / "needle.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "needle.py"), "--tokens", "3000", "--window", "512",
-                           "--overlap", "32", "--reps", "1", "--threads", "1", "--store", str(tmp_path / "store"), "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-m", "bench.needle", "--tokens", "3000", "--window", "512",
+                           "--overlap", "32", "--reps", "1", "--threads", "1", "--store", str(tmp_path / "store"),
+                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     d = json.loads(out.read_text())
     a = d["ask"]
@@ -327,8 +327,7 @@ def test_passage_routing_in_real_prose_needs_the_lexical_score(gemma, tmp_path, 
     room?" to shutil's archive functions. Routing only: pages are planned and indexed, not prefilled."""
     from graftmem.memory.pager import PageIndex
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    from routing_heldout import DOC_NEEDLES_TUNE, docstring_document, insert_needles
+    from bench.routing_heldout import DOC_NEEDLES_TUNE, docstring_document, insert_needles
 
     text, needles = insert_needles(docstring_document(DOC_NEEDLES_TUNE["modules"]), DOC_NEEDLES_TUNE["needles"])
     plan = plan_document(gemma, text, window=1024, overlap=64, document="stdlib")

@@ -298,9 +298,7 @@ def test_document_pages_are_not_routed_by_the_block_router(mem):
 
 # --------------------------------------------------------------------------- hybrid routing quality
 def _bench_sets():
-    sys.path.insert(0, str(ROOT / "bench"))
-    import routing_heldout
-    import routing_set
+    from bench import routing_heldout, routing_set
 
     return routing_set, routing_heldout
 
