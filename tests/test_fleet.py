@@ -432,7 +432,7 @@ def test_parts_landing_in_any_order_hash_as_the_whole_state_and_a_missing_one_is
     import os
 
     from graftmem.core.format import state_digest
-    from graftmem.store.fleet import _Landing
+    from graftmem.store.fleet.cache import Landing as _Landing
 
     soff, state = 4096, os.urandom(3 * 1000 + 17)
     file = bytes(soff) + state + bytes(32)
