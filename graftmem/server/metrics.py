@@ -32,7 +32,7 @@ from .http import PUBLIC_PATHS
 from .prefix import AUTO_KIND
 
 if TYPE_CHECKING:
-    from ..store.local import Store
+    from ..store.protocol import BlockStore
     from .generate import Result
     from .pool import EnginePool
 
@@ -54,7 +54,7 @@ class Metrics:
     """The server's counters and gauges. Counters are updated from the event loop and from request
     workers, so one lock guards them; gauges are read when scraped (nothing to keep in step)."""
 
-    def __init__(self, pool: Optional["EnginePool"] = None, store: Optional["Store"] = None) -> None:
+    def __init__(self, pool: Optional["EnginePool"] = None, store: Optional["BlockStore"] = None) -> None:
         self.pool, self.store = pool, store
         self._lock = threading.Lock()
         self.requests: Counter[tuple[str, int]] = Counter()
