@@ -399,8 +399,8 @@ def test_an_id_learned_elsewhere_is_usable_at_once_without_a_listing(smol, bucke
         fresh = a.ask(block.id, QUERY, max_tokens=1).receipt.first_logits_sha256
     store = FleetStore(bucket_url, cache_dir=tmp_path / "cache-b", poll_interval=3600)
     with Memory(engine=smol, store=store) as b:
-        store._last_poll = time.monotonic()  # as if b had listed the bucket just before the learn
-        store._db.execute("DELETE FROM remote")  # ... and not seen it
+        store._index._last_poll = time.monotonic()  # as if b had listed the bucket just before the learn
+        store._index.db.execute("DELETE FROM remote")  # ... and not seen it
         lists = store.counters["lists"]
         assert b.ask(block.id, QUERY, max_tokens=1).receipt.first_logits_sha256 == fresh
         assert store.counters["lists"] == lists
