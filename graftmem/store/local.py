@@ -240,6 +240,13 @@ def _os_error(exc: OSError, home: Path, doing: str) -> StoreError:
     return StoreError(f"{doing} in {home} failed: {exc}")
 
 
+def block_from_row(manifest: str, provenance: str, labels_trusted: int) -> Block:
+    """A block from an index row: its manifest (JSON) with the provenance and label trust the index
+    records beside it (never in the file). Shared by the local and the fleet index."""
+    return Block.model_validate_json(manifest).model_copy(
+        update={"provenance": provenance, "labels_trusted": bool(labels_trusted)})
+
+
 def check_head(read: Callable[[int, int], bytes], size: int, *, where: str,
                expect_id: str) -> tuple[Block, int, int]:
     """The manifest of a block file of ``size`` bytes and where its state lies (offset, length), with
@@ -553,8 +560,7 @@ class Store:
 
     @staticmethod
     def _row(manifest: str, provenance: str, labels_trusted: int) -> Block:
-        return Block.model_validate_json(manifest).model_copy(
-            update={"provenance": provenance, "labels_trusted": bool(labels_trusted)})
+        return block_from_row(manifest, provenance, labels_trusted)
 
     def reconcile(self) -> dict[str, int]:
         """Make the index agree with the files: add unindexed files (as ``unverified``), drop rows

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from ...core.blocks import PROVENANCE_UNVERIFIED, Block, StoreStats
 from ...core.errors import BlockNotFound, ConfigError
-from ..local import Store, checked_id
+from ..local import block_from_row, checked_id
 from ..remote import Bucket
 from ..sqlite import connect, marks, transaction
 from .layout import INDEX, TOMBSTONES, id_of, marker_key, tomb_key
@@ -210,7 +210,7 @@ class BucketIndex:
         row = self.row(bid)
         if row is None:
             raise BlockNotFound(f"no block {block_id!r} in {self.url}")
-        return Store._row(*row)
+        return block_from_row(*row)
 
     def contains(self, block_id: str) -> bool:
         if not isinstance(block_id, str) or len(block_id) != 64:
@@ -223,7 +223,7 @@ class BucketIndex:
              + " ORDER BY created_at, id")
         with self.lock:
             rows = self.db.execute(q, (kind,) if kind else ()).fetchall()
-        return [Store._row(*r) for r in rows]
+        return [block_from_row(*r) for r in rows]
 
     def children(self, block_id: str) -> list[str]:
         with self.lock:
