@@ -210,6 +210,7 @@ GRAFT_FUNCTIONS = {
     "graftmem.memory.recall": {"recall", "answer_graft_way", "answer_text_way"},
     "graftmem.memory.learn": {"learn", "prefill_and_store"},
     "graftmem.memory.pager": {"recall_document"},
+    "graftmem.memory.pager.document": {"recall_document"},
     "graftmem.memory": {"ask", "graft", "answer_graft_way", "answer_text_way", "prefill_and_store",
                         "answer", "recall", "learn", "recall_document"},
     "graftmem.store.chain": {"load_state"},

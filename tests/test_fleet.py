@@ -276,6 +276,26 @@ def test_a_truncated_or_extended_large_object_is_refused(smol, bucket_url, tmp_p
         assert c.ask(big.id, QUERY, max_tokens=1).receipt.first_logits_sha256 == _fresh_sha(smol, big.text)
 
 
+def test_a_fleet_store_is_a_block_store_and_doctor_checks_its_files(smol, bucket_url, tmp_path, seaweed):
+    """Every member of `BlockStore` on an open fleet store (tests/test_store_protocol.py compares the
+    signatures); ``check_file`` (what ``graftmem doctor`` asks) fetches a block it has not cached, checked."""
+    from graftmem.store import BlockStore
+
+    with _worker(smol, bucket_url, tmp_path, "a") as a:
+        block = a.learn(long_text(40, seed=77), name="doctor")
+    store = FleetStore(bucket_url, cache_dir=tmp_path / "cache-doctor", poll_interval=0)
+    try:
+        assert isinstance(store, BlockStore) and store.remote is True
+        assert all(hasattr(store, name) for name in BlockStore.__annotations__)
+        store.poll_interval = 7
+        assert store.poll_interval == 7.0
+        assert not store.cache.contains(block.id)
+        assert store.check_file(block.id[:10]).id == block.id
+        assert store.cache.contains(block.id)
+    finally:
+        store.close()
+
+
 def test_a_large_block_goes_up_in_parts_and_a_second_upload_is_skipped(smol, bucket_url, tmp_path, seaweed):
     """Above the multipart threshold (lowered here to 6 MiB, 5 MiB parts) a block is uploaded in parts:
     the object is whole when listed, and a worker that finds it there checks it instead of uploading."""
@@ -379,8 +399,8 @@ def test_an_id_learned_elsewhere_is_usable_at_once_without_a_listing(smol, bucke
         fresh = a.ask(block.id, QUERY, max_tokens=1).receipt.first_logits_sha256
     store = FleetStore(bucket_url, cache_dir=tmp_path / "cache-b", poll_interval=3600)
     with Memory(engine=smol, store=store) as b:
-        store._last_poll = time.monotonic()  # as if b had listed the bucket just before the learn
-        store._db.execute("DELETE FROM remote")  # ... and not seen it
+        store._index._last_poll = time.monotonic()  # as if b had listed the bucket just before the learn
+        store._index.db.execute("DELETE FROM remote")  # ... and not seen it
         lists = store.counters["lists"]
         assert b.ask(block.id, QUERY, max_tokens=1).receipt.first_logits_sha256 == fresh
         assert store.counters["lists"] == lists
@@ -432,7 +452,7 @@ def test_parts_landing_in_any_order_hash_as_the_whole_state_and_a_missing_one_is
     import os
 
     from graftmem.core.format import state_digest
-    from graftmem.store.fleet import _Landing
+    from graftmem.store.fleet.cache import Landing as _Landing
 
     soff, state = 4096, os.urandom(3 * 1000 + 17)
     file = bytes(soff) + state + bytes(32)

@@ -40,8 +40,8 @@ from ..share.client import pull, push
 from ..share.admission import Vetting
 from ..share.manifest import ExportReport, TransferReport
 from ..share.trust import SigningKey, TrustPolicy
-from ..store.fleet import FleetStore, open_store
-from ..store.local import Store
+from ..store.fleet import open_store
+from ..store.protocol import BlockStore
 from ..store.scopes import ScopeIndex
 from .stream import AnswerStream
 
@@ -82,8 +82,8 @@ class Memory:
     [`Engine`][graftmem.Engine] between stores (the Memory then does not close it); ``embedder`` replaces the
     packaged MiniLM for routing. ``store`` instead of ``home``: a directory, ``"s3://bucket/prefix"``
     (a fleet store in S3-compatible object storage with a local cache, docs/fleet.md; also
-    ``$GRAFTMEM_STORE``) or an open [`Store`][graftmem.Store] / [`FleetStore`][graftmem.FleetStore]
-    (left open at ``close``).
+    ``$GRAFTMEM_STORE``) or an open store (a [`Store`][graftmem.Store], a [`FleetStore`][graftmem.FleetStore]
+    or anything else that implements [`BlockStore`][graftmem.store.BlockStore]; left open at ``close``).
 
     The Memory owns its resources (engine, store, embedder, router, page index) and exposes them as
     properties; every verb hands them explicitly to the feature that does the work
@@ -94,7 +94,7 @@ class Memory:
                  home: str | os.PathLike[str] | None = None,
                  config: EngineConfig | Mapping[str, Any] | None = None,
                  engine: Engine | None = None, embedder: Embedder | None = None,
-                 store: "str | os.PathLike[str] | Store | FleetStore | None" = None) -> None:
+                 store: "str | os.PathLike[str] | BlockStore | None" = None) -> None:
         if engine is not None and (model is not None or config is not None):
             raise ConfigError("pass either engine= or model=/config=, not both")
         if store is not None and home is not None:
@@ -102,7 +102,7 @@ class Memory:
                               "or a Store), not both")
         if store is None and home is None and os.environ.get("GRAFTMEM_STORE"):
             store = os.environ["GRAFTMEM_STORE"]
-        if store is not None and not isinstance(store, (Store, FleetStore)):
+        if store is not None and not isinstance(store, BlockStore):
             _path("store", store)
         if model is not None:
             _path("model", model)
@@ -114,9 +114,9 @@ class Memory:
         if config is not None and config.n_ctx > MAX_N_CTX:
             raise ConfigError(f"n_ctx={config.n_ctx} is beyond what llama.cpp can address ({MAX_N_CTX}); "
                               "give a context the model and memory allow (e.g. 8192)")
-        self._owns_store = not isinstance(store, (Store, FleetStore))  # a store passed in stays open
-        if isinstance(store, (Store, FleetStore)):
-            self._store: "Store | FleetStore" = store
+        self._owns_store = not isinstance(store, BlockStore)  # a store passed in stays open
+        if isinstance(store, BlockStore):
+            self._store: BlockStore = store
         else:
             self._store = open_store(store if store is not None else home)
         self._owns_engine = engine is None
@@ -177,7 +177,7 @@ class Memory:
         return self._engine
 
     @property
-    def store(self) -> "Store | FleetStore":
+    def store(self) -> BlockStore:
         """The block store this memory learns into and grafts from: the local directory (``home``) or,
         for ``store="s3://..."``, the bucket behind its local cache (a [`FleetStore`][graftmem.FleetStore])."""
         return self._store
@@ -246,12 +246,12 @@ class Memory:
 
     # ------------------------------------------------------------------ a fleet's page indexes
     def _sync_pages(self, *, force: bool = False) -> int:
-        """On a fleet store, merge the document indexes other workers published in the bucket
-        (``files/pages/docs/``) that this worker has not merged yet; at most once per the store's
+        """On a store shared with other workers (``store.remote``: a fleet store), merge the document
+        indexes they published beside the blocks (``pages/docs/``) that this worker has not merged yet; at most once per the store's
         ``poll_interval`` unless ``force``. Returns the passages added. A file that cannot be read or
         merged is logged and skipped (routing then misses that document, nothing else changes)."""
         store = self._store
-        if not isinstance(store, FleetStore) or self._pages is None:
+        if not store.remote or self._pages is None:
             return 0
         now = time.monotonic()
         with self._lazy_lock:
@@ -270,17 +270,18 @@ class Memory:
                     if store.get_file(name, local):
                         added += self._pages.merge_from(local)
                 except (sqlite3.Error, GraftmemError, OSError) as exc:
-                    log.warning("fleet store %s: document index %s not merged: %s", store.url, name, exc)
+                    log.warning("%r: shared document index %s not merged: %s", store, name, exc)
                     continue
             self._pages_synced.add(tag)
         if added:
-            log.info("fleet store %s: %d passages of other workers' documents merged", store.url, added)
+            log.info("%r: %d passages of other workers' documents merged", store, added)
         return added
 
     def _publish_pages(self, document: str) -> None:
-        """On a fleet store, put this document's index rows in the bucket for the other workers."""
+        """On a store shared with other workers (``store.remote``), publish this document's index rows
+        beside the blocks for them."""
         store = self._store
-        if not isinstance(store, FleetStore):
+        if not store.remote:
             return
         fpd = self._engine.fingerprint.digest()
         name = f"{hashlib.sha256(document.encode()).hexdigest()[:32]}-{fpd[:16]}.sqlite"
@@ -503,7 +504,7 @@ class Memory:
         _score("min_score", min_score)
         _flag("allow_unverified", allow_unverified)
         pages = self.pages
-        if document is not None and isinstance(self._store, FleetStore) and not any(
+        if document is not None and self._store.remote and not any(
                 d["id"] == document for d in pages.documents()):
             self._sync_pages(force=True)  # published by another worker since the last look
         return self._verbs.recall_document(pages, task, prompt=prompt, document=document, max_tokens=max_tokens,

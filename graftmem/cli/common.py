@@ -8,8 +8,10 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
+if TYPE_CHECKING:
+    from ..store import BlockStore
 
 
 def _out(args: argparse.Namespace, data: Any, text: str) -> None:
@@ -49,7 +51,7 @@ def _store_spec(args: argparse.Namespace) -> Optional[str]:
     return spec
 
 
-def _store(args: argparse.Namespace):
+def _store(args: argparse.Namespace) -> "BlockStore":
     """The store the command works on: the local home, or the fleet store of --store s3://..."""
     from ..store import open_store
 

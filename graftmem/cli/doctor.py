@@ -32,7 +32,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         bad = []
         for b in store.list():
             try:
-                store.read_manifest(store.path_of(b.id))
+                store.check_file(b.id)
             except Exception as exc:  # report every unreadable block, keep going
                 bad.append(f"{b.short_id}: {exc}")
     finally:

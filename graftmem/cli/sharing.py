@@ -12,14 +12,15 @@ from .common import _memory, _out, _policy, _sign_key, _store, _transfer_text
 
 def cmd_upload(args: argparse.Namespace) -> int:
     from .. import ConfigError
-    from ..store import FleetStore, Store
+    from ..store import Home, Store
 
     source = Path(args.source).expanduser()
-    if not (source / "index.sqlite").is_file() and not (source / "blocks").is_dir():
+    layout = Home(source)
+    if not layout.index.is_file() and not layout.blocks.is_dir():
         raise ConfigError(f"{source} is not a graftmem store (no blocks/ or index.sqlite)")
     store = _store(args)
     try:
-        if not isinstance(store, FleetStore):
+        if not store.remote:
             raise ConfigError("upload copies a local store into a bucket: give --store s3://bucket/prefix "
                               "(or $GRAFTMEM_STORE)")
         src = Store(source)

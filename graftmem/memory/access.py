@@ -33,7 +33,7 @@ from ..core.errors import AccessDenied, BlockNotFound, ConfigError, GraftmemErro
 from . import validate as check
 
 if TYPE_CHECKING:
-    from ..store.local import Store
+    from ..store.protocol import BlockStore
     from ..store.scopes import ScopeIndex
 
 __all__ = ["Access", "TENANT_KEY", "SHARED_BY_KEY", "RESERVED_METADATA", "owner_of", "visible", "owned_parent",
@@ -88,7 +88,7 @@ class Access:
     owner (the SDK, the CLI), who sees every block and every tenant's scope rows. ``scopes``: the home's
     `ScopeIndex` (called when a scope is first used: opening it costs a SQLite connection)."""
 
-    def __init__(self, store: "Store", tenant: Optional[str] = None, *,
+    def __init__(self, store: "BlockStore", tenant: Optional[str] = None, *,
                  scopes: "Optional[Callable[[], ScopeIndex]]" = None, operator: bool = False) -> None:
         self.store, self.tenant, self.operator = store, tenant, operator
         self._scopes = scopes

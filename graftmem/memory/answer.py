@@ -20,7 +20,7 @@ from ..store.chain import load_state
 from ..store.local import incompatibility
 
 if TYPE_CHECKING:
-    from ..store.local import Store
+    from ..store.protocol import BlockStore
 
 __all__ = ["answer", "ask", "graft", "OnText"]
 
@@ -87,7 +87,7 @@ def answer(eng: Engine, block: Block, qtok: list[int], setup: Callable[[], int],
                   block=block, receipt=receipt, finish_reason=dec.finish_reason)
 
 
-def graft(eng: Engine, store: "Store", block: Block, timings: Optional[dict[str, float]] = None) -> int:
+def graft(eng: Engine, store: "BlockStore", block: Block, timings: Optional[dict[str, float]] = None) -> int:
     """Restore ``block`` (its whole chain) as sequence 0 at its own positions; return its end position.
 
     Digests are checked, a chain is merged, window-trimmed cells are put back at their fresh indices
@@ -101,7 +101,7 @@ def graft(eng: Engine, store: "Store", block: Block, timings: Optional[dict[str,
     return block.pos_end
 
 
-def ask(eng: Engine, store: "Store", block: Block, query: str, *, max_tokens: int = 64,
+def ask(eng: Engine, store: "BlockStore", block: Block, query: str, *, max_tokens: int = 64,
         sampling: Sampling = GREEDY, stops: Sequence[str] = (), on_text: Optional[OnText] = None,
         grammar: Optional[str] = None) -> Recall:
     """Graft ``block`` at its own positions, prefill ``query``, and answer (greedily by default)."""

@@ -34,7 +34,7 @@ from ..store.chain import load_state, segments
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
-    from ..store.local import Store
+    from ..store.protocol import BlockStore
 
 __all__ = ["sample_queries", "kl_divergence", "graft_logits", "verify_block", "graft_in_new_process"]
 
@@ -71,7 +71,7 @@ def kl_divergence(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
     return float(max(0.0, (np.exp(lp) * (lp - lq)).sum()))
 
 
-def graft_logits(engine: "Engine", store: "Store", block_id: str, query_tokens: Sequence[int]) -> np.ndarray:
+def graft_logits(engine: "Engine", store: "BlockStore", block_id: str, query_tokens: Sequence[int]) -> np.ndarray:
     """Logits after grafting ``block_id`` and prefilling ``query_tokens`` (the cache is left as is:
     callers inside a session reset it; a standalone call gets its own session)."""
     with engine.session():
@@ -81,7 +81,7 @@ def graft_logits(engine: "Engine", store: "Store", block_id: str, query_tokens: 
         return engine.logits()
 
 
-def verify_block(engine: "Engine", store: "Store", block_id: str, *, samples: int = 50,
+def verify_block(engine: "Engine", store: "BlockStore", block_id: str, *, samples: int = 50,
                  fresh: Literal["auto", "reprefill", "trim"] = "auto",
                  cross_process: bool = True, floor_samples: int = 2) -> VerifyReport:
     """Prove graft == fresh prefill on ``samples`` queries (see the module doc)."""
@@ -138,7 +138,7 @@ def verify_block(engine: "Engine", store: "Store", block_id: str, *, samples: in
         exact_engine=eng.exactness.exact, rows=rows)
 
 
-def graft_in_new_process(engine: "Engine", store: "Store", block_id: str, queries: list[str]) -> list[str]:
+def graft_in_new_process(engine: "Engine", store: "BlockStore", block_id: str, queries: list[str]) -> list[str]:
     """Graft ``block_id`` in a fresh interpreter on the same store; return its logits SHA-256s."""
     spec = {"home": str(store.home), "model": str(engine.model_path),
             "config": engine.config.model_dump(), "block": block_id, "queries": queries}

@@ -23,7 +23,7 @@ from .access import TENANT_KEY, owned_parent
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
-    from ..store.local import Store
+    from ..store.protocol import BlockStore
 
 __all__ = ["learn", "prefill_and_store", "prepare_labels", "learned_again", "default_name"]
 
@@ -58,7 +58,7 @@ def prepare_labels(engine: "Engine", text: str, name: Optional[str], metadata: O
     return text, name, meta
 
 
-def learned_again(store: "Store", block: Block, metadata: Optional[Mapping[str, Any]],
+def learned_again(store: "BlockStore", block: Block, metadata: Optional[Mapping[str, Any]],
                   name: Optional[str] = None) -> Block:
     """A text learned twice is one block; a new ``when_to_use`` replaces the old one in its manifest.
 
@@ -82,7 +82,7 @@ def learned_again(store: "Store", block: Block, metadata: Optional[Mapping[str, 
     return store.get(block.id)
 
 
-def prefill_and_store(engine: "Engine", store: "Store", *, block_id: str, tokens: Sequence[int], text: str,
+def prefill_and_store(engine: "Engine", store: "BlockStore", *, block_id: str, tokens: Sequence[int], text: str,
                       name: str, kind: str, metadata: Mapping[str, Any], parent: Optional[Block] = None,
                       progress: Optional[Callable[[int], None]] = None, replace: bool = False) -> Block:
     """Prefill ``tokens`` in a clean context (after grafting ``parent``, stored then as a delta), capture
@@ -102,7 +102,7 @@ def prefill_and_store(engine: "Engine", store: "Store", *, block_id: str, tokens
     return stored
 
 
-def learn(engine: "Engine", store: "Store", text: str, *, name: Optional[str] = None, kind: str = "manual",
+def learn(engine: "Engine", store: "BlockStore", text: str, *, name: Optional[str] = None, kind: str = "manual",
           metadata: Optional[Mapping[str, Any]] = None, progress: bool = False,
           when_to_use: Optional[str] = None, chat: bool = False, parent: Optional[str] = None,
           owner: Optional[str] = None,

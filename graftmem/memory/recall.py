@@ -30,7 +30,7 @@ from .router import DEFAULT_MIN_SCORE
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
-    from ..store.local import Store
+    from ..store.protocol import BlockStore
     from .router import Router
 
 __all__ = ["search", "recall", "continuation_for", "answer_graft_way", "answer_text_way", "other_engines_hint"]
@@ -56,7 +56,7 @@ FILTERED_CANDIDATES = 1024
 BlockFilter = Callable[[Block], bool]
 
 
-def _routed(router: "Router", store: "Store", task: str, k: int, fp_digest: str,
+def _routed(router: "Router", store: "BlockStore", task: str, k: int, fp_digest: str,
             allow: Optional[BlockFilter]) -> list[tuple[str, float]]:
     """The top ``k`` (id, score) of the router, keeping only blocks that ``allow`` accepts."""
     if allow is None:
@@ -74,7 +74,7 @@ def _routed(router: "Router", store: "Store", task: str, k: int, fp_digest: str,
     return out
 
 
-def search(router: "Router", store: "Store", fp_digest: str, task: str, *, top_k: int = 5,
+def search(router: "Router", store: "BlockStore", fp_digest: str, task: str, *, top_k: int = 5,
            allow: Optional[BlockFilter] = None) -> list[SearchHit]:
     """Rank the blocks of the engine with fingerprint digest ``fp_digest`` for ``task``, best first;
     ``allow`` keeps only the blocks it accepts (a user's scope, a metadata filter)."""
@@ -92,7 +92,7 @@ def search(router: "Router", store: "Store", fp_digest: str, task: str, *, top_k
     return out
 
 
-def other_engines_hint(store: "Store", fingerprint: Fingerprint) -> Optional[str]:
+def other_engines_hint(store: "BlockStore", fingerprint: Fingerprint) -> Optional[str]:
     """Why blocks may look missing: how many blocks of this store another engine configuration made,
     and what differs (e.g. after a change of n_ctx, an upgrade of llama-cpp-python, another CPU)."""
     local = fingerprint.digest()
@@ -106,7 +106,7 @@ def other_engines_hint(store: "Store", fingerprint: Fingerprint) -> Optional[str
             "again here")
 
 
-def _no_match(engine: "Engine", store: "Store", top: Optional[tuple[str, float]], min_score: float,
+def _no_match(engine: "Engine", store: "BlockStore", top: Optional[tuple[str, float]], min_score: float,
               route_ms: float) -> Recall:
     name = "(deleted)"
     if top is not None:
@@ -136,7 +136,7 @@ def _seam(engine: "Engine", block: Block, continuation: str) -> tuple[list[int],
     return split_ids(engine, block.tokens, block.text, continuation, add_special=block.parent is None)
 
 
-def answer_text_way(engine: "Engine", store: "Store", block: Block, continuation: str, *, max_tokens: int,
+def answer_text_way(engine: "Engine", store: "BlockStore", block: Block, continuation: str, *, max_tokens: int,
                     sampling: Sampling = GREEDY, stops: Sequence[str] = (),
                     on_text: Optional[OnText] = None, grammar: Optional[str] = None) -> Recall:
     """The baseline without graftmem: tokenize the block's text again and prefill it, then the task.
@@ -160,7 +160,7 @@ def answer_text_way(engine: "Engine", store: "Store", block: Block, continuation
                   sampling=sampling, stops=stops, on_text=on_text, grammar=grammar)
 
 
-def answer_graft_way(engine: "Engine", store: "Store", block: Block, continuation: str, *, max_tokens: int,
+def answer_graft_way(engine: "Engine", store: "BlockStore", block: Block, continuation: str, *, max_tokens: int,
                      sampling: Sampling = GREEDY, stops: Sequence[str] = (),
                      on_text: Optional[OnText] = None, grammar: Optional[str] = None) -> Recall:
     _, clean = _seam(engine, block, continuation)
@@ -175,7 +175,7 @@ def answer_graft_way(engine: "Engine", store: "Store", block: Block, continuatio
     return r.model_copy(update={"receipt": r.receipt.model_copy(update={"exact": False})})
 
 
-def recall(engine: "Engine", store: "Store", router: "Router", task: str, *, max_tokens: int = 64,
+def recall(engine: "Engine", store: "BlockStore", router: "Router", task: str, *, max_tokens: int = 64,
            min_score: Optional[float] = None, mode: Literal["graft", "text"] = "graft",
            sampling: Sampling = GREEDY, allow: Optional[BlockFilter] = None, stops: Sequence[str] = (),
            on_text: Optional[OnText] = None, admit: Optional[Callable[[Block], None]] = None,

@@ -24,7 +24,7 @@ from ..store.local import incompatibility, read_block_file
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
-    from ..store.local import Store
+    from ..store.protocol import BlockStore
 
 __all__ = ["RederiveReport", "compare_rederived", "rederive", "rederive_file", "rederive_state"]
 
@@ -75,7 +75,7 @@ def compare_rederived(engine: "Engine", block: Block, stored: memoryview,
                           first_difference=first, seconds=time.perf_counter() - t0)
 
 
-def rederive(engine: "Engine", store: "Store", block_id: str) -> RederiveReport:
+def rederive(engine: "Engine", store: "BlockStore", block_id: str) -> RederiveReport:
     """Prefill the block's stored tokens in a clean context and compare the captured state with the
     stored state bytes (read through the digest check): equal bytes prove the block holds exactly
     the text it claims and no hidden state. A block whose state was swapped for another text's, with

@@ -39,7 +39,7 @@ from .recall import search as route_search
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
-    from ..store.local import Store
+    from ..store.protocol import BlockStore
     from .pager import DocumentAnswer, PageIndex
     from .router import Router
 
@@ -55,7 +55,7 @@ def first_untrusted(chain: Sequence[Block]) -> Optional[Block]:
     return next((b for b in chain if not b.trusted), None)
 
 
-def untrusted_in_chain(store: "Store", block: Block) -> Optional[Block]:
+def untrusted_in_chain(store: "BlockStore", block: Block) -> Optional[Block]:
     """``block`` or the nearest ancestor of it that nothing here vouches for, or None: a chained block's
     state is its ancestors' cells plus its own, so one forged ancestor forges the whole chain."""
     cur: Optional[Block] = block
@@ -87,7 +87,7 @@ class MemoryVerbs:
     stamped the same way whichever door called it. One per engine (a server has one per pooled engine);
     it holds no state of its own beyond the two, so creating one costs nothing."""
 
-    def __init__(self, engine: "Engine", store: "Store") -> None:
+    def __init__(self, engine: "Engine", store: "BlockStore") -> None:
         self._engine, self._store = engine, store
 
     @property
@@ -95,7 +95,7 @@ class MemoryVerbs:
         return self._engine
 
     @property
-    def store(self) -> "Store":
+    def store(self) -> "BlockStore":
         return self._store
 
     # ------------------------------------------------------------------ consent and provenance

@@ -52,6 +52,7 @@ from ..share.client import LISTING_DOMAIN, SIGNATURE_HEADER
 from ..share.manifest import BundleManifest, entry_for
 from ..share.trust import SigningKey, TrustPolicy
 from ..store.local import Store
+from ..store.protocol import BlockStore
 from .http import HTTPError, Limits, body_length, guarded, public_message
 from .metrics import Metrics
 from ..memory.access import Access
@@ -73,7 +74,7 @@ class BlockRoutes:
     """The block-sharing routes over one store. Subclass `listing_body()` or `file_chunks()` to
     test clients against a misbehaving server (a cut connection, a hostile listing)."""
 
-    def __init__(self, store: Store, *, push_token: Optional[str] = None,
+    def __init__(self, store: BlockStore, *, push_token: Optional[str] = None,
                  fingerprint: Optional[Fingerprint] = None, policy: Optional[TrustPolicy] = None,
                  sign_key: Optional[SigningKey] = None, max_push_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
                  check: Optional[BlockCheck] = None, limits: Optional[Limits] = None) -> None:
@@ -304,7 +305,7 @@ class BlockServer:
     (``host`` and ``port`` are then the runner's).
     """
 
-    def __init__(self, store: Store | str | os.PathLike[str], *, host: str = "127.0.0.1",
+    def __init__(self, store: BlockStore | str | os.PathLike[str], *, host: str = "127.0.0.1",
                  port: int = 0, push_token: Optional[str] = None,
                  fingerprint: Optional[Fingerprint] = None, policy: Optional[TrustPolicy] = None,
                  sign_key: Optional[SigningKey] = None, max_push_bytes: int = DEFAULT_MAX_ENTRY_BYTES,

@@ -32,7 +32,7 @@ from .http import PUBLIC_PATHS
 from .prefix import AUTO_KIND
 
 if TYPE_CHECKING:
-    from ..store.local import Store
+    from ..store.protocol import BlockStore
     from .generate import Result
     from .pool import EnginePool
     from .prefix import PrefixCache
@@ -68,7 +68,7 @@ class Metrics:
     """The server's counters and gauges. Counters are updated from the event loop and from request
     workers, so one lock guards them; gauges are read when scraped (nothing to keep in step)."""
 
-    def __init__(self, pool: Optional["EnginePool"] = None, store: Optional["Store"] = None,
+    def __init__(self, pool: Optional["EnginePool"] = None, store: Optional["BlockStore"] = None,
                  cache: Optional["PrefixCache"] = None) -> None:
         self.pool, self.store, self.cache = pool, store, cache
         self._lock = threading.Lock()

@@ -59,7 +59,7 @@ from .tenants import tenant_of
 from .tools import ThinkStream, ToolSpec, ToolStream, parse_calls, parse_tools
 
 if TYPE_CHECKING:
-    from ..store.local import Store
+    from ..store.protocol import BlockStore
     from .prefix import PrefixCache
 
 __all__ = ["OpenAIRoutes", "RECEIPT_HEADER"]
@@ -130,7 +130,7 @@ def _log_late_failure(fut: "asyncio.Future[Result]") -> None:
 class OpenAIRoutes:
     """The OpenAI-compatible API over an engine pool, one store and its prefix cache."""
 
-    def __init__(self, pool: EnginePool, store: "Store", cache: Optional["PrefixCache"], *,
+    def __init__(self, pool: EnginePool, store: "BlockStore", cache: Optional["PrefixCache"], *,
                  model_id: Optional[str] = None, limits: Optional[Limits] = None,
                  router: Optional[RouterRef] = None, allow_unverified: bool = False,
                  chat_template: Optional[str] = None) -> None:

@@ -60,7 +60,7 @@ from ..store.chain import chain_of, full_state, make_delta
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
-    from ..store.local import Store
+    from ..store.protocol import BlockStore
 
 __all__ = ["AUTO_KIND", "PrefixCache", "Match", "prefix_keys", "segment_ends"]
 
@@ -114,7 +114,7 @@ class Match:
 class PrefixCache:
     """The prefix index over one store, for one engine fingerprint, plus the auto-learn policy."""
 
-    def __init__(self, store: "Store", fingerprint: Fingerprint, *, min_tokens: int = 256,
+    def __init__(self, store: "BlockStore", fingerprint: Fingerprint, *, min_tokens: int = 256,
                  sightings: int = 2, learn: bool = True, max_auto_bytes: Optional[int] = 2 << 30,
                  auto_storage: str = "full", tenants: int = 1) -> None:
         if auto_storage not in ("full", "delta"):

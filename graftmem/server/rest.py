@@ -51,7 +51,7 @@ from .tenants import tenant_of
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
-    from ..store.local import Store
+    from ..store.protocol import BlockStore
 
 __all__ = ["MemoryRoutes"]
 
@@ -72,7 +72,7 @@ _SCOPE = ("user_id", "agent_id", "session_id")
 class MemoryRoutes:
     """The memory's verbs over HTTP, on the server's pool, store and router."""
 
-    def __init__(self, pool: EnginePool, store: "Store", router: RouterRef, *,
+    def __init__(self, pool: EnginePool, store: "BlockStore", router: RouterRef, *,
                  limits: Limits | None = None, shared_learned: bool = False) -> None:
         self.pool, self.store, self.router = pool, store, router
         self.limits = limits or Limits()

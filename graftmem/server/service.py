@@ -28,7 +28,7 @@ from .tenants import ApiKeys
 if TYPE_CHECKING:
     from ..core.engine import Engine
     from ..memory.router import Router
-    from ..store.local import Store
+    from ..store.protocol import BlockStore
 
 __all__ = ["api_server", "bind"]
 
@@ -52,7 +52,7 @@ def _loopback(host: str) -> bool:
     return host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
 
 
-def api_server(store: "Store", engines: Sequence["Engine"], *, host: str = "127.0.0.1", port: int = 0,
+def api_server(store: "BlockStore", engines: Sequence["Engine"], *, host: str = "127.0.0.1", port: int = 0,
                api_key: "str | ApiKeys | None" = None, push_token: Optional[str] = None,
                sign_key: Optional[SigningKey] = None, check: Optional[BlockCheck] = None,
                max_queue: int = 16, min_prefix_tokens: int = 256, sightings: int = 2, learn: bool = True,

@@ -43,6 +43,7 @@ from ..core.progress import progress_bar
 from ..store.chain import MAX_DEPTH, full_state, segments
 from ..store.home import Home
 from ..store.local import TEMP_MAX_AGE, Store, fsync_path, incompatibility, pid_alive, read_block_file
+from ..store.protocol import BlockStore
 from .manifest import BundleEntry
 from .trust import TrustResult
 
@@ -123,7 +124,7 @@ def fsync_all(paths: list[Path]) -> None:
         list(pool.map(fsync_path, paths))
 
 
-def foreign_store(store: Store, fp_digest: str) -> Store:
+def foreign_store(store: BlockStore, fp_digest: str) -> Store:
     """The store that keeps blocks of another fingerprint apart: ``<home>/foreign/<digest[:16]>``.
     The main store never indexes it, so its blocks can never be grafted here; export it from there to
     a machine whose engine matches."""
@@ -144,7 +145,7 @@ def stub_block(e: BundleEntry, fp: Fingerprint) -> Block:
                  fingerprint=fp, state_size=e.state_size, state_digest=e.state_digest)
 
 
-def _adopt(store: Store, items: list[tuple[Block, Path]]) -> list[str]:
+def _adopt(store: BlockStore, items: list[tuple[Block, Path]]) -> list[str]:
     if not items:
         return []
     try:
@@ -179,7 +180,7 @@ class Admission:
     extra check of `BlockCheck`.
     """
 
-    def __init__(self, store: Store, fingerprint: Fingerprint, *, where: str,
+    def __init__(self, store: BlockStore, fingerprint: Fingerprint, *, where: str,
                  incompatible: Incompatible = "refuse", max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
                  check: Optional[BlockCheck] = None) -> None:
         if not isinstance(max_entry_bytes, int) or isinstance(max_entry_bytes, bool) or max_entry_bytes < 1:

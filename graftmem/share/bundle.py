@@ -43,7 +43,8 @@ from ..core.blocks import FORMAT_VERSION, Block, Fingerprint
 from ..core.errors import BlockCorrupted, BundleRejected, ConfigError, StoreError
 from ..core.progress import progress_bar
 from ..core.version import __version__
-from ..store.local import Store, atomic_file, open_regular
+from ..store.local import atomic_file, open_regular
+from ..store.protocol import BlockStore
 from .admission import DEFAULT_MAX_ENTRY_BYTES, Admission, BlockCheck, Incompatible, Staging, disk_error
 from .manifest import (BUNDLE_VERSION, CHUNK, MANIFEST_NAME, MAX_MANIFEST_BYTES, SIGN_DOMAIN, SIGNATURE_NAME,
                        BlockChecker, BundleManifest, ExportReport, TransferReport, listing, select)
@@ -166,7 +167,7 @@ class _TarReader:
 
 
 # ---------------------------------------------------------------------------------------- export
-def export(store: Store, path: str | os.PathLike[str], block_ids: Optional[Iterable[str]] = None, *,
+def export(store: BlockStore, path: str | os.PathLike[str], block_ids: Optional[Iterable[str]] = None, *,
            kind: Optional[str] = None, where: Optional[Callable[[Block], bool]] = None,
            sign_key: Optional[SigningKey] = None, progress: bool = False) -> ExportReport:
     """Write the selected blocks (default: all) to one bundle file at ``path``, atomically.
@@ -232,7 +233,7 @@ def export(store: Store, path: str | os.PathLike[str], block_ids: Optional[Itera
 
 
 # ---------------------------------------------------------------------------------------- import
-def import_bundle(store: Store, path: str | os.PathLike[str], *, fingerprint: Fingerprint,
+def import_bundle(store: BlockStore, path: str | os.PathLike[str], *, fingerprint: Fingerprint,
                   policy: Optional[TrustPolicy] = None, incompatible: Incompatible = "refuse",
                   max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES, progress: bool = False,
                   check: Optional[BlockCheck] = None) -> TransferReport:
@@ -270,7 +271,7 @@ def import_bundle(store: Store, path: str | os.PathLike[str], *, fingerprint: Fi
                     src.close()
 
 
-def import_stream(store: Store, f: BinaryIO | mmap.mmap, *, where: str, fingerprint: Fingerprint,
+def import_stream(store: BlockStore, f: BinaryIO | mmap.mmap, *, where: str, fingerprint: Fingerprint,
                   policy: Optional[TrustPolicy] = None, incompatible: Incompatible = "refuse",
                   max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES, progress: bool = False,
                   check: Optional[BlockCheck] = None) -> TransferReport:

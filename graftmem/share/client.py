@@ -24,7 +24,7 @@ from ..core import errors as _errors
 from ..core.blocks import Block, Fingerprint
 from ..core.errors import AccessDenied, BlockCorrupted, BlockNotFound, ConfigError, GraftmemError, TransferError
 from ..core.progress import progress_bar
-from ..store.local import Store
+from ..store.protocol import BlockStore
 from .admission import DEFAULT_MAX_ENTRY_BYTES, Admission, BlockCheck, Incompatible, Staging, disk_error
 from .bundle import export
 from .manifest import CHUNK, MAX_MANIFEST_BYTES, BlockChecker, BundleEntry, BundleManifest, TransferReport, select
@@ -186,7 +186,7 @@ def _download_locked(client: httpx.Client, url: str, e: BundleEntry, part: Path,
         raise
 
 
-def pull(store: Store, url: str, block_ids: Optional[Iterable[str]] = None, *,
+def pull(store: BlockStore, url: str, block_ids: Optional[Iterable[str]] = None, *,
          fingerprint: Fingerprint, kind: Optional[str] = None, policy: Optional[TrustPolicy] = None,
          incompatible: Incompatible = "refuse", progress: bool = False, timeout: float = 60.0,
          max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
@@ -239,7 +239,7 @@ def pull(store: Store, url: str, block_ids: Optional[Iterable[str]] = None, *,
                           signer=signer, signer_trusted=trusted)
 
 
-def push(store: Store, url: str, block_ids: Optional[Iterable[str]] = None, *, token: str,
+def push(store: BlockStore, url: str, block_ids: Optional[Iterable[str]] = None, *, token: str,
          kind: Optional[str] = None, sign_key: Optional[SigningKey] = None, progress: bool = False,
          timeout: float = 60.0) -> TransferReport:
     """Send blocks (default all, or all of ``kind``) to a ``graftmem serve`` that accepts pushes, as

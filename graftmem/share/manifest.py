@@ -21,7 +21,7 @@ from ..core.blocks import FORMAT_VERSION, Block, Fingerprint, block_id_for
 from ..core.errors import BlockCorrupted, BlockNotFound, StoreError
 from ..core.format import HEADER, TRAILER_LEN, parse_header, parse_manifest
 from ..core.version import __version__
-from ..store.local import Store
+from ..store.protocol import BlockStore
 
 __all__ = ["BundleEntry", "BundleManifest", "BlockChecker", "ExportReport", "TransferReport", "entry_for",
            "listing", "select", "MANIFEST_NAME", "SIGNATURE_NAME", "BUNDLE_VERSION", "SIGN_DOMAIN",
@@ -193,7 +193,7 @@ class BlockChecker:
         return block
 
 
-def entry_for(store: Store, block: Block) -> BundleEntry:
+def entry_for(store: BlockStore, block: Block) -> BundleEntry:
     """The entry announcing ``block`` (reads the 32-byte trailer of its file)."""
     path = store.path_of(block.id)
     try:
@@ -210,7 +210,7 @@ def entry_for(store: Store, block: Block) -> BundleEntry:
                        parent=block.parent)
 
 
-def select(store: Store, block_ids: Optional[Iterable[str]] = None, *, kind: Optional[str] = None,
+def select(store: BlockStore, block_ids: Optional[Iterable[str]] = None, *, kind: Optional[str] = None,
            where: Optional[Callable[[Block], bool]] = None) -> list[Block]:
     """Blocks by id (or unique prefix), else all (of ``kind``), then filtered by ``where``; then
     every ancestor of a chained block is added (before it), since a child cannot be grafted
@@ -240,7 +240,7 @@ def select(store: Store, block_ids: Optional[Iterable[str]] = None, *, kind: Opt
     return list(out.values())
 
 
-def listing(store: Store, blocks: list[Block]) -> BundleManifest:
+def listing(store: BlockStore, blocks: list[Block]) -> BundleManifest:
     return BundleManifest(graftmem_version=_version(),
                           fingerprints={b.fingerprint.digest(): b.fingerprint for b in blocks},
                           blocks=[entry_for(store, b) for b in blocks])

@@ -5,13 +5,16 @@ layout of a home (``blocks/``, ``index.sqlite``, staging, foreign areas) in one 
 Public for advanced use: [`Store`][graftmem.Store], `default_home()`, `load_state()` (read a block or a
 chain into an engine buffer with every digest checked) and the chain helpers. [`FleetStore`][graftmem.FleetStore] is the same interface over an S3-compatible bucket
 with a local read-through cache (docs/fleet.md); `open_store()` picks one from ``s3://...`` or a path.
+Both implement [`BlockStore`][graftmem.store.BlockStore], the protocol the layers above use: code that
+takes a store should be typed against it, and ask ``store.remote`` rather than the class.
 """
 
 from .chain import chain_of, full_state, full_tokens, load_state, segments
 from .home import Home
+from .protocol import BlockStore
 from .fleet import FleetStore, default_cache_dir, open_store
 from .local import Store, atomic_file, default_home, fsync_path, read_block_file
 from .remote import RetryPolicy
 
-__all__ = ["FleetStore", "Home", "RetryPolicy", "Store", "default_cache_dir", "open_store", "atomic_file", "chain_of", "default_home", "fsync_path", "full_state", "full_tokens",
+__all__ = ["BlockStore", "FleetStore", "Home", "RetryPolicy", "Store", "default_cache_dir", "open_store", "atomic_file", "chain_of", "default_home", "fsync_path", "full_state", "full_tokens",
            "load_state", "read_block_file", "segments"]

@@ -35,15 +35,16 @@ import sqlite3
 import stat
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator, Optional, Sequence
+from typing import Any, BinaryIO, Callable, Iterator, Optional, Sequence
 
 from ..core.blocks import (PROVENANCE_LOCAL, PROVENANCE_UNVERIFIED, Block, Fingerprint, StoreStats,
                            provenance_is_trusted)
 from ..core.errors import (BlockCorrupted, BlockNotFound, ConfigError, IncompatibleBlock, StoreError,
                            StoreFull, StoreLocked, StoreReadOnly)
 from .home import BLOCK_SUFFIX, Home
-from .sqlite import connect, transaction
+from .sqlite import connect, marks, transaction
 from ..core.format import HEADER, TRAILER_LEN, parse_header, parse_manifest, state_digest, write_block
 
 __all__ = ["Store", "default_home", "read_block_file", "atomic_file", "open_regular", "TEMP_MAX_AGE"]
@@ -91,11 +92,6 @@ def default_home() -> Path:
     import platformdirs
 
     return Path(platformdirs.user_data_dir("graftmem"))
-
-
-def _marks(n: int) -> str:
-    """SQL placeholders for ``n`` values of an ``IN (...)`` list (an empty list matches nothing)."""
-    return ",".join("?" * n) or "NULL"
 
 
 def checked_id(block_id: object) -> bool:
@@ -244,6 +240,13 @@ def _os_error(exc: OSError, home: Path, doing: str) -> StoreError:
     return StoreError(f"{doing} in {home} failed: {exc}")
 
 
+def block_from_row(manifest: str, provenance: str, labels_trusted: int) -> Block:
+    """A block from an index row: its manifest (JSON) with the provenance and label trust the index
+    records beside it (never in the file). Shared by the local and the fleet index."""
+    return Block.model_validate_json(manifest).model_copy(
+        update={"provenance": provenance, "labels_trusted": bool(labels_trusted)})
+
+
 def check_head(read: Callable[[int, int], bytes], size: int, *, where: str,
                expect_id: str) -> tuple[Block, int, int]:
     """The manifest of a block file of ``size`` bytes and where its state lies (offset, length), with
@@ -325,6 +328,11 @@ class Store:
     True, the index is an in-memory copy reconciled with the files, and mutations raise
     `StoreReadOnly`.
     """
+
+    #: blocks live here only: no other worker shares them (see `graftmem.store.BlockStore`)
+    remote = False
+    #: other processes' changes are seen at once (SQLite's ``data_version``): nothing to poll
+    poll_interval = 0.0
 
     def __init__(self, home: str | os.PathLike[str] | None = None, *, lock_timeout: float = 30.0) -> None:
         self.home = Path(home).expanduser() if home is not None else default_home()
@@ -552,8 +560,7 @@ class Store:
 
     @staticmethod
     def _row(manifest: str, provenance: str, labels_trusted: int) -> Block:
-        return Block.model_validate_json(manifest).model_copy(
-            update={"provenance": provenance, "labels_trusted": bool(labels_trusted)})
+        return block_from_row(manifest, provenance, labels_trusted)
 
     def reconcile(self) -> dict[str, int]:
         """Make the index agree with the files: add unindexed files (as ``unverified``), drop rows
@@ -666,7 +673,7 @@ class Store:
         with self._tlock:
             return self._db.execute(
                 "SELECT id, name, fp_digest, json_extract(manifest, '$.metadata.when_to_use') FROM blocks "
-                f"WHERE kind NOT IN ({_marks(len(exclude_kinds))}) AND provenance != ? "
+                f"WHERE kind NOT IN ({marks(len(exclude_kinds))}) AND provenance != ? "
                 "AND labels_trusted = 1", (*exclude_kinds, PROVENANCE_UNVERIFIED)).fetchall()
 
     # ------------------------------------------------------------------ write / delete
@@ -818,6 +825,11 @@ class Store:
         with open_regular(path) as f:
             return _read_head(f, str(path), path.stem)[0]
 
+    def check_file(self, block_id: str) -> Block:
+        """The manifest as the block's file holds it, with header, trailer and padding checked (the
+        state is not read): what ``graftmem doctor`` asks of every block."""
+        return self.read_manifest(self.path_of(self.resolve(block_id)))
+
     def read_state(self, block_id: str, buffer: Callable[[int], memoryview], *,
                    fingerprint: Optional[Fingerprint] = None,
                    timings: Optional[dict[str, float]] = None) -> tuple[Block, memoryview]:
@@ -843,3 +855,29 @@ class Store:
         if row is not None:
             block = block.model_copy(update={"provenance": row[0], "labels_trusted": bool(row[1])})
         return block, view
+
+    # ------------------------------------------------------------------ sharing (nothing to share)
+    # The verbs a fleet store offers to share with its other workers (`graftmem.store.BlockStore`).
+    # A local store has no other workers: every block is here already, and a file or a routing row
+    # made here is seen by every process on this machine through the home itself.
+    def prefetch(self, block_ids: list[str]) -> list[Future]:
+        """Nothing to bring in: every block of a local store is on this machine."""
+        return []
+
+    def get_vectors(self, space: str, names: list[str]) -> dict[str, Any]:
+        """No other worker embedded anything for this store: always empty."""
+        return {}
+
+    def put_vectors(self, space: str, rows: dict[str, Any]) -> None:
+        """No other worker to share routing rows with (the router's own index file holds them)."""
+
+    def put_file(self, name: str, path: Path) -> None:
+        """No other worker to share a file with (the page index in the home holds its rows)."""
+
+    def list_files(self, prefix: str) -> list[dict[str, Any]]:
+        """No files shared by other workers: always empty."""
+        return []
+
+    def get_file(self, name: str, dest: Path) -> bool:
+        """No files shared by other workers: always False."""
+        return False

