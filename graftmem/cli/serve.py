@@ -1,10 +1,11 @@
-"""``graftmem serve``: the server's options read into one call of the API, its endpoints printed."""
+"""``graftmem serve``: the server's flags read into one `ServeConfig`, served through the API, its endpoints
+printed."""
 
 from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
+from typing import Any, Optional
 
 from .common import _home, _memory, _sign_key
 from .sharing import _key_mode
@@ -12,10 +13,10 @@ from .sharing import _key_mode
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """One long-running server: block sharing, and (unless --blocks-only) the OpenAI-compatible API
-    with the persistent prompt cache, on one socket."""
+    with the persistent prompt cache, on one socket. The flags become one `ServeConfig`, served by
+    `Memory.serve` (the same call an application makes), or without a model by `block_server`."""
     from .. import ConfigError
-    from ..core import Engine
-    from ..server import ApiKeys, BlockServer, api_server
+    from ..server import ApiKeys, block_server
 
     token = args.push_token or os.environ.get("GRAFTMEM_PUSH_TOKEN")
     api_key: Any = args.api_key or os.environ.get("GRAFTMEM_API_KEY")
@@ -23,39 +24,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if api_key:
             raise ConfigError("give --api-key (one shared key) or --api-key-file (a key per tenant), not both")
         api_key = ApiKeys.load(args.api_key_file)
-    api = not args.blocks_only
-    mem = _memory(args) if (token or api) else None  # the API and pushes need the engine
-    extra: list[Any] = []
+    config = serve_config(args, api_key=api_key, push_token=token)
+    mem = _memory(args) if (token or config.api) else None  # the API and pushes need the engine
     try:
-        if api:
-            assert mem is not None
-            extra = [Engine(mem.engine.model_path, mem.engine.config) for _ in range(max(1, args.engines) - 1)]
-            srv = api_server(mem.store, [mem.engine, *extra], host=args.host, port=args.port, api_key=api_key,
-                             push_token=token, sign_key=_sign_key(args),
-                             check=mem.vetting(rederive=args.rederive),
-                             max_queue=args.max_queue, min_prefix_tokens=args.min_prefix_tokens,
-                             sightings=args.sightings, learn=not args.no_learn,
-                             max_auto_bytes=args.max_auto_mb << 20, auto_storage=args.auto_storage,
-                             warm=not args.no_warm, router=lambda: mem.router,  # loaded on the first routed request
-                             chat_template=args.chat_template_file, allow_unverified=args.allow_unverified,
-                             shared_learned=args.shared_learned,
-                             responses_ttl=args.responses_ttl)
-        elif mem:
-            srv = mem.serve(host=args.host, port=args.port, push_token=token, sign_key=_sign_key(args),
-                            rederive=args.rederive)
-        else:
-            srv = BlockServer(_home(args), host=args.host, port=args.port, sign_key=_sign_key(args),
-                              api_key=api_key)
+        srv = mem.serve(config) if mem is not None else block_server(_home(args), config)
         try:
             _close_on_sigterm()  # before the line that tells a supervisor the server is up
             warmed = getattr(srv, "warm", [])
-            what = (f"OpenAI API at {srv.url}/v1 with {1 + len(extra)} engine(s), " if api else "")
+            what = (f"OpenAI API at {srv.url}/v1 with {config.engines} engine(s), " if config.api else "")
             if warmed:
                 what += f"{sum(w['tokens'] for w in warmed)} prompt tokens warm in RAM, "
             print(f"serving {srv.store.home} at {srv.url} ({what}pushes {'on' if token else 'off'}, "
                   f"listings {'signed' if args.sign else 'unsigned'}, "
                   f"API key {_key_mode(api_key)}); Ctrl-C stops", flush=True)
-            for line in _endpoint_lines(srv.url, api):
+            for line in _endpoint_lines(srv.url, config.api):
                 print(line, flush=True)
             srv.serve_forever()
         except KeyboardInterrupt:
@@ -63,11 +45,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         finally:
             srv.close()
     finally:
-        for e in extra:
-            e.close()
         if mem:
             mem.close()
     return 0
+
+
+def serve_config(args: argparse.Namespace, *, api_key: Any, push_token: Optional[str]) -> Any:
+    """``serve``'s flags as the `ServeConfig` they mean (checked there: a wrong value is a
+    `ConfigError` naming the option)."""
+    from .. import ServeConfig
+
+    return ServeConfig(
+        host=args.host, port=args.port, api=not args.blocks_only, api_key=api_key, push_token=push_token,
+        sign_key=_sign_key(args), rederive=args.rederive, allow_unverified=args.allow_unverified,
+        engines=args.engines, max_queue=args.max_queue, learn=not args.no_learn,
+        min_prefix_tokens=args.min_prefix_tokens, sightings=args.sightings,
+        max_auto_bytes=args.max_auto_mb * (1 << 20), auto_storage=args.auto_storage, warm=not args.no_warm,
+        chat_template=args.chat_template_file, shared_learned=args.shared_learned,
+        responses_ttl=args.responses_ttl)
 
 
 def _endpoint_lines(url: str, api: bool) -> list[str]:
