@@ -18,7 +18,7 @@ from .core.version import __version__
 # (``graftmem search --url``) does not load llama.cpp, torch or the HTTP server just by importing the
 # package. The imports below are what a type checker, the docs and tests/test_architecture.py read.
 if TYPE_CHECKING:
-    from .api import AnswerStream, AsyncAnswerStream, AsyncMemory, Memory
+    from .api import AnswerStream, AsyncAnswerStream, AsyncMemory, BlockSummary, Memory, RemoteMemory
     from .core import (Block, Engine, EngineConfig, Exactness, Fingerprint, HistoryEvent, Recall, Receipt, SampleResult,
                        Sampling, Scope, SearchHit, StoreStats, VerificationRecord, VerifyReport, logits_sha256,
                        system_report)
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from .memory import (Attempt, CallableVerifier, Candidate, DocumentAnswer, DocumentReport, Embedder, ExactMatch,
                          Flywheel, Gate, GateReport, PageInfo, PassageHit, ProgramRun, ProgramVerifier, RederiveReport,
                          SentenceTransformerEmbedder, Solution, SolverOutput, Verdict, Verifier, run_program)
-    from .server import BlockServer
+    from .server import BlockServer, ServeConfig
     from .share import BundleManifest, ExportReport, PublicKey, SigningKey, TransferReport, TrustPolicy
     from .store import FleetStore, Store
 
@@ -38,7 +38,9 @@ _LAZY: dict[str, str] = {
     "AnswerStream": ".api",
     "AsyncAnswerStream": ".api",
     "AsyncMemory": ".api",
+    "BlockSummary": ".api",
     "Memory": ".api",
+    "RemoteMemory": ".api",
     "Block": ".core",
     "Engine": ".core",
     "EngineConfig": ".core",
@@ -98,6 +100,7 @@ _LAZY: dict[str, str] = {
     "Verifier": ".memory",
     "run_program": ".memory",
     "BlockServer": ".server",
+    "ServeConfig": ".server",
     "BundleManifest": ".share",
     "ExportReport": ".share",
     "PublicKey": ".share",
@@ -136,6 +139,7 @@ __all__ = [
     "BlockNotFound",
     "BlockRejected",
     "BlockServer",
+    "BlockSummary",
     "BundleManifest",
     "BundleRejected",
     "CallableVerifier",
@@ -170,11 +174,13 @@ __all__ = [
     "Recall",
     "Receipt",
     "RederiveReport",
+    "RemoteMemory",
     "SampleResult",
     "Sampling",
     "Scope",
     "SearchHit",
     "SentenceTransformerEmbedder",
+    "ServeConfig",
     "SigningKey",
     "Solution",
     "SolverOutput",

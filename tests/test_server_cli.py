@@ -103,33 +103,36 @@ def _one_shot(reply: bytes) -> str:
 
 
 def test_the_light_http_client_reads_what_servers_send():
-    from graftmem.cli.remote import _remote
+    from graftmem.api import RemoteJSON
     from graftmem.core.errors import TransferError
+
+    def call(url: str, path: str, body=None):
+        return RemoteJSON(url).call("GET" if body is None else "POST", path, body)
 
     chunked = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Type: application/json\r\n\r\n"
                b"7\r\n{\"a\": [\r\n5\r\n1, 2]\r\n1\r\n}\r\n0\r\n\r\n")
-    assert _remote(_one_shot(chunked), "search", {"query": "q"}) == {"a": [1, 2]}
+    assert call(_one_shot(chunked), "search", {"query": "q"}) == {"a": [1, 2]}
     sized = b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\n{\"b\": 1}"
-    assert _remote(_one_shot(sized), "list") == {"b": 1}
+    assert call(_one_shot(sized), "list") == {"b": 1}
     error = b'HTTP/1.1 404 Not Found\r\nContent-Length: 39\r\n\r\n{"error": {"message": "no such block"}}'
     with pytest.raises(TransferError, match="answered 404: no such block"):
-        _remote(_one_shot(error), "get/x")
+        call(_one_shot(error), "get/x")
     short = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"c\":"
     with pytest.raises(TransferError, match="ended after 5 of 100 bytes"):
-        _remote(_one_shot(short), "list")
+        call(_one_shot(short), "list")
     with pytest.raises(TransferError, match="before the response's headers ended"):
-        _remote(_one_shot(b"HTTP/1.1 200 OK\r\nContent-Le"), "list")
+        call(_one_shot(b"HTTP/1.1 200 OK\r\nContent-Le"), "list")
     with pytest.raises(TransferError, match="not an HTTP response"):
-        _remote(_one_shot(b"SSH-2.0-OpenSSH_9.2\r\n"), "list")
+        call(_one_shot(b"SSH-2.0-OpenSSH_9.2\r\n"), "list")
     # hostile or broken framing: a graftmem error naming the fault, never a bare ValueError or a short body
     head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
     with pytest.raises(TransferError, match="malformed chunked body"):
-        _remote(_one_shot(head + b"zz\r\n{}\r\n0\r\n\r\n"), "list")
+        call(_one_shot(head + b"zz\r\n{}\r\n0\r\n\r\n"), "list")
     with pytest.raises(TransferError, match="ended inside a chunk of 16 bytes"):
-        _remote(_one_shot(head + b"10\r\n{\"a\": 1}"), "list")
+        call(_one_shot(head + b"10\r\n{\"a\": 1}"), "list")
     with pytest.raises(TransferError, match="malformed chunked body"):
-        _remote(_one_shot(head + b"2\r\n{}\r\n"), "list")  # no last chunk: cut short
+        call(_one_shot(head + b"2\r\n{}\r\n"), "list")  # no last chunk: cut short
     with pytest.raises(TransferError, match="malformed Content-Length"):
-        _remote(_one_shot(b"HTTP/1.1 200 OK\r\nContent-Length: ten\r\n\r\n{}"), "list")
+        call(_one_shot(b"HTTP/1.1 200 OK\r\nContent-Length: ten\r\n\r\n{}"), "list")
     with pytest.raises(TransferError, match="not JSON"):
-        _remote(_one_shot(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\n<html>"), "list")
+        call(_one_shot(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\n<html>"), "list")

@@ -33,7 +33,9 @@ from ..memory.verbs import MemoryVerbs
 from ..memory.rederive import RederiveReport, rederive as _rederive, rederive_state
 from ..memory.router import Embedder, Router, SentenceTransformerEmbedder
 from ..server.blocks import BlockServer
-from ..server.service import api_server
+from ..server.config import ServeConfig
+from ..server.runner import ServerThread
+from ..server.service import api_server, block_server
 from ..share.bundle import export as export_bundle
 from ..share.bundle import import_bundle
 from ..share.client import pull, push
@@ -686,38 +688,39 @@ class Memory:
         return push(self._store, url, block_ids, token=token, kind=kind, sign_key=sign_key,
                             progress=progress)
 
-    def serve(self, *, host: str = "127.0.0.1", port: int = 0, push_token: Optional[str] = None,
-              sign_key: Optional[SigningKey] = None, rederive: bool = True, api: bool = False,
-              api_key: Optional[str] = None, min_prefix_tokens: int = 256, sightings: int = 2) -> BlockServer:
-        """An HTTP server over this store; not started: ``.start()`` serves it in a background thread
-        and returns at once (``.url`` is known from construction, ``.close()`` stops it gracefully), a
-        ``with`` block does both, ``.serve_forever()`` blocks.
+    def serve(self, config: Optional[ServeConfig] = None, /, *, runner: Optional[ServerThread] = None,
+              **options: Any) -> BlockServer:
+        """An HTTP server over this store, with the options of ``config`` (a `ServeConfig`; the
+        defaults when None) and ``options`` applied on top (``mem.serve(api=True, port=8765)`` builds
+        the config from keywords; an unknown option is a `ConfigError`). Not started: ``.start()``
+        serves it in a background thread and returns at once (``.url`` is known from construction,
+        ``.close()`` stops it gracefully), a ``with`` block does both, ``.serve_forever()`` blocks.
 
         Pushed blocks are admitted like an import: texts bound to tokens, positions checked, and
         re-derived here before they are accepted unless the pushed bundle is signed by a key this
         store's trust policy lists; ``rederive=False`` lands unsigned pushes ``unverified``.
 
-        ``api=True`` adds what ``graftmem serve`` answers: the OpenAI-compatible API (this memory's
-        engine, its persistent prefix cache: prefixes of ``min_prefix_tokens`` tokens seen
-        ``sightings`` times are learned) and the memory's REST routes (with this memory's router), so
-        an agent written against the ``openai`` package can run in the same process as the app;
-        ``api_key`` then guards every route. The engine is shared with this `Memory` (its calls and
-        the server's requests take turns)."""
+        ``api=True`` adds what ``graftmem serve`` answers (it calls this): the OpenAI-compatible,
+        Responses and Anthropic APIs (this memory's engine, its persistent prefix cache: prefixes of
+        ``min_prefix_tokens`` tokens seen ``sightings`` times are learned) and the memory's REST routes
+        (with this memory's router), so an agent written against the ``openai`` package can run in the
+        same process as the app; ``api_key`` then guards every route. The engine is shared with this
+        `Memory` (its calls and the server's requests take turns); ``engines=N`` opens N - 1 more
+        engines of the same model and config for the server, closed when it closes. ``runner`` (with
+        ``api``): a socket bound before the model loaded (`graftmem.server.bind`), answering 503 until
+        this server starts on it (what ``graftmem serve`` does)."""
         self._check()
-        _text("host", host)
-        _int("port", port, lo=0, hi=65535)
-        _text("push_token", push_token, optional=True)
-        _instance("sign_key", sign_key, SigningKey)
-        _flag("rederive", rederive)
-        _flag("api", api)
-        _text("api_key", api_key, optional=True)
-        _int("min_prefix_tokens", min_prefix_tokens, lo=1)
-        _int("sightings", sightings, lo=1)
-        if api:
-            return api_server(self._store, [self._engine], host=host, port=port, api_key=api_key,
-                              push_token=push_token, sign_key=sign_key, check=self.vetting(rederive=rederive),
-                              min_prefix_tokens=min_prefix_tokens, sightings=sightings,
-                              router=lambda: self.router)
-        return BlockServer(self._store, host=host, port=port, push_token=push_token,
-                           fingerprint=self.fingerprint, sign_key=sign_key,
-                           check=self.vetting(rederive=rederive), api_key=api_key)
+        cfg = ServeConfig.of(config, **options)
+        check_pushes = self.vetting(rederive=cfg.rederive)
+        if not cfg.api:
+            return block_server(self._store, cfg, fingerprint=self.fingerprint, check=check_pushes)
+        extra = [Engine(self._engine.model_path, self._engine.config) for _ in range(cfg.engines - 1)]
+        try:
+            srv = api_server(self._store, [self._engine, *extra], cfg, check=check_pushes,
+                             router=lambda: self.router, runner=runner)  # router: loaded on the first routed request
+        except BaseException:
+            for e in extra:
+                e.close()
+            raise
+        srv.on_close.extend(e.close for e in extra)  # after the server has left them empty
+        return srv

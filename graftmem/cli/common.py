@@ -135,8 +135,10 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def _label(text: str, b: Any) -> str:
-    """A label as shown: marked when it came from elsewhere and no trusted signature covers it."""
-    return text if b.labels_trusted else f"{text} (unverified label)"
+    """A label as shown: marked when it came from elsewhere and no trusted signature covers it (``b``: a
+    block, or a listing line: the same rule for a local and a remote store)."""
+    trusted = b.get("labels_trusted") if isinstance(b, dict) else b.labels_trusted
+    return text if trusted else f"{text} (unverified label)"
 
 
 # --------------------------------------------------------------------- sharing (bundles, HTTP, trust)

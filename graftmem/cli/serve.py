@@ -1,4 +1,5 @@
-"""``graftmem serve``: the server's options read into one call of the API, its endpoints printed."""
+"""``graftmem serve``: the server's flags read into one `ServeConfig`, served through the API, its endpoints
+printed."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ log = logging.getLogger("graftmem")
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """One long-running server: block sharing, and (unless --blocks-only) the OpenAI-compatible API
-    with the persistent prompt cache, on one socket."""
+    with the persistent prompt cache, on one socket. The flags become one `ServeConfig`, served by
+    `Memory.serve` (the same call an application makes), or without a model by `block_server`."""
     from .. import ConfigError
-    from ..server import ApiKeys, BlockServer
+    from ..server import ApiKeys, block_server
 
     token = args.push_token or os.environ.get("GRAFTMEM_PUSH_TOKEN")
     api_key: Any = args.api_key or os.environ.get("GRAFTMEM_API_KEY")
@@ -26,17 +28,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if api_key:
             raise ConfigError("give --api-key (one shared key) or --api-key-file (a key per tenant), not both")
         api_key = ApiKeys.load(args.api_key_file)
-    api = not args.blocks_only
-    if api:
-        return _serve_api(args, token, api_key)
+    config = serve_config(args, api_key=api_key, push_token=token)
+    if config.api:
+        return _serve_api(args, config)
     mem = _memory(args) if token else None  # pushes need the engine
     try:
-        if mem:
-            srv = mem.serve(host=args.host, port=args.port, push_token=token, sign_key=_sign_key(args),
-                            rederive=args.rederive)
-        else:
-            srv = BlockServer(_home(args), host=args.host, port=args.port, sign_key=_sign_key(args),
-                              api_key=api_key)
+        srv = mem.serve(config) if mem is not None else block_server(_home(args), config)
         try:
             _close_on_sigterm()  # before the line that tells a supervisor the server is up
             print(f"serving {srv.store.home} at {srv.url} (pushes {'on' if token else 'off'}, "
@@ -55,43 +52,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_api(args: argparse.Namespace, token: Optional[str], api_key: Any) -> int:
+def _serve_api(args: argparse.Namespace, config: Any) -> int:
     """The API server, bound before its model loads: ``/health`` answers 503 ``loading`` from the first
     second (an orchestrator's probe reads "loading", not "connection refused"), 200 once the engines are
     loaded and warmed. The engines load in a thread while this (the main) thread serves, so Ctrl-C and
     SIGTERM are handled throughout; the first line (which scripts read for the URL) is printed once the
     server answers."""
-    from ..core import Engine
-    from ..server import api_server, bind
+    from ..server import bind
 
-    runner = bind(args.host, args.port)
+    runner = bind(config.host, config.port, config.limits)
     log.info("serve: listening on %s; loading the model (/health answers 503 until it is ready)", runner.url)
-    made: dict[str, Any] = {"extra": []}
+    made: dict[str, Any] = {}
     stopping = threading.Event()
 
     def load() -> None:
         try:
             made["mem"] = mem = _memory(args)
-            made["extra"] = extra = [Engine(mem.engine.model_path, mem.engine.config)
-                                     for _ in range(max(1, args.engines) - 1)]
-            made["srv"] = srv = api_server(
-                mem.store, [mem.engine, *extra], api_key=api_key, push_token=token, sign_key=_sign_key(args),
-                check=mem.vetting(rederive=args.rederive), max_queue=args.max_queue,
-                min_prefix_tokens=args.min_prefix_tokens, sightings=args.sightings, learn=not args.no_learn,
-                max_auto_bytes=args.max_auto_mb << 20, auto_storage=args.auto_storage, warm=not args.no_warm,
-                router=lambda: mem.router,  # loaded on the first routed request
-                chat_template=args.chat_template_file, allow_unverified=args.allow_unverified,
-                shared_learned=args.shared_learned, responses_ttl=args.responses_ttl, runner=runner)
+            made["srv"] = srv = mem.serve(config, runner=runner)  # the same call an application makes
             if stopping.is_set():  # Ctrl-C / SIGTERM while loading: closed by the main thread, never opened
                 return
             srv.start()  # the gate opens: requests reach the routes
             warmed = getattr(srv, "warm", [])
-            what = f"OpenAI API at {srv.url}/v1 with {1 + len(extra)} engine(s), "
+            what = f"OpenAI API at {srv.url}/v1 with {config.engines} engine(s), "
             if warmed:
                 what += f"{sum(w['tokens'] for w in warmed)} prompt tokens warm in RAM, "
-            print(f"serving {srv.store.home} at {srv.url} ({what}pushes {'on' if token else 'off'}, "
+            print(f"serving {srv.store.home} at {srv.url} ({what}pushes {'on' if config.push_token else 'off'}, "
                   f"listings {'signed' if args.sign else 'unsigned'}, "
-                  f"API key {_key_mode(api_key)}); Ctrl-C stops", flush=True)
+                  f"API key {_key_mode(config.api_key)}); Ctrl-C stops", flush=True)
             for line in _endpoint_lines(srv.url, True):
                 print(line, flush=True)
         except BaseException as exc:  # noqa: BLE001 - raised again by the main thread
@@ -114,13 +101,26 @@ def _serve_api(args: argparse.Namespace, token: Optional[str], api_key: Any) -> 
             srv.close()
         else:
             runner.close()
-        for e in made["extra"]:
-            e.close()
         if made.get("mem") is not None:
             made["mem"].close()
     if "error" in made:
         raise made["error"]
     return 0
+
+
+def serve_config(args: argparse.Namespace, *, api_key: Any, push_token: Optional[str]) -> Any:
+    """``serve``'s flags as the `ServeConfig` they mean (checked there: a wrong value is a
+    `ConfigError` naming the option)."""
+    from .. import ServeConfig
+
+    return ServeConfig(
+        host=args.host, port=args.port, api=not args.blocks_only, api_key=api_key, push_token=push_token,
+        sign_key=_sign_key(args), rederive=args.rederive, allow_unverified=args.allow_unverified,
+        engines=args.engines, max_queue=args.max_queue, learn=not args.no_learn,
+        min_prefix_tokens=args.min_prefix_tokens, sightings=args.sightings,
+        max_auto_bytes=args.max_auto_mb * (1 << 20), auto_storage=args.auto_storage, warm=not args.no_warm,
+        chat_template=args.chat_template_file, shared_learned=args.shared_learned,
+        responses_ttl=args.responses_ttl)
 
 
 def _endpoint_lines(url: str, api: bool) -> list[str]:

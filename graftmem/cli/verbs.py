@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from .common import _answered, _label, _memory, _out, _read_text, _sampling, _size, _store, _table
-from .remote import _greedy_remote, _remote, _server
+from .remote import _client, _greedy_remote, _server
 
 
 def cmd_learn(args: argparse.Namespace) -> int:
@@ -31,25 +32,31 @@ def cmd_learn(args: argparse.Namespace) -> int:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     if (url := _server(args)) is not None:
-        from urllib.parse import quote
-
-        blocks = _remote(url, "blocks" + (f"?kind={quote(args.kind)}" if args.kind else ""))["blocks"]
-        rows = [[b["id"][:12], b["kind"], b["n_tokens"], f"{b['state_size']:,}", (b["name"] or "")[:40]] for b in blocks]
-        _out(args, blocks, _table(rows, ["id", "kind", "tokens", "state bytes", "name"]) if rows else "(no blocks)")
-        return 0
-    store = _store(args)
-    try:
-        blocks = store.list(kind=args.kind)
-    finally:
-        store.close()
-    rows = [[b.short_id, b.kind, b.n_tokens, f"{b.state_size:,}", b.fingerprint.model_name,
-             "yes" if b.verification and b.verification.ok else ("NO" if b.verification else "-"),
-             b.provenance, _label(b.name[:40], b)] for b in blocks]
-    _out(args, [b.model_dump(exclude={"tokens", "text"}) | {"provenance": b.provenance,
-                                                            "labels_trusted": b.labels_trusted} for b in blocks],
-         _table(rows, ["id", "kind", "tokens", "state bytes", "model", "verified", "provenance", "name"])
+        lines = _client(url).ls(kind=args.kind)  # the server's summaries, the same fields as _summary's
+        data: Any = lines
+    else:
+        store = _store(args)
+        try:
+            blocks = store.list(kind=args.kind)
+        finally:
+            store.close()
+        lines = [_summary(b) for b in blocks]
+        data = [b.model_dump(exclude={"tokens", "text"}) | {"provenance": b.provenance,
+                                                            "labels_trusted": b.labels_trusted} for b in blocks]
+    rows = [[d["id"][:12], d["kind"], d["n_tokens"], f"{d['state_size']:,}", d.get("model") or "-",
+             {True: "yes", False: "NO"}.get(d.get("verified"), "-"), d.get("provenance") or "-",
+             _label((d["name"] or "")[:40], d)] for d in lines]
+    _out(args, data, _table(rows, ["id", "kind", "tokens", "state bytes", "model", "verified", "provenance", "name"])
          if rows else "(no blocks)")
     return 0
+
+
+def _summary(b: Any) -> dict[str, Any]:
+    """A local block as the server's listing line (`graftmem.api.BlockSummary`'s fields), so ``ls``
+    prints local and remote stores alike."""
+    return {"id": b.id, "name": b.name, "kind": b.kind, "n_tokens": b.n_tokens, "state_size": b.state_size,
+            "model": b.fingerprint.model_name, "verified": b.verification.ok if b.verification else None,
+            "provenance": b.provenance, "labels_trusted": b.labels_trusted}
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -78,8 +85,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_ask(args: argparse.Namespace) -> int:
     if (url := _server(args)) is not None:
         _greedy_remote(args)
-        r = _remote(url, "ask", {"id": args.id, "question": args.question, "max_tokens": args.max_tokens,
-                                 "raw": args.raw, "stop": args.stop})
+        r = _client(url).ask(args.id, args.question, max_tokens=args.max_tokens, turn=not args.raw, stop=args.stop)
         rc = r["receipt"]
         _out(args, r, f"{r['text']}\n\n-- {rc['tokens_restored']} tokens restored in {rc['restore_ms']:.1f} ms, "
                       f"{rc['tokens_prefilled']} prefilled; exact={rc['exact']} (through {url})")
@@ -126,8 +132,8 @@ def cmd_recall(args: argparse.Namespace) -> int:
 
     if (url := _server(args)) is not None:
         _greedy_remote(args)
-        r = Recall.model_validate(_remote(url, "recall", {"task": args.task, "max_tokens": args.max_tokens,
-                                                          "min_score": args.min_score, "stop": args.stop}))
+        r = Recall.model_validate(_client(url).recall(args.task, max_tokens=args.max_tokens,
+                                                      min_score=args.min_score, stop=args.stop))
     else:
         with _memory(args) as mem:
             kw = dict(max_tokens=args.max_tokens, min_score=args.min_score, sampling=_sampling(args),
@@ -169,22 +175,19 @@ def cmd_recall_document(args: argparse.Namespace) -> int:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
+    hint = None
     if (url := _server(args)) is not None:  # dicts, not SearchHit: the client path imports no pydantic
-        hits = _remote(url, "search", {"query": args.task, "top_k": args.top_k})["hits"]
-        rows = [[i + 1, f"{h['score']:.3f}", h["block_id"][:12], h["n_tokens"], h["name"][:40],
-                 (h.get("when_to_use") or "")[:50]] for i, h in enumerate(hits)]
-        _out(args, hits, _table(rows, ["#", "score", "id", "tokens", "name", "when to use"]) if rows
-             else "(no blocks learned by this engine)")
-        return 0
-    from ..memory import other_engines_hint
+        hits = _client(url).search(args.task, top_k=args.top_k)
+    else:
+        from ..memory import other_engines_hint
 
-    with _memory(args) as mem:
-        hits = mem.search(args.task, top_k=args.top_k)
-        hint = None if hits else other_engines_hint(mem.store, mem.fingerprint)
-    rows = [[i + 1, f"{h.score:.3f}", h.block_id[:12], h.n_tokens, h.name[:40], (h.when_to_use or "")[:50]]
-            for i, h in enumerate(hits)]
-    _out(args, [h.model_dump() for h in hits],
-         _table(rows, ["#", "score", "id", "tokens", "name", "when to use"]) if rows
+        with _memory(args) as mem:
+            found = mem.search(args.task, top_k=args.top_k)
+            hint = None if found else other_engines_hint(mem.store, mem.fingerprint)
+        hits = [h.model_dump() for h in found]
+    rows = [[i + 1, f"{h['score']:.3f}", h["block_id"][:12], h["n_tokens"], h["name"][:40],
+             (h.get("when_to_use") or "")[:50]] for i, h in enumerate(hits)]
+    _out(args, hits, _table(rows, ["#", "score", "id", "tokens", "name", "when to use"]) if rows
          else "(no blocks learned by this engine)" + (f"\nnote: {hint}" if hint else ""))
     return 0
 

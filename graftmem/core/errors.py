@@ -24,6 +24,11 @@
 Foreign exceptions (OSError, ValueError from pydantic, llama.cpp return codes) are translated at the
 module boundary with ``raise ... from exc``, so the original cause stays visible in tracebacks.
 Nothing is called ``MemoryError``: that name belongs to Python.
+
+Over HTTP the tree travels by name: a server answers an error with its class name (the block routes'
+``{"error": "<name>", "message": ...}``, the memory REST routes' OpenAI-shaped ``error.code``), and every
+client turns the response back into the same class with `from_response` (one mapping for the block
+client and `RemoteMemory`).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ __all__ = [
     "TransferError",
     "UntrustedBundle",
     "UnverifiedBlock",
+    "from_response",
 ]
 
 
@@ -142,3 +148,39 @@ class TransferError(GraftmemError):
 class AccessDenied(TransferError):
     """The server refused the request's token (push without a token, or a wrong one), or the key's tenant
     may not change that block (one shared with every tenant: the operator's, or another tenant's share)."""
+
+
+def from_response(status: int, body: bytes, what: str) -> GraftmemError:
+    """The exception a graftmem server's error response stands for, to raise at the client.
+
+    The class is the one the server named (block routes: ``{"error": "<class>", "message": ...}``;
+    OpenAI-shaped routes: ``{"error": {"message", "code": "<class>", "param"}}``), so a missing block is
+    `BlockNotFound` on both sides of the wire and a bad argument a `ConfigError` with its ``param``. A
+    name that is not one of ours (a proxy's page, an HTTP-level refusal) is a `TransferError`; a 401 or
+    403 is always an `AccessDenied` (a wrong key or token: the caller fixes its credentials). The message
+    is ``"<what>: server answered <status>: <the server's message>"``."""
+    import json
+
+    name, param = "TransferError", None
+    msg = body[:200].decode("utf-8", "replace")
+    try:
+        data = json.loads(body)
+    except ValueError:
+        data = None
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, str):
+            name, msg = err, str(data.get("message", ""))
+        elif isinstance(err, dict):
+            msg = str(err.get("message", msg))
+            name = err.get("code") if isinstance(err.get("code"), str) else name
+            param = err.get("param") if isinstance(err.get("param"), str) else None
+    cls = globals().get(name) if name in __all__ else None
+    if not (isinstance(cls, type) and issubclass(cls, GraftmemError)):
+        cls = TransferError
+    if status in (401, 403) and not issubclass(cls, AccessDenied):
+        cls = AccessDenied
+    exc = cls(f"{what}: server answered {status}: {msg}")
+    if param is not None:
+        exc.param = param  # type: ignore[attr-defined]
+    return exc

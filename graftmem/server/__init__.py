@@ -1,15 +1,17 @@
 """Server: graftmem over HTTP, one Starlette app under uvicorn. `BlockServer` shares a store's
-blocks; `api_server()` adds the OpenAI-compatible API (engine pool, persistent prefix cache). It is
+blocks; `api_server()` adds the OpenAI-compatible API (engine pool, persistent prefix cache); `ServeConfig` holds
+every option of either. It is
 given a store, engines and checks, never a [`Memory`][graftmem.Memory]."""
 
 from .blocks import BlockRoutes, BlockServer
+from .config import ServeConfig
 from .http import Limits
 from .openai import RECEIPT_HEADER, OpenAIRoutes
 from .pool import EnginePool
 from .prefix import AUTO_KIND, PrefixCache
 from .rest import MemoryRoutes
-from .service import api_server, bind
+from .service import api_server, bind, block_server
 from .tenants import ApiKeys, hash_key
 
 __all__ = ["AUTO_KIND", "ApiKeys", "BlockRoutes", "BlockServer", "EnginePool", "Limits", "MemoryRoutes", "OpenAIRoutes", "PrefixCache",
-           "RECEIPT_HEADER", "api_server", "bind", "hash_key"]
+           "RECEIPT_HEADER", "ServeConfig", "api_server", "bind", "block_server", "hash_key"]

@@ -1,7 +1,8 @@
 """REST endpoints for the memory itself, so agents in any language (and ``graftmem --url``) can manage
 it without loading a model::
 
-    GET    /v1/memory/blocks[?kind=K&SCOPE]  summaries (id, name, kind, tokens, parent, labels, shared)
+    GET    /v1/memory/blocks[?kind=K&SCOPE]  summaries (id, name, kind, tokens, parent, labels, shared, model,
+                                             verified, provenance)
     GET    /v1/memory/blocks/<id>[?SCOPE]    one block's manifest (id or unique prefix)
     DELETE /v1/memory/blocks/<id>[?cascade=true&SCOPE]
     POST   /v1/memory/learn                 {"text", "name"?, "kind"?, "chat"?, "when_to_use"?, "parent"?, "metadata"?,
@@ -61,9 +62,12 @@ log = logging.getLogger("graftmem")
 
 
 def _summary(b: Block) -> dict[str, Any]:
+    """One listing line (`graftmem.api.BlockSummary`): what ``graftmem ls`` shows, remote or local."""
     return {"id": b.id, "name": b.name, "kind": b.kind, "n_tokens": b.n_tokens, "parent": b.parent,
             "created_at": b.created_at.isoformat(), "when_to_use": b.metadata.get("when_to_use"),
-            "state_size": b.state_size, "shared": owner_of(b) is None}
+            "state_size": b.state_size, "shared": owner_of(b) is None, "model": b.fingerprint.model_name,
+            "verified": b.verification.ok if b.verification else None, "provenance": b.provenance,
+            "labels_trusted": b.labels_trusted}
 
 
 _SCOPE = ("user_id", "agent_id", "session_id")

@@ -4,33 +4,34 @@ engine pool and its prefix cache, on one uvicorn socket (what ``graftmem serve``
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+import os
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from ..core.errors import GraftmemError
 from ..share.admission import BlockCheck
-from ..share.trust import SigningKey
 from .anthropic import AnthropicRoutes
 from .app import Gate
 from .blocks import BlockServer
 from .embeddings import EmbeddingRoutes
 from .generate import warm_engines
-from .http import Limits
+from .config import ServeConfig
 from .metrics import Metrics
 from .openai import OpenAIRoutes
 from .pool import EnginePool
 from .prefix import PrefixCache
-from .responses import DEFAULT_TTL, ResponsesRoutes
+from .responses import ResponsesRoutes
 from .rest import MemoryRoutes
 from .routing import RouterRef
 from .runner import ServerThread
 from .tenants import ApiKeys
 
 if TYPE_CHECKING:
+    from ..core.blocks import Fingerprint
     from ..core.engine import Engine
     from ..memory.router import Router
     from ..store.protocol import BlockStore
 
-__all__ = ["api_server", "bind"]
+__all__ = ["api_server", "bind", "block_server"]
 
 log = logging.getLogger("graftmem")
 
@@ -52,15 +53,9 @@ def _loopback(host: str) -> bool:
     return host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
 
 
-def api_server(store: "BlockStore", engines: Sequence["Engine"], *, host: str = "127.0.0.1", port: int = 0,
-               api_key: "str | ApiKeys | None" = None, push_token: Optional[str] = None,
-               sign_key: Optional[SigningKey] = None, check: Optional[BlockCheck] = None,
-               max_queue: int = 16, min_prefix_tokens: int = 256, sightings: int = 2, learn: bool = True,
-               max_auto_bytes: Optional[int] = 2 << 30, model_id: Optional[str] = None,
-               limits: Optional[Limits] = None, router: Optional[Callable[[], "Router"]] = None,
-               auto_storage: str = "full", warm: bool = True, allow_unverified: bool = False,
-               chat_template: Optional[str] = None, shared_learned: bool = False,
-               responses_ttl: Optional[float] = DEFAULT_TTL, runner: Optional[ServerThread] = None) -> BlockServer:
+def api_server(store: "BlockStore", engines: Sequence["Engine"], config: Optional[ServeConfig] = None, *,
+               check: Optional[BlockCheck] = None, router: Optional[Callable[[], "Router"]] = None,
+               runner: Optional[ServerThread] = None, **options: Any) -> BlockServer:
     """A `BlockServer` that also answers ``/v1/chat/completions``, ``/v1/completions``,
     ``/v1/models``, the Responses API ``/v1/responses`` (`graftmem.server.responses`: stored responses
     are KV chains, kept ``responses_ttl`` seconds at most, None: until evicted), Anthropic's
@@ -94,7 +89,15 @@ def api_server(store: "BlockStore", engines: Sequence["Engine"], *, host: str = 
     (`graftmem.memory.access`).
 
     ``runner``: a socket bound before the engines were loaded (`bind()`), answering 503 until this server
-    starts on it; ``host`` and ``port`` are then its own."""
+    starts on it; ``host`` and ``port`` are then its own.
+
+    The options are ``config`` (a `ServeConfig`: the defaults when None) with ``options`` applied, so
+    ``api_server(store, engines, min_prefix_tokens=16)`` still works; an unknown option is a
+    `ConfigError`. ``config.engines`` is not read here: the server answers with the ``engines`` it is
+    given (`Memory.serve` opens that many). ``check`` vets pushed blocks (`Memory.vetting`)."""
+    cfg = ServeConfig.of(config, **options)
+    host, api_key, max_queue, learn = cfg.host, cfg.api_key, cfg.max_queue, cfg.learn
+    allow_unverified, limits = cfg.allow_unverified, cfg.limits
     keys = ApiKeys.single(api_key) if isinstance(api_key, str) else api_key
     tenants = len(keys.entries) if keys is not None and keys.named else 1
     if keys is None or not keys.named:
@@ -103,25 +106,25 @@ def api_server(store: "BlockStore", engines: Sequence["Engine"], *, host: str = 
                 "automatic blocks and their receipts%s", "no API key file" if keys else "no API key", host,
                 "" if _loopback(host) else " (listening beyond loopback: give --api-key-file, one key per tenant)")
     pool = EnginePool(engines, max_queue=max_queue)
-    cache = PrefixCache(store, engines[0].fingerprint, min_tokens=min_prefix_tokens, sightings=sightings,
-                        learn=learn, max_auto_bytes=max_auto_bytes, auto_storage=auto_storage, tenants=tenants)
+    cache = PrefixCache(store, engines[0].fingerprint, min_tokens=cfg.min_prefix_tokens, sightings=cfg.sightings,
+                        learn=learn, max_auto_bytes=cfg.max_auto_bytes, auto_storage=cfg.auto_storage, tenants=tenants)
     ref = RouterRef(router)
-    oa = OpenAIRoutes(pool, store, cache, model_id=model_id, limits=limits, router=ref,
-                      allow_unverified=allow_unverified, chat_template=chat_template)
+    oa = OpenAIRoutes(pool, store, cache, model_id=cfg.model_id, limits=limits, router=ref,
+                      allow_unverified=allow_unverified, chat_template=cfg.chat_template)
     desks = [oa.desks[id(e)] for e in engines]
-    warmed = warm_engines(desks, cache, allow_unverified=allow_unverified, tokens=oa.tokens) if warm else []
-    responses = ResponsesRoutes(oa, ttl=responses_ttl)
+    warmed = warm_engines(desks, cache, allow_unverified=allow_unverified, tokens=oa.tokens) if cfg.warm else []
+    responses = ResponsesRoutes(oa, ttl=cfg.responses_ttl)
     responses.stored.sweep()  # what expired while the server was down
-    rest = MemoryRoutes(pool, store, ref, limits=limits, shared_learned=shared_learned)
+    rest = MemoryRoutes(pool, store, ref, limits=limits, shared_learned=cfg.shared_learned)
     metrics = Metrics(pool, store, cache)
     oa.on_result.append(metrics.served)
-    srv = BlockServer(store, host=host, port=port, push_token=push_token, fingerprint=engines[0].fingerprint,
-                      sign_key=sign_key, check=check, api_key=keys, limits=limits,
+    srv = BlockServer(store, host=host, port=cfg.port, push_token=cfg.push_token, fingerprint=engines[0].fingerprint,
+                      sign_key=cfg.sign_key, check=check, api_key=keys, limits=limits,
                       extra=oa.routes() + responses.routes() + AnthropicRoutes(oa).routes() + EmbeddingRoutes(oa).routes()
                       + rest.routes(),
                       metrics=metrics, runner=runner)
     srv.pool, srv.cache, srv.openai, srv.warm = pool, cache, oa, warmed  # type: ignore[attr-defined]
-    srv.metrics, srv.responses = metrics, responses  # type: ignore[attr-defined]
+    srv.metrics, srv.responses, srv.config = metrics, responses, cfg  # type: ignore[attr-defined]
 
     def forget() -> None:
         # running requests finish (what they learn is stored), bounded like uvicorn's graceful shutdown
@@ -141,3 +144,15 @@ def api_server(store: "BlockStore", engines: Sequence["Engine"], *, host: str = 
 
     srv.on_close.append(forget)
     return srv
+
+
+def block_server(store: "BlockStore | str | os.PathLike[str]", config: Optional[ServeConfig] = None, *,
+                 fingerprint: Optional["Fingerprint"] = None, check: Optional[BlockCheck] = None,
+                 **options: Any) -> BlockServer:
+    """A `BlockServer` (block sharing only: listings, pulls, and pushes when ``push_token`` is set) over
+    ``store`` (a path: opened here, closed with the server) with ``config``'s host, port, keys and
+    limits; ``fingerprint`` and ``check`` (`Memory.vetting`) are what pushes need. The options nobody
+    reads without an engine (learning, engines, warm start) are ignored: `api_server` takes them."""
+    cfg = ServeConfig.of(config, **options)
+    return BlockServer(store, host=cfg.host, port=cfg.port, push_token=cfg.push_token, fingerprint=fingerprint,
+                       sign_key=cfg.sign_key, check=check, api_key=cfg.api_key, limits=cfg.limits)

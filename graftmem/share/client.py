@@ -22,7 +22,7 @@ import httpx
 
 from ..core import errors as _errors
 from ..core.blocks import Block, Fingerprint
-from ..core.errors import AccessDenied, BlockCorrupted, BlockNotFound, ConfigError, GraftmemError, TransferError
+from ..core.errors import BlockCorrupted, BlockNotFound, ConfigError, TransferError
 from ..core.progress import progress_bar
 from ..store.protocol import BlockStore
 from .admission import DEFAULT_MAX_ENTRY_BYTES, Admission, BlockCheck, Incompatible, Staging, disk_error
@@ -47,21 +47,15 @@ def _base(url: str) -> str:
 
 
 def _raise_for(resp: httpx.Response, what: str) -> None:
-    """Turn an error response into our exception (by the class name the server sent)."""
+    """Turn an error response into our exception (`graftmem.core.errors.from_response`: the class the
+    server named)."""
     if resp.status_code < 400:
         return
     try:
-        resp.read()
-        data = resp.json()
-        name, msg = data["error"], data["message"]
-    except (ValueError, KeyError, TypeError, httpx.HTTPError):
-        name, msg = "TransferError", resp.text[:200] if resp.is_closed else ""
-    cls = getattr(_errors, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, GraftmemError)):
-        cls = TransferError
-    if resp.status_code in (401, 403) and not issubclass(cls, AccessDenied):
-        cls = AccessDenied
-    raise cls(f"{what}: server answered {resp.status_code}: {msg}")
+        body = resp.read()
+    except httpx.HTTPError:
+        body = b""
+    raise _errors.from_response(resp.status_code, body, what)
 
 
 def _client(timeout: float) -> httpx.Client:
