@@ -14,6 +14,7 @@ from .app import Gate
 from .blocks import BlockServer
 from .embeddings import EmbeddingRoutes
 from .generate import warm_engines
+from .http import Limits
 from .config import ServeConfig
 from .metrics import Metrics
 from .openai import OpenAIRoutes
