@@ -14,6 +14,7 @@ import pytest
 
 from graftmem.core import decode
 from graftmem.core import toolcalls as tc
+from graftmem.server.chat import answer_text
 
 PROMPT = "<|im_start|>user\nWhat is the weather in Paris for the next 3 days?<|im_end|>\n<|im_start|>assistant\n"
 WEATHER = {"type": "object", "required": ["city"], "additionalProperties": False, "properties": {
@@ -25,8 +26,8 @@ FUNCTIONS = [{"name": "get_weather", "parameters": WEATHER}, {"name": "get_time"
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 
 
-def _forced(eng, fmt, functions, *, parallel=False, max_tokens=200):
-    """Greedy answer to PROMPT under the forced-call grammar, and its parse."""
+def _forced(eng, fmt, functions, *, parallel=False, max_tokens=96):
+    """Greedy answer to PROMPT under the forced-call grammar, the first step's logits, and the parse."""
     with eng.session():
         eng.prefill(eng.tokenize(PROMPT))
         first = eng.logits().copy()
@@ -35,8 +36,30 @@ def _forced(eng, fmt, functions, *, parallel=False, max_tokens=200):
             d = decode(eng, max_tokens, grammar=grammar)
         finally:
             grammar.close()
-    text = eng.detokenize(d.tokens)
+    text = answer_text(eng, d.tokens)
     return d, first, text, tc.parse(text, fmt, [f["name"] for f in functions])
+
+
+def _walk(eng, gbnf, seed, limit=600):
+    """A random path through the grammar over the engine's real vocabulary: random logits each step,
+    the best token llama.cpp's grammar sampler allows, until it allows only the end of generation.
+    No model runs: what is checked is that EVERY answer the grammar lets through parses, whatever
+    the logits (the model's decode is checked on SmolLM2 below and through the server)."""
+    rng = np.random.default_rng(seed)
+    grammar = eng.grammar(gbnf)
+    tokens = []
+    try:
+        for _ in range(limit):
+            allowed = grammar.mask(rng.standard_normal(eng.n_vocab).astype(np.float32))
+            tok = int(np.argmax(allowed))
+            assert np.isfinite(allowed[tok]), "the grammar allows nothing"
+            if eng.is_eog(tok):
+                return answer_text(eng, tokens)
+            grammar.accept(tok)
+            tokens.append(tok)
+    finally:
+        grammar.close()
+    raise AssertionError(f"no end after {limit} tokens: {answer_text(eng, tokens)!r}")
 
 
 def _valid(call):
@@ -51,35 +74,32 @@ def test_every_family_is_forceable():
 
 
 @pytest.mark.parametrize("family", sorted(tc.FORMATS))
-def test_a_forced_call_parses_in_every_family(smol, family):
-    """SmolLM2 never saw most of these syntaxes: the grammar alone makes the answer a call of the named
-    function, in the family's syntax, that the family's own parser reads back, with valid arguments."""
+def test_every_answer_the_grammar_allows_parses(smol, family):
+    """In every family's syntax, random paths through the grammar (one named function; both tools,
+    several calls where the family writes several) are calls the family's own parser reads, with
+    arguments the schema accepts."""
     fmt = tc.FORMATS[family]
-    d, _, text, parsed = _forced(smol, fmt, [FUNCTIONS[0]])
-    assert d.finish_reason == "stop", text  # the grammar completed and the model ended there
-    assert [c["function"]["name"] for c in parsed.calls] == ["get_weather"], text
-    _valid(parsed.calls[0])
-
-
-def test_required_chooses_among_the_tools_and_parallel_allows_several(smol):
-    for parallel in (False, True):
-        d, _, text, parsed = _forced(smol, tc.HERMES, FUNCTIONS, parallel=parallel)
-        assert d.finish_reason == "stop" and parsed.calls, text
-        assert parallel or len(parsed.calls) == 1
+    for seed, fns, parallel in ((0, [FUNCTIONS[0]], False), (1, FUNCTIONS, False), (2, FUNCTIONS, True)):
+        text = _walk(smol, tc.call_grammar(fmt, fns, parallel=parallel), seed)
+        parsed = tc.parse(text, fmt, [f["name"] for f in fns])
+        assert parsed.calls and (parallel or len(parsed.calls) == 1), text
         for call in parsed.calls:
             _valid(call)
+        assert not (parsed.content or "").strip(" \n`"), (text, parsed.content)  # nothing but the call(s)
 
 
-def test_the_grammar_masks_never_changes_logits(smol):
-    """A forced call picks other tokens than the free answer, from the same logits (the receipts hash
-    them): the first step's logits are the model's own, bit for bit."""
+def test_smollm2_answers_with_a_call_under_the_grammar(smol):
+    """SmolLM2's own decode: a call of one of the tools that parses and validates; the logits are the
+    model's (the grammar picks among them), so the receipts and the graft's exactness are untouched."""
     with smol.session():
         smol.prefill(smol.tokenize(PROMPT))
         free_first = smol.logits().copy()
-        free = decode(smol, 4)
-    d, first, text, _ = _forced(smol, tc.HERMES, [FUNCTIONS[0]])
+        free = decode(smol, 3)
+    d, first, text, parsed = _forced(smol, tc.HERMES, FUNCTIONS)
     assert np.array_equal(first, free_first)
-    assert d.tokens[:4] != free.tokens, text
+    assert d.finish_reason == "stop" and len(parsed.calls) == 1, text
+    _valid(parsed.calls[0])
+    assert d.tokens[:3] != free.tokens, text  # the free answer is prose, the forced one a call
 
 
 def test_unsupported_schemas_and_families_are_config_errors():
@@ -94,13 +114,15 @@ def test_unsupported_schemas_and_families_are_config_errors():
 
 
 def test_rules_of_two_schemas_do_not_clash(smol):
-    """Two tools whose schemas define a ``$defs`` entry of the same name and other meaning: each keeps its own."""
+    """Two tools whose schemas define a ``$defs`` entry of the same name and another meaning: each keeps
+    its own (one converter for both would have given both the first one's rule)."""
     a = {"$defs": {"Item": {"type": "string", "enum": ["apple"]}}, "type": "object", "required": ["x"],
          "properties": {"x": {"$ref": "#/$defs/Item"}}}
     b = {"$defs": {"Item": {"type": "integer"}}, "type": "object", "required": ["x"],
          "properties": {"x": {"$ref": "#/$defs/Item"}}}
-    for fn, schema in (("a", a), ("b", b)):
-        _, _, text, parsed = _forced(smol, tc.HERMES, [{"name": "a", "parameters": a},
-                                                       {"name": "b", "parameters": b}][fn == "b":][:1])
-        assert parsed.calls and parsed.calls[0]["function"]["name"] == fn, text
-        jsonschema.validate(json.loads(parsed.calls[0]["function"]["arguments"]), schema)
+    fns = [{"name": "a", "parameters": a}, {"name": "b", "parameters": b}]
+    for name, schema in (("a", a), ("b", b)):
+        for seed in range(3):
+            text = _walk(smol, tc.call_grammar(tc.HERMES, [f for f in fns if f["name"] == name]), seed)
+            parsed = tc.parse(text, tc.HERMES, [name])
+            jsonschema.validate(json.loads(parsed.calls[0]["function"]["arguments"]), schema)

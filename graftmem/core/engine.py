@@ -344,17 +344,12 @@ class Grammar:
 def json_grammar(schema: Optional[Mapping[str, Any]] = None) -> str:
     """GBNF for any JSON object (``schema=None``: OpenAI's ``json_object``) or for a JSON schema, with
     llama.cpp's own schema converter (as llama-cpp-python ships it): the grammars llama-server uses."""
-    from llama_cpp import llama_grammar as LG
-
-    if schema is None:
-        # an object at the top, as OpenAI's json_object mode promises
-        return LG.json_schema_to_gbnf(json.dumps({"type": "object"}))
-    try:
-        return LG.json_schema_to_gbnf(json.dumps(dict(schema)))
-    except Exception as exc:  # the converter raises bare errors on unsupported schema features
-        raise ConfigError(f"this JSON schema cannot be turned into a grammar: {exc}") from exc
+    # an object at the top (schema None), as OpenAI's json_object mode promises
+    return json_rules(schema, "root")
 
 
+#: A JSON string's character as llama.cpp's C++ converter (``json-schema-to-grammar.cpp``) writes it.
+_JSON_CHAR = r'[^"\\\x7F\x00-\x1F] | [\\] (["\\bfnrt] | "u" [0-9a-fA-F]{4})'
 _GBNF_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[a-zA-Z0-9-]+|.', re.S)
 
 
@@ -373,11 +368,13 @@ def json_rules(schema: Optional[Mapping[str, Any]], name: str) -> str:
         raise ConfigError(f"a grammar rule name is letters, digits and -, got {name!r}")
     try:
         conv = LG.SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
-        resolved = conv.resolve_refs(json.loads(json.dumps(dict(schema or {"type": "object"}))), "input")
+        resolved = conv.resolve_refs(json.loads(json.dumps(dict(schema if schema is not None else {"type": "object"}))), "input")
         conv.visit(resolved, "")
         rules: dict[str, str] = dict(conv._rules)  # the converter keeps its rules here (name -> body)
     except Exception as exc:  # the converter raises bare errors on unsupported schema features
         raise ConfigError(f"this JSON schema cannot be turned into a grammar: {exc}") from exc
+    if "char" in rules:  # the Python port lets raw control characters into strings (invalid JSON that
+        rules["char"] = _JSON_CHAR  # json.loads refuses); llama.cpp's C++ converter excludes them
     new = {old: name if old == "root" else f"{name}-{old}" for old in rules}
 
     def rename(body: str) -> str:  # rule references only: literals and character classes stay as they are

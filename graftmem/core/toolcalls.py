@@ -581,6 +581,10 @@ def _gemma(schema: Any, rules: dict[str, str], name: str) -> str:
         rules[name] = " | ".join(_lit(f'<|"|>{v}<|"|>') for v in schema["enum"]) or '"null"'
         return name
     if kind == "string":
+        lo, hi = schema.get("minLength"), schema.get("maxLength")
+        if isinstance(lo, int) or isinstance(hi, int):
+            rules[name] = f'"<|\\"|>" [^<]{{{lo if isinstance(lo, int) else 0},{hi if isinstance(hi, int) else ""}}} "<|\\"|>"'
+            return name
         return "g-string"
     if kind in ("integer", "number"):
         return f"g-{kind}"
