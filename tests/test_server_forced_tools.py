@@ -94,7 +94,7 @@ def test_forced_calls_through_responses_and_anthropic(smol, tmp_path):
             assert [o.name for o in calls] == ["get_weather"], r.output
             jsonschema.validate(json.loads(calls[0].arguments), WEATHER)
             a = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
-            m = a.messages.create(model="m", max_tokens=96, temperature=0, tool_choice={"type": "any"},
+            m = a.messages.create(model="m", max_tokens=96, extra_body={"temperature": 0}, tool_choice={"type": "any"},
                                   messages=[{"role": "user", "content": "Hello! How are you today?"}],
                                   tools=[{"name": t["function"]["name"], "description": t["function"]["description"],
                                           "input_schema": t["function"]["parameters"]} for t in TOOLS])
