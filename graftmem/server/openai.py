@@ -19,7 +19,8 @@ to 4 strings; the text ends before the first one), ``logprobs`` / ``top_logprobs
 grammar-constrained decoding with llama.cpp's grammar sampler; the logits stay the model's), ``stream`` (SSE ``data:`` chunks, then ``data: [DONE]``;
 ``stream_options.include_usage``), ``n = 1`` only, ``tools`` / ``tool_choice`` and tool messages
 (the model's own template and its family's call grammar, else the Hermes ``<tool_call>`` format; see
-`graftmem.server.tools`, `graftmem.core.toolcalls`, docs/models.md). ``/v1/completions`` cuts its prompt into
+`graftmem.server.tools`, `graftmem.core.toolcalls`, docs/models.md; ``required`` and a named function
+are enforced by a grammar of the family's call syntax, ``parallel_tool_calls`` allows several). ``/v1/completions`` cuts its prompt into
 segments of about 256 tokens (`graftmem.server.chat.chunk_prompt`) and uses the same prefix cache.
 """
 

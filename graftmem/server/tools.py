@@ -18,7 +18,9 @@ prefix cache learns and grafts, like the system prompt it extends.
 A model's answer is searched for complete ``<tool_call>...</tool_call>`` spans whose JSON names a tool
 of the request; each one becomes an entry of ``message.tool_calls`` (``arguments`` as a JSON string, as
 OpenAI sends it) and the finish reason is ``"tool_calls"``. Text outside the spans stays the content.
-``tool_choice: "none"`` keeps the tools in the prompt but parses nothing.
+``tool_choice: "none"`` keeps the tools in the prompt but parses nothing; ``"required"`` and a named
+function are enforced: the answer is decoded under a grammar of a call in the family's own syntax
+(`ToolSpec.forced`, `graftmem.core.toolcalls.call_grammar`), so it parses into calls every time.
 """
 
 from __future__ import annotations
