@@ -126,3 +126,14 @@ def test_rules_of_two_schemas_do_not_clash(smol):
             text = _walk(smol, tc.call_grammar(tc.HERMES, [f for f in fns if f["name"] == name]), seed)
             parsed = tc.parse(text, tc.HERMES, [name])
             jsonschema.validate(json.loads(parsed.calls[0]["function"]["arguments"]), schema)
+
+
+def test_a_think_block_the_prompt_opened_is_closed_first(smol):
+    """A prompt that ends inside ``<think>`` (DeepSeek R1's generation prompt): the forced answer closes
+    the block, then calls; the parser splits the (empty) reasoning off and reads the call."""
+    for seed in range(2):
+        text = _walk(smol, tc.call_grammar(tc.HERMES, [FUNCTIONS[0]], think_open=True), seed)
+        assert text.startswith("</think>"), text
+        parsed = tc.parse(text, tc.HERMES, ["get_weather"])
+        assert len(parsed.calls) == 1 and not parsed.reasoning, text
+        _valid(parsed.calls[0])
