@@ -69,6 +69,30 @@ def test_memory_ask_takes_response_format(mem):
         mem.ask(blk.id, q, response_format={"type": "yaml"})
 
 
+def test_memory_recall_takes_response_format(smol, minilm, tmp_path):
+    """``recall`` routes, grafts and answers under the same grammar as ``ask``; the routed graft is the
+    one the free recall makes (same block, same first logits)."""
+    from graftmem import Memory
+
+    with Memory(engine=smol, home=tmp_path / "rstore", embedder=minilm) as m:
+        m.learn("Customers of the Northwind shop: Ana Silva, 34; Bo Chen, 51.", name="customers",
+                when_to_use="questions about the shop's customers")
+        task = "\nDescribe the first customer of the Northwind shop as JSON with name and age:\n"
+        free = m.recall(task, max_tokens=24, min_score=-1.0)
+        fmt = {"type": "json_schema", "json_schema": {"name": "customer", "schema": SCHEMA}}
+        r = m.recall(task, max_tokens=48, min_score=-1.0, response_format=fmt)
+        obj = json.loads(r.text)
+        assert set(obj) == {"name", "age"} and isinstance(obj["age"], int), r.text
+        assert r.block is not None and r.block.id == free.block.id
+        assert r.receipt.first_logits_sha256 == free.receipt.first_logits_sha256
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(free.text)
+        with m.recall_stream(task, max_tokens=48, min_score=-1.0, response_format=fmt) as streamed:
+            assert json.loads("".join(streamed)) == obj
+        with pytest.raises(ConfigError, match="response_format"):
+            m.recall(task, response_format={"type": "json_schema", "json_schema": {"schema": []}})
+
+
 def test_server_response_format_through_the_openai_client(smol, tmp_path):
     import openai
 

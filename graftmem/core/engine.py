@@ -42,7 +42,7 @@ from .blocks import EXTRA_BUFTS_ENV, FORMAT_VERSION, EngineConfig, Exactness, Fi
 from .errors import ClosedError, ConfigError, EngineError
 from .models import model_cache_dir, resolve_model
 
-__all__ = ["Engine", "Grammar", "json_grammar", "logits_sha256", "system_report", "KernelVerdict", "probe_kernels"]
+__all__ = ["Engine", "Grammar", "json_grammar", "json_rules", "logits_sha256", "system_report", "KernelVerdict", "probe_kernels"]
 
 log = logging.getLogger("graftmem")
 
@@ -344,15 +344,43 @@ class Grammar:
 def json_grammar(schema: Optional[Mapping[str, Any]] = None) -> str:
     """GBNF for any JSON object (``schema=None``: OpenAI's ``json_object``) or for a JSON schema, with
     llama.cpp's own schema converter (as llama-cpp-python ships it): the grammars llama-server uses."""
+    # an object at the top (schema None), as OpenAI's json_object mode promises
+    return json_rules(schema, "root")
+
+
+#: A JSON string's character as llama.cpp's C++ converter (``json-schema-to-grammar.cpp``) writes it.
+_JSON_CHAR = r'[^"\\\x7F\x00-\x1F] | [\\] (["\\bfnrt] | "u" [0-9a-fA-F]{4})'
+_GBNF_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[a-zA-Z0-9-]+|.', re.S)
+
+
+def json_rules(schema: Optional[Mapping[str, Any]], name: str) -> str:
+    """GBNF rules whose rule ``name`` matches the JSON values ``schema`` accepts (None: any object),
+    for a grammar that puts JSON inside other text (a tool call between a model family's markers,
+    `graftmem.core.toolcalls.call_grammar`), as llama.cpp's ``common_grammar_builder.add_schema`` does.
+
+    Why renamed: llama.cpp's converter names the rules of ``$defs`` after their last path element,
+    so two schemas converted by one converter would share a rule named ``Item`` whatever each meant;
+    each schema gets its own converter here, and every rule of it is called ``name`` or ``name-...``,
+    so the rules of several schemas join without a clash. ``name`` is letters, digits and ``-``."""
     from llama_cpp import llama_grammar as LG
 
-    if schema is None:
-        # an object at the top, as OpenAI's json_object mode promises
-        return LG.json_schema_to_gbnf(json.dumps({"type": "object"}))
+    if not re.fullmatch(r"[a-zA-Z][a-zA-Z0-9-]*", name):
+        raise ConfigError(f"a grammar rule name is letters, digits and -, got {name!r}")
     try:
-        return LG.json_schema_to_gbnf(json.dumps(dict(schema)))
+        conv = LG.SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+        resolved = conv.resolve_refs(json.loads(json.dumps(dict(schema if schema is not None else {"type": "object"}))), "input")
+        conv.visit(resolved, "")
+        rules: dict[str, str] = dict(conv._rules)  # the converter keeps its rules here (name -> body)
     except Exception as exc:  # the converter raises bare errors on unsupported schema features
         raise ConfigError(f"this JSON schema cannot be turned into a grammar: {exc}") from exc
+    if "char" in rules:  # the Python port lets raw control characters into strings (invalid JSON that
+        rules["char"] = _JSON_CHAR  # json.loads refuses); llama.cpp's C++ converter excludes them
+    new = {old: name if old == "root" else f"{name}-{old}" for old in rules}
+
+    def rename(body: str) -> str:  # rule references only: literals and character classes stay as they are
+        return "".join(new.get(t, t) for t in _GBNF_TOKEN.findall(body))
+
+    return "\n".join(f"{new[old]} ::= {rename(body)}" for old, body in sorted(rules.items()))
 
 
 class Engine:

@@ -29,9 +29,10 @@ import re
 import secrets
 import string
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Mapping, Optional
 
-__all__ = ["ToolCallFormat", "Parsed", "FORMATS", "tool_format", "parse", "call_id", "split_reasoning"]
+__all__ = ["ToolCallFormat", "Parsed", "FORMATS", "FORCEABLE", "tool_format", "parse", "call_id", "split_reasoning",
+           "call_grammar"]
 
 
 @dataclass(frozen=True)
@@ -503,3 +504,187 @@ _PARSERS = {"glm": _glm, "invoke-xml": _invoke_xml,
             "tool-calls-json": _json_calls, "gigachat": _json_calls, "gigachat31": _json_calls,
             "hermes": _hermes, "qwen-xml": _qwen_xml, "llama3": _llama3, "mistral": _mistral,
             "harmony": _harmony, "deepseek": _deepseek, "gemma4": _gemma4}
+
+
+# ------------------------------------------------------------------------------ forced calls
+def _lit(text: str) -> str:
+    """A GBNF literal (UTF-8 as is: the markers of DeepSeek and Gemma are not ASCII)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+#: The families whose call is JSON objects (``{"name": ..., "arguments": ...}`` or the family's keys)
+#: between markers: (opener, closer, name key, arguments key, list of calls, closer optional). An
+#: optional closer: the family may end its turn there with an end-of-generation token, which a
+#: grammar cannot ask for as text (llama.cpp never lets an end-of-generation token match a literal),
+#: and the parser reads the call to the end of the answer without it.
+_JSON_CALLS: dict[str, tuple[str, str, str, str, bool, bool]] = {
+    "hermes": ("<tool_call>\n", "\n</tool_call>", "name", "arguments", False, False),
+    "llama3": ("", "", "name", "parameters", False, False),
+    "mistral": ("[TOOL_CALLS]", "", "name", "arguments", True, False),
+    "cohere": ("<|START_ACTION|>", "<|END_ACTION|>", "tool_name", "parameters", True, True),
+    "command-r": ("Action: ```json\n", "\n```", "tool_name", "parameters", True, False),
+    "apertus": ("<|tools_prefix|>", "<|tools_suffix|>", "", "", True, True),
+    "nemotron": ("<TOOLCALL>", "</TOOLCALL>", "name", "arguments", True, True),
+    "tool-calls-json": ("<tool_calls>", "</tool_calls>", "name", "arguments", True, True),
+    "gigachat": ("function call<|role_sep|>\n", "<|message_sep|>", "name", "arguments", False, True),
+    "gigachat31": ("<|function_call|>", "<|message_sep|>", "name", "arguments", False, True),
+}
+
+#: The families that name the function in markers and write its arguments as one JSON object:
+#: (the calls' section opener, before the name, between the name and the arguments, after the
+#: arguments, the section's closer: optional, it may be the family's end of generation).
+_NAMED_CALLS: dict[str, tuple[str, str, str, str, str]] = {
+    "harmony": ("", "<|channel|>commentary to=functions.", " <|constrain|>json<|message|>", "", ""),
+    "deepseek": ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>function<｜tool▁sep｜>", "\n```json\n",
+                 "\n```<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"),
+    "kimi": ("<|tool_calls_section_begin|>", "<|tool_call_begin|>functions.", ":0<|tool_call_argument_begin|>",
+             "<|tool_call_end|>", "<|tool_calls_section_end|>"),
+    "solar": ("", "<|tool_call:begin|><|tool_call:name|>", "<|tool_call:args|>", "<|tool_call:end|>", ""),
+}
+
+#: The families that write each argument in its own markup: (call head before the name, after the
+#: name, one argument's head before the key, after the key, its tail, the call's tail). The value is
+#: JSON (the parsers read a value as JSON first, so a string keeps its type).
+_XML_CALLS: dict[str, tuple[str, str, str, str, str, str]] = {
+    "qwen-xml": ("<tool_call>\n<function=", ">\n", "<parameter=", ">\n", "\n</parameter>\n", "</function>\n</tool_call>"),
+    "glm": ("<tool_call>", "\n", "<arg_key>", "</arg_key>\n<arg_value>", "</arg_value>\n", "</tool_call>"),
+    "invoke-xml": ('<invoke name="', '">\n', '<parameter name="', '">', "</parameter>\n", "</invoke>"),
+    "minicpm": ('<function name="', '">', '<param name="', '">', "</param>", "</function>"),
+}
+
+def _seq(*parts: str) -> str:
+    """GBNF parts in sequence (empty ones left out)."""
+    return " ".join(p for p in parts if p)
+
+
+#: Gemma 4's own value syntax (``<|"|>`` quotes strings, keys are bare): the generic value.
+_GEMMA_RULES = r'''g-value ::= g-string | g-object | g-array | g-number | "true" | "false" | "null"
+g-string ::= "<|\"|>" [^<]* "<|\"|>"
+g-object ::= "{" ( g-key ":" g-value ( "," g-key ":" g-value )* )? "}"
+g-array ::= "[" ( g-value ( "," g-value )* )? "]"
+g-key ::= [a-zA-Z_] [a-zA-Z0-9_]*
+g-integer ::= "-"? ( [0-9] | [1-9] [0-9]{0,15} )
+g-number ::= g-integer ( "." [0-9]{1,15} )? ( [eE] [-+]? [0-9]{1,4} )?'''
+
+#: The families whose call a grammar can force (`call_grammar`).
+FORCEABLE = frozenset({*_JSON_CALLS, *_NAMED_CALLS, *_XML_CALLS, "gemma4"})
+
+
+def _gemma(schema: Any, rules: dict[str, str], name: str) -> str:
+    """A rule for Gemma 4's value syntax that follows ``schema`` where it is simple (objects with
+    properties, strings, enums of strings, integers, numbers, booleans, arrays), the generic value
+    where it is not."""
+    if not isinstance(schema, Mapping):
+        return "g-value"
+    kind = schema.get("type")
+    if isinstance(schema.get("enum"), list) and all(isinstance(v, str) for v in schema["enum"]):
+        rules[name] = " | ".join(_lit(f'<|"|>{v}<|"|>') for v in schema["enum"]) or '"null"'
+        return name
+    if kind == "string":
+        lo, hi = schema.get("minLength"), schema.get("maxLength")
+        if isinstance(lo, int) or isinstance(hi, int):
+            rules[name] = f'"<|\\"|>" [^<]{{{lo if isinstance(lo, int) else 0},{hi if isinstance(hi, int) else ""}}} "<|\\"|>"'
+            return name
+        return "g-string"
+    if kind in ("integer", "number"):
+        return f"g-{kind}"
+    if kind == "boolean":
+        return '( "true" | "false" )'
+    if kind == "array":
+        item = _gemma(schema.get("items"), rules, f"{name}-item")
+        rules[name] = f'"[" ( {item} ( "," {item} )* )? "]"'
+        return name
+    props = schema.get("properties")
+    if kind in (None, "object") and isinstance(props, Mapping) and props:
+        required = [k for k in props if k in set(schema.get("required") or [])]
+        optional = [k for k in props if k not in required]
+        if not all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k) for k in props):
+            return "g-object"
+        kv = {k: f"{_lit(k + ':')} {_gemma(v, rules, f'{name}-{i}')}" for i, (k, v) in enumerate(props.items())}
+        parts = [kv[k] for k in required]
+        body = ' "," '.join(parts)
+        for k in optional:  # optional properties in their order, each may be left out
+            body += f' ( "," {kv[k]} )?' if body else f" ( {kv[k]} )?"
+        if not required and optional:  # no leading comma before the first one written
+            body = " | ".join(f"{kv[k]}" + "".join(f' ( "," {kv[o]} )?' for o in optional[i + 1:])
+                              for i, k in enumerate(optional))
+            body = f"( {body} )?"
+        rules[name] = f'"{{" {body} "}}"'
+        return name
+    if kind == "object":
+        return "g-object"
+    return "g-value"
+
+
+def call_grammar(fmt: ToolCallFormat, functions: Iterable[Mapping[str, Any]], *, parallel: bool = False,
+                 think_open: bool = False) -> str:
+    """GBNF for an answer that is a call of one of ``functions`` (``{"name", "parameters"}``) in
+    ``fmt``'s own syntax and nothing else: what ``tool_choice: "required"`` (all tools) or a named
+    function (that one) asks for, as llama.cpp's ``common/chat.cpp`` builds it per family (not lazy:
+    the answer starts with the call). The arguments follow the function's JSON schema (llama.cpp's
+    converter, `graftmem.core.engine.json_rules`); the answer parses with `parse` into calls every
+    time. ``parallel``: one or more calls, else exactly one. ``think_open``: the prompt opened a
+    ``<think>`` block, closed first (the forced answer does not think, as llama-server's).
+
+    A family not in `FORCEABLE` is a `ConfigError` (its call syntax has no grammar here)."""
+    from .engine import json_rules  # llama.cpp's schema converter: only the engine module imports llama_cpp
+    from .errors import ConfigError
+
+    fns = list(functions)
+    if not fns:
+        raise ConfigError("a forced tool call needs at least one function")
+    if fmt.name not in FORCEABLE:
+        raise ConfigError(f"tool calls of the {fmt.name!r} format cannot be forced by a grammar on this server "
+                          f"(forceable: {', '.join(sorted(FORCEABLE))}); use tool_choice \"auto\"")
+    rules: list[str] = []
+    calls: list[str] = []
+    gemma: dict[str, str] = {}
+    for i, fn in enumerate(fns):
+        name, params = fn["name"], fn.get("parameters") or {"type": "object"}
+        if fmt.name in _XML_CALLS:
+            head, after_name, k_head, k_after, k_tail, tail = _XML_CALLS[fmt.name]
+            props = params.get("properties") if isinstance(params, Mapping) else None
+            required = set(params.get("required") or []) if isinstance(params, Mapping) else set()
+            parts = []
+            for j, (key, sub) in enumerate((props or {}).items()):
+                rules.append(json_rules(sub if isinstance(sub, Mapping) else {}, f"fn{i}-p{j}"))
+                one = f"{_lit(k_head + key + k_after)} fn{i}-p{j} {_lit(k_tail)}"
+                parts.append(one if key in required else f"( {one} )?")
+            if props is None and fmt.name == "qwen-xml":  # no properties: Functionary's JSON body
+                rules.append(json_rules(params, f"fn{i}-args"))
+                parts.append(f"fn{i}-args")
+            calls.append(_seq(_lit(head + name + after_name), *parts, _lit(tail)))
+            continue
+        if fmt.name == "gemma4":
+            calls.append(f"{_lit('<|tool_call>call:' + name)} {_gemma(params, gemma, f'fn{i}-args')} "
+                         f"{_lit('<tool_call|>')}?")
+            continue
+        rules.append(json_rules(params, f"fn{i}-args"))
+        if fmt.name in _NAMED_CALLS:
+            _, before, between, after, _ = _NAMED_CALLS[fmt.name]
+            calls.append(_seq(_lit(before + name + between), f"fn{i}-args", _lit(after) if after else ""))
+            continue
+        _, _, key_name, key_args, _, _ = _JSON_CALLS[fmt.name]
+        head = f"{{{json.dumps(name)}: " if not key_name else \
+            f"{{{json.dumps(key_name)}: {json.dumps(name)}, {json.dumps(key_args)}: "
+        calls.append(f"{_lit(head)} fn{i}-args {_lit('}')}")
+    call = " | ".join(f"( {c} )" for c in calls)
+    if fmt.name in _JSON_CALLS:
+        opener, closer, _, _, listed, optional = _JSON_CALLS[fmt.name]
+        # several calls: in the list, or one after another where a closer ends them (Hermes); a family
+        # whose closer may end the generation writes one
+        sep = '", "' if listed else {"llama3": '"; "', "hermes": _lit(closer + "\n" + opener)}.get(fmt.name)
+        body = f"call ( {sep} call )*" if parallel and sep else "call"
+        root = _seq(_lit(opener) if opener else "", f'"[" {body} "]"' if listed else body,
+                    (_lit(closer) + ("?" if optional else "")) if closer else "")
+    elif fmt.name in _NAMED_CALLS:
+        opener, _, _, _, closer = _NAMED_CALLS[fmt.name]
+        many = parallel and fmt.name != "harmony"  # a harmony call ends its message (<|call|> ends generation)
+        root = _seq(_lit(opener) if opener else "", "call ( call )*" if many else "call",
+                    f"{_lit(closer)}?" if closer else "")
+    else:
+        root = 'call ( "\\n" call )*' if parallel else "call"
+    if think_open:
+        root = f'"</think>" "\\n"{{0,2}} {root}'
+    return "\n".join([f"root ::= {root}", f"call ::= {call}", *rules,
+                      *(f"{k} ::= {v}" for k, v in gemma.items()), *( [_GEMMA_RULES] if fmt.name == "gemma4" else [])])

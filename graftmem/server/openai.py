@@ -19,7 +19,8 @@ to 4 strings; the text ends before the first one), ``logprobs`` / ``top_logprobs
 grammar-constrained decoding with llama.cpp's grammar sampler; the logits stay the model's), ``stream`` (SSE ``data:`` chunks, then ``data: [DONE]``;
 ``stream_options.include_usage``), ``n = 1`` only, ``tools`` / ``tool_choice`` and tool messages
 (the model's own template and its family's call grammar, else the Hermes ``<tool_call>`` format; see
-`graftmem.server.tools`, `graftmem.core.toolcalls`, docs/models.md). ``/v1/completions`` cuts its prompt into
+`graftmem.server.tools`, `graftmem.core.toolcalls`, docs/models.md; ``required`` and a named function
+are enforced by a grammar of the family's call syntax, ``parallel_tool_calls`` allows several). ``/v1/completions`` cuts its prompt into
 segments of about 256 tokens (`graftmem.server.chat.chunk_prompt`) and uses the same prefix cache.
 """
 
@@ -43,7 +44,7 @@ from starlette.routing import BaseRoute, Route
 from ..core.decoding import Sampling
 from ..core.errors import ConfigError, GraftmemError
 from ..core.prompt import detect_format, request_template
-from ..core.toolcalls import split_reasoning, tool_format
+from ..core.toolcalls import call_grammar, split_reasoning, tool_format
 from ..memory import validate as check
 from ..memory.router import DEFAULT_MIN_SCORE, LEX_WEIGHT
 from ..memory.verbs import MemoryVerbs
@@ -166,7 +167,8 @@ class OpenAIRoutes:
             {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "graftmem"}]})
 
     # ------------------------------------------------------------------ parsing
-    def _job(self, body: dict[str, Any], segments: list[list[int]], texts: list[str], *, chat: bool) -> Job:
+    def _job(self, body: dict[str, Any], segments: list[list[int]], texts: list[str], *, chat: bool,
+             tools: Optional[ToolSpec] = None) -> Job:
         if body.get("n", 1) != 1:
             raise HTTPError(400, "n must be 1: this server generates one choice per request", param="n",
                             code="unsupported_value")
@@ -210,11 +212,27 @@ class OpenAIRoutes:
         except ConfigError as exc:
             raise HTTPError(400, str(exc), code="invalid_value") from exc
         grammar = check.response_format(body.get("response_format"))
+        if tools is not None and tools.forced:  # the answer is a call: its grammar, not the text's format
+            grammar = self.call_grammar(tools, texts)
         if grammar is not None:
             self.engine0.grammar(grammar).close()  # a grammar llama.cpp refuses is a 400 now, not a 500 later
         return Job(segments=segments, texts=texts, max_tokens=max_tokens, sampling=sampling, stops=stops,
                    logprobs=logprobs, top_logprobs=top, use_cache=cache, learn_tail=2 if chat else 1,
                    allow_unverified=consent or self.allow_unverified, grammar=grammar)
+
+    def call_grammar(self, tools: ToolSpec, texts: list[str]) -> str:
+        """The grammar of a forced call (``tool_choice: "required"`` or a named function) in the call
+        syntax of the model's family (`graftmem.core.toolcalls.call_grammar`): the answer then parses
+        into ``tool_calls`` every time, with arguments the tool's schema accepts. A prompt that ends
+        inside a ``<think>`` block its template opened gets the block closed first."""
+        assert tools.forced
+        fns = [f for f in tools.functions if f["name"] in tools.forced]
+        think_open = self.template is not None and "</think>" in self.template.source and \
+            bool(texts) and texts[-1].rstrip().endswith("<think>")
+        try:
+            return call_grammar(tools.fmt, fns, parallel=tools.parallel, think_open=think_open)
+        except ConfigError as exc:
+            raise HTTPError(400, f"tool_choice: {exc}", param="tool_choice") from exc
 
     async def _parse(self, request: Request) -> dict[str, Any]:
         raw = await read_body(request, self.limits.max_body_bytes, self.limits.body_timeout)
@@ -276,7 +294,7 @@ class OpenAIRoutes:
         cuts = {bisect.bisect_right(stops, ends[k - 1]) for k in marks if 0 < k <= len(ends)}
         n_before = len(segments)
         routed = await self._recall(body, segments, texts, tenant_of(request.scope))
-        job = self._job(body, segments, texts, chat=True)
+        job = self._job(body, segments, texts, chat=True, tools=tools)
         job.extra = routed
         job.tenant = tenant_of(request.scope)
         shift = len(segments) - n_before  # the routed block's chain put before the messages

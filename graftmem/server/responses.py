@@ -77,10 +77,10 @@ DEFAULT_TTL = 30 * 24 * 3600.0
 
 #: Fields accepted and not acted on (they change nothing a local model computes).
 _IGNORED = ("metadata", "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
-            "service_tier", "parallel_tool_calls", "stream_options", "max_tool_calls", "model")
+            "service_tier", "stream_options", "max_tool_calls", "model")
 _SUPPORTED = ("input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p",
               "text", "stream", "store", "previous_response_id", "include", "truncation", "reasoning",
-              "graftmem", "seed")
+              "graftmem", "seed", "parallel_tool_calls")
 
 
 def _bad(field: str, why: str, code: str = "unsupported_parameter") -> HTTPError:
@@ -243,6 +243,8 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
         choice = _chat_tool_choice(body.get("tool_choice"))
         if choice is not None:
             out["tool_choice"] = choice
+        if body.get("parallel_tool_calls") is not None:  # how many calls a forced answer may hold
+            out["parallel_tool_calls"] = body["parallel_tool_calls"]
     else:
         _chat_tool_choice(body.get("tool_choice"))
     fmt = _response_format(body.get("text"))
@@ -544,7 +546,8 @@ class ResponsesRoutes:
         chain, texts, segs = await off_loop(sum(len(str(m)) for m in new), build)
         if not segs:
             raise _bad("input", "input renders as nothing to add to the conversation", "invalid_value")
-        job = oa._job(chat, [list(b.tokens) for b in chain] + segs, [b.text for b in chain] + texts, chat=True)
+        job = oa._job(chat, [list(b.tokens) for b in chain] + segs, [b.text for b in chain] + texts, chat=True,
+                      tools=tools)
         job.tenant = tenant_of(request.scope)
         job.base = Match(block, len(chain), block.pos_end, tuple(chain), first_untrusted(chain))
         if oa.cache is not None:

@@ -18,7 +18,9 @@ prefix cache learns and grafts, like the system prompt it extends.
 A model's answer is searched for complete ``<tool_call>...</tool_call>`` spans whose JSON names a tool
 of the request; each one becomes an entry of ``message.tool_calls`` (``arguments`` as a JSON string, as
 OpenAI sends it) and the finish reason is ``"tool_calls"``. Text outside the spans stays the content.
-``tool_choice: "none"`` keeps the tools in the prompt but parses nothing.
+``tool_choice: "none"`` keeps the tools in the prompt but parses nothing; ``"required"`` and a named
+function are enforced: the answer is decoded under a grammar of a call in the family's own syntax
+(`ToolSpec.forced`, `graftmem.core.toolcalls.call_grammar`), so it parses into calls every time.
 """
 
 from __future__ import annotations
@@ -56,6 +58,12 @@ class ToolSpec:
     fmt: ToolCallFormat = field(default=toolcalls.HERMES)
     #: split ``<think>`` / harmony analysis off into ``reasoning_content`` (model templates only)
     reasoning: bool = False
+    #: the functions a call is forced to (``tool_choice: "required"``: all; a named function: that
+    #: one), enforced by a grammar in the family's own call syntax (`graftmem.core.toolcalls.call_grammar`);
+    #: None: the model may answer in text (``auto``)
+    forced: Optional[tuple[str, ...]] = None
+    #: ``parallel_tool_calls``: a forced answer may hold several calls (default one, as llama-server's)
+    parallel: bool = False
 
     @property
     def names(self) -> set[str]:
@@ -90,11 +98,22 @@ def parse_tools(body: dict[str, Any]) -> Optional[ToolSpec]:
         if params is not None:
             entry["parameters"] = params
         functions.append(entry)
-    if choice is not None and choice not in ("none", "auto", "required") and not (
-            isinstance(choice, dict) and isinstance(choice.get("function"), dict)):
-        raise HTTPError(400, "tool_choice must be none, auto, required or {\"type\": \"function\", ...}",
-                        param="tool_choice")
-    return ToolSpec(tuple(functions), parse=choice != "none")
+    forced: Optional[tuple[str, ...]] = None
+    if choice == "required":
+        forced = tuple(f["name"] for f in functions)
+    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in {f["name"] for f in functions}:
+            raise HTTPError(400, f"tool_choice names the function {name!r:.80}, which is not one of the request's "
+                            "tools", param="tool_choice")
+        forced = (name,)
+    elif choice is not None and choice not in ("none", "auto"):
+        raise HTTPError(400, "tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": "
+                        "{\"name\": ...}}", param="tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise HTTPError(400, "parallel_tool_calls must be a boolean", param="parallel_tool_calls")
+    return ToolSpec(tuple(functions), parse=choice != "none", forced=forced, parallel=bool(parallel))
 
 
 def tools_prompt(spec: ToolSpec) -> str:
