@@ -14,8 +14,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """One long-running server: block sharing, and (unless --blocks-only) the OpenAI-compatible API
     with the persistent prompt cache, on one socket."""
     from .. import ConfigError
-    from ..core import Engine
-    from ..server import ApiKeys, BlockServer, api_server
+    from ..server import ApiKeys, BlockServer, api_server, pool_engines
 
     token = args.push_token or os.environ.get("GRAFTMEM_PUSH_TOKEN")
     api_key: Any = args.api_key or os.environ.get("GRAFTMEM_API_KEY")
@@ -29,7 +28,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         if api:
             assert mem is not None
-            extra = [Engine(mem.engine.model_path, mem.engine.config) for _ in range(max(1, args.engines) - 1)]
+            # one loaded model, threads sized per engine (logged): graftmem.server.pool.pool_engines
+            extra = pool_engines(mem.engine, max(1, args.engines))[1:]
             srv = api_server(mem.store, [mem.engine, *extra], host=args.host, port=args.port, api_key=api_key,
                              push_token=token, sign_key=_sign_key(args),
                              check=mem.vetting(rederive=args.rederive),
@@ -49,7 +49,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             _close_on_sigterm()  # before the line that tells a supervisor the server is up
             warmed = getattr(srv, "warm", [])
-            what = (f"OpenAI API at {srv.url}/v1 with {1 + len(extra)} engine(s), " if api else "")
+            what = (f"OpenAI API at {srv.url}/v1 with {1 + len(extra)} engine(s) x {mem.engine.n_threads} "
+                    f"thread(s) on one loaded model, " if api and mem else "")
             if warmed:
                 what += f"{sum(w['tokens'] for w in warmed)} prompt tokens warm in RAM, "
             print(f"serving {srv.store.home} at {srv.url} ({what}pushes {'on' if token else 'off'}, "
