@@ -110,3 +110,41 @@ def test_pool_engines_size_threads_per_engine_and_keep_the_fingerprint():
         for e in engines:
             e.close()
     assert threads_per_engine(4, 2) == 1 and threads_per_engine(2, 16) == 8
+
+
+def test_serve_with_two_engines_says_its_threads_and_answers(tmp_path):
+    """`graftmem serve --engines 2` in its own process: its first line names the engines and the threads
+    each got (sized to the cores: n_threads unset), and both contexts answer the same request alike."""
+    import os
+    import threading
+
+    import openai
+
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "graftmem", "--home", str(tmp_path / "home"), "serve", "--port", "0",
+         "--engines", "2", "--no-warm", "--no-learn"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(repo)}, cwd=repo)
+    try:
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        assert "serving" in line, (proc.stderr.read()  # type: ignore[union-attr]
+                                   if proc.poll() is not None else line)
+        assert f"with 2 engine(s) x {threads_per_engine(2)} thread(s) on one loaded model" in line
+        url = line.split(" at ")[1].split()[0]
+        msgs = [{"role": "user", "content": "Name a fruit."}]
+        got: list[str] = []
+
+        def ask() -> None:
+            c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+            got.append(c.chat.completions.create(model="m", messages=msgs, max_tokens=6, temperature=0)
+                       .choices[0].message.content)
+
+        threads = [threading.Thread(target=ask) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert len(got) == 2 and got[0] == got[1] and got[0]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
