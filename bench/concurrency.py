@@ -15,6 +15,7 @@ order of the two servers alternates per N and rep (the machines are shared and n
 
     python bench/concurrency.py [--agents 1,4,8,16] [--engines same] [--turns 5] [--words 2000]
     python bench/concurrency.py --agents 1,4 --turns 2 --words 300 --reps 1   # a smoke run
+    python bench/concurrency.py --rss 4 --baseline /tmp/before   # RSS of 4 engines, this tree and another
 
 Threads: llama-server runs one process with every usable core (``-t C``); graftmem ``--engines E``
 sizes each engine to ``C // E`` threads (the pool's rule, logged at start). Results go to
@@ -125,6 +126,36 @@ def alone(url: str, requests: list[list[list[dict]]], max_tokens: int, extra: di
     return [[turn(client, msgs, max_tokens, extra)["text"] for msgs in reqs] for reqs in requests]
 
 
+_RSS_CHILD = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from graftmem.core.engine import Engine
+
+def rss_mb():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS"))
+
+base = rss_mb()
+engines = [Engine("smollm2", {"probe": False})]
+one = rss_mb()
+engines += [Engine("smollm2", {"probe": False}) for _ in range(int(sys.argv[2]) - 1)]
+for e in engines:
+    with e.session():
+        e.prefill(e.tokenize("hello world " * 20))
+print(json.dumps({"rss_1_engine_mb": round(one - base), "rss_n_engines_mb": round(rss_mb() - base),
+                  "model_handles": len({getattr(e, "model_handle", id(e)) for e in engines})}))
+"""
+
+
+def engines_rss(n: int, src: Path) -> dict[str, Any]:
+    """RSS growth of a process that opens 1, then ``n`` SmolLM2 engines (default settings, each prefilling
+    40 tokens) with the graftmem under ``src``, and how many loaded models they use (one per engine
+    before the shared model; a tree without ``Engine.model_handle`` counts as one per engine)."""
+    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(src), str(n)], capture_output=True, text=True,
+                         timeout=600, check=True)
+    return {"engines": n, "src": str(src), **json.loads(out.stdout.strip().splitlines()[-1])}
+
+
 def machine() -> dict[str, Any]:
     """lscpu's model name and flags, the cores this process may use, the platform."""
     info: dict[str, Any] = {"platform": platform.platform(), "cpu_count": os.cpu_count(),
@@ -160,7 +191,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--only", default="graftmem,llama-server")
     ap.add_argument("--out", default=str(HERE / "results" / "concurrency.json"))
+    ap.add_argument("--rss", type=int, default=0, metavar="N", help="only measure the RSS of N engines in one "
+                    "process (and with --baseline DIR, of another source tree too), print it and exit")
+    ap.add_argument("--baseline", default=None, help="with --rss: another graftmem source tree to compare")
     args = ap.parse_args()
+    if args.rss:
+        for src in [agent.ROOT] + ([Path(args.baseline).resolve()] if args.baseline else []):
+            print(json.dumps(engines_rss(args.rss, src)))
+        return
     counts = [int(x) for x in args.agents.split(",") if x.strip()]
     if not counts or min(counts) < 1 or not 1 <= args.turns <= len(agent.USER_TURNS):
         ap.error(f"--agents needs counts >= 1 and --turns 1..{len(agent.USER_TURNS)}")
@@ -197,6 +235,7 @@ def main() -> None:
     servers = {k: v for k, v in servers.items() if k in only}
     load_before = os.getloadavg()
     t_start = time.time()
+    rss = engines_rss(max(counts), agent.ROOT) if "graftmem" in servers else None
     reference: dict[str, list[list[str]]] = {}
     for name, (factory, extra) in servers.items():  # each request alone, on one engine / one slot
         t0 = time.time()
@@ -257,7 +296,7 @@ def main() -> None:
         "agents": counts, "turns": args.turns, "system_words": args.words, "max_tokens": args.max_tokens,
         "stagger_ms": args.stagger_ms, "reps": args.reps, "engines": args.engines, "parallel": args.parallel,
         "reference": "each request alone: one at a time on a one-engine graftmem / one-slot llama-server",
-        "wall_s": round(time.time() - t_start, 1), "summary": summary, "notes": notes,
+        "wall_s": round(time.time() - t_start, 1), "summary": summary, "notes": notes, "graftmem_engines_rss": rss,
         "llama_server_build": cpp_peer.build_record(),
         "runs": [{**{k: v for k, v in r.items() if k != "agents"},
                   "turns": [[{kk: t[kk] for kk in ("ttft_ms", "total_ms", "completion_tokens", "cached_tokens",
