@@ -148,3 +148,16 @@ def test_serve_with_two_engines_says_its_threads_and_answers(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_a_context_that_fails_to_open_gives_its_model_reference_back():
+    """A quantized V cache without flash attention: llama.cpp refuses the context after the model was
+    shared; the refusal is an EngineError and the loaded model's count of users is what it was."""
+    from graftmem import EngineError
+
+    with Engine("smollm2", CFG) as a:
+        users = a.model_users
+        with pytest.raises(EngineError, match="could not create a context"):
+            Engine("smollm2", {**CFG, "type_v": "q8_0", "flash_attn": False})
+        assert a.model_users == users
+        assert _sha(a, a.tokenize("still usable")) == _sha(a, a.tokenize("still usable"))

@@ -448,6 +448,17 @@ class Engine:
         self._model = self._loaded.ptr
         #: the weight buffer types llama.cpp used, from its load log ("CPU", "CPU+CPU_REPACK", "AMX+CPU")
         self.weight_buffers = self._loaded.weight_buffers
+        self._ctx: Any = None
+        self._has_batch = False
+        try:
+            self._open_context(model_sha256, offload)
+        except BaseException:  # a context that failed to open (or to probe) gives its model reference back
+            self._closed = True
+            self._free()
+            raise
+
+    def _open_context(self, model_sha256: str, offload: int) -> None:
+        """The context on the loaded model, its batch, fingerprint and exactness (the load-time probe)."""
         threads = self.config.n_threads or usable_cores()
         self.n_threads = threads
         cp = C.llama_context_default_params()
@@ -465,7 +476,6 @@ class Engine:
         cp.no_perf = True
         self._ctx = C.llama_init_from_model(self._model, cp)
         if not self._ctx:
-            self._loaded.release()
             raise EngineError(f"llama.cpp could not create a context for {self.model_path} "
                               f"with {self.config.model_dump()} (a quantized V cache needs flash_attn=True)")
         self._vocab = C.llama_model_get_vocab(self._model)
@@ -473,6 +483,7 @@ class Engine:
         self.n_ctx = C.llama_n_ctx(self._ctx)
         self.n_swa = C.llama_model_n_swa(self._model)
         self._batch = C.llama_batch_init(self.config.n_batch, 0, 1)
+        self._has_batch = True
         self._buf = bytearray()
         self._n_past = 0
         #: What the last holder left in the cache for a later ``session(resume=True)`` (opaque here:
@@ -564,9 +575,16 @@ class Engine:
             if self._closed:
                 return
             self._closed = True
+            self._free()
+
+    def _free(self) -> None:
+        if self._has_batch:
             C.llama_batch_free(self._batch)
+            self._has_batch = False
+        if self._ctx:
             C.llama_free(self._ctx)
-            self._loaded.release()  # the weights go with the last context on them
+            self._ctx = None
+        self._loaded.release()  # the weights go with the last context on them
 
     def __enter__(self) -> "Engine":
         return self
