@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -63,6 +64,17 @@ def build(version: str = VERSION, jobs: int = 2) -> Path:
     if exe.exists():
         return exe
     root.mkdir(parents=True, exist_ok=True)
+    # one build at a time per cache directory: a second bench started meanwhile (another engineer's, or
+    # bench/concurrency.py next to bench/serve.py) waits here and finds the binary, instead of running
+    # cmake and ninja on the same build tree at once (seen: it interrupted the first build)
+    with open(root / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if exe.exists():
+            return exe
+        return _build_locked(version, root, exe, jobs)
+
+
+def _build_locked(version: str, root: Path, exe: Path, jobs: int) -> Path:
     log = root / "build.log"
     t0 = time.time()
     src_dir = root / "src"

@@ -167,12 +167,14 @@ def graftmem_server(home: Path, work: Path, root: Path = ROOT) -> Proc:
                 port, "/v1/models", work / f"graftmem-{time.time_ns()}.log", cwd=root, env=env)
 
 
-def llama_server(exe: Path, model: Path, cfg: EngineConfig, threads: int, work: Path) -> Proc:
+def llama_server(exe: Path, model: Path, cfg: EngineConfig, threads: int, work: Path, parallel: int = 1) -> Proc:
+    """llama-server with ``parallel`` slots (``-np``) and continuous batching; each slot gets the
+    engine's n_ctx (the context is ``n_ctx x parallel``, split between the slots)."""
     port = cpp_peer.free_port()
-    cmd = [str(exe), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", str(cfg.n_ctx),
+    cmd = [str(exe), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", str(cfg.n_ctx * parallel),
            "-b", str(cfg.n_batch), "-ub", str(cfg.n_ubatch), "-fa", "on" if cfg.flash_attn else "off",
-           "-t", str(threads), "-tb", str(threads), "-np", "1", "-ctk", cfg.type_k, "-ctv", cfg.type_v,
-           "--no-warmup", *cpp_peer.weight_buffer_args(cfg.extra_bufts == "on")]
+           "-t", str(threads), "-tb", str(threads), "-np", str(parallel), "-cb", "-ctk", cfg.type_k,
+           "-ctv", cfg.type_v, "--no-warmup", *cpp_peer.weight_buffer_args(cfg.extra_bufts == "on")]
     return Proc("llama-server", cmd, port, "/health", work / f"llama-server-{time.time_ns()}.log")
 
 

@@ -16,7 +16,6 @@ import openai
 import pytest
 
 from graftmem import Memory
-from graftmem.core.engine import Engine
 from graftmem.server import RECEIPT_HEADER, api_server
 from graftmem.store.local import Store
 
@@ -180,12 +179,13 @@ def test_openai_errors_and_completions(smol, home):
 
 
 def test_eight_concurrent_clients_get_their_own_answers(smol, home):
-    """Two engines, eight clients at once (half streaming): each answer equals the one it gets alone."""
+    """Two engines on one loaded model (two contexts decoding at once on the same weights), eight clients
+    at once (half streaming): each answer equals the one it gets alone."""
     questions = [f"Name a color number {i}." for i in range(8)]
     msgs = [[{"role": "system", "content": "Answer in a few words."}, {"role": "user", "content": q}]
             for q in questions]
-    with Engine("smollm2", smol.config) as second:
-        assert second.fingerprint == smol.fingerprint
+    with smol.sibling() as second:
+        assert second.fingerprint == smol.fingerprint and second.model_handle == smol.model_handle
         store = Store(home)
         try:
             with api_server(store, [smol, second], max_queue=8, learn=False) as srv:

@@ -34,6 +34,7 @@ from ..memory.rederive import RederiveReport, rederive as _rederive, rederive_st
 from ..memory.router import Embedder, Router, SentenceTransformerEmbedder
 from ..server.blocks import BlockServer
 from ..server.config import ServeConfig
+from ..server.pool import pool_engines
 from ..server.runner import ServerThread
 from ..server.service import api_server, block_server
 from ..share.bundle import export as export_bundle
@@ -714,7 +715,8 @@ class Memory:
         check_pushes = self.vetting(rederive=cfg.rederive)
         if not cfg.api:
             return block_server(self._store, cfg, fingerprint=self.fingerprint, check=check_pushes)
-        extra = [Engine(self._engine.model_path, self._engine.config) for _ in range(cfg.engines - 1)]
+        # one loaded model for the pool, threads sized per engine (graftmem.server.pool.pool_engines)
+        extra = pool_engines(self._engine, cfg.engines)[1:]
         try:
             srv = api_server(self._store, [self._engine, *extra], cfg, check=check_pushes,
                              router=lambda: self.router, runner=runner)  # router: loaded on the first routed request

@@ -73,7 +73,8 @@ def _serve_api(args: argparse.Namespace, config: Any) -> int:
                 return
             srv.start()  # the gate opens: requests reach the routes
             warmed = getattr(srv, "warm", [])
-            what = f"OpenAI API at {srv.url}/v1 with {config.engines} engine(s), "
+            what = (f"OpenAI API at {srv.url}/v1 with {config.engines} engine(s) x {mem.engine.n_threads} "
+                    f"thread(s) on one loaded model, ")
             if warmed:
                 what += f"{sum(w['tokens'] for w in warmed)} prompt tokens warm in RAM, "
             print(f"serving {srv.store.home} at {srv.url} ({what}pushes {'on' if config.push_token else 'off'}, "

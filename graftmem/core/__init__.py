@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from .blocks import (FORMAT_VERSION, Block, EngineConfig, Exactness, Fingerprint, HistoryEvent, Recall, Receipt,
                          SampleResult, Scope, SearchHit, StoreStats, VerificationRecord, VerifyReport, block_id_for)
     from .decoding import Decoded, Sampling, decode
-    from .engine import Engine, Grammar, KernelVerdict, json_grammar, logits_sha256, probe_kernels, system_report, usable_cores
+    from .engine import (Engine, Grammar, KernelVerdict, json_grammar, logits_sha256, probe_kernels, system_report,
+                         threads_per_engine, usable_cores)
     from .format import state_digest
     from .models import DEFAULT_MODEL, MODELS, resolve_model
     from .progress import progress_bar
@@ -52,6 +53,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "Engine": (".engine", "Engine"),
     "logits_sha256": (".engine", "logits_sha256"),
     "usable_cores": (".engine", "usable_cores"),
+    "threads_per_engine": (".engine", "threads_per_engine"),
     "system_report": (".engine", "system_report"),
     "probe_kernels": (".engine", "probe_kernels"),
     "Grammar": (".engine", "Grammar"),
@@ -91,7 +93,7 @@ def __getattr__(name: str) -> Any:
 __all__ = sorted([
     "FORMAT_VERSION", "Block", "HistoryEvent", "Scope", "EngineConfig", "Exactness", "Fingerprint", "Recall", "Receipt", "SampleResult",
     "SearchHit", "StoreStats", "VerificationRecord", "VerifyReport", "block_id_for", "Decoded", "Sampling",
-    "decode", "Engine", "logits_sha256", "system_report", "probe_kernels", "KernelVerdict", "Grammar", "json_grammar", "usable_cores", "state_digest", "DEFAULT_MODEL", "MODELS",
+    "decode", "Engine", "logits_sha256", "system_report", "probe_kernels", "KernelVerdict", "Grammar", "json_grammar", "usable_cores", "threads_per_engine", "state_digest", "DEFAULT_MODEL", "MODELS",
     "resolve_model", "progress_bar", "join_states", "needs_placing", "place_cells_into", "CHATML", "FORMATS", "GEMMA", "ChatFormat", "detect_format", "split_ids",
     "request_template", "ChatTemplate", "TemplateError", "load_template", "model_template",
     "__version__", *_errors_all])

@@ -42,7 +42,8 @@ from .blocks import EXTRA_BUFTS_ENV, FORMAT_VERSION, EngineConfig, Exactness, Fi
 from .errors import ClosedError, ConfigError, EngineError
 from .models import model_cache_dir, resolve_model
 
-__all__ = ["Engine", "Grammar", "json_grammar", "json_rules", "logits_sha256", "system_report", "KernelVerdict", "probe_kernels"]
+__all__ = ["Engine", "Grammar", "json_grammar", "json_rules", "logits_sha256", "system_report", "KernelVerdict", "probe_kernels",
+           "threads_per_engine"]
 
 log = logging.getLogger("graftmem")
 
@@ -178,6 +179,70 @@ def usable_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # not Linux
         return os.cpu_count() or 1
+
+
+def threads_per_engine(n_engines: int, cores: Optional[int] = None) -> int:
+    """Threads for each of ``n_engines`` contexts decoding at once on ``cores`` usable cores (default:
+    `usable_cores`): ``max(1, cores // n_engines)``, so that N concurrent decodes do not run N x cores
+    spinning threads that wait on each other."""
+    if n_engines < 1:
+        raise ConfigError(f"a pool needs at least one engine, not {n_engines}")
+    return max(1, (cores or usable_cores()) // n_engines)
+
+
+class _LoadedModel:
+    """One ``llama_model`` (the weights), shared by every engine of this process that loads the same
+    file with the same model parameters, and freed when the last of them closes.
+
+    Why: llama.cpp's contexts only read the model, so a pool of N contexts needs the weights once,
+    not N times (``graftmem serve --engines N`` held N copies). The key is what decides the loaded
+    bytes: the file's path and SHA-256 (a file replaced on disk is loaded anew), the offloaded layers
+    and the weight buffer choice; the context settings (n_ctx, KV types, threads) stay per engine.
+    """
+
+    _open: dict[tuple[str, str, int, bool], "_LoadedModel"] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, key: tuple[str, str, int, bool], ptr: Any, weight_buffers: str) -> None:
+        self.key, self.ptr, self.weight_buffers = key, ptr, weight_buffers
+        self.refs = 1
+
+    @classmethod
+    def acquire(cls, path: Path, model_sha256: str, n_gpu_layers: int, extra_bufts: bool) -> "_LoadedModel":
+        """The loaded model for this key, loading it the first time (under the lock: two engines
+        created at once load it once)."""
+        key = (str(path.resolve()), model_sha256, n_gpu_layers, extra_bufts)
+        with cls._lock:
+            loaded = cls._open.get(key)
+            if loaded is not None:
+                loaded.refs += 1
+                return loaded
+            mparams = C.llama_model_default_params()
+            # CPU unless asked: the CPU backend is the one measured exact; GPU offload is probed (docs/exactness.md)
+            mparams.n_gpu_layers = n_gpu_layers
+            # plain weight buffers unless chosen: llama.cpp's repack/AMX buffers are other kernels, and the
+            # AMX ones crashed the first decode on a Sapphire Rapids VM (docs/exactness.md)
+            mparams.use_extra_bufts = extra_bufts
+            global _load_log
+            load_log: list[str] = []
+            with _load_lock:
+                _load_log = load_log
+                try:
+                    ptr = C.llama_model_load_from_file(str(path).encode(), mparams)
+                finally:
+                    _load_log = None
+            if not ptr:
+                raise EngineError(f"llama.cpp could not load {path}")
+            loaded = cls._open[key] = cls(key, ptr, _weight_buffers(load_log))
+            return loaded
+
+    def release(self) -> None:
+        """One engine fewer on this model; the last one frees the weights."""
+        with self._lock:
+            self.refs -= 1
+            if self.refs == 0:
+                del self._open[self.key]
+                C.llama_model_free(self.ptr)
 
 
 #: Set in the child process of a kernel probe: that engine decides nothing and spawns no child.
@@ -392,6 +457,7 @@ class Engine:
     def __init__(self, model: str | os.PathLike[str] | None = None,
                  config: EngineConfig | Mapping[str, Any] | None = None) -> None:
         self.config = EngineConfig.coerce(config)
+        self._model_arg = model
         self.model_name, self.model_path = resolve_model(model)
         if self.config.n_ubatch > self.config.n_batch:
             raise ConfigError(f"n_ubatch={self.config.n_ubatch} must not exceed n_batch={self.config.n_batch}")
@@ -406,24 +472,21 @@ class Engine:
         if self.config.n_gpu_layers and not offload:
             log.warning("n_gpu_layers=%d asked, but this llama-cpp-python build has no GPU backend: running on "
                         "the CPU (docs/exactness.md says how to build it with CUDA or Metal)", self.config.n_gpu_layers)
-        mparams = C.llama_model_default_params()
-        # CPU unless asked: the CPU backend is the one measured exact; GPU offload is probed (docs/exactness.md)
-        mparams.n_gpu_layers = offload
-        # plain weight buffers unless chosen: llama.cpp's repack/AMX buffers are other kernels, and the
-        # AMX ones crashed the first decode on a Sapphire Rapids VM (docs/exactness.md)
-        mparams.use_extra_bufts = self.extra_bufts
-        global _load_log
-        load_log: list[str] = []
-        with _load_lock:
-            _load_log = load_log
-            try:
-                self._model = C.llama_model_load_from_file(str(self.model_path).encode(), mparams)
-            finally:
-                _load_log = None
-        if not self._model:
-            raise EngineError(f"llama.cpp could not load {self.model_path}")
+        self._loaded = _LoadedModel.acquire(self.model_path, model_sha256, offload, self.extra_bufts)
+        self._model = self._loaded.ptr
         #: the weight buffer types llama.cpp used, from its load log ("CPU", "CPU+CPU_REPACK", "AMX+CPU")
-        self.weight_buffers = _weight_buffers(load_log)
+        self.weight_buffers = self._loaded.weight_buffers
+        self._ctx: Any = None
+        self._has_batch = False
+        try:
+            self._open_context(model_sha256, offload)
+        except BaseException:  # a context that failed to open (or to probe) gives its model reference back
+            self._closed = True
+            self._free()
+            raise
+
+    def _open_context(self, model_sha256: str, offload: int) -> None:
+        """The context on the loaded model, its batch, fingerprint and exactness (the load-time probe)."""
         threads = self.config.n_threads or usable_cores()
         self.n_threads = threads
         cp = C.llama_context_default_params()
@@ -441,7 +504,6 @@ class Engine:
         cp.no_perf = True
         self._ctx = C.llama_init_from_model(self._model, cp)
         if not self._ctx:
-            C.llama_model_free(self._model)
             raise EngineError(f"llama.cpp could not create a context for {self.model_path} "
                               f"with {self.config.model_dump()} (a quantized V cache needs flash_attn=True)")
         self._vocab = C.llama_model_get_vocab(self._model)
@@ -449,6 +511,7 @@ class Engine:
         self.n_ctx = C.llama_n_ctx(self._ctx)
         self.n_swa = C.llama_model_n_swa(self._model)
         self._batch = C.llama_batch_init(self.config.n_batch, 0, 1)
+        self._has_batch = True
         self._buf = bytearray()
         self._n_past = 0
         #: What the last holder left in the cache for a later ``session(resume=True)`` (opaque here:
@@ -495,15 +558,61 @@ class Engine:
             log.warning("kernel probe inconclusive (%s); loading in this process", verdict.reason)
         return want
 
+    # ----------------------------------------------------------------- sharing the model
+    def sibling(self) -> "Engine":
+        """Another engine (its own context, KV cache and lock) on this engine's loaded model, with the
+        same configuration, hence the same fingerprint: what a server's pool of N contexts is made of.
+
+        The weights are loaded once per process for a model file and its model parameters (see
+        `_LoadedModel`), so the sibling costs a context, not another copy of the model; it stays
+        usable when this engine is closed, and the weights are freed with the last engine on them.
+        """
+        self._check()
+        return Engine(self._model_arg, self.config)
+
+    @property
+    def model_handle(self) -> int:
+        """The address of the llama.cpp model this engine's context runs on: engines with equal
+        handles share one copy of the weights."""
+        return int(ctypes.cast(self._model, ctypes.c_void_p).value or 0)
+
+    @property
+    def model_users(self) -> int:
+        """How many open engines of this process use this engine's loaded model (itself included)."""
+        return self._loaded.refs
+
+    def set_threads(self, n_threads: int) -> None:
+        """Run this context's decodes on ``n_threads`` threads from now on (``llama_set_n_threads``).
+
+        Why it may change after load: a pool of N contexts on C cores sizes each to C // N (see
+        `threads_per_engine`) so that N concurrent decodes do not oversubscribe the cores. The thread
+        count is recorded in the fingerprint for information only: measured not to change the bytes
+        on the CPU backend (docs/exactness.md, tests/test_shared_model.py), so blocks stay graftable.
+        """
+        if n_threads < 1:
+            raise ConfigError(f"n_threads must be >= 1, not {n_threads}")
+        with self._lock:
+            self._check()
+            C.llama_set_n_threads(self._ctx, n_threads, n_threads)
+            self.n_threads = n_threads
+            self.fingerprint = self.fingerprint.model_copy(update={"n_threads": n_threads})
+
     # ----------------------------------------------------------------- lifecycle
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            self._free()
+
+    def _free(self) -> None:
+        if self._has_batch:
             C.llama_batch_free(self._batch)
+            self._has_batch = False
+        if self._ctx:
             C.llama_free(self._ctx)
-            C.llama_model_free(self._model)
+            self._ctx = None
+        self._loaded.release()  # the weights go with the last context on them
 
     def __enter__(self) -> "Engine":
         return self

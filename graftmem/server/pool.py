@@ -13,6 +13,7 @@ All methods run on the event loop's thread, which is what makes the counters saf
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections import deque
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
@@ -22,7 +23,49 @@ from .http import HTTPError
 if TYPE_CHECKING:
     from ..core.engine import Engine
 
-__all__ = ["EnginePool"]
+__all__ = ["EnginePool", "pool_engines"]
+
+log = logging.getLogger("graftmem")
+
+
+def pool_engines(first: "Engine", n: int) -> list["Engine"]:
+    """``first`` and ``n - 1`` siblings on its loaded model (one copy of the weights for the pool, see
+    [`Engine.sibling()`][graftmem.Engine.sibling]), each with its own context, for `EnginePool`.
+
+    Threads: where the configuration leaves ``n_threads`` unset, each engine gets
+    `threads_per_engine` (``max(1, cores // n)``): N requests decode at once, and N contexts of
+    ``cores`` threads each would make every decode wait on threads that are not running. The thread
+    count does not change the bytes on the CPU backend (docs/exactness.md), so the fingerprint, hence
+    every block, stays the same. An explicit ``n_threads`` is kept, with a warning when the pool
+    asks for more threads than there are cores. The caller closes the siblings (``result[1:]``).
+    """
+    from ..core.engine import threads_per_engine, usable_cores
+
+    if n < 1:
+        raise ValueError(f"a pool needs at least one engine, not {n}")
+    cores = usable_cores()
+    engines = [first]
+    try:
+        engines += [first.sibling() for _ in range(n - 1)]
+        if first.config.n_threads is None:
+            threads = threads_per_engine(n, cores)
+            for e in engines:
+                if e.n_threads != threads:
+                    e.set_threads(threads)
+            how = "sized to the cores (n_threads unset)"
+        else:
+            threads = first.config.n_threads
+            how = "as configured"
+            if n * threads > cores:
+                log.warning("serve: %d engines x %d threads exceed the %d usable cores: concurrent decodes will "
+                            "wait on each other (leave n_threads unset to size it per engine)", n, threads, cores)
+    except BaseException:
+        for e in engines[1:]:
+            e.close()
+        raise
+    log.info("serve: %d engine context(s) on one loaded model (%s), %d thread(s) each %s, %d usable core(s)",
+             n, first.model_path.name, threads, how, cores)
+    return engines
 
 
 class EnginePool:
