@@ -13,9 +13,9 @@ one-engine / one-slot server of the same kind, computed once per kind in the sam
 llama-server's is reported. Each (server, N) runs in a fresh process (graftmem on an empty home); the
 order of the two servers alternates per N and rep (the machines are shared and noisy).
 
-    python bench/concurrency.py [--agents 1,4,8,16] [--engines same] [--turns 5] [--words 2000]
-    python bench/concurrency.py --agents 1,4 --turns 2 --words 300 --reps 1   # a smoke run
-    python bench/concurrency.py --rss 4 --baseline /tmp/before   # RSS of 4 engines, this tree and another
+    python -m bench.concurrency [--agents 1,4,8,16] [--engines same] [--turns 5] [--words 2000]
+    python -m bench.concurrency --agents 1,4 --turns 2 --words 300 --reps 1   # a smoke run
+    python -m bench.concurrency --rss 4 --baseline /tmp/before   # RSS of 4 engines, this tree and another
 
 Threads: llama-server runs one process with every usable core (``-t C``); graftmem ``--engines E``
 sizes each engine to ``C // E`` threads (the pool's rule, logged at start). Results go to
@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,13 +37,10 @@ from typing import Any, Callable, Optional
 
 import openai
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import peer as cpp_peer  # noqa: E402  bench/peer.py: builds / finds llama-server
-import serve as agent  # noqa: E402  bench/serve.py: the agent, the server processes
-
-from graftmem.core import EngineConfig, resolve_model, usable_cores  # noqa: E402
+from bench import harness
+from bench import peer as cpp_peer  # builds / finds llama-server
+from bench import serve as agent  # the agent, the server processes
+from graftmem.core import EngineConfig, resolve_model, usable_cores
 
 ORDER = "48213"  # the order number of bench/serve.py's conversation; agent i uses ORDER + i
 
@@ -103,21 +98,12 @@ def run_agents(url: str, requests: list[list[list[dict]]], max_tokens: int, stag
         t.join()
     wall = time.perf_counter() - t0
     flat = [t for r in results for t in r]
-    ttfts = sorted(t["ttft_ms"] for t in flat)
+    ttft = harness.summary([t["ttft_ms"] for t in flat], digits=1, percentiles=(50, 95)) if flat else {}
     tokens = sum(t["completion_tokens"] or 0 for t in flat)
     return {"wall_s": round(wall, 2), "completion_tokens": tokens,
             "tokens_per_s": round(tokens / wall, 3) if wall else None,
-            "ttft_p50_ms": round(_pct(ttfts, 50), 1) if ttfts else None,
-            "ttft_p95_ms": round(_pct(ttfts, 95), 1) if ttfts else None,
+            "ttft_p50_ms": ttft.get("p50"), "ttft_p95_ms": ttft.get("p95"),
             "errors": errors, "agents": results}
-
-
-def _pct(sorted_values: list[float], p: float) -> float:
-    """The p-th percentile, linear between the closest ranks (numpy's default)."""
-    k = (len(sorted_values) - 1) * p / 100
-    lo = int(k)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
 
 
 def alone(url: str, requests: list[list[list[dict]]], max_tokens: int, extra: dict) -> list[list[str]]:
@@ -128,8 +114,7 @@ def alone(url: str, requests: list[list[list[dict]]], max_tokens: int, extra: di
 
 _RSS_CHILD = """
 import json, sys
-sys.path.insert(0, sys.argv[1])
-from graftmem.core.engine import Engine
+from graftmem.core.engine import Engine  # the tree under test: PYTHONPATH
 
 def rss_mb():
     with open("/proc/self/status") as f:
@@ -152,30 +137,9 @@ def engines_rss(n: int, src: Path) -> dict[str, Any]:
     40 tokens) with the graftmem under ``src``, and how many loaded models they use (one per engine
     before the shared model; a tree without ``Engine.model_handle`` counts as one per engine)."""
     out = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(src), str(n)], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(src)},
                          timeout=600, check=True)
     return {"engines": n, "src": str(src), **json.loads(out.stdout.strip().splitlines()[-1])}
-
-
-def machine() -> dict[str, Any]:
-    """lscpu's model name and flags, the cores this process may use, the platform."""
-    info: dict[str, Any] = {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-                            "usable_cores": usable_cores()}
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout
-        for line in out.splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("Model name", "Flags", "Thread(s) per core", "Core(s) per socket", "Socket(s)"):
-                info[key.strip().lower().replace(" ", "_").replace("(s)", "s")] = value.strip()
-    except (OSError, subprocess.SubprocessError) as exc:
-        info["lscpu"] = f"unavailable: {exc}"
-    return info
-
-
-def git_commit() -> dict[str, Any]:
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], cwd=agent.ROOT, capture_output=True, text=True).stdout.strip()
-
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 
 def main() -> None:
@@ -190,7 +154,7 @@ def main() -> None:
     ap.add_argument("--stagger-ms", type=float, default=500.0, help="agent i starts i x this after agent 0")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--only", default="graftmem,llama-server")
-    ap.add_argument("--out", default=str(HERE / "results" / "concurrency.json"))
+    ap.add_argument("--out", default=str(harness.RESULTS / "concurrency.json"))
     ap.add_argument("--rss", type=int, default=0, metavar="N", help="only measure the RSS of N engines in one "
                     "process (and with --baseline DIR, of another source tree too), print it and exit")
     ap.add_argument("--baseline", default=None, help="with --rss: another graftmem source tree to compare")
@@ -276,9 +240,9 @@ def main() -> None:
         for name in names:
             mine = [r for r in runs if r["server"] == name and r["agents_n"] == n]
             if mine:
-                row[name] = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine),
-                             "ttft_p50_ms": statistics.median(r["ttft_p50_ms"] for r in mine),
-                             "ttft_p95_ms": statistics.median(r["ttft_p95_ms"] for r in mine),
+                row[name] = {"tokens_per_s": harness.summary(r["tokens_per_s"] for r in mine)["median"],
+                             "ttft_p50_ms": harness.summary(r["ttft_p50_ms"] for r in mine)["median"],
+                             "ttft_p95_ms": harness.summary(r["ttft_p95_ms"] for r in mine)["median"],
                              "all_equal_alone": all(r["all_equal_alone"] for r in mine),
                              "errors": sum(len(r["errors"]) for r in mine)}
         if "graftmem" in row and "llama-server" in row:
@@ -290,8 +254,7 @@ def main() -> None:
                     round(g["ttft_p95_ms"] / ls["ttft_p95_ms"], 2) if ls["ttft_p95_ms"] else None}
         summary[str(n)] = row
     out = {
-        "command": "python bench/concurrency.py " + " ".join(sys.argv[1:]), "git": git_commit(),
-        "machine": {**machine(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "machine": {"loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "model": "smollm2 (SmolLM2-135M-Instruct Q4_1)", "engine": cfg.model_dump(), "usable_cores": cores,
         "agents": counts, "turns": args.turns, "system_words": args.words, "max_tokens": args.max_tokens,
         "stagger_ms": args.stagger_ms, "reps": args.reps, "engines": args.engines, "parallel": args.parallel,
@@ -303,8 +266,7 @@ def main() -> None:
                                                   "source") if t.get(kk) is not None} for t in a]
                             for a in r["agents"]]} for r in runs],
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    harness.write_results(args.out, out, args=args)
     print(f"{'agents':>6} {'server':<13}{'tok/s':>9}{'TTFT p50 ms':>13}{'TTFT p95 ms':>13}  equal alone")
     for n, row in summary.items():
         for name in names:

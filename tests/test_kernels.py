@@ -63,7 +63,14 @@ def test_fingerprint_identity_keeps_legacy_ids_and_names_the_buffers(smol):
 def gemma_repacked():
     """Gemma 3 (Q4_K weights: llama.cpp repacks them on AVX2 and on ARM with dot-product) with the extra
     buffer types on."""
-    with Engine("gemma3-270m", EngineConfig(extra_bufts="on", n_ctx=2048)) as eng:
+    try:
+        eng = Engine("gemma3-270m", EngineConfig(extra_bufts="on", n_ctx=2048))
+    except EngineError as exc:
+        # a CPU whose extra buffers crash (llama.cpp's AMX weight buffers on a Xeon with AMX): asked for
+        # explicitly, the engine refuses with the setting to change; auto falls back (the tests below)
+        assert "extra_bufts='off'" in str(exc) and "GRAFTMEM_EXTRA_BUFTS=off" in str(exc), exc
+        pytest.skip(f"llama.cpp's extra weight buffers do not run on this CPU: {str(exc)[:200]}")
+    with eng:
         if eng.weight_buffers == "CPU":
             pytest.skip("llama.cpp has no repack kernel for these weights on this CPU: nothing to tell apart")
         yield eng
@@ -121,9 +128,18 @@ def test_auto_falls_back_to_plain_buffers_where_the_extra_ones_crash(fresh_verdi
     assert ran == [False, True]  # the extra buffers crashed in their child, the plain ones ran in theirs
 
 
-def test_auto_uses_extra_buffers_where_they_run_and_stay_exact(fresh_verdicts):
+def test_auto_uses_extra_buffers_where_they_run_and_stay_exact_else_plain_ones(fresh_verdicts):
+    """No fault injected: what this CPU really does. Where the extra buffers run (AVX2, AVX-512 without
+    AMX, ARM), auto uses them if the child found them exact; where they crash (AMX), it falls back to
+    the plain buffers, probed in a child of their own, and loads exact."""
     with Engine("gemma3-270m", EngineConfig(extra_bufts="auto", n_ctx=2048)) as eng:
-        verdict = json.loads(next(fresh_verdicts.glob("*.json")).read_text())
-        assert verdict["ran"] and verdict["extra_bufts"]
-        assert eng.extra_bufts is (verdict["exact"] is True)
-        assert eng.fingerprint.weight_buffers == verdict["weight_buffers"]
+        verdicts = [json.loads(p.read_text()) for p in fresh_verdicts.glob("*.json")]
+        extra = next(v for v in verdicts if v["extra_bufts"])
+        if extra["ran"]:
+            assert len(verdicts) == 1
+            assert eng.extra_bufts is (extra["exact"] is True)
+            assert eng.fingerprint.weight_buffers == extra["weight_buffers"]
+        else:  # the child with the extra buffers died (SIGSEGV on AMX): the plain ones were probed and used
+            assert "llama.cpp died with" in extra["reason"], extra
+            assert [v["ran"] for v in verdicts if not v["extra_bufts"]] == [True]
+            assert eng.extra_bufts is False and eng.fingerprint.weight_buffers == "CPU" and eng.exactness.exact
