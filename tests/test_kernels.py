@@ -143,3 +143,20 @@ def test_auto_uses_extra_buffers_where_they_run_and_stay_exact_else_plain_ones(f
             assert "llama.cpp died with" in extra["reason"], extra
             assert [v["ran"] for v in verdicts if not v["extra_bufts"]] == [True]
             assert eng.extra_bufts is False and eng.fingerprint.weight_buffers == "CPU" and eng.exactness.exact
+
+
+def test_the_load_time_probe_runs_once_per_fingerprint_and_machine(fresh_verdicts):
+    """The exactness probe's verdict is kept in the model cache under the fingerprint: a second load of
+    the same configuration reads it (here: a planted verdict is what the engine reports), another
+    configuration is probed on its own."""
+    probes = fresh_verdicts.parent / "exactness-probes"
+    with Engine("smollm2", EngineConfig(n_ctx=512)) as eng:
+        assert eng.exactness.exact and eng.exactness.probe_tokens > 0
+    [path] = probes.glob("*.json")
+    assert json.loads(path.read_text())["reason"] == eng.exactness.reason
+    path.write_text(json.dumps({"exact": False, "reason": "planted verdict", "probe_tokens": 1}))
+    with Engine("smollm2", EngineConfig(n_ctx=512)) as again:
+        assert (again.exactness.exact, again.exactness.reason) == (False, "planted verdict")
+    with Engine("smollm2", EngineConfig(n_ctx=768)) as other:
+        assert other.exactness.exact and other.exactness.reason != "planted verdict"
+    assert len(list(probes.glob("*.json"))) == 2

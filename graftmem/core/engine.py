@@ -245,6 +245,9 @@ class _LoadedModel:
                 C.llama_model_free(self.ptr)
 
 
+#: The load-time probe's text and rule; a change here must change this, so cached verdicts are not reused.
+_PROBE_VERSION = 1
+
 #: Set in the child process of a kernel probe: that engine decides nothing and spawns no child.
 _CHILD_ENV = "GRAFTMEM_KERNEL_PROBE_CHILD"
 #: Fault injection for the tests of the crash path: the probe child dereferences NULL right before its
@@ -529,7 +532,7 @@ class Engine:
         )
         self.exactness = self._static_exactness()
         if self.exactness.exact and self.config.probe:
-            self.exactness = self.probe()
+            self.exactness = self._probe_once()
 
     def _choose_extra_bufts(self, model_sha256: str) -> bool:
         """Resolve `EngineConfig.extra_bufts` and guard the first decode (see `kernel_verdict`).
@@ -905,8 +908,37 @@ class Engine:
                 "grafts; with a window-sized cache restored cells change order past the window"))
         return Exactness(exact=True, reason="configuration measured exact; probe not run")
 
+    def _probe_once(self) -> Exactness:
+        """`probe()`'s verdict for this fingerprint on this machine: run the first time, then read back.
+
+        Why a cache: the verdict is a function of what the fingerprint records (model file, llama.cpp
+        build, CPU features, weight buffers, context and KV settings) and of the probe's own text,
+        both in the key; rerunning it decides nothing new, and on Gemma 3 it prefills 550 tokens twice,
+        seconds per load, in every CLI call, worker and child process. The verdict is written only
+        by a process that ran the probe (atomically; a read-only cache costs another probe), never
+        in a kernel-probe child (that child exists to run its first decode)."""
+        if os.environ.get(_CHILD_ENV):
+            return self.probe()
+        blob = json.dumps({"probe": _PROBE_VERSION, "n_swa": self.n_swa, "fingerprint": self.fingerprint.model_dump()},
+                          sort_keys=True, default=str)
+        path = model_cache_dir() / "exactness-probes" / f"{hashlib.sha256(blob.encode()).hexdigest()[:32]}.json"
+        try:
+            return Exactness.model_validate_json(path.read_text())
+        except (OSError, ValueError):
+            pass
+        verdict = self.probe()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(verdict.model_dump_json())
+            os.replace(tmp, path)
+        except OSError:
+            pass
+        return verdict
+
     def probe(self) -> Exactness:
-        """Graft vs fresh prefill on a synthetic text, at load time.
+        """Graft vs fresh prefill on a synthetic text, at load time (once per fingerprint and machine:
+        `_probe_once` keeps the verdict).
 
         The probe block is longer than the sliding window for SWA models (that is where inexact
         configurations fail) and short for dense ones, so loading stays cheap.
