@@ -23,7 +23,10 @@ n_ubatch, threads and flash attention:
 - ``graftmem-responses``: the same user turns as an agent of the Responses API: each turn sends only its
   user message with ``previous_response_id`` (the server grafts the stored chain, or finds it in RAM):
   5 turns, a restart, 5 more turns continuing the stored conversation; next to the same conversation
-  over Chat Completions (the model's own answers re-sent as history each turn), on a fresh home.
+  over Chat Completions (the model's own answers re-sent as history each turn), on a fresh home, and,
+  with ``llama-server`` in ``--only``, over Chat Completions on llama-server (a restart is a new process:
+  it keeps nothing). Each agent has its own server; their turns are interleaved (turn i of each before
+  turn i + 1 of any), so the agents compared meet the same load of a shared machine turn by turn.
 
 - the model: ``--model`` (default ``smollm2``) is a short name, a GGUF path, or ``tiny:<family>``, a
   tiny random-weight model of a real family (scripts/tiny_models.py: a real tokenizer and chat
@@ -31,9 +34,7 @@ n_ubatch, threads and flash attention:
   new user turn arrives); graftmem serve and llama-server load the same file. ``--chat-template-kwargs``
   (JSON, e.g. ``'{"enable_thinking": false}'``) goes with every Chat Completions request of both servers:
   Qwen 3's template then opens each answer with an empty ``<think></think>`` block that a re-rendered
-  history drops, the re-render a Responses agent never does. With ``llama-server`` in ``--only``, the
-  Chat Completions agent (the model's own answers re-sent) runs on llama-server too: a session, then a
-  new process (what a restart gives it) continuing the conversation.
+  history drops, the re-render a Responses agent never does.
 
 The order of the servers rotates per rep (the machine is shared and noisy); the JSON keeps every
 number, the table shows medians and [min, max]. Afterwards, ``graftmem search --url`` through a running
@@ -286,27 +287,62 @@ def responses_turn(client: openai.OpenAI, system: str, user: str, prev: Optional
             "source": rc.get("source"), "id": final.id if final is not None else None}
 
 
+class ResponsesAgent:
+    """The user turns as a Responses conversation: each turn sends its user message and
+    ``previous_response_id`` (``prev``: the last answer's id; None: a new conversation)."""
+
+    def __init__(self, system: str, prev: Optional[str] = None) -> None:
+        self.system, self.prev = system, prev
+
+    def turn(self, url: str, user: str) -> dict[str, Any]:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+        out = responses_turn(client, self.system, user, self.prev)
+        self.prev = out["id"]
+        return out
+
+
+class ChatAgent:
+    """The same user turns over Chat Completions, re-sending the history with the model's own answers
+    each turn (their content, as clients send it back), as a client without stored responses must
+    (``extra``: the request's extra body, e.g. ``chat_template_kwargs``)."""
+
+    def __init__(self, system: str, extra: Optional[dict] = None) -> None:
+        self.history: list[dict[str, Any]] = [{"role": "system", "content": system}]
+        self.extra = dict(extra or {})
+
+    def turn(self, url: str, user: str) -> dict[str, Any]:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+        self.history.append({"role": "user", "content": user})
+        out = ttft(client, list(self.history), dict(self.extra))
+        self.history.append({"role": "assistant", "content": out["text"]})
+        return out
+
+
+def interleaved(agents: dict[str, tuple[Any, str]]) -> dict[str, list[dict[str, Any]]]:
+    """The 5 user turns of every agent (``name: (agent, server url)``), turn by turn: turn i of each agent
+    before turn i + 1 of any, the agent that goes first rotating per turn, so that each turn of the
+    agents compared is measured under the same load of this shared machine (a whole session of one agent
+    after another's measured the load drift as much as the agents)."""
+    out: dict[str, list[dict[str, Any]]] = {k: [] for k in agents}
+    names = list(agents)
+    for i, u in enumerate(USER_TURNS):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            agent, url = agents[name]
+            out[name].append(agent.turn(url, u))
+    return out
+
+
 def responses_agent(url: str, system: str, prev: Optional[str]) -> list[dict[str, Any]]:
     """The 5 user turns as a Responses conversation continuing ``prev`` (None: a new one)."""
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
-    out = []
-    for u in USER_TURNS:
-        out.append(responses_turn(client, system, u, prev))
-        prev = out[-1]["id"]
-    return out
+    return interleaved({"r": (ResponsesAgent(system, prev), url)})["r"]
 
 
 def chat_agent(url: str, history: list[dict[str, Any]], extra: Optional[dict] = None) -> list[dict[str, Any]]:
-    """The same 5 user turns over Chat Completions, re-sending ``history`` (extended in place) with the
-    model's own answers each turn, as a client without stored responses must (``extra``: the request's
-    extra body, e.g. ``chat_template_kwargs``)."""
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
-    out = []
-    for u in USER_TURNS:
-        history.append({"role": "user", "content": u})
-        out.append(ttft(client, list(history), dict(extra or {})))
-        history.append({"role": "assistant", "content": out[-1]["text"]})
-    return out
+    """The same 5 user turns over Chat Completions continuing ``history`` (a system message and any
+    earlier turns; extended in place)."""
+    agent = ChatAgent("", extra)
+    agent.history = history
+    return interleaved({"c": (agent, url)})["c"]
 
 
 # --------------------------------------------------------------------------- the CLI through the server
@@ -449,13 +485,6 @@ def main() -> None:
             startup["llama-server"].append(s.startup_s)
             res["llama_server_cold"].append(session(s.url, reqs, {"cache_prompt": True, **chat_extra}))
             res["llama_server_warm"].append(session(s.url, reqs, {"cache_prompt": True, **chat_extra}))
-        # the Chat Completions agent (its own answers re-sent), then a new process continuing it: llama-server
-        # keeps nothing across a restart, and a conversation is all the history it can be sent
-        history: list[dict[str, Any]] = [{"role": "system", "content": reqs[0][0]["content"]}]
-        for key in ("llama_chat_first", "llama_chat_after_restart"):
-            with started(lambda: llama_server(exe, model, cfg, threads, work)) as s:
-                startup["llama-server"].append(s.startup_s)
-                res[key].append(chat_agent(s.url, history, {"cache_prompt": True, **chat_extra}))
 
     def run_lcp(rep: int) -> None:
         d = work / f"lcp-cache-{rep}"
@@ -466,18 +495,25 @@ def main() -> None:
                 res[key].append(session(s.url, reqs, chat_extra))
 
     def run_responses(rep: int) -> None:
+        """The Responses agent, the Chat Completions agent on graftmem and (with llama-server in --only) on
+        llama-server, each on its own fresh server, their turns interleaved; then every server restarts
+        (llama-server: a new process, it keeps nothing) and each conversation goes on for 5 more turns."""
         system = reqs[0][0]["content"]
-        home = work / f"home-responses-{rep}"
-        with started(lambda: graftmem_server(home, work)) as s:
-            res["responses_first"].append(responses_agent(s.url, system, None))
-        with started(lambda: graftmem_server(home, work)) as s:  # the conversation continues after a restart
-            res["responses_after_restart"].append(responses_agent(s.url, system, res["responses_first"][-1][-1]["id"]))
-        home = work / f"home-chat-{rep}"
-        history: list[dict[str, Any]] = [{"role": "system", "content": system}]
-        with started(lambda: graftmem_server(home, work)) as s:
-            res["chat_first"].append(chat_agent(s.url, history, chat_extra))
-        with started(lambda: graftmem_server(home, work)) as s:
-            res["chat_after_restart"].append(chat_agent(s.url, history, chat_extra))
+        agents: dict[str, Any] = {"responses": ResponsesAgent(system), "chat": ChatAgent(system, chat_extra)}
+        if exe is not None:
+            agents["llama_chat"] = ChatAgent(system, {"cache_prompt": True, **chat_extra})
+        for phase in ("first", "after_restart"):
+            with contextlib.ExitStack() as stack:
+                urls = {}
+                for name in agents:
+                    if name == "llama_chat":
+                        s = stack.enter_context(started(lambda: llama_server(exe, model, cfg, threads, work)))
+                        startup["llama-server"].append(s.startup_s)
+                    else:
+                        s = stack.enter_context(started(lambda: graftmem_server(work / f"home-{name}-{rep}", work)))
+                    urls[name] = s.url
+                for name, turns_ in interleaved({k: (a, urls[k]) for k, a in agents.items()}).items():
+                    res[f"{name}_{phase}"].append(turns_)
 
     runners = [("graftmem", run_graftmem), ("graftmem-responses", run_responses), ("llama-server", run_llama_server),
                ("graftmem-baseline", run_baseline),
