@@ -332,19 +332,6 @@ def interleaved(agents: dict[str, tuple[Any, str]]) -> dict[str, list[dict[str, 
     return out
 
 
-def responses_agent(url: str, system: str, prev: Optional[str]) -> list[dict[str, Any]]:
-    """The 5 user turns as a Responses conversation continuing ``prev`` (None: a new one)."""
-    return interleaved({"r": (ResponsesAgent(system, prev), url)})["r"]
-
-
-def chat_agent(url: str, history: list[dict[str, Any]], extra: Optional[dict] = None) -> list[dict[str, Any]]:
-    """The same 5 user turns over Chat Completions continuing ``history`` (a system message and any
-    earlier turns; extended in place)."""
-    agent = ChatAgent("", extra)
-    agent.history = history
-    return interleaved({"c": (agent, url)})["c"]
-
-
 # --------------------------------------------------------------------------- the CLI through the server
 def cli_search(url: str, reps: int, work: Path) -> dict[str, Any]:
     """p50 of ``POST /v1/memory/search`` and of a whole ``graftmem search --url`` process."""
