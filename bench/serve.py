@@ -23,13 +23,24 @@ n_ubatch, threads and flash attention:
 - ``graftmem-responses``: the same user turns as an agent of the Responses API: each turn sends only its
   user message with ``previous_response_id`` (the server grafts the stored chain, or finds it in RAM):
   5 turns, a restart, 5 more turns continuing the stored conversation; next to the same conversation
-  over Chat Completions (the model's own answers re-sent as history each turn), on a fresh home.
+  over Chat Completions (the model's own answers re-sent as history each turn), on a fresh home, and,
+  with ``llama-server`` in ``--only``, over Chat Completions on llama-server (a restart is a new process:
+  it keeps nothing). Each agent has its own server; their turns are interleaved (turn i of each before
+  turn i + 1 of any), so the agents compared meet the same load of a shared machine turn by turn.
+
+- the model: ``--model`` (default ``smollm2``) is a short name, a GGUF path, or ``tiny:<family>``, a
+  tiny random-weight model of a real family (scripts/tiny_models.py: a real tokenizer and chat
+  template, e.g. ``tiny:qwen3``, ChatML with ``<think>``, whose template drops earlier reasoning when a
+  new user turn arrives); graftmem serve and llama-server load the same file. ``--chat-template-kwargs``
+  (JSON, e.g. ``'{"enable_thinking": false}'``) goes with every Chat Completions request of both servers:
+  Qwen 3's template then opens each answer with an empty ``<think></think>`` block that a re-rendered
+  history drops, the re-render a Responses agent never does.
 
 The order of the servers rotates per rep (the machine is shared and noisy); the JSON keeps every
 number, the table shows medians and [min, max]. Afterwards, ``graftmem search --url`` through a running
 server: p50 of the HTTP request alone and of the whole CLI process.
 
-    python -m bench.serve [--reps 3] [--words 2000] [--cli-reps 10]
+    python -m bench.serve [--reps 3] [--words 2000] [--cli-reps 10] [--model tiny:qwen3]
 """
 
 from __future__ import annotations
@@ -111,6 +122,29 @@ def turns(system: str) -> list[list[dict[str, str]]]:
     return out
 
 
+# --------------------------------------------------------------------------- the model
+def bench_model(arg: str) -> tuple[str, Path, str]:
+    """``(name, gguf_path, note)`` of ``--model``: a short name or a GGUF path (`resolve_model`), or
+    ``tiny:<family>``, the tiny random-weight model of a real family built by scripts/tiny_models.py
+    (cached outside the repository; a rerun finds it), so a result names a model anyone can rebuild
+    rather than a path in someone's cache."""
+    if arg.startswith("tiny:"):
+        import importlib.util
+
+        family = arg.split(":", 1)[1]
+        spec = importlib.util.spec_from_file_location("graftmem_tiny_models", ROOT / "scripts" / "tiny_models.py")
+        assert spec is not None and spec.loader is not None
+        tiny = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = tiny  # its dataclasses look their module up there (tests/tiny.py does the same)
+        spec.loader.exec_module(tiny)
+        if family not in tiny.FAMILIES:
+            raise SystemExit(f"--model {arg}: unknown tiny family {family!r} (one of {', '.join(tiny.FAMILIES)})")
+        return arg, Path(tiny.build(family)), f"tiny random-weight {tiny.FAMILIES[family].note}"
+    name, path = resolve_model(arg)
+    note = "SmolLM2-135M-Instruct Q4_1" if name == "smollm2" else ""
+    return name, path, note
+
+
 # --------------------------------------------------------------------------- servers
 class Proc:
     """A server subprocess (log to a file), ready when ``ready_path`` answers 200."""
@@ -155,15 +189,20 @@ def python_env(work: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+#: the GGUF every server of the run loads (``--model``)
+MODEL: list[Path] = []
+
+
 def graftmem_server(home: Path, work: Path, root: Path = ROOT) -> Proc:
     """``graftmem serve`` from the sources under ``root`` (``--baseline``: another checkout, e.g. the
-    commit before a change, measured in the same run)."""
+    commit before a change, measured in the same run), on the run's model."""
     port = cpp_peer.free_port()
     env = python_env(work)
     env["PYTHONPATH"] = str(root)
     env["PYTHONPYCACHEPREFIX"] = str(work / ("pycache" if root == ROOT else "pycache-baseline"))
+    model = ["--model", str(MODEL[0])] if MODEL else []
     return Proc("graftmem", [sys.executable, "-m", "graftmem", "serve", "--home", str(home), "--port", str(port),
-                             *SERVE_ARGS],
+                             *model, *SERVE_ARGS],
                 port, "/v1/models", work / f"graftmem-{time.time_ns()}.log", cwd=root, env=env)
 
 
@@ -191,20 +230,35 @@ def lcp_server(model: Path, cfg: EngineConfig, threads: int, cache_cwd: Path, wo
 
 # --------------------------------------------------------------------------- client
 def ttft(client: openai.OpenAI, messages: list, extra: dict) -> dict[str, Any]:
+    """One streamed Chat Completions request: TTFT to the first non-empty content (or reasoning) delta.
+
+    The cache counts come from graftmem's receipt, or from llama-server's ``timings`` in its last chunk
+    (``cache_n``: tokens reused from the slot; ``prompt_n``: tokens evaluated), so both servers' turns
+    say how much of the prompt they prefilled again."""
     t0 = time.perf_counter()
-    first, parts, receipt = None, [], None
+    first, parts, receipt, timings = None, [], None, None
     for ch in client.chat.completions.create(model="m", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
                                              stream=True, extra_body=extra):
-        if ch.choices and ch.choices[0].delta.content:
-            if first is None:
-                first = time.perf_counter() - t0
-            parts.append(ch.choices[0].delta.content)
+        delta = ch.choices[0].delta if ch.choices else None
+        # a reasoning template's answer may stream as reasoning_content first: it is the first token too
+        thought = (delta.model_extra or {}).get("reasoning_content") if delta is not None else None
+        if delta is not None and (delta.content or thought) and first is None:
+            first = time.perf_counter() - t0
+        if delta is not None and delta.content:
+            parts.append(delta.content)
         receipt = (ch.model_extra or {}).get("graftmem") or receipt
+        timings = (ch.model_extra or {}).get("timings") or timings
     end = time.perf_counter() - t0
-    rc = receipt or {}
-    return {"ttft_ms": round((first if first is not None else end) * 1e3, 2), "total_ms": round(end * 1e3, 2),
-            "text": "".join(parts), "cached_tokens": rc.get("tokens_restored"), "restore_ms": rc.get("restore_ms"),
-            "prefill_ms": rc.get("prefill_ms"), "tokens_prefilled": rc.get("tokens_prefilled")}
+    out = {"ttft_ms": round((first if first is not None else end) * 1e3, 2), "total_ms": round(end * 1e3, 2),
+           "text": "".join(parts), "cached_tokens": None, "restore_ms": None, "prefill_ms": None,
+           "tokens_prefilled": None}
+    if receipt:
+        out.update(cached_tokens=receipt.get("tokens_restored"), restore_ms=receipt.get("restore_ms"),
+                   prefill_ms=receipt.get("prefill_ms"), tokens_prefilled=receipt.get("tokens_prefilled"))
+    elif timings:
+        out.update(cached_tokens=timings.get("cache_n"), tokens_prefilled=timings.get("prompt_n"),
+                   prefill_ms=timings.get("prompt_ms"))
+    return out
 
 
 def session(url: str, requests: list[list[dict]], extra: dict) -> list[dict[str, Any]]:
@@ -235,25 +289,48 @@ def responses_turn(client: openai.OpenAI, system: str, user: str, prev: Optional
             "source": rc.get("source"), "id": final.id if final is not None else None}
 
 
-def responses_agent(url: str, system: str, prev: Optional[str]) -> list[dict[str, Any]]:
-    """The 5 user turns as a Responses conversation continuing ``prev`` (None: a new one)."""
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
-    out = []
-    for u in USER_TURNS:
-        out.append(responses_turn(client, system, u, prev))
-        prev = out[-1]["id"]
-    return out
+class ResponsesAgent:
+    """The user turns as a Responses conversation: each turn sends its user message and
+    ``previous_response_id`` (``prev``: the last answer's id; None: a new conversation)."""
+
+    def __init__(self, system: str, prev: Optional[str] = None) -> None:
+        self.system, self.prev = system, prev
+
+    def turn(self, url: str, user: str) -> dict[str, Any]:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+        out = responses_turn(client, self.system, user, self.prev)
+        self.prev = out["id"]
+        return out
 
 
-def chat_agent(url: str, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The same 5 user turns over Chat Completions, re-sending ``history`` (extended in place) with the
-    model's own answers each turn, as a client without stored responses must."""
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
-    out = []
-    for u in USER_TURNS:
-        history.append({"role": "user", "content": u})
-        out.append(ttft(client, list(history), {}))
-        history.append({"role": "assistant", "content": out[-1]["text"]})
+class ChatAgent:
+    """The same user turns over Chat Completions, re-sending the history with the model's own answers
+    each turn (their content, as clients send it back), as a client without stored responses must
+    (``extra``: the request's extra body, e.g. ``chat_template_kwargs``)."""
+
+    def __init__(self, system: str, extra: Optional[dict] = None) -> None:
+        self.history: list[dict[str, Any]] = [{"role": "system", "content": system}]
+        self.extra = dict(extra or {})
+
+    def turn(self, url: str, user: str) -> dict[str, Any]:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+        self.history.append({"role": "user", "content": user})
+        out = ttft(client, list(self.history), dict(self.extra))
+        self.history.append({"role": "assistant", "content": out["text"]})
+        return out
+
+
+def interleaved(agents: dict[str, tuple[Any, str]]) -> dict[str, list[dict[str, Any]]]:
+    """The 5 user turns of every agent (``name: (agent, server url)``), turn by turn: turn i of each agent
+    before turn i + 1 of any, the agent that goes first rotating per turn, so that each turn of the
+    agents compared is measured under the same load of this shared machine (a whole session of one agent
+    after another's measured the load drift as much as the agents)."""
+    out: dict[str, list[dict[str, Any]]] = {k: [] for k in agents}
+    names = list(agents)
+    for i, u in enumerate(USER_TURNS):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            agent, url = agents[name]
+            out[name].append(agent.turn(url, u))
     return out
 
 
@@ -311,7 +388,11 @@ def summary(sessions: list[list[dict]]) -> dict[str, Any]:
             "session_median_ttft_ms": harness.summary(meds, digits=1),
             "session_sum_ttft_ms": harness.summary(sums, digits=1),
             "per_turn_median_ms": [round(harness.summary(s[i]["ttft_ms"] for s in sessions)["median"], 1)
-                                   for i in range(len(sessions[0]))]}
+                                   for i in range(len(sessions[0]))],
+            # what each turn took from a cache and prefilled again (the first session's; None where the
+            # server did not say)
+            "per_turn_cached_tokens": [t.get("cached_tokens") for t in sessions[0]],
+            "per_turn_tokens_prefilled": [t.get("tokens_prefilled") for t in sessions[0]]}
 
 
 def main() -> None:
@@ -323,6 +404,10 @@ def main() -> None:
                     help="graftmem-responses: the same user turns as a Responses agent (previous_response_id), "
                          "5 turns, a restart, 5 more continuing the stored conversation, next to the same "
                          "conversation over Chat Completions re-sending its history")
+    ap.add_argument("--model", default="smollm2", help="the GGUF every server loads: a short name (smollm2), a GGUF "
+                    "path, or tiny:<family> (scripts/tiny_models.py, e.g. tiny:qwen3)")
+    ap.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                    help='chat_template_kwargs of every Chat Completions request, e.g. \'{"enable_thinking": false}\'')
     ap.add_argument("--out", default=str(RESULTS / "serve.json"))
     ap.add_argument("--serve-args", default="", help='extra `graftmem serve` flags, e.g. "--sightings 1"')
     ap.add_argument("--baseline", default=None, help="another graftmem source tree (e.g. `git archive` of the "
@@ -330,10 +415,15 @@ def main() -> None:
     args = ap.parse_args()
     only = set(args.only.split(","))
     SERVE_ARGS[:] = args.serve_args.split()
+    tpl_kwargs = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else None
+    if tpl_kwargs is not None and not isinstance(tpl_kwargs, dict):
+        raise SystemExit(f"--chat-template-kwargs must be a JSON object, got {args.chat_template_kwargs!r}")
+    chat_extra: dict[str, Any] = {"chat_template_kwargs": tpl_kwargs} if tpl_kwargs else {}
     load_before = os.getloadavg()
     cfg = EngineConfig()
     threads = cfg.n_threads or usable_cores()
-    _, model = resolve_model("smollm2")
+    model_name, model, model_note = bench_model(args.model)
+    MODEL[:] = [model]
     work = Path(tempfile.mkdtemp(prefix="graftmem-bench-serve-"))
     reqs = turns(system_prompt(args.words))
     peers_note: dict[str, str] = {}
@@ -351,7 +441,7 @@ def main() -> None:
     res: dict[str, list] = {k: [] for k in ("graftmem_cold", "graftmem_restart", "baseline_cold", "baseline_restart",
                                             "llama_server_cold", "llama_server_warm", "lcp_cold", "lcp_restart",
                                             "responses_first", "responses_after_restart", "chat_first",
-                                            "chat_after_restart")}
+                                            "chat_after_restart", "llama_chat_first", "llama_chat_after_restart")}
     startup: dict[str, list] = {"graftmem": [], "graftmem-baseline": [], "llama-server": [], "llama-cpp-python": []}
     if args.baseline:
         only.add("graftmem-baseline")
@@ -362,10 +452,10 @@ def main() -> None:
         home = work / f"home-{rep}"
         with started(lambda: graftmem_server(home, work)) as s:
             startup["graftmem"].append(s.startup_s)
-            res["graftmem_cold"].append(session(s.url, reqs, {}))
+            res["graftmem_cold"].append(session(s.url, reqs, chat_extra))
         with started(lambda: graftmem_server(home, work)) as s:
             startup["graftmem"].append(s.startup_s)
-            res["graftmem_restart"].append(session(s.url, reqs, {}))
+            res["graftmem_restart"].append(session(s.url, reqs, chat_extra))
             cached.append([t["cached_tokens"] for t in res["graftmem_restart"][-1]])
             if rep == args.reps - 1 and args.cli_reps:
                 cli.update(cli_search(s.url, args.cli_reps, work))
@@ -375,15 +465,15 @@ def main() -> None:
         for key in ("baseline_cold", "baseline_restart"):
             with started(lambda: graftmem_server(home, work, root)) as s:
                 startup["graftmem-baseline"].append(s.startup_s)
-                res[key].append(session(s.url, reqs, {}))
+                res[key].append(session(s.url, reqs, chat_extra))
 
     def run_llama_server(rep: int) -> None:
         if exe is None:
             return
         with started(lambda: llama_server(exe, model, cfg, threads, work)) as s:
             startup["llama-server"].append(s.startup_s)
-            res["llama_server_cold"].append(session(s.url, reqs, {"cache_prompt": True}))
-            res["llama_server_warm"].append(session(s.url, reqs, {"cache_prompt": True}))
+            res["llama_server_cold"].append(session(s.url, reqs, {"cache_prompt": True, **chat_extra}))
+            res["llama_server_warm"].append(session(s.url, reqs, {"cache_prompt": True, **chat_extra}))
 
     def run_lcp(rep: int) -> None:
         d = work / f"lcp-cache-{rep}"
@@ -391,27 +481,35 @@ def main() -> None:
         for key in ("lcp_cold", "lcp_restart"):
             with started(lambda: lcp_server(model, cfg, threads, d, work)) as s:
                 startup["llama-cpp-python"].append(s.startup_s)
-                res[key].append(session(s.url, reqs, {}))
+                res[key].append(session(s.url, reqs, chat_extra))
 
     def run_responses(rep: int) -> None:
+        """The Responses agent, the Chat Completions agent on graftmem and (with llama-server in --only) on
+        llama-server, each on its own fresh server, their turns interleaved; then every server restarts
+        (llama-server: a new process, it keeps nothing) and each conversation goes on for 5 more turns."""
         system = reqs[0][0]["content"]
-        home = work / f"home-responses-{rep}"
-        with started(lambda: graftmem_server(home, work)) as s:
-            res["responses_first"].append(responses_agent(s.url, system, None))
-        with started(lambda: graftmem_server(home, work)) as s:  # the conversation continues after a restart
-            res["responses_after_restart"].append(responses_agent(s.url, system, res["responses_first"][-1][-1]["id"]))
-        home = work / f"home-chat-{rep}"
-        history: list[dict[str, Any]] = [{"role": "system", "content": system}]
-        with started(lambda: graftmem_server(home, work)) as s:
-            res["chat_first"].append(chat_agent(s.url, history))
-        with started(lambda: graftmem_server(home, work)) as s:
-            res["chat_after_restart"].append(chat_agent(s.url, history))
+        agents: dict[str, Any] = {"responses": ResponsesAgent(system), "chat": ChatAgent(system, chat_extra)}
+        if exe is not None:
+            agents["llama_chat"] = ChatAgent(system, {"cache_prompt": True, **chat_extra})
+        for phase in ("first", "after_restart"):
+            with contextlib.ExitStack() as stack:
+                urls = {}
+                for name in agents:
+                    if name == "llama_chat":
+                        s = stack.enter_context(started(lambda: llama_server(exe, model, cfg, threads, work)))
+                        startup["llama-server"].append(s.startup_s)
+                    else:
+                        s = stack.enter_context(started(lambda: graftmem_server(work / f"home-{name}-{rep}", work)))
+                    urls[name] = s.url
+                for name, turns_ in interleaved({k: (a, urls[k]) for k, a in agents.items()}).items():
+                    res[f"{name}_{phase}"].append(turns_)
 
     runners = [("graftmem", run_graftmem), ("graftmem-responses", run_responses), ("llama-server", run_llama_server),
                ("graftmem-baseline", run_baseline),
                ("llama-cpp-python", run_lcp)]
     runners = [r for r in runners if r[0] in only]
     t_start = time.time()
+    loads: list[dict[str, Any]] = []  # the load average after each runner: the machine is shared
     for rep in range(args.reps):
         for name, fn in runners[rep % len(runners):] + runners[:rep % len(runners)]:
             t0 = time.time()
@@ -420,7 +518,9 @@ def main() -> None:
             except cpp_peer.PeerUnavailable as exc:
                 peers_note[name] = f"failed in rep {rep}: {exc}"
                 print(f"{name}: {exc}", file=sys.stderr)
-            print(f"rep {rep + 1}/{args.reps} {name}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+            loads.append({"rep": rep, "runner": name, "s": round(time.time() - t0, 1), "loadavg": os.getloadavg()})
+            print(f"rep {rep + 1}/{args.reps} {name}: {time.time() - t0:.0f} s, load {loads[-1]['loadavg']}",
+                  file=sys.stderr, flush=True)
     load_after = os.getloadavg()
     summ = {k: summary(v) for k, v in res.items() if v}
     texts = {k: [t["text"] for t in v[0]] for k, v in res.items() if v}
@@ -464,12 +564,18 @@ def main() -> None:
     ratios["per turn: graftmem_restart / llama_server_warm"] = per_turn("graftmem_restart", "llama_server_warm")
     ratios["per turn: baseline_cold / llama_server_cold"] = per_turn("baseline_cold", "llama_server_cold")
     ratios["per turn: baseline_restart / llama_server_warm"] = per_turn("baseline_restart", "llama_server_warm")
+    for a, b in (("chat_first", "responses_first"), ("chat_after_restart", "responses_after_restart"),
+                 ("llama_chat_first", "responses_first"), ("llama_chat_after_restart", "responses_after_restart"),
+                 ("llama_chat_first", "chat_first"), ("llama_chat_after_restart", "chat_after_restart")):
+        ratios[f"per turn: {a} / {b}"] = per_turn(a, b)
+        ratios[f"{a} / {b} (session sum)"] = ratio(a, b, "session_sum_ttft_ms")
     out = {
         "baseline": args.baseline,
-        "model": "smollm2 (SmolLM2-135M-Instruct Q4_1)", "engine": {**cfg.model_dump(), "threads": threads},
+        "model": f"{model_name} ({model_note})" if model_note else model_name, "model_path": str(model),
+        "chat_template_kwargs": tpl_kwargs, "engine": {**cfg.model_dump(), "threads": threads},
         "max_tokens": MAX_TOKENS, "reps": args.reps, "turns": len(reqs), "system_words": args.words,
         "machine": {"cpu_count": os.cpu_count(), "usable_cores": usable_cores(),
-                    "loadavg_before": load_before, "loadavg_after": load_after},
+                    "loadavg_before": load_before, "loadavg_after": load_after, "loadavg_per_runner": loads},
         "wall_s": round(time.time() - t_start, 1),
         "summary": summ, "ratios": ratios, "graftmem_restart_cached_tokens": cached,
         "graftmem_answers_equal_across_sessions": gm_equal, "first_session_answers": texts,
