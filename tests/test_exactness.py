@@ -76,9 +76,9 @@ def test_verify_reports_50_of_50_on_smollm2(mem):
     assert rep.ok
     assert mem.get(block.id).verification.ok  # the record is stored in the manifest
 
-    full = verify_block(mem.engine, mem.store, block.id, samples=8, fresh="reprefill", cross_process=False)
-    assert (full.sha_equal, full.argmax_agree, full.max_kl) == (8, 8, 0.0)
-    assert [r.fresh_sha256 for r in full.rows] == [r.fresh_sha256 for r in rep.rows[:8]]
+    full = verify_block(mem.engine, mem.store, block.id, samples=4, fresh="reprefill", cross_process=False)
+    assert (full.sha_equal, full.argmax_agree, full.max_kl) == (4, 4, 0.0)
+    assert [r.fresh_sha256 for r in full.rows] == [r.fresh_sha256 for r in rep.rows[:4]]
 
 
 def test_verify_reports_50_of_50_on_gemma3_past_the_window(gmem):
