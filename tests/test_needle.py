@@ -286,12 +286,12 @@ def test_resume_after_a_killed_build(dmem, tmp_path):
 
 @pytest.mark.slow
 def test_needle_bench_small(tmp_path):
-    """bench/needle.py end to end at a small size: 7 needles over 3,000 tokens in 512-token pages, one
+    """bench/needle.py end to end at a small size: 7 needles over 2,000 tokens in 512-token pages, one
     restore timing per question and one thread (the worker is pinned to one core: a second thread
     would only wait on it)."""
     out = tmp_path / "needle.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "bench.needle", "--tokens", "3000", "--window", "512",
+    proc = subprocess.run([sys.executable, "-m", "bench.needle", "--tokens", "2000", "--window", "512",
                            "--overlap", "32", "--reps", "1", "--threads", "1", "--store", str(tmp_path / "store"),
                            "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
