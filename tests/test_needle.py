@@ -36,7 +36,7 @@ def dmem(gemma, tmp_path, minilm):
         yield m
 
 
-def _document(n_words_between: int = 450) -> str:
+def _document(n_words_between: int = 300) -> str:
     """Filler paragraphs with one distinctive fact in each third of the document."""
     parts = []
     for k, fact in enumerate(FACTS):
