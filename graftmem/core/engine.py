@@ -283,6 +283,30 @@ def _kernel_key(model_sha256: str, config: EngineConfig, extra: bool) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
+_V = TypeVar("_V", bound=BaseModel)
+
+
+def _read_verdict(path: Path, kind: type[_V]) -> Optional[_V]:
+    """A verdict kept in the model cache (`kernel_verdict`, `Engine._probe_once`), or None (absent, or
+    unreadable: decided again)."""
+    try:
+        return kind.model_validate_json(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _keep_verdict(path: Path, verdict: BaseModel) -> None:
+    """Write a verdict for the next process, atomically (temp file, rename); a read-only cache only
+    costs deciding it again next time."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(verdict.model_dump_json())
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
 def kernel_verdict(model_path: Path, model_sha256: str, config: EngineConfig, extra: bool) -> KernelVerdict:
     """The cached verdict for these kernels on this machine, probing in a child process the first time.
 
@@ -294,10 +318,9 @@ def kernel_verdict(model_path: Path, model_sha256: str, config: EngineConfig, ex
     """
     key = _kernel_key(model_sha256, config, extra)
     path = model_cache_dir() / "kernel-probes" / f"{key}.json"
-    try:
-        return KernelVerdict.model_validate_json(path.read_text())
-    except (OSError, ValueError):
-        pass
+    cached = _read_verdict(path, KernelVerdict)
+    if cached is not None:
+        return cached
     child_cfg = config.model_copy(update={"extra_bufts": "on" if extra else "off", "probe": True,
                                           "n_ctx": min(config.n_ctx, 4096), "n_threads": config.n_threads})
     env = {**os.environ, _CHILD_ENV: "1"}
@@ -327,13 +350,7 @@ def kernel_verdict(model_path: Path, model_sha256: str, config: EngineConfig, ex
     else:  # a Python error in the child (a bad model, a bad config): not a kernel verdict, not cached
         tail = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
         return KernelVerdict(extra_bufts=extra, ran=False, key=key, reason=f"the probe child failed: {tail}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(verdict.model_dump_json())
-        os.replace(tmp, path)
-    except OSError:  # a read-only cache only costs another child next time
-        pass
+    _keep_verdict(path, verdict)
     return verdict
 
 
@@ -922,18 +939,11 @@ class Engine:
         blob = json.dumps({"probe": _PROBE_VERSION, "n_swa": self.n_swa, "fingerprint": self.fingerprint.model_dump()},
                           sort_keys=True, default=str)
         path = model_cache_dir() / "exactness-probes" / f"{hashlib.sha256(blob.encode()).hexdigest()[:32]}.json"
-        try:
-            return Exactness.model_validate_json(path.read_text())
-        except (OSError, ValueError):
-            pass
+        cached = _read_verdict(path, Exactness)
+        if cached is not None:
+            return cached
         verdict = self.probe()
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(verdict.model_dump_json())
-            os.replace(tmp, path)
-        except OSError:
-            pass
+        _keep_verdict(path, verdict)
         return verdict
 
     def probe(self) -> Exactness:
