@@ -36,11 +36,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         srv = mem.serve(config) if mem is not None else block_server(_home(args), config)
         try:
             _close_on_sigterm()  # before the line that tells a supervisor the server is up
-            print(f"serving {srv.store.home} at {srv.url} (pushes {'on' if token else 'off'}, "
-                  f"listings {'signed' if args.sign else 'unsigned'}, "
-                  f"API key {_key_mode(api_key)}); Ctrl-C stops", flush=True)
-            for line in _endpoint_lines(srv.url, False):
-                print(line, flush=True)
+            _announce(srv, args, config)
             srv.serve_forever()
         except KeyboardInterrupt:
             pass
@@ -77,11 +73,7 @@ def _serve_api(args: argparse.Namespace, config: Any) -> int:
                     f"thread(s) on one loaded model, ")
             if warmed:
                 what += f"{sum(w['tokens'] for w in warmed)} prompt tokens warm in RAM, "
-            print(f"serving {srv.store.home} at {srv.url} ({what}pushes {'on' if config.push_token else 'off'}, "
-                  f"listings {'signed' if args.sign else 'unsigned'}, "
-                  f"API key {_key_mode(config.api_key)}); Ctrl-C stops", flush=True)
-            for line in _endpoint_lines(srv.url, True):
-                print(line, flush=True)
+            _announce(srv, args, config, what)
         except BaseException as exc:  # noqa: BLE001 - raised again by the main thread
             made["error"] = exc
             runner.stop()
@@ -107,6 +99,15 @@ def _serve_api(args: argparse.Namespace, config: Any) -> int:
     if "error" in made:
         raise made["error"]
     return 0
+
+
+def _announce(srv: Any, args: argparse.Namespace, config: Any, what: str = "") -> None:
+    """The first line (scripts read the URL from it; printed once the server answers), then the endpoints."""
+    print(f"serving {srv.store.home} at {srv.url} ({what}pushes {'on' if config.push_token else 'off'}, "
+          f"listings {'signed' if args.sign else 'unsigned'}, "
+          f"API key {_key_mode(config.api_key)}); Ctrl-C stops", flush=True)
+    for line in _endpoint_lines(srv.url, config.api):
+        print(line, flush=True)
 
 
 def serve_config(args: argparse.Namespace, *, api_key: Any, push_token: Optional[str]) -> Any:
