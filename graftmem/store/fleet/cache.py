@@ -223,6 +223,9 @@ class ReadCache:
             t2 = time.perf_counter()
             timings["fetch_ms"] = timings.get("fetch_ms", 0.0) + (t1 - t0) * 1e3
             timings["check_ms"] = timings.get("check_ms", 0.0) + (t2 - t1) * 1e3
+        # used now, not when the write behind ends: a read of another block may come in between, and the
+        # cap must evict by the order of the reads (test_the_cache_is_capped_least_recently_used_first)
+        self.index.touch(bid)
         self._cache_behind(bid, meta, parts, got)
         return meta, view
 
@@ -262,10 +265,10 @@ class ReadCache:
                 raise OSError(f"{tmp}: {os.stat(tmp).st_size} bytes written of {size}")
             staged = meta.model_copy(update={"provenance": meta.provenance, "labels_trusted": meta.labels_trusted})
             self.store.adopt([(staged, tmp)])
-            self.index.touch(bid)
             self.evict(keep=bid)
         except (OSError, StoreError) as exc:  # a cache that cannot take it: the read was served anyway
             log.warning("fleet store %s: block %s not cached: %s", self.url, bid[:12], exc)
+            self.index.forget_use(bid)
         finally:
             tmp.unlink(missing_ok=True)
             with self._lock:
