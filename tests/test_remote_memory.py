@@ -13,6 +13,7 @@ from graftmem.api import RemoteJSON
 from graftmem.cli import main
 from graftmem.cli.parser import build_parser
 from graftmem.cli.serve import serve_config
+from graftmem.core.engine import threads_per_engine
 
 KEY = "remote-test-key-1"
 TEXT = "Refunds take 14 days and need the receipt."
@@ -57,6 +58,8 @@ def test_serve_flags_become_one_config():
 
 
 def test_memory_serve_takes_the_config_and_its_overrides(smol, tmp_path):
+    own, big = smol.n_threads, threads_per_engine(2) + 2
+    smol.set_threads(big)  # more than each engine of a pool of 2 gets
     with Memory(engine=smol, home=tmp_path / "home") as mem:
         cfg = ServeConfig(api=True, min_prefix_tokens=16, warm=False, engines=2)
         srv = mem.serve(cfg, sightings=1)  # keywords override the config
@@ -65,8 +68,12 @@ def test_memory_serve_takes_the_config_and_its_overrides(smol, tmp_path):
             assert srv.config == cfg.replace(sightings=1) and srv.config.api_key is None
             assert srv.pool.engines[0] is smol and len(srv.pool.engines) == 2  # engines=2: one more opened
             assert (srv.cache.min_tokens, srv.cache.sightings) == (16, 1)
+            assert smol.n_threads == extra.n_threads < big  # sized for the pool
         finally:
             srv.close()
+            threads_after = smol.n_threads
+            smol.set_threads(own)
+        assert threads_after == big  # the Memory's engine outlives the server: its threads are given back
         with pytest.raises(ClosedError):  # the engine the server opened is closed with it; the Memory's is not
             extra.tokenize("x")
         assert smol.tokenize("x")

@@ -715,14 +715,19 @@ class Memory:
         check_pushes = self.vetting(rederive=cfg.rederive)
         if not cfg.api:
             return block_server(self._store, cfg, fingerprint=self.fingerprint, check=check_pushes)
-        # one loaded model for the pool, threads sized per engine (graftmem.server.pool.pool_engines)
+        # one loaded model for the pool, threads sized per engine (graftmem.server.pool.pool_engines); the
+        # memory's own engine gets its threads back when the server closes (it outlives the server)
+        threads = self._engine.n_threads
         extra = pool_engines(self._engine, cfg.engines)[1:]
+        restore = [] if self._engine.n_threads == threads else [lambda: self._engine.set_threads(threads)]
         try:
             srv = api_server(self._store, [self._engine, *extra], cfg, check=check_pushes,
                              router=lambda: self.router, runner=runner)  # router: loaded on the first routed request
         except BaseException:
             for e in extra:
                 e.close()
+            for undo in restore:
+                undo()
             raise
-        srv.on_close.extend(e.close for e in extra)  # after the server has left them empty
+        srv.on_close.extend([*(e.close for e in extra), *restore])  # after the server has left them empty
         return srv
