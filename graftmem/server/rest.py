@@ -90,8 +90,8 @@ class MemoryRoutes:
         """The home's scope index (the one `Memory.scopes` opens), opened on the first scoped request."""
         with self._scopes_lock:
             if self._scopes is None:
-                self._scopes = ScopeIndex(self.store.home, timeout=getattr(self.store, "lock_timeout", 30.0),
-                                          read_only=bool(getattr(self.store, "read_only", False)))
+                self._scopes = ScopeIndex(self.store.home, timeout=self.store.lock_timeout,
+                                          read_only=self.store.read_only)
             return self._scopes
 
     def close(self) -> None:
