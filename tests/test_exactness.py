@@ -18,11 +18,11 @@ from .conftest import long_text
 
 
 def graft_vs_fresh(eng: Engine, tokens: list[int], query: list[int]) -> tuple[str, str]:
-    eng.reset()
-    eng.prefill(tokens)
-    state = bytearray(eng.capture())
+    """The query's logits after a fresh prefill from an empty cache, and after a graft of the state that
+    prefill left (captured between the two calls: reading the cells does not change them)."""
     eng.reset()                      # a fresh prefill from an empty cache, not a continuation
     eng.prefill(tokens)
+    state = bytearray(eng.capture())
     eng.prefill(query)
     fresh = logits_sha256(eng.logits())
     eng.restore(memoryview(state), len(tokens))
