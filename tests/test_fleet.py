@@ -40,9 +40,11 @@ def _block_key(url: str, bid: str) -> str:
     return _key(url, f"blocks/{bid[:2]}/{bid}.gmb")
 
 
-def _worker(eng, url, tmp_path, name, **kw) -> Memory:
-    """A Memory over the shared engine and the bucket, with a cache of its own (a separate machine)."""
-    return Memory(engine=eng, store=FleetStore(url, cache_dir=tmp_path / f"cache-{name}", poll_interval=0, **kw))
+def _worker(eng, url, tmp_path, name, embedder=None, **kw) -> Memory:
+    """A Memory over the shared engine and the bucket, with a cache of its own (a separate machine); a test
+    that routes gives the session's MiniLM (the same model and id as a worker's own, loaded once)."""
+    return Memory(engine=eng, store=FleetStore(url, cache_dir=tmp_path / f"cache-{name}", poll_interval=0, **kw),
+                  embedder=embedder)
 
 
 class _Counting:
@@ -64,11 +66,12 @@ def _fresh_sha(eng, text: str) -> str:
         return logits_sha256(eng.logits())
 
 
-def test_learned_on_one_worker_grafts_exactly_on_another_with_an_empty_cache(tiny_llama, bucket_url, tmp_path, seaweed):
+def test_learned_on_one_worker_grafts_exactly_on_another_with_an_empty_cache(tiny_llama, minilm, bucket_url, tmp_path,
+                                                                              seaweed):
     text = long_text(150, seed=1)
-    with _worker(tiny_llama, bucket_url, tmp_path, "a") as a:
+    with _worker(tiny_llama, bucket_url, tmp_path, "a", minilm) as a:
         block = a.learn(text, name="refunds", when_to_use="refund questions")
-    with _worker(tiny_llama, bucket_url, tmp_path, "b") as b:
+    with _worker(tiny_llama, bucket_url, tmp_path, "b", minilm) as b:
         assert b.store.cache_stats()["blocks"] == 0
         assert [x.id for x in b.get_all()] == [block.id]
         r = b.ask(block.id, QUERY, max_tokens=1)
@@ -353,7 +356,7 @@ def test_prefetch_brings_blocks_into_the_cache_checked(tiny_llama, bucket_url, t
             b.ask(bad.id, QUERY, max_tokens=1)
 
 
-def test_a_document_asked_from_a_bucket_prefetches_the_runner_up_pages(tiny_llama, bucket_url, tmp_path):
+def test_a_document_asked_from_a_bucket_prefetches_the_runner_up_pages(tiny_llama, minilm, bucket_url, tmp_path):
     """A long document learned on one worker is asked on another with an empty cache (its page index
     shared as a file): the page that answers is fetched for the graft, the runner-up pages follow in
     the background, and nothing else is fetched."""
@@ -362,7 +365,7 @@ def test_a_document_asked_from_a_bucket_prefetches_the_runner_up_pages(tiny_llam
     from graftmem.store import Home
     from tests.test_needle import FACTS, _document
 
-    with _worker(tiny_llama, bucket_url, tmp_path, "a") as a:
+    with _worker(tiny_llama, bucket_url, tmp_path, "a", minilm) as a:
         rep = a.learn_document(_document(), document="town", window=256, overlap=32, progress=False)
         snap = tmp_path / "pages.sqlite"
         with sqlite3.connect(a.store.layout.pages_index) as src, sqlite3.connect(snap) as dst:
@@ -371,7 +374,7 @@ def test_a_document_asked_from_a_bucket_prefetches_the_runner_up_pages(tiny_llam
     assert rep.pages >= 4
     store = FleetStore(bucket_url, cache_dir=tmp_path / "cache-b", poll_interval=0)
     assert store.get_file("pages/index.sqlite", Home(tmp_path / "cache-b").pages_index)
-    with Memory(engine=tiny_llama, store=store) as b:
+    with Memory(engine=tiny_llama, store=store, embedder=minilm) as b:
         ans = b.recall_document("How many sacks of barley does the copper mill at Dunmere grind each week?",
                                 document="town", max_tokens=2, min_score=0.0)
         assert FACTS[1] in b.get(ans.page.block_id).text
