@@ -204,7 +204,8 @@ def test_bucket_down_is_a_clear_error_and_the_cache_stays(tiny_llama, tmp_path, 
         for k, v in server.env().items():
             monkeypatch.setenv(k, v)
         url = f"s3://{BUCKET}/down"
-        with Memory(engine=tiny_llama, store=FleetStore(url, cache_dir=tmp_path / "c", poll_interval=0, retry=FAST)) as m:
+        with Memory(engine=tiny_llama,
+                    store=FleetStore(url, cache_dir=tmp_path / "c", poll_interval=0, retry=FAST)) as m:
             cached = m.learn(long_text(60, seed=20), name="cached")
             with _worker(tiny_llama, url, tmp_path, "other") as other:
                 remote_only = other.learn(long_text(60, seed=21), name="remote")

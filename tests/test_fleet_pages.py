@@ -41,7 +41,8 @@ def test_documents_learned_on_two_workers_are_asked_on_a_third(tiny_llama, minil
         obstore.put(x.bucket.store, "files/pages/docs/junk.sqlite", b"not a database")
     finally:
         x.close()
-    with _worker(tiny_llama, bucket_url, tmp_path, "b", minilm) as b, caplog.at_level(logging.WARNING, logger="graftmem"):
+    with _worker(tiny_llama, bucket_url, tmp_path, "b", minilm) as b, \
+            caplog.at_level(logging.WARNING, logger="graftmem"):
         ans = b.recall_document("How many sacks of barley does the copper mill at Dunmere grind each week?",
                                 document="town", max_tokens=2, min_score=0.0)
         assert FACTS[1] in b.get(ans.page.block_id).text
