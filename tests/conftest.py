@@ -72,6 +72,18 @@ def gemma() -> Engine:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama() -> Engine:
+    """The tiny random-weight Llama 3.1 of tests/tiny.py (real tokenizer and template, 2 layers, n_embd 64),
+    loaded once: for tests of what surrounds the engine (stores, fleets, servers), where any real model
+    does and a prefill costs about a hundredth of SmolLM2's. One thread: a pinned xdist worker gets one
+    anyway, and two OpenMP threads on a model this small wait on each other (10x slower on a busy machine)."""
+    from tests.tiny import tiny_path
+
+    with Engine(tiny_path("llama31"), {"n_threads": 1}) as e:
+        yield e
+
+
+@pytest.fixture(scope="session")
 def minilm():
     """The packaged MiniLM, loaded once for every test module that routes."""
     from graftmem import SentenceTransformerEmbedder

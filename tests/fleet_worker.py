@@ -2,8 +2,9 @@
 
     python tests/fleet_worker.py CONFIG.json
 
-It learns its texts into the bucket, then asks blocks that any worker learned (from the listing) and
-compares each graft's first-token logits with a fresh prefill of the block's own tokens. Everything
+It loads the model at the config's ``model`` (a GGUF path or a short name), learns its texts into the
+bucket, then asks blocks that any worker learned (from the listing) and compares each graft's
+first-token logits with a fresh prefill of the block's own tokens. Everything
 it does is appended to its report (JSON lines, flushed per line) so that a worker killed with -9
 has reported exactly what it finished: ``learned`` (an id, after ``learn`` returned), ``reading`` (an
 ask began), ``graft`` (id, exact or not), ``error`` (a typed error and its message), ``uploading`` (a
@@ -45,7 +46,7 @@ def main() -> int:
             return real(key, data, **kw)
         store.bucket.put = put  # type: ignore[method-assign]
     # one thread each: five processes share the test machine's cores
-    eng = Engine("smollm2", {"n_threads": 1, "n_ctx": 2048, "probe": False})
+    eng = Engine(cfg["model"], {"n_threads": 1, "n_ctx": 2048, "probe": False})
     mem = Memory(engine=eng, store=store)
     emit(event="ready")
     for name, text in cfg["texts"]:

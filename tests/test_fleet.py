@@ -11,14 +11,25 @@ import obstore
 import pytest
 
 from graftmem import AccessDenied, BlockCorrupted, BlockNotFound, ConfigError, FleetStore, Memory, TransferError
-from graftmem.core.engine import logits_sha256
+from graftmem.core.engine import Engine, logits_sha256
 from graftmem.store import RetryPolicy, Store
 from tests.conftest import flip_bit, long_text
 from tests.seaweed import BUCKET, Seaweed, bucket_url, seaweed  # noqa: F401 (fixtures)
+from tests.tiny import tall_path
 
 QUERY = " Next:"
 FAST = RetryPolicy(retries=1, retry_timeout=3.0, init_backoff=0.05, max_backoff=0.2, connect_timeout=1.0,
                    timeout=10.0)
+
+
+@pytest.fixture(scope="module")
+def tall():
+    """The tall tiny model (tests/tiny.py) for the large blocks: a 280-word block of it is above 8 MiB,
+    where a block comes down in 4 concurrent ranges (`Bucket.get_parts`, not a setting), and goes up in
+    2 parts where a test lowers the multipart threshold to 6 MiB (SeaweedFS, like S3, refuses parts under
+    5 MiB: the 2-layer model's blocks cannot go up in parts)."""
+    with Engine(tall_path(), {"n_threads": 1}) as e:
+        yield e
 
 
 def _key(url: str, rel: str) -> str:
@@ -29,9 +40,11 @@ def _block_key(url: str, bid: str) -> str:
     return _key(url, f"blocks/{bid[:2]}/{bid}.gmb")
 
 
-def _worker(smol, url, tmp_path, name, **kw) -> Memory:
-    """A Memory over the shared engine and the bucket, with a cache of its own (a separate machine)."""
-    return Memory(engine=smol, store=FleetStore(url, cache_dir=tmp_path / f"cache-{name}", poll_interval=0, **kw))
+def _worker(eng, url, tmp_path, name, embedder=None, **kw) -> Memory:
+    """A Memory over the shared engine and the bucket, with a cache of its own (a separate machine); a test
+    that routes gives the session's MiniLM (the same model and id as a worker's own, loaded once)."""
+    return Memory(engine=eng, store=FleetStore(url, cache_dir=tmp_path / f"cache-{name}", poll_interval=0, **kw),
+                  embedder=embedder)
 
 
 class _Counting:
@@ -53,11 +66,12 @@ def _fresh_sha(eng, text: str) -> str:
         return logits_sha256(eng.logits())
 
 
-def test_learned_on_one_worker_grafts_exactly_on_another_with_an_empty_cache(smol, bucket_url, tmp_path, seaweed):
+def test_learned_on_one_worker_grafts_exactly_on_another_with_an_empty_cache(tiny_llama, minilm, bucket_url, tmp_path,
+                                                                              seaweed):
     text = long_text(150, seed=1)
-    with _worker(smol, bucket_url, tmp_path, "a") as a:
+    with _worker(tiny_llama, bucket_url, tmp_path, "a", minilm) as a:
         block = a.learn(text, name="refunds", when_to_use="refund questions")
-    with _worker(smol, bucket_url, tmp_path, "b") as b:
+    with _worker(tiny_llama, bucket_url, tmp_path, "b", minilm) as b:
         assert b.store.cache_stats()["blocks"] == 0
         assert [x.id for x in b.get_all()] == [block.id]
         r = b.ask(block.id, QUERY, max_tokens=1)
@@ -71,12 +85,12 @@ def test_learned_on_one_worker_grafts_exactly_on_another_with_an_empty_cache(smo
         shared = b.embedder
     # the rows b embedded are in the bucket: a third worker embeds only its task, not the blocks
     counting = _Counting(shared)
-    with Memory(engine=smol, store=FleetStore(bucket_url, cache_dir=tmp_path / "cache-c", poll_interval=0),
+    with Memory(engine=tiny_llama, store=FleetStore(bucket_url, cache_dir=tmp_path / "cache-c", poll_interval=0),
                 embedder=counting) as c:
         hit = c.search("a question about refunds", top_k=1)
         assert hit and hit[0].block_id == block.id
     assert counting.texts == 1
-    assert r.receipt.first_logits_sha256 == again.receipt.first_logits_sha256 == _fresh_sha(smol, text)
+    assert r.receipt.first_logits_sha256 == again.receipt.first_logits_sha256 == _fresh_sha(tiny_llama, text)
     keys = {o["path"] for o in obstore.list(seaweed.client(), prefix=_key(bucket_url, "")).collect()}
     routing = {k for k in keys if "/routing/" in k}
     assert keys - routing == {_block_key(bucket_url, block.id), _key(bucket_url, f"index/{block.id}.json")}
@@ -84,9 +98,9 @@ def test_learned_on_one_worker_grafts_exactly_on_another_with_an_empty_cache(smo
 
 
 def test_a_re_put_of_identical_content_is_a_no_op_and_other_content_under_a_key_is_refused(
-        smol, bucket_url, tmp_path, seaweed):
+        tiny_llama, bucket_url, tmp_path, seaweed):
     text = long_text(80, seed=2)
-    with _worker(smol, bucket_url, tmp_path, "a") as a:
+    with _worker(tiny_llama, bucket_url, tmp_path, "a") as a:
         block = a.learn(text, name="one")
         state = a.store.cache.read_state(block.id, lambda n: memoryview(bytearray(n)))[1]
     client = seaweed.client()
@@ -106,7 +120,7 @@ def test_a_re_put_of_identical_content_is_a_no_op_and_other_content_under_a_key_
         after = obstore.head(client, _block_key(bucket_url, block.id))
         assert (after["e_tag"], after["last_modified"]) == (before["e_tag"], before["last_modified"])
         # another block's bytes under this key: refused as corrupted, no marker written
-        with _worker(smol, bucket_url, tmp_path, "d") as d:
+        with _worker(tiny_llama, bucket_url, tmp_path, "d") as d:
             other = d.learn(long_text(60, seed=3), name="other")
         obstore.delete(client, _key(bucket_url, f"index/{block.id}.json"))
         obstore.copy(client, _block_key(bucket_url, other.id), _block_key(bucket_url, block.id))
@@ -122,8 +136,8 @@ def test_a_re_put_of_identical_content_is_a_no_op_and_other_content_under_a_key_
         store.close()
 
 
-def test_a_corrupted_or_swapped_object_is_refused_and_never_cached(smol, bucket_url, tmp_path, seaweed):
-    with _worker(smol, bucket_url, tmp_path, "a") as a:
+def test_a_corrupted_or_swapped_object_is_refused_and_never_cached(tiny_llama, bucket_url, tmp_path, seaweed):
+    with _worker(tiny_llama, bucket_url, tmp_path, "a") as a:
         one = a.learn(long_text(100, seed=4), name="one")
         two = a.learn(long_text(100, seed=5), name="two")
         src = a.store.cache.path_of(one.id)
@@ -134,7 +148,7 @@ def test_a_corrupted_or_swapped_object_is_refused_and_never_cached(smol, bucket_
     # two's key now holds one's (intact) file: a swap; one's key a file with one flipped state bit
     obstore.copy(client, _block_key(bucket_url, one.id), _block_key(bucket_url, two.id))
     obstore.put(client, _block_key(bucket_url, one.id), damaged.read_bytes())
-    with _worker(smol, bucket_url, tmp_path, "b") as b:
+    with _worker(tiny_llama, bucket_url, tmp_path, "b") as b:
         with pytest.raises(BlockCorrupted, match="digest"):
             b.ask(one.id, QUERY, max_tokens=1)
         with pytest.raises(BlockCorrupted, match="id/size|manifest|bytes than its marker"):
@@ -143,10 +157,10 @@ def test_a_corrupted_or_swapped_object_is_refused_and_never_cached(smol, bucket_
         assert not list((tmp_path / "cache-b" / ".staging").glob("*.gmb"))
 
 
-def test_a_deleted_block_is_tombstoned_for_every_worker_and_can_be_learned_again(smol, bucket_url, tmp_path,
+def test_a_deleted_block_is_tombstoned_for_every_worker_and_can_be_learned_again(tiny_llama, bucket_url, tmp_path,
                                                                                   seaweed):
     text = long_text(90, seed=6)
-    with _worker(smol, bucket_url, tmp_path, "a") as a, _worker(smol, bucket_url, tmp_path, "b") as b:
+    with _worker(tiny_llama, bucket_url, tmp_path, "a") as a, _worker(tiny_llama, bucket_url, tmp_path, "b") as b:
         block = a.learn(text, name="gone")
         b.ask(block.id, QUERY, max_tokens=1)  # b has it cached
         b.store.flush()  # the cache file is written behind the graft
@@ -169,11 +183,11 @@ def test_a_deleted_block_is_tombstoned_for_every_worker_and_can_be_learned_again
         assert not list(obstore.list(client, prefix=_key(bucket_url, "blocks")).collect())
 
 
-def test_the_cache_is_capped_least_recently_used_first(smol, bucket_url, tmp_path):
-    with _worker(smol, bucket_url, tmp_path, "a") as a:
+def test_the_cache_is_capped_least_recently_used_first(tiny_llama, bucket_url, tmp_path):
+    with _worker(tiny_llama, bucket_url, tmp_path, "a") as a:
         blocks = [a.learn(long_text(60, seed=10 + i), name=f"b{i}") for i in range(3)]
     cap = int(max(b.state_size for b in blocks) * 2.5)
-    with _worker(smol, bucket_url, tmp_path, "b", cache_bytes=cap) as b:
+    with _worker(tiny_llama, bucket_url, tmp_path, "b", cache_bytes=cap) as b:
         shas = [b.ask(x.id, QUERY, max_tokens=1).receipt.first_logits_sha256 for x in blocks]
         b.ask(blocks[1].id, QUERY, max_tokens=1)  # b1 is now the most recently used
         b.ask(blocks[0].id, QUERY, max_tokens=1)  # fetches b0 again, evicting b2 (least recent)
@@ -184,15 +198,16 @@ def test_the_cache_is_capped_least_recently_used_first(smol, bucket_url, tmp_pat
         assert [b.ask(x.id, QUERY, max_tokens=1).receipt.first_logits_sha256 for x in blocks] == shas
 
 
-def test_bucket_down_is_a_clear_error_and_the_cache_stays(smol, tmp_path, monkeypatch):
+def test_bucket_down_is_a_clear_error_and_the_cache_stays(tiny_llama, tmp_path, monkeypatch):
     server = Seaweed(tmp_path / "sw").start()
     try:
         for k, v in server.env().items():
             monkeypatch.setenv(k, v)
         url = f"s3://{BUCKET}/down"
-        with Memory(engine=smol, store=FleetStore(url, cache_dir=tmp_path / "c", poll_interval=0, retry=FAST)) as m:
+        with Memory(engine=tiny_llama,
+                    store=FleetStore(url, cache_dir=tmp_path / "c", poll_interval=0, retry=FAST)) as m:
             cached = m.learn(long_text(60, seed=20), name="cached")
-            with _worker(smol, url, tmp_path, "other") as other:
+            with _worker(tiny_llama, url, tmp_path, "other") as other:
                 remote_only = other.learn(long_text(60, seed=21), name="remote")
             want = m.ask(cached.id, QUERY, max_tokens=1).receipt.first_logits_sha256
             m.store.refresh(force=True)
@@ -218,14 +233,14 @@ def test_wrong_credentials_are_a_clear_error(bucket_url, tmp_path, monkeypatch):
         FleetStore(bucket_url, cache_dir=tmp_path / "c", retry=FAST)
 
 
-def test_the_store_is_chosen_by_url_env_or_cli_flag(smol, bucket_url, tmp_path, monkeypatch, capsys):
+def test_the_store_is_chosen_by_url_env_or_cli_flag(tiny_llama, bucket_url, tmp_path, monkeypatch, capsys):
     from graftmem.cli import main
 
     with pytest.raises(ConfigError, match="s3://bucket"):
         FleetStore("http://not-s3/x")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setenv("GRAFTMEM_STORE", bucket_url)
-    with Memory(engine=smol) as m:
+    with Memory(engine=tiny_llama) as m:
         assert isinstance(m.store, FleetStore) and str(tmp_path / "xdg") in str(m.store.home)
         block = m.learn(long_text(40, seed=30), name="by-env")
     monkeypatch.delenv("GRAFTMEM_STORE")
@@ -235,8 +250,8 @@ def test_the_store_is_chosen_by_url_env_or_cli_flag(smol, bucket_url, tmp_path, 
     assert "not both" in capsys.readouterr().err
 
 
-def test_a_local_store_uploads_into_a_bucket(smol, bucket_url, tmp_path, monkeypatch, capsys):
-    with Memory(engine=smol, home=tmp_path / "local") as local:
+def test_a_local_store_uploads_into_a_bucket(tiny_llama, bucket_url, tmp_path, monkeypatch, capsys):
+    with Memory(engine=tiny_llama, home=tmp_path / "local") as local:
         blocks = [local.learn(long_text(50, seed=40 + i), name=f"l{i}") for i in range(2)]
         want = [local.ask(b.id, QUERY, max_tokens=1).receipt.first_logits_sha256 for b in blocks]
     from graftmem.cli import main
@@ -251,37 +266,37 @@ def test_a_local_store_uploads_into_a_bucket(smol, bucket_url, tmp_path, monkeyp
     finally:
         src.close()
         fleet.close()
-    with _worker(smol, bucket_url, tmp_path, "w") as w:
+    with _worker(tiny_llama, bucket_url, tmp_path, "w") as w:
         assert [w.ask(b.id, QUERY, max_tokens=1).receipt.first_logits_sha256 for b in blocks] == want
         assert all(b.provenance == "local" for b in w.get_all())
 
 
 
-def test_a_truncated_or_extended_large_object_is_refused(smol, bucket_url, tmp_path, seaweed):
+def test_a_truncated_or_extended_large_object_is_refused(tall, bucket_url, tmp_path, seaweed):
     """Above 8 MiB a block comes down in concurrent ranges sized from its marker: an object shorter or
     longer than that is refused as corrupted, not grafted and not cached."""
-    with _worker(smol, bucket_url, tmp_path, "a") as a:
-        big = a.learn(long_text(500, seed=50), name="big")
+    with _worker(tall, bucket_url, tmp_path, "a") as a:
+        big = a.learn(long_text(280, seed=50), name="big")
         raw = a.store.cache.path_of(big.id).read_bytes()
     assert len(raw) > 8 << 20
     client = seaweed.client()
     for bad in (raw[:-(1 << 20)], raw + b"\0" * 4096):
         obstore.put(client, _block_key(bucket_url, big.id), bad)
-        with _worker(smol, bucket_url, tmp_path, f"b{len(bad)}") as b:
+        with _worker(tall, bucket_url, tmp_path, f"b{len(bad)}") as b:
             with pytest.raises(BlockCorrupted, match="bytes than its marker"):
                 b.ask(big.id, QUERY, max_tokens=1)
             assert b.store.cache_stats()["blocks"] == 0
     obstore.put(client, _block_key(bucket_url, big.id), raw)
-    with _worker(smol, bucket_url, tmp_path, "c") as c:
-        assert c.ask(big.id, QUERY, max_tokens=1).receipt.first_logits_sha256 == _fresh_sha(smol, big.text)
+    with _worker(tall, bucket_url, tmp_path, "c") as c:
+        assert c.ask(big.id, QUERY, max_tokens=1).receipt.first_logits_sha256 == _fresh_sha(tall, big.text)
 
 
-def test_a_fleet_store_is_a_block_store_and_doctor_checks_its_files(smol, bucket_url, tmp_path, seaweed):
+def test_a_fleet_store_is_a_block_store_and_doctor_checks_its_files(tiny_llama, bucket_url, tmp_path, seaweed):
     """Every member of `BlockStore` on an open fleet store (tests/test_store_protocol.py compares the
     signatures); ``check_file`` (what ``graftmem doctor`` asks) fetches a block it has not cached, checked."""
     from graftmem.store import BlockStore
 
-    with _worker(smol, bucket_url, tmp_path, "a") as a:
+    with _worker(tiny_llama, bucket_url, tmp_path, "a") as a:
         block = a.learn(long_text(40, seed=77), name="doctor")
     store = FleetStore(bucket_url, cache_dir=tmp_path / "cache-doctor", poll_interval=0)
     try:
@@ -296,41 +311,41 @@ def test_a_fleet_store_is_a_block_store_and_doctor_checks_its_files(smol, bucket
         store.close()
 
 
-def test_a_large_block_goes_up_in_parts_and_a_second_upload_is_skipped(smol, bucket_url, tmp_path, seaweed):
+def test_a_large_block_goes_up_in_parts_and_a_second_upload_is_skipped(tall, bucket_url, tmp_path, seaweed):
     """Above the multipart threshold (lowered here to 6 MiB, 5 MiB parts) a block is uploaded in parts:
     the object is whole when listed, and a worker that finds it there checks it instead of uploading."""
-    text = long_text(500, seed=60)
+    text = long_text(280, seed=60)
     store = FleetStore(bucket_url, cache_dir=tmp_path / "cache-a", poll_interval=0)
     store.bucket.multipart_above, store.bucket.part_size = 6 << 20, 5 << 20
-    with Memory(engine=smol, store=store) as a:
+    with Memory(engine=tall, store=store) as a:
         big = a.learn(text, name="big")
     assert store.counters["put_bytes"] > 6 << 20
     store.close()
     head = obstore.head(seaweed.client(), _block_key(bucket_url, big.id))
     assert "-" in head["e_tag"]  # a multipart ETag: "<md5 of part md5s>-<parts>"
-    with _worker(smol, bucket_url, tmp_path, "b") as b:
+    with _worker(tall, bucket_url, tmp_path, "b") as b:
         b.delete(big.id)  # marker gone, object kept: a learn finds the object and checks it
     c_store = FleetStore(bucket_url, cache_dir=tmp_path / "cache-c", poll_interval=0)
     c_store.bucket.multipart_above = 6 << 20
-    with Memory(engine=smol, store=c_store) as c:
+    with Memory(engine=tall, store=c_store) as c:
         again = c.learn(text, name="big again")
         assert again.id == big.id and c_store.counters["put_bytes"] == 0
         assert [x.name for x in c.get_all()] == ["big again"]
     c_store.close()
-    with _worker(smol, bucket_url, tmp_path, "d") as d:
-        assert d.ask(big.id, QUERY, max_tokens=1).receipt.first_logits_sha256 == _fresh_sha(smol, text)
+    with _worker(tall, bucket_url, tmp_path, "d") as d:
+        assert d.ask(big.id, QUERY, max_tokens=1).receipt.first_logits_sha256 == _fresh_sha(tall, text)
 
 
-def test_prefetch_brings_blocks_into_the_cache_checked(smol, bucket_url, tmp_path, seaweed):
+def test_prefetch_brings_blocks_into_the_cache_checked(tiny_llama, bucket_url, tmp_path, seaweed):
     """The pager's hint: blocks fetched in the background are checked like any fetch; a corrupted one
     is logged and left out, and the graft that needs it later still refuses it."""
-    with _worker(smol, bucket_url, tmp_path, "a") as a:
+    with _worker(tiny_llama, bucket_url, tmp_path, "a") as a:
         good = a.learn(long_text(60, seed=70), name="good")
         bad = a.learn(long_text(60, seed=71), name="bad")
         raw = bytearray(a.store.cache.path_of(bad.id).read_bytes())
     raw[-32 - 100] ^= 1  # a bit of the state
     obstore.put(seaweed.client(), _block_key(bucket_url, bad.id), bytes(raw))
-    with _worker(smol, bucket_url, tmp_path, "b") as b:
+    with _worker(tiny_llama, bucket_url, tmp_path, "b") as b:
         futures = b.store.prefetch([good.id, bad.id, good.id])
         assert len(futures) == 2 and [f.result(timeout=60) for f in futures] == [True, False]
         assert {x.id for x in b.store.cache.list()} == {good.id}
@@ -342,7 +357,7 @@ def test_prefetch_brings_blocks_into_the_cache_checked(smol, bucket_url, tmp_pat
             b.ask(bad.id, QUERY, max_tokens=1)
 
 
-def test_a_document_asked_from_a_bucket_prefetches_the_runner_up_pages(smol, bucket_url, tmp_path):
+def test_a_document_asked_from_a_bucket_prefetches_the_runner_up_pages(tiny_llama, minilm, bucket_url, tmp_path):
     """A long document learned on one worker is asked on another with an empty cache (its page index
     shared as a file): the page that answers is fetched for the graft, the runner-up pages follow in
     the background, and nothing else is fetched."""
@@ -351,7 +366,7 @@ def test_a_document_asked_from_a_bucket_prefetches_the_runner_up_pages(smol, buc
     from graftmem.store import Home
     from tests.test_needle import FACTS, _document
 
-    with _worker(smol, bucket_url, tmp_path, "a") as a:
+    with _worker(tiny_llama, bucket_url, tmp_path, "a", minilm) as a:
         rep = a.learn_document(_document(), document="town", window=256, overlap=32, progress=False)
         snap = tmp_path / "pages.sqlite"
         with sqlite3.connect(a.store.layout.pages_index) as src, sqlite3.connect(snap) as dst:
@@ -360,7 +375,7 @@ def test_a_document_asked_from_a_bucket_prefetches_the_runner_up_pages(smol, buc
     assert rep.pages >= 4
     store = FleetStore(bucket_url, cache_dir=tmp_path / "cache-b", poll_interval=0)
     assert store.get_file("pages/index.sqlite", Home(tmp_path / "cache-b").pages_index)
-    with Memory(engine=smol, store=store) as b:
+    with Memory(engine=tiny_llama, store=store, embedder=minilm) as b:
         ans = b.recall_document("How many sacks of barley does the copper mill at Dunmere grind each week?",
                                 document="town", max_tokens=2, min_score=0.0)
         assert FACTS[1] in b.get(ans.page.block_id).text
@@ -390,15 +405,15 @@ def test_errors_are_told_apart_by_what_they_say_not_by_digits(message, error, mo
     assert type(ei.value) is error, ei.value
 
 
-def test_an_id_learned_elsewhere_is_usable_at_once_without_a_listing(smol, bucket_url, tmp_path):
+def test_an_id_learned_elsewhere_is_usable_at_once_without_a_listing(tiny_llama, bucket_url, tmp_path):
     """An id handed over from another worker (a queue message) grafts at once: one HEAD and one GET of its
     marker, no listing of the bucket. It raced before: a worker that had listed < 0.25 s earlier said
     BlockNotFound."""
-    with _worker(smol, bucket_url, tmp_path, "a") as a:
+    with _worker(tiny_llama, bucket_url, tmp_path, "a") as a:
         block = a.learn(long_text(70, seed=41), name="handed over")
         fresh = a.ask(block.id, QUERY, max_tokens=1).receipt.first_logits_sha256
     store = FleetStore(bucket_url, cache_dir=tmp_path / "cache-b", poll_interval=3600)
-    with Memory(engine=smol, store=store) as b:
+    with Memory(engine=tiny_llama, store=store) as b:
         store._index._last_poll = time.monotonic()  # as if b had listed the bucket just before the learn
         store._index.db.execute("DELETE FROM remote")  # ... and not seen it
         lists = store.counters["lists"]
@@ -409,15 +424,15 @@ def test_an_id_learned_elsewhere_is_usable_at_once_without_a_listing(smol, bucke
     store.close()
 
 
-def test_a_flipped_bit_in_any_downloaded_part_is_refused_and_never_cached(smol, bucket_url, tmp_path, seaweed):
+def test_a_flipped_bit_in_any_downloaded_part_is_refused_and_never_cached(tall, bucket_url, tmp_path, seaweed):
     """A large block comes down in 4 concurrent ranges, each copied into the engine buffer and hashed
     as it lands: one flipped bit in the first, a middle or the last range's state bytes, in the
     manifest or in the trailer is refused before the graft (nothing cached, nothing staged), and the
     intact object still grafts exactly, from the bucket and then from the cache it entered."""
     from graftmem.core.format import HEADER, parse_header
 
-    with _worker(smol, bucket_url, tmp_path, "a") as a:
-        big = a.learn(long_text(500, seed=80), name="big")
+    with _worker(tall, bucket_url, tmp_path, "a") as a:
+        big = a.learn(long_text(280, seed=80), name="big")
         raw = a.store.cache.path_of(big.id).read_bytes()
     _, soff, slen = parse_header(raw[:HEADER.size], where="big", file_size=len(raw))
     step = -(-len(raw) // 4)
@@ -429,7 +444,7 @@ def test_a_flipped_bit_in_any_downloaded_part_is_refused_and_never_cached(smol, 
         bad = bytearray(raw)
         bad[offset] ^= 1
         obstore.put(client, _block_key(bucket_url, big.id), bytes(bad))
-        with _worker(smol, bucket_url, tmp_path, where.replace(" ", "-")) as b:
+        with _worker(tall, bucket_url, tmp_path, where.replace(" ", "-")) as b:
             with pytest.raises(BlockCorrupted, match="digest|manifest|id/size") as err:
                 b.ask(big.id, QUERY, max_tokens=1)
             assert "nothing was grafted" in str(err.value), where
@@ -437,12 +452,12 @@ def test_a_flipped_bit_in_any_downloaded_part_is_refused_and_never_cached(smol, 
             assert b.store.cache_stats()["blocks"] == 0, where
             assert not list((tmp_path / f"cache-{where.replace(' ', '-')}" / ".staging").glob("*"))
     obstore.put(client, _block_key(bucket_url, big.id), raw)
-    with _worker(smol, bucket_url, tmp_path, "good") as c:
+    with _worker(tall, bucket_url, tmp_path, "good") as c:
         cold = c.ask(big.id, QUERY, max_tokens=1).receipt.first_logits_sha256
         assert c.store.path_of(big.id).read_bytes() == raw  # the cache file: the object's bytes
         warm = c.ask(big.id, QUERY, max_tokens=1).receipt.first_logits_sha256
         assert c.store.cache_stats()["cache_hits"] == 1
-    assert cold == warm == _fresh_sha(smol, big.text)
+    assert cold == warm == _fresh_sha(tall, big.text)
 
 
 def test_parts_landing_in_any_order_hash_as_the_whole_state_and_a_missing_one_is_refused():
@@ -471,13 +486,13 @@ def test_parts_landing_in_any_order_hash_as_the_whole_state_and_a_missing_one_is
         landing.digest()
 
 
-def test_a_large_upload_that_loses_a_race_writes_nothing_over_the_winner(smol, bucket_url, tmp_path, seaweed):
+def test_a_large_upload_that_loses_a_race_writes_nothing_over_the_winner(tall, bucket_url, tmp_path, seaweed):
     """Above the multipart threshold a block goes up in parts under uploads/ and is then copied to its
     key only if nothing is there (a multipart copy completed with If-None-Match: *, which SeaweedFS
     refuses with 412 like S3). A worker that looked, saw nothing, and lost the race to another
     writer leaves the winner's object as it was: here other bytes under the key, refused by the
     check that follows; no upload is left behind, and collect_garbage removes one a killed worker left."""
-    text = long_text(500, seed=62)
+    text = long_text(280, seed=62)
 
     def lowered(name):
         store = FleetStore(bucket_url, cache_dir=tmp_path / f"cache-{name}", poll_interval=0)
@@ -485,7 +500,7 @@ def test_a_large_upload_that_loses_a_race_writes_nothing_over_the_winner(smol, b
         return store
 
     a_store = lowered("a")
-    with Memory(engine=smol, store=a_store) as a:
+    with Memory(engine=tall, store=a_store) as a:
         big = a.learn(text, name="big")
         other = a.learn(long_text(60, seed=63), name="other")
         other_raw = a_store.cache.path_of(other.id).read_bytes()
@@ -505,7 +520,7 @@ def test_a_large_upload_that_loses_a_race_writes_nothing_over_the_winner(smol, b
         return real_head(k)
 
     c_store.bucket.head = head
-    with Memory(engine=smol, store=c_store) as c:
+    with Memory(engine=tall, store=c_store) as c:
         with pytest.raises(BlockCorrupted, match="holds other content"):
             c.learn(text, name="big again")
     c_store.close()

@@ -21,6 +21,7 @@ import pytest
 from graftmem import FleetStore
 from tests.conftest import long_text
 from tests.seaweed import BUCKET, SeaweedCluster, weed_binary
+from tests.tiny import tall_path, tiny_path
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = 4
@@ -58,13 +59,17 @@ def test_four_workers_one_bucket_a_kill_and_a_volume_restart(tmp_path, monkeypat
         url = f"s3://{BUCKET}/fleet"
         shared = long_text(60, seed=999)
         stop_file = tmp_path / "stop"  # the workers read until it exists
+        model = str(tiny_path("llama31"))  # what the blocks are made with: any real model does
 
         def spawn(i: int, texts, **extra) -> tuple[subprocess.Popen, Path]:
             report = tmp_path / f"w{i}.jsonl"
-            cfg = {"url": url, "cache": str(tmp_path / f"cache{i}"), "report": str(report), "texts": texts,
-                   "seed": i, "read_seconds": 150, "max_asks": 400, "stop_file": str(stop_file),
-                   # a cache of about one block: most reads go to the bucket
-                   "cache_bytes": 2 << 20, **extra}
+            # read_seconds and max_asks are safety bounds, met only if the test never makes its stop file; an
+            # ask and its check take 0.02-0.1 s on the tiny model (~1 s on SmolLM2): the time bound comes first
+            cfg = {"url": url, "model": model, "cache": str(tmp_path / f"cache{i}"),
+                   "report": str(report), "texts": texts, "seed": i, "read_seconds": 150, "max_asks": 20000,
+                   "stop_file": str(stop_file),
+                   # a cache of about one block (28-34 KiB of state each): most reads go to the bucket
+                   "cache_bytes": 48 << 10, **extra}
             (tmp_path / f"w{i}.json").write_text(json.dumps(cfg))
             p = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fleet_worker.py"), str(tmp_path / f"w{i}.json")],
                                  env=env, cwd=ROOT, stdout=open(tmp_path / f"w{i}.log", "wb"),
@@ -77,8 +82,9 @@ def test_four_workers_one_bucket_a_kill_and_a_volume_restart(tmp_path, monkeypat
             # the shared text first, so the four learn it at the same moment
             texts = [["shared", shared]] + [[f"w{i}-{j}", long_text(50, seed=10 * i + j)] for j in range(2)]
             reports.append(spawn(i, texts)[1])
-        victim, vreport = spawn(WORKERS, [["victim", long_text(600, seed=4242)]], announce_upload=True,
-                                read_seconds=0)
+        # the victim's block is large (15 MiB, from the tall tiny model): its upload is under way when it dies
+        victim, vreport = spawn(WORKERS, [["victim", long_text(450, seed=4242)]], announce_upload=True,
+                                read_seconds=0, model=str(tall_path()))
         # kill -9 the victim the moment its block upload begins
         _wait(lambda: any(e["event"] == "uploading" for e in _events(vreport)), 90, "the victim's upload")
         victim.send_signal(signal.SIGKILL)

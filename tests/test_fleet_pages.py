@@ -16,8 +16,11 @@ from tests.test_needle import FACTS, _document
 FARM_FACT = "The orchard behind the Kellow farm grows exactly nineteen quince trees."
 
 
-def _worker(smol, url, tmp_path, name) -> Memory:
-    return Memory(engine=smol, store=FleetStore(url, cache_dir=tmp_path / f"cache-{name}", poll_interval=0))
+def _worker(eng, url, tmp_path, name, embedder) -> Memory:
+    """A worker with a cache of its own (a separate machine) and the session's MiniLM (the same model and id
+    as a worker's own, loaded once)."""
+    return Memory(engine=eng, store=FleetStore(url, cache_dir=tmp_path / f"cache-{name}", poll_interval=0),
+                  embedder=embedder)
 
 
 def _farm() -> str:
@@ -26,8 +29,9 @@ def _farm() -> str:
     return filler[:cut] + FARM_FACT + " " + filler[cut:]
 
 
-def test_documents_learned_on_two_workers_are_asked_on_a_third(smol, bucket_url, tmp_path, caplog):
-    with _worker(smol, bucket_url, tmp_path, "a") as a, _worker(smol, bucket_url, tmp_path, "c") as c:
+def test_documents_learned_on_two_workers_are_asked_on_a_third(tiny_llama, minilm, bucket_url, tmp_path, caplog):
+    with _worker(tiny_llama, bucket_url, tmp_path, "a", minilm) as a, \
+            _worker(tiny_llama, bucket_url, tmp_path, "c", minilm) as c:
         town = a.learn_document(_document(200), document="town", window=256, overlap=32, progress=False)
         farm = c.learn_document(_farm(), document="farm", window=256, overlap=32, progress=False)
     assert town.pages >= 2 and farm.pages >= 2
@@ -37,7 +41,8 @@ def test_documents_learned_on_two_workers_are_asked_on_a_third(smol, bucket_url,
         obstore.put(x.bucket.store, "files/pages/docs/junk.sqlite", b"not a database")
     finally:
         x.close()
-    with _worker(smol, bucket_url, tmp_path, "b") as b, caplog.at_level(logging.WARNING, logger="graftmem"):
+    with _worker(tiny_llama, bucket_url, tmp_path, "b", minilm) as b, \
+            caplog.at_level(logging.WARNING, logger="graftmem"):
         ans = b.recall_document("How many sacks of barley does the copper mill at Dunmere grind each week?",
                                 document="town", max_tokens=2, min_score=0.0)
         assert FACTS[1] in b.get(ans.page.block_id).text

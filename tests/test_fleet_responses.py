@@ -4,6 +4,7 @@ the same first-step logits and greedy answer as A continuing in RAM. A load bala
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,24 +15,27 @@ import openai
 from graftmem.server import api_server
 from graftmem.store.fleet import FleetStore
 from tests.seaweed import BUCKET, bucket_url, seaweed  # noqa: F401 (fixtures)
+from tests.tiny import tiny_path
 
 REPO = Path(__file__).resolve().parents[1]
 GREEDY = {"temperature": 0, "max_output_tokens": 12}
 
 
-def test_a_conversation_started_on_one_server_continues_on_another(smol, bucket_url, tmp_path, seaweed):
+def test_a_conversation_started_on_one_server_continues_on_another(tiny_llama, bucket_url, tmp_path, seaweed):
     store = FleetStore(bucket_url, cache_dir=tmp_path / "cache-a", poll_interval=0)
-    with api_server(store, [smol]) as a:
+    with api_server(store, [tiny_llama]) as a:
         c = openai.OpenAI(base_url=a.url + "/v1", api_key="unused", max_retries=0)
-        r1 = c.responses.create(model="smollm2", instructions="You are terse.", input="Name a primary colour.",
+        r1 = c.responses.create(model="tiny", instructions="You are terse.", input="Name a primary colour.",
                                 **GREEDY)
-        follow = {"model": "smollm2", "instructions": "You are terse.", "input": "Name another one.",
+        follow = {"model": "tiny", "instructions": "You are terse.", "input": "Name another one.",
                   "previous_response_id": r1.id, **GREEDY}
         in_ram = c.responses.create(**follow)
         ra = in_ram.model_extra["graftmem"]
         assert ra["source"] == "ram" and ra["response"]["continued"] is True
         proc = subprocess.Popen(
-            [sys.executable, "-m", "graftmem", "--store", bucket_url, "serve",
+            # B serves the same model with the same engine configuration as A (the tiny_llama fixture)
+            [sys.executable, "-m", "graftmem", "--store", bucket_url, "--model", str(tiny_path("llama31")),
+             "--config", json.dumps({"n_threads": 1}), "serve",
              "--port", "0", "--no-warm"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, **seaweed.env(), "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
                  "XDG_CACHE_HOME": str(tmp_path / "cache-b")})
