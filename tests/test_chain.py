@@ -66,36 +66,39 @@ def test_chain_is_exact_and_stored_as_delta(request, fixture, words):
         assert b.state_size < 0.7 * b.full_state_size
         assert m.store.path_of(b.id).stat().st_size < 0.7 * b.full_state_size
 
-    # rebuilt bytes == a full capture of a fresh sequential prefill, byte for byte
-    for b in (child, grand):
-        full, _ = _fresh(eng, segments(m.store, b))
-        assert _rebuilt(m, b) == full
-
-    # the graft == fresh sequential prefill, SHA-256 of the logits (the query cells trimmed between
-    # samples, which leaves exactly the cells a fresh prefill leaves: graftmem.memory.exactness)
+    # ONE fresh sequential prefill of the chain (one call per block) is the reference for everything
+    # below: its captures after the child and after the grandchild (a capture reads the cells, it
+    # changes none: the bytes are those of a fresh prefill of the child's chain, then of the whole
+    # chain); then the queries' logits, the query cells trimmed between samples (which leaves exactly
+    # the cells a fresh prefill leaves: graftmem.memory.exactness); the first query is asked right after
+    # the prefill, and its greedy generation decoded there, before any trim
+    segs = segments(m.store, grand)
+    assert segments(m.store, child) == segs[:2]
+    full = {}
     want = []
-    with eng.lock:
-        eng.reset()
-        for s in segments(m.store, grand):
+    with eng.session():
+        for b, s in zip((root, child, grand), segs):
             eng.prefill(s)
+            full[b.id] = bytes(eng.capture())
         for q in QUERIES:
             eng.prefill(eng.tokenize(q, add_special=False))
             want.append(logits_sha256(eng.logits()))
+            if q == QUERIES[0]:
+                want_gen = decode(eng, 8).tokens
             eng.trim(grand.pos_end)
-        eng.reset()
-    for q, w in zip(QUERIES, want):
-        assert m.ask(grand.id, q, max_tokens=1).receipt.first_logits_sha256 == w, q
-    r = m.ask(grand.id, QUERIES[0], max_tokens=1).receipt
-    assert r.tokens_restored == grand.pos_end
 
-    # greedy generation after the graft == after the fresh prefill (every decode step)
-    segs = segments(m.store, grand)
-    with eng.session():
-        for s in segs:
-            eng.prefill(s)
-        eng.prefill(eng.tokenize(QUERIES[0], add_special=False))
-        want_gen = decode(eng, 8).tokens
-    assert m.ask(grand.id, QUERIES[0], max_tokens=8).tokens == want_gen
+    # rebuilt bytes == a full capture of a fresh sequential prefill, byte for byte
+    for b in (child, grand):
+        assert _rebuilt(m, b) == full[b.id]
+
+    # the graft == fresh sequential prefill, SHA-256 of the logits; greedy generation after the graft
+    # == after the fresh prefill (every decode step)
+    for q, w in zip(QUERIES, want):
+        r = m.ask(grand.id, q, max_tokens=8 if q == QUERIES[0] else 1)
+        assert r.receipt.first_logits_sha256 == w, q
+        if q == QUERIES[0]:
+            assert r.receipt.tokens_restored == grand.pos_end
+            assert r.tokens == want_gen
 
     rep = m.verify(grand.id, samples=3, cross_process=False, record=False)
     assert rep.ok, rep

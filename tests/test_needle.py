@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -33,6 +34,26 @@ FACTS = [
 @pytest.fixture
 def dmem(gemma, tmp_path, minilm):
     with Memory(engine=gemma, home=tmp_path / "dstore", embedder=minilm) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def town(gemma, minilm, tmp_path_factory):
+    """The document learned once by Gemma (window 256, overlap 32) into a home of its own, then closed:
+    that home and the report of its build. The tests that need the document learned copy the home
+    (`tmem`) instead of prefilling the same pages again."""
+    home = tmp_path_factory.mktemp("town") / "dstore"
+    with Memory(engine=gemma, home=home, embedder=minilm) as m:
+        rep = m.learn_document(_document(), document="town", window=256, overlap=32, progress=False)
+    return home, rep
+
+
+@pytest.fixture
+def tmem(town, gemma, tmp_path, minilm):
+    """A Memory over a private copy of `town`'s home (free to change: a test's writes stay its own)."""
+    home = tmp_path / "dstore"
+    shutil.copytree(town[0], home)
+    with Memory(engine=gemma, home=home, embedder=minilm) as m:
         yield m
 
 
@@ -94,13 +115,13 @@ def test_read_source_path_text_iterable(tmp_path):
         read_source(["ok", 3])  # type: ignore[list-item]
 
 
-def test_pages_indexed_and_routed(dmem):
-    rep = dmem.learn_document(_document(), document="town", window=256, overlap=32, progress=False)
+def test_pages_indexed_and_routed(town, tmem):
+    rep = town[1]  # the first build of the document, in the home tmem copied
     assert rep.complete and rep.pages_learned == rep.pages >= 4 and rep.pages_skipped == 0
-    pages = dmem.get_all(kind=PAGE_KIND)
+    pages = tmem.get_all(kind=PAGE_KIND)
     assert len(pages) == rep.pages
     assert sorted(b.metadata["page"] for b in pages) == list(range(rep.pages))
-    idx = dmem.pages
+    idx = tmem.pages
     assert len(idx) >= rep.pages  # several passages per page
     text = _document()
     for fact, task, want in [
@@ -108,45 +129,44 @@ def test_pages_indexed_and_routed(dmem):
         (FACTS[1], "How many sacks of barley does the copper mill at Dunmere grind each week?", "412"),
         (FACTS[2], "What is the name of the mule that pulls the Yarrow ferry?", None),
     ]:
-        hits = idx.search(task, 3, fp_digest=dmem.fingerprint.digest())
+        hits = idx.search(task, 3, fp_digest=tmem.fingerprint.digest())
         assert fact in hits[0].text
         # the filler around each fact is word salad that dilutes the passage's vector: routing is what
         # is tested here (the right passage ranks first), not the refusal threshold
-        a = dmem.recall_document(task, document="town", max_tokens=4, min_score=0.0)
-        block = dmem.get(a.page.block_id)
+        a = tmem.recall_document(task, document="town", max_tokens=4, min_score=0.0)
+        block = tmem.get(a.page.block_id)
         assert fact in block.text  # the ONE grafted page holds the answer
         assert block.metadata["page"] == a.page.page and block.metadata["document"] == "town"
         assert a.page.char_start <= text.index(fact) < a.page.char_end
         assert a.page.token_start <= a.depth < a.page.token_start + a.page.n_tokens
         assert a.recall.receipt.tokens_restored == block.n_tokens
     # learning the same document again prefills nothing
-    again = dmem.learn_document(_document(), document="town", window=256, overlap=32, progress=False)
+    again = tmem.learn_document(_document(), document="town", window=256, overlap=32, progress=False)
     assert again.pages_learned == 0 and again.pages_skipped == rep.pages and again.tokens_prefilled == 0
-    assert len(dmem.get_all(kind=PAGE_KIND)) == rep.pages
+    assert len(tmem.get_all(kind=PAGE_KIND)) == rep.pages
     # a page whose provenance is unverified (as if imported unchecked) is never reused: it is prefilled
     # again here and becomes this engine's own (the pager used to skip it by id)
-    page0 = next(b for b in dmem.get_all(kind=PAGE_KIND) if b.metadata["page"] == 0)
-    dmem.store.set_provenance(page0.id, "unverified")
-    third = dmem.learn_document(_document(), document="town", window=256, overlap=32, progress=False)
+    page0 = next(b for b in tmem.get_all(kind=PAGE_KIND) if b.metadata["page"] == 0)
+    tmem.store.set_provenance(page0.id, "unverified")
+    third = tmem.learn_document(_document(), document="town", window=256, overlap=32, progress=False)
     assert third.pages_learned == 1 and third.pages_skipped == rep.pages - 1
-    assert dmem.get(page0.id).provenance == "local"
+    assert tmem.get(page0.id).provenance == "local"
 
 
-def test_same_document_under_two_engines(dmem, smol, minilm):
-    """One text learned by Gemma and then by SmolLM2 in the same store (same document id, other pages
-    and block ids): each engine routes to its own page, and the first engine's index is untouched."""
+def test_same_document_under_two_engines(tmem, smol, minilm):
+    """One text learned by Gemma (`town`) and then by SmolLM2 in the same store (same document id, other
+    pages and block ids): each engine routes to its own page, and the first engine's index is untouched."""
     text = _document()
     task = "How many sacks of barley does the copper mill at Dunmere grind each week?"
-    dmem.learn_document(text, document="town", window=256, overlap=32, progress=False)
-    before = dmem.recall_document(task, document="town", max_tokens=4, min_score=0.0)
-    with Memory(engine=smol, home=dmem.store.home, embedder=minilm) as other:
+    before = tmem.recall_document(task, document="town", max_tokens=4, min_score=0.0)
+    with Memory(engine=smol, home=tmem.store.home, embedder=minilm) as other:
         rep = other.learn_document(text, document="town", window=200, overlap=16, progress=False)
         assert rep.complete and rep.passages_embedded > 0  # its own pages get their own passages
         a = other.recall_document(task, document="town", max_tokens=4, min_score=0.0)
         assert FACTS[1] in other.get(a.page.block_id).text
         assert other.get(a.page.block_id).fingerprint.model_name == "smollm2"
-    after = dmem.recall_document(task, document="town", max_tokens=4, min_score=0.0)
-    assert after.page == before.page and FACTS[1] in dmem.get(after.page.block_id).text
+    after = tmem.recall_document(task, document="town", max_tokens=4, min_score=0.0)
+    assert after.page == before.page and FACTS[1] in tmem.get(after.page.block_id).text
 
 
 def test_page_index_migrates_passages_keyed_by_page(tmp_path, minilm):
@@ -187,12 +207,11 @@ def test_recall_document_without_pages_is_a_clear_error(dmem):
         dmem.recall_document("anything at all?")
 
 
-def test_page_graft_is_byte_exact(dmem):
-    dmem.learn_document(_document(), document="town", window=256, overlap=32, progress=False)
+def test_page_graft_is_byte_exact(tmem):
     prompt = "\n\nQuestion: How many sacks does the mill grind?\nAnswer:"
-    eng = dmem.engine
-    for block in dmem.get_all(kind=PAGE_KIND)[:2]:
-        graft = dmem.ask(block.id, prompt, max_tokens=1).receipt.first_logits_sha256
+    eng = tmem.engine
+    for block in tmem.get_all(kind=PAGE_KIND)[:2]:
+        graft = tmem.ask(block.id, prompt, max_tokens=1).receipt.first_logits_sha256
         with eng.lock:
             eng.reset()
             eng.prefill(list(block.tokens))  # the contract: prefill(page); prefill(question)
@@ -202,10 +221,10 @@ def test_page_graft_is_byte_exact(dmem):
         assert graft == fresh
 
 
-def test_context_never_grows(dmem, monkeypatch):
-    eng = dmem.engine
+def test_context_never_grows(town, tmem, monkeypatch):
+    eng = tmem.engine
     n_ctx = eng.n_ctx
-    rep = dmem.learn_document(_document(), document="town", window=256, overlap=32, progress=False)
+    rep = town[1]
     seen = []
     real = type(eng).prefill
 
@@ -217,7 +236,7 @@ def test_context_never_grows(dmem, monkeypatch):
     max_tokens = 6
     for task in ("Who painted the lighthouse of Brackwater green?", "What is the mule that pulls the ferry called?",
                  "How many sacks of barley does the copper mill grind?"):
-        a = dmem.recall_document(task, max_tokens=max_tokens, min_score=0.0)
+        a = tmem.recall_document(task, max_tokens=max_tokens, min_score=0.0)
         r = a.recall.receipt
         assert max(seen) <= r.tokens_restored + r.tokens_prefilled + max_tokens
         assert r.tokens_restored <= 256

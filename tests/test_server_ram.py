@@ -1,8 +1,8 @@
 """In-RAM prompt reuse (llama-server's slot reuse): a request keeps its prompt's cells in its engine and
 the next request there trims them to the segments it shares and prefills the rest. Checked through the
 `openai` client against the same requests served cold (cache off): same tokens, same log-probabilities,
-on SmolLM2 with two engines (each conversation goes back to the engine that holds it) and on Gemma 3
-past its sliding window."""
+with two engines (each conversation goes back to the engine that holds it; on the tiny Llama 3.1 of
+tests/tiny.py), on SmolLM2 after a warm start and on Gemma 3 past its sliding window."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from graftmem.server import RECEIPT_HEADER, api_server
 from graftmem.store.local import Store
 
 from .conftest import long_text
+from .tiny import tiny_path
 
 
 def _turns(system: str, n: int) -> list[list[dict]]:
@@ -40,27 +41,30 @@ def _bytes(r) -> list:
     return [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in r.choices[0].logprobs.content]
 
 
-def test_two_engines_each_conversation_finds_its_engine(smol, tmp_path):
+def test_two_engines_each_conversation_finds_its_engine(tmp_path):
     a = _turns("You are a shop's support agent. " + long_text(60, seed=3), 2)
     b = _turns("You are a travel agent. " + long_text(60, seed=4), 2)
     store = Store(tmp_path / "home")
-    with Engine(smol.model_path, smol.config) as smol2:
+    # the tiny Llama 3.1 of tests/tiny.py (real engine, real tokenizer and template): which engine a turn
+    # goes to is the server's plumbing, and SmolLM2 spent seconds prefilling the same prompts
+    with Engine(tiny_path("llama31")) as e1, Engine(e1.model_path, e1.config) as e2:
         try:
-            with api_server(store, [smol, smol2], learn=False) as srv:
+            with api_server(store, [e1, e2], learn=False) as srv:
                 c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-                cold = {k: _ask(c, "smollm2", m, cache=False)[0] for k, m in
+                cold = {k: _ask(c, "tiny-llama31", m, cache=False)[0] for k, m in
                         {"a2": a[1], "b2": b[1]}.items()}
+                assert all(_bytes(r) for r in cold.values())  # tokens to compare: the tiny model did not stop at once
                 # each turn after the previous one released its engine (a non-streamed answer is sent just
                 # before that: a client that asks again at once can find only the other engine free)
-                _, ra1 = _ask(c, "smollm2", a[0])
+                _, ra1 = _ask(c, "tiny-llama31", a[0])
                 assert srv.openai.wait_idle()
-                _, rb1 = _ask(c, "smollm2", b[0])
+                _, rb1 = _ask(c, "tiny-llama31", b[0])
                 assert srv.openai.wait_idle()
                 assert ra1["source"] is None and rb1["source"] is None  # nothing stored, nothing kept yet
                 # B's next turn first: the engine that served A is first in line, the one holding B is chosen
-                b2, rb2 = _ask(c, "smollm2", b[1])
+                b2, rb2 = _ask(c, "tiny-llama31", b[1])
                 assert srv.openai.wait_idle()
-                a2, ra2 = _ask(c, "smollm2", a[1])
+                a2, ra2 = _ask(c, "tiny-llama31", a[1])
                 for r, rec, prev in ((b2, rb2, rb1), (a2, ra2, ra1)):
                     assert rec["source"] == "ram", rec
                     # everything up to the previous turn's question was kept (its header and answer trimmed)
@@ -70,7 +74,7 @@ def test_two_engines_each_conversation_finds_its_engine(smol, tmp_path):
                 assert b2.choices[0].message.content == cold["b2"].choices[0].message.content
         finally:
             store.close()
-    assert smol.kept is None and smol.n_past == 0  # a closed server leaves its engines empty
+        assert all(e.kept is None and e.n_past == 0 for e in (e1, e2))  # a closed server leaves its engines empty
 
 
 def test_gemma_reuse_past_the_sliding_window_is_exact(gemma, tmp_path):

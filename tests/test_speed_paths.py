@@ -14,10 +14,11 @@ One test per fast path (docs/benchmarks.md, graft speed):
 
 from __future__ import annotations
 
+import shutil
 
 import pytest
 
-from graftmem import BlockCorrupted
+from graftmem import BlockCorrupted, Memory
 from graftmem.core.engine import logits_sha256
 from graftmem.memory.answer import graft
 from graftmem.store import chain as _chain
@@ -37,12 +38,18 @@ def _fresh(eng, tokens: list[int], query: list[int]) -> str:
     return out
 
 
+@pytest.fixture(scope="module")
+def stale_pair(smol, tmp_path_factory):
+    """A long and a short block, learned once for both queries of the stale-cells test (it only grafts them)."""
+    with Memory(engine=smol, home=tmp_path_factory.mktemp("stale") / "store") as m:
+        yield m, m.learn(long_text(700, seed=71), name="long"), m.learn(long_text(150, seed=72), name="short")
+
+
 @pytest.mark.parametrize("query", ["\n", "\nQuestion: " + " ".join(["which step comes first"] * 14) + "?"])
-def test_graft_over_stale_cells_equals_fresh(mem, smol, query):
+def test_graft_over_stale_cells_equals_fresh(stale_pair, smol, query):
     """restore() clears with data=False: a longer block grafted first leaves its K/V bytes in the cells
     after the short block; the short block's graft + query must still equal a fresh prefill."""
-    long_b = mem.learn(long_text(700, seed=71), name="long")
-    short_b = mem.learn(long_text(150, seed=72), name="short")
+    mem, long_b, short_b = stale_pair
     assert long_b.n_tokens > short_b.n_tokens + 200
     q = smol.tokenize(query, add_special=False)
     with smol.session():
@@ -66,14 +73,33 @@ def test_flip_after_a_verified_read_goes_back_to_blake3(mem):
     assert ei.value.expected == block.state_digest
 
 
+@pytest.fixture(scope="module")
+def bitrot_home(smol, tmp_path_factory):
+    """A closed home holding the blocks the xxh3 test flips, learned once (the 420-word one serves two
+    cases): block id by word count. Each case flips a byte in a copy of its own."""
+    home = tmp_path_factory.mktemp("bitrot") / "store"
+    with Memory(engine=smol, home=home) as m:
+        ids = {n: m.learn(long_text(n, seed=6), name="bitrot").id for n in (120, 420)}
+    return home, ids
+
+
+@pytest.fixture
+def bitrot_mem(bitrot_home, smol, tmp_path):
+    home = tmp_path / "store"
+    shutil.copytree(bitrot_home[0], home)
+    with Memory(engine=smol, home=home) as m:
+        yield m
+
+
 @pytest.mark.parametrize("n_words,back", [(120, 4097), (420, 4097), (420, 6 << 20)],
                          ids=["one-thread", "overlapped-last-chunk", "overlapped-middle-chunk"])
-def test_flip_invisible_to_stat_is_refused_by_xxh3(mem, n_words, back):
+def test_flip_invisible_to_stat_is_refused_by_xxh3(bitrot_home, bitrot_mem, n_words, back):
     """A change the file's stat does not show (a bit flipped on the medium or in the page cache):
     simulated by moving the verified entry to the flipped file's new version key. A state over
     ``verified.OVERLAP_CHUNK`` is read by a worker thread while this one hashes: the flip is refused
     in the chunks that worker read too."""
-    block = mem.learn(long_text(n_words, seed=6), name="bitrot")
+    mem = bitrot_mem
+    block = mem.get(bitrot_home[1][n_words])
     overlapped = block.state_size > verified.OVERLAP_CHUNK
     assert overlapped == (n_words > 120)
     assert back < block.state_size

@@ -21,12 +21,15 @@ def _segments(engine: Engine, sizes: list[int]) -> list[list[int]]:
     return out
 
 
-def _fresh(engine: Engine, segs: list[list[int]]) -> bytes:
-    """A fresh prefill of ``segs``, one call per segment, captured."""
+def _fresh(engine: Engine, segs: list[list[int]]) -> list[bytes]:
+    """A fresh prefill of ``segs``, one call per segment, captured after each call: ``out[k]`` is the
+    state of a fresh prefill of ``segs[:k + 1]`` (a capture reads the cells, it changes none)."""
+    out = []
     with engine.session():
         for s in segs:
             engine.prefill(s)
-        return bytes(engine.capture())
+            out.append(bytes(engine.capture()))
+    return out
 
 
 def _long(engine: Engine, segs: list[list[int]], answer: int = 3) -> bytes:
@@ -39,12 +42,16 @@ def _long(engine: Engine, segs: list[list[int]], answer: int = 3) -> bytes:
         return bytes(engine.capture())
 
 
-def _check_cuts(engine: Engine, segs: list[list[int]]) -> None:
+def _check_cuts(engine: Engine, segs: list[list[int]]) -> bytes:
+    """Each cut of the long state (after segment k) against a fresh capture of the first k segments;
+    returns the long state."""
     whole = _long(engine, segs)
+    fresh = _fresh(engine, segs[:-1])  # another computation than the long one: its own session
     n = 0
     for k in range(1, len(segs)):
         n += len(segs[k - 1])
-        assert statefmt.cut(whole, n) == _fresh(engine, segs[:k]), f"cut after segment {k} ({n} tokens)"
+        assert statefmt.cut(whole, n) == fresh[k - 1], f"cut after segment {k} ({n} tokens)"
+    return whole
 
 
 def test_smollm2_cut_equals_fresh_capture_across_an_ubatch_boundary(smol):
@@ -56,8 +63,7 @@ def test_smollm2_cut_with_transposed_v(tmp_path):
     """Without flash attention llama.cpp stores V transposed (one column per cell): cut along cells."""
     with Engine("smollm2", {"flash_attn": False, "probe": False}) as e:
         segs = _segments(e, [40, 10, 20])
-        assert statefmt.parse_state(_fresh(e, segs))[0].v_trans
-        _check_cuts(e, segs)
+        assert statefmt.parse_state(_check_cuts(e, segs))[0].v_trans
 
 
 def test_gemma3_cut_inside_the_window_equals_fresh_capture(gemma):
