@@ -34,7 +34,14 @@ _pin_xdist_worker()
 #: machine), started first: pytest-xdist hands out whole files (``--dist loadfile``) in collection order, so
 #: a long file started last would leave the other worker idle at the end. Files not named keep their order,
 #: after these; the list is a schedule hint, not a correctness matter.
-SLOWEST_FIRST: list[str] = []
+SLOWEST_FIRST: list[str] = [
+    "test_exactness.py", "test_docs.py", "test_needle.py", "test_chain.py", "test_packaging.py",
+    "test_server_openai.py", "test_http.py", "test_cli.py", "test_bundle.py", "test_fleet.py",
+    "test_forced_calls.py", "test_router.py", "test_server_forced_tools.py", "test_speed_paths.py",
+    "test_templates.py", "test_recall.py", "test_server_frameworks.py", "test_server_ram.py",
+    "test_server_responses.py", "test_kernels.py", "test_fleet_pages.py", "test_flywheel.py",
+    "test_fleet_cluster.py", "test_server_anthropic_cache.py", "test_store.py", "test_shared_model.py",
+]
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -47,6 +54,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda it: rank.get(it.path.name, len(rank)))  # stable: test order inside a file kept
+
 
 from graftmem import Memory  # noqa: E402
 from graftmem.core.engine import Engine  # noqa: E402
