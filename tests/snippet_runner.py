@@ -9,7 +9,7 @@ output, llama.cpp's included, lands where it would in a real process), the exit 
 process would give it (``SystemExit`` honoured, an uncaught exception prints its traceback and is 1).
 
 Nothing of one snippet may reach the next: after each run the non-daemon threads it started are
-joined (as interpreter shutdown does), every Memory, engine, store or server it left open is closed,
+joined and the thread pools it never shut down are stopped (as interpreter shutdown does), every Memory, engine, store or server it left open is closed,
 the per-process caches of graftmem that a fresh process would start without are emptied, and cwd,
 environment, sys.argv/sys.path/std streams, logging and warnings are restored. The one thing shared on
 purpose is the loaded model weights (``graftmem.core.engine._LoadedModel``: this process holds one

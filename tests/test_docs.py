@@ -153,7 +153,7 @@ srv = mem.serve(port=0)
 pool = ThreadPoolExecutor(2)         # never shut down: its idle workers are non-daemon threads
 pool.submit(int).result()
 verified._readers().submit(int).result()  # the store's per-process read pool (big states), started
-print("pid", os.getpid())
+print("pid", os.getpid(), mem.engine.model_users)
 '''
 
 _LOOKS_AROUND = '''
@@ -201,6 +201,7 @@ def test_snippet_runner_isolates_snippets(tmp_path, runner):
     b = runner.run(tmp_path / "b" / "snippet.py", cwd=tmp_path / "b", env={**env, "GRAFTMEM_HOME": str(tmp_path / "b" / "home")})
     assert b.returncode == 3, b.stderr[-2000:]
     out = dict(line.split(" ", 1) for line in b.stdout.splitlines())
+    assert a.stdout.split()[2] == "3"  # the snippet's engines run on the runner's loaded weights (3 users)
     assert out["pid"] == a.stdout.split()[1]  # the same warm process ran both
     assert out["env"] == f"None {tmp_path / 'b' / 'home'}"
     assert out["cwd"] == str(tmp_path / "b")
@@ -213,6 +214,7 @@ def test_snippet_runner_isolates_snippets(tmp_path, runner):
     assert c.returncode == 1 and c.stderr.rstrip().endswith("ValueError: boom"), c.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_snippet_runner_recovers_from_a_hang_and_a_crash(tmp_path):
     """A snippet that hangs fails with what it printed, one that kills the runner gets the signal as its
     status, and each time the next snippet runs in a fresh runner (the cold one: same machinery, no
