@@ -9,7 +9,18 @@ from pathlib import Path
 
 import pytest
 
+from .snippet_runner import SnippetRunner
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def runner():
+    """One warm interpreter per pytest worker that runs snippets as ``__main__`` (tests/snippet_runner.py):
+    torch, sentence-transformers and graftmem imported once, not once per snippet."""
+    r = SnippetRunner()
+    yield r
+    r.close()
 
 
 def test_cli_reference_is_current():
@@ -45,10 +56,9 @@ def test_paper_page_is_generated():
 
 
 @pytest.mark.slow
-def test_quickstart_example_runs(tmp_path):
+def test_quickstart_example_runs(tmp_path, runner):
     env = {**os.environ, "GRAFTMEM_HOME": str(tmp_path / "home"), "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py")], capture_output=True,
-                          text=True, cwd=tmp_path, env=env, timeout=900)
+    proc = runner.run(ROOT / "examples" / "quickstart.py", cwd=tmp_path, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "byte-exact: True (10/10 SHA-equal, max KL 0.0)" in proc.stdout, proc.stdout[-2000:]
 
@@ -62,21 +72,26 @@ def python_blocks(page: str) -> list[str]:
             if not m.group(1)]
 
 
-def _run_block(code: str, tmp_path) -> subprocess.CompletedProcess:
-    """Save a block as a script and run it as a new user would (home and cwd in tmp)."""
+def _run_block(code: str, tmp_path, runner: SnippetRunner | None = None) -> subprocess.CompletedProcess:
+    """Save a block as a script and run it (home and cwd in tmp): in the warm ``runner`` when given (as
+    ``__main__``, nothing shared with the snippet before it but the loaded weights), else as a new user
+    would, ``python snippet.py`` in a brand-new process."""
     script = tmp_path / "snippet.py"
     script.write_text(code)
     env = {**os.environ, "GRAFTMEM_HOME": str(tmp_path / "home"), "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path,
-                          env=env, timeout=900)
+    if runner is not None:
+        proc = runner.run(script, cwd=tmp_path, env=env, timeout=900)
+    else:
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path,
+                              env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc
 
 
-def _run_first_python_block(page: str, tmp_path) -> subprocess.CompletedProcess:
+def _run_first_python_block(page: str, tmp_path, runner: SnippetRunner | None = None) -> subprocess.CompletedProcess:
     blocks = python_blocks(page)
     assert blocks, f"{page} has a python example"
-    return _run_block(blocks[0], tmp_path)
+    return _run_block(blocks[0], tmp_path, runner)
 
 
 PAGES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))
@@ -95,22 +110,132 @@ def test_every_page_block_is_found():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page, index", EVERY_BLOCK, ids=[f"{p}#{i}" for p, i in EVERY_BLOCK])
-def test_every_python_block_runs(page, index, tmp_path):
-    _run_block(python_blocks(page)[index], tmp_path)
+def test_every_python_block_runs(page, index, tmp_path, runner):
+    _run_block(python_blocks(page)[index], tmp_path, runner)
 
 
 @pytest.mark.slow
-def test_quickstart_page_snippet_runs(tmp_path):
+def test_quickstart_page_snippet_runs(tmp_path, runner):
     """The first Python block of docs/quickstart.md, run as the page says (save it, run it)."""
-    lines = _run_first_python_block("docs/quickstart.md", tmp_path).stdout.splitlines()
+    lines = _run_first_python_block("docs/quickstart.md", tmp_path, runner).stdout.splitlines()
     assert lines[0].endswith("  dates") and lines[2].startswith("dates "), lines  # routed to the date manual
     assert lines[-1].startswith("False '' no block matched"), lines               # refused, nothing grafted
 
 
 @pytest.mark.slow
 def test_readme_quickstart_runs(tmp_path):
-    """The README's Python block, run as a new user would (default home redirected to a temp dir)."""
+    """The README's Python block, run as a new user would (default home redirected to a temp dir).
+
+    Deliberately NOT in the warm runner: a brand-new ``python snippet.py`` process, cold imports and
+    model load included, because that is exactly what a new user does first; the other snippets share
+    one warm interpreter (tests/snippet_runner.py)."""
     proc = _run_first_python_block("README.md", tmp_path)
     lines = proc.stdout.splitlines()
     assert "True 50 0.0" in lines, proc.stdout[-2000:]
     assert lines[-1].startswith("dates "), proc.stdout[-2000:]
+
+
+_LEAKY = '''
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+from graftmem import Engine, Memory
+from graftmem.store import verified
+
+os.environ["SNIPPET_LEAK"] = "1"
+os.chdir(os.path.dirname(os.getcwd()))
+logging.basicConfig(level=logging.INFO)
+mem = Memory()                       # never closed, nor its server, nor the extra engine
+mem.learn("Refunds: ask for the order number first.", name="refunds")
+extra = Engine()
+srv = mem.serve(port=0)
+pool = ThreadPoolExecutor(2)         # never shut down: its idle workers are non-daemon threads
+pool.submit(int).result()
+verified._readers().submit(int).result()  # the store's per-process read pool (big states), started
+print("pid", os.getpid(), mem.engine.model_users)
+'''
+
+_LOOKS_AROUND = '''
+import gc
+import logging
+import os
+import sys
+import threading
+
+from graftmem import Memory
+from graftmem.core.engine import Engine
+from graftmem.store import verified
+
+memories = [o for o in gc.get_objects() if type(o) is Memory and not o._closed]
+engines = [o for o in gc.get_objects() if type(o) is Engine and not o._closed]
+print("pid", os.getpid())
+print("env", os.environ.get("SNIPPET_LEAK"), os.environ["GRAFTMEM_HOME"])
+print("cwd", os.getcwd())
+print("path0", sys.path[0], sys.argv)
+print("open", len(memories), len(engines), [e.model_users for e in engines], logging.getLogger().handlers)
+print("threads", [t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()],
+      verified._pool)
+raise SystemExit(3)
+'''
+
+
+@pytest.mark.slow
+def test_snippet_runner_isolates_snippets(tmp_path, runner):
+    """What one snippet leaves (an open Memory, engine and server, thread pools, env, cwd, a logging
+    handler) is closed, stopped or restored before the next one, which runs in the same warm process and
+    sees none of it: only the runner's own engine is open (the shared weights, one user). SystemExit
+    and an uncaught exception give the exit status a new process would."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    (tmp_path / "a" / "cwd").mkdir(parents=True)
+    (tmp_path / "a" / "cwd" / "snippet.py").write_text(_LEAKY)
+    a = runner.run(tmp_path / "a" / "cwd" / "snippet.py", cwd=tmp_path / "a" / "cwd",
+                   env={**env, "GRAFTMEM_HOME": str(tmp_path / "a" / "home")})
+    assert a.returncode == 0, a.stderr[-2000:]
+    assert {"graftmem.api.memory.Memory", "graftmem.core.engine.Engine",
+            "graftmem.server.blocks.BlockServer"} <= set(a.closed_after), a.closed_after
+    assert not a.dirty, a.dirty
+
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "snippet.py").write_text(_LOOKS_AROUND)
+    b = runner.run(tmp_path / "b" / "snippet.py", cwd=tmp_path / "b", env={**env, "GRAFTMEM_HOME": str(tmp_path / "b" / "home")})
+    assert b.returncode == 3, b.stderr[-2000:]
+    out = dict(line.split(" ", 1) for line in b.stdout.splitlines())
+    assert a.stdout.split()[2] == "3"  # the snippet's engines run on the runner's loaded weights (3 users)
+    assert out["pid"] == a.stdout.split()[1]  # the same warm process ran both
+    assert out["env"] == f"None {tmp_path / 'b' / 'home'}"
+    assert out["cwd"] == str(tmp_path / "b")
+    assert out["path0"] == f"{tmp_path / 'b'} {[str(tmp_path / 'b' / 'snippet.py')]}"
+    assert out["open"] == "0 1 [1] []", out  # no Memory; one engine (the runner's), the only one on its weights
+    assert out["threads"] == "[] None", out
+
+    (tmp_path / "b" / "snippet.py").write_text("raise ValueError('boom')\n")
+    c = runner.run(tmp_path / "b" / "snippet.py", cwd=tmp_path / "b", env=env)
+    assert c.returncode == 1 and c.stderr.rstrip().endswith("ValueError: boom"), c.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_snippet_runner_recovers_from_a_hang_and_a_crash(tmp_path):
+    """A snippet that hangs fails with what it printed, one that kills the runner gets the signal as its
+    status, and each time the next snippet runs in a fresh runner (the cold one: same machinery, no
+    pre-imports)."""
+    r = SnippetRunner(warm=False)
+    script = tmp_path / "snippet.py"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    try:
+        script.write_text("import threading\nprint('started', flush=True)\nthreading.Event().wait()\n")
+        with pytest.raises(AssertionError, match=r"(?s)did not finish within 3 s.*started"):
+            r.run(script, cwd=tmp_path, env=env, timeout=3)
+        script.write_text("import os\nprint(os.getpid())\n")
+        first = r.run(script, cwd=tmp_path, env=env)
+        assert first.returncode == 0 and first.stdout.strip() == str(r.pid), first
+
+        script.write_text("import os, signal\nprint('dying', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)\n")
+        died = r.run(script, cwd=tmp_path, env=env)
+        assert died.returncode == -9 and died.stdout == "dying\n", died
+        script.write_text("import os\nprint(os.getpid())\n")
+        second = r.run(script, cwd=tmp_path, env=env)
+        assert second.returncode == 0 and second.stdout.strip() == str(r.pid) != first.stdout.strip(), second
+        assert r.starts == 3
+    finally:
+        r.close()
