@@ -5,7 +5,8 @@ Exactness is checked through the API: a request whose prefix was grafted returns
 and the same log-probabilities (floats compared exactly) as the same request served cold.
 
 The tests of server plumbing (grafting from the store / RAM / a warm start, refusal of another
-fingerprint's or a corrupted block, concurrent clients, streamed log-probabilities and strict bodies) run
+fingerprint's or a corrupted block, concurrent clients, streamed log-probabilities and strict bodies, the
+memory REST endpoints) run
 on the tiny random-weight Llama 3.1 of tests/tiny.py (`tiny_llama`: a real llama.cpp engine, real
 tokenizer and chat template), whose prefill costs ~1/100th of SmolLM2's: graft == cold holds on any model.
 Those whose assertion depends on what SmolLM2 says (a completion's text, a tool call, an agent framework's
@@ -384,11 +385,11 @@ def test_routed_recall_grafts_the_chosen_block_exactly(smol, home):
             assert none.usage.prompt_tokens_details.cached_tokens == 0
 
 
-def test_memory_rest_endpoints_give_what_memory_gives(smol, home, capsys):
+def test_memory_rest_endpoints_give_what_memory_gives(tiny_llama, home, capsys):
     """learn / list / get / search / recall / delete over HTTP; the recall through the server is the
     recall of Memory (same block, same answer, same first-step logits hash)."""
-    with Memory(engine=smol, home=home) as m:
-        with api_server(m.store, [smol], learn=False, router=lambda: m.router) as srv:
+    with Memory(engine=tiny_llama, home=home) as m:
+        with api_server(m.store, [tiny_llama], learn=False, router=lambda: m.router) as srv:
             u = srv.url + "/v1/memory"
             r = httpx.post(u + "/learn", json={"text": "Refunds take 14 days and need the receipt.", "chat": True,
                                                 "name": "refunds", "when_to_use": "refunds and money back"},
@@ -406,7 +407,7 @@ def test_memory_rest_endpoints_give_what_memory_gives(smol, home, capsys):
             assert hits[0]["block_id"] == bid
             via = httpx.post(u + "/recall", json={"task": task, "max_tokens": 6, "min_score": 0.1}, timeout=60).json()
             direct = m.recall(task, max_tokens=6, min_score=0.1)
-            assert via["block"]["id"] == direct.block.id == bid and via["text"] == direct.text
+            assert via["block"]["id"] == direct.block.id == bid and via["text"] == direct.text and direct.text
             assert via["receipt"]["first_logits_sha256"] == direct.receipt.first_logits_sha256
             # the CLI as a client of the running server: same hits, same answer, no model loaded
             from graftmem.cli import main
