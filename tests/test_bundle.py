@@ -110,12 +110,16 @@ def other_model(fp):
 def source(smol, tmp_path_factory):
     """Store A: two learned blocks and the receipt of one graft, plus an exported bundle; ``pristine``
     is a copy of A's home taken while it was closed, for `copy_of_source`."""
-    home = tmp_path_factory.mktemp("source")
-    with Memory(engine=smol, home=home / "store") as a:
+    yield from make_source(smol, tmp_path_factory.mktemp("source"))
+
+
+def make_source(engine, home: Path):
+    """`source`'s store A on ``engine`` (tests/test_http.py builds it on the tiny Llama 3.1)."""
+    with Memory(engine=engine, home=home / "store") as a:
         b1 = a.learn(long_text(140, seed=1), name="manual-one")
         b2 = a.learn(long_text(90, seed=2), name="manual-two")
     shutil.copytree(home / "store", home / "pristine")
-    with Memory(engine=smol, home=home / "store") as a:
+    with Memory(engine=engine, home=home / "store") as a:
         receipt = a.ask(b1.id, QUERY, max_tokens=1).receipt
         bundle = home / "two.gmbundle"
         a.export(bundle)
@@ -494,7 +498,12 @@ def test_export_filter_and_cli_signing(source, mem, tmp_path, capsys):
 @pytest.fixture
 def forged(smol, tmp_path):
     """A store whose block A holds the state of text B (same length), every digest rewritten."""
-    with Memory(engine=smol, home=tmp_path / "forger") as f:
+    yield from make_forged(smol, tmp_path)
+
+
+def make_forged(engine, tmp_path: Path):
+    """`forged` on ``engine`` (tests/test_http.py builds it on the tiny Llama 3.1)."""
+    with Memory(engine=engine, home=tmp_path / "forger") as f:
         text_a = long_text(80, seed=5)
         a, b = f.learn(text_a, name="a"), f.learn(text_a.replace("agent", "robot", 1), name="b")
         buf = bytearray()

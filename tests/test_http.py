@@ -1,5 +1,10 @@
 """HTTP sharing over a real loopback server: `graftmem serve` in another process, pull / push with
-httpx, Range and resume, and every refusal leaving the receiving store as it was."""
+httpx, Range and resume, and every refusal leaving the receiving store as it was.
+
+Everything here is transport and refusal (byte-identical files, digests, fingerprints, tokens, signatures,
+re-derivation), which holds on any model: the stores are built on the tiny random-weight Llama 3.1 of
+tests/tiny.py (`tiny_llama`, a real llama.cpp engine), whose prefills cost ~1/100th of SmolLM2's; the
+graft-equals-recorded checks still compare two real first-step logits hashes."""
 
 from __future__ import annotations
 
@@ -20,10 +25,28 @@ from graftmem.share.client import SIGNATURE_HEADER
 from graftmem.share.trust import SigningKey, TrustPolicy
 
 from .conftest import long_text
-from .test_bundle import QUERY, REPO, forge, other_model, state_of
-from .test_bundle import forged, source  # noqa: F401,F811 (fixtures)
+from .test_bundle import QUERY, REPO, forge, make_forged, make_source, other_model, state_of
+from .tiny import tiny_path
 
 TOKEN = "push-token-for-tests"
+
+
+@pytest.fixture(scope="module")
+def source(tiny_llama, tmp_path_factory):
+    """test_bundle's store A (two learned blocks, a graft's receipt, a bundle) on the tiny Llama 3.1."""
+    yield from make_source(tiny_llama, tmp_path_factory.mktemp("source"))
+
+
+@pytest.fixture
+def forged(tiny_llama, tmp_path):
+    yield from make_forged(tiny_llama, tmp_path)
+
+
+@pytest.fixture
+def mem(tiny_llama, tmp_path) -> Memory:
+    """The receiving store B, on the same tiny engine as `source`."""
+    with Memory(engine=tiny_llama, home=tmp_path / "store") as m:
+        yield m
 
 
 @pytest.fixture
@@ -101,7 +124,7 @@ def test_server_serves_only_block_ids(served, path):
 class _CutRoutes(BlockRoutes):
     """A server that drops the connection after ``cut`` bytes of a block body (a flaky network)."""
 
-    cut = 1_000_000
+    cut = 32 * 1024  # a third of the tiny Llama 3.1's block b1 (~180 tokens of 512 B)
     ranges: list[str] = []
 
     async def file_chunks(self, request, f, start, count):  # type: ignore[override]
@@ -156,8 +179,8 @@ def test_damaged_partial_download_is_discarded_not_trusted(source, mem):
         assert mem.pull(good.url, [bid]).added == [bid]
 
 
-def test_corrupt_block_on_the_server_is_refused(source, smol, tmp_path, mem):
-    with Memory(engine=smol, home=tmp_path / "bad-server") as bad:
+def test_corrupt_block_on_the_server_is_refused(source, tiny_llama, tmp_path, mem):
+    with Memory(engine=tiny_llama, home=tmp_path / "bad-server") as bad:
         bad.import_bundle(source["bundle"])
         p = bad.store.path_of(source["b2"].id)
         raw = bytearray(p.read_bytes())
@@ -171,8 +194,8 @@ def test_corrupt_block_on_the_server_is_refused(source, smol, tmp_path, mem):
         assert not list((mem.store.home / ".incoming").glob(f"{source['b2'].id}*"))
 
 
-def test_pull_from_another_model_is_refused(source, smol, tmp_path, mem):
-    with Memory(engine=smol, home=tmp_path / "other") as o:
+def test_pull_from_another_model_is_refused(source, tiny_llama, tmp_path, mem):
+    with Memory(engine=tiny_llama, home=tmp_path / "other") as o:
         o.import_bundle(source["bundle"])
         fid = forge(o.store, source["b1"].id, fingerprint=other_model(source["b1"].fingerprint))
         with BlockServer(o.store) as srv:
@@ -183,8 +206,8 @@ def test_pull_from_another_model_is_refused(source, smol, tmp_path, mem):
             assert rep.skipped == [fid] and sorted(rep.added) == sorted([source["b1"].id, source["b2"].id])
 
 
-def test_push_needs_the_token(source, smol, tmp_path):
-    with Memory(engine=smol, home=tmp_path / "hub") as hub, hub.serve(push_token=TOKEN) as srv:
+def test_push_needs_the_token(source, tiny_llama, tmp_path):
+    with Memory(engine=tiny_llama, home=tmp_path / "hub") as hub, hub.serve(push_token=TOKEN) as srv:
         before = state_of(hub)
         with pytest.raises(AccessDenied, match="no token|wrong token"):
             source["mem"].push(srv.url, token="not-the-token")
@@ -203,10 +226,10 @@ def test_push_is_off_without_a_token(source, served):
         source["mem"].push(served.url, token=TOKEN)
 
 
-def test_pushed_bundle_is_checked_like_a_file(source, smol, tmp_path):
+def test_pushed_bundle_is_checked_like_a_file(source, tiny_llama, tmp_path):
     raw = bytearray(source["bundle"].read_bytes())
     raw[len(raw) // 2] ^= 0x01
-    with Memory(engine=smol, home=tmp_path / "hub") as hub, hub.serve(push_token=TOKEN) as srv:
+    with Memory(engine=tiny_llama, home=tmp_path / "hub") as hub, hub.serve(push_token=TOKEN) as srv:
         before = state_of(hub)
         r = httpx.post(f"{srv.url}/v1/bundles", content=bytes(raw),
                        headers={"Authorization": f"Bearer {TOKEN}"})
@@ -217,7 +240,7 @@ def test_pushed_bundle_is_checked_like_a_file(source, smol, tmp_path):
         assert state_of(hub) == before
 
 
-def test_signatures_over_http(source, smol, tmp_path, mem):
+def test_signatures_over_http(source, tiny_llama, tmp_path, mem):
     key, stranger = SigningKey.generate(), SigningKey.generate()
     strict = TrustPolicy(require_signature=True).trust(key.public_key)
     with BlockServer(source["mem"].store) as unsigned:
@@ -232,7 +255,7 @@ def test_signatures_over_http(source, smol, tmp_path, mem):
         rep = mem.pull(signed.url, policy=strict)
         assert rep.signer == key.public_key.key_id and rep.signer_trusted and len(rep.added) == 2
     # the hub requires signed pushes: unsigned refused, signed by a trusted key accepted
-    with Memory(engine=smol, home=tmp_path / "hub") as hub:
+    with Memory(engine=tiny_llama, home=tmp_path / "hub") as hub:
         strict.save(hub.store.home)
         with hub.serve(push_token=TOKEN) as srv:
             with pytest.raises(UntrustedBundle, match="not signed"):
@@ -241,22 +264,22 @@ def test_signatures_over_http(source, smol, tmp_path, mem):
             assert len(source["mem"].push(srv.url, token=TOKEN, sign_key=key).added) == 2
 
 
-def test_cli_pull_and_push(source, smol, tmp_path, capsys):
+def test_cli_pull_and_push(source, tiny_llama, tmp_path, capsys):
     from graftmem.cli import main
 
-    cfg = '{"probe": false}'
-    with Memory(engine=smol, home=tmp_path / "hub") as hub, hub.serve(push_token=TOKEN) as srv:
+    cfg = ["--model", str(tiny_path("llama31")), "--config", '{"probe": false, "n_threads": 1}']
+    with Memory(engine=tiny_llama, home=tmp_path / "hub") as hub, hub.serve(push_token=TOKEN) as srv:
         assert main(["--home", str(source["mem"].store.home), "push", srv.url, source["b2"].id[:8],
                      "--token", TOKEN]) == 0
         assert [b.id for b in hub.get_all()] == [source["b2"].id]
         assert "1 added" in capsys.readouterr().out
         home_c = str(tmp_path / "c")
-        assert main(["--home", home_c, "--config", cfg, "--json", "pull", srv.url]) == 0
+        assert main(["--home", home_c, *cfg, "--json", "pull", srv.url]) == 0
         pulled = json.loads(capsys.readouterr().out)
         assert pulled["added"] == [source["b2"].id]
         assert main(["--home", home_c, "ls"]) == 0
         assert source["b2"].id[:12] in capsys.readouterr().out
-        assert main(["--home", home_c, "--config", cfg, "pull", srv.url + "/nope"]) == 2
+        assert main(["--home", home_c, *cfg, "pull", srv.url + "/nope"]) == 2
 
 
 def test_pull_with_rederive_refuses_a_forged_state(forged, mem):
@@ -308,19 +331,19 @@ def test_two_pulls_of_one_block_do_not_interleave(source, mem, served):
     assert mem.pull(served.url, [e.id]).added == [e.id]
 
 
-def test_hub_that_rederives_refuses_a_forged_push(forged, smol, tmp_path):
+def test_hub_that_rederives_refuses_a_forged_push(forged, tiny_llama, tmp_path):
     f, aid = forged
-    with Memory(engine=smol, home=tmp_path / "hub") as hub, hub.serve(push_token=TOKEN, rederive=True) as srv:
+    with Memory(engine=tiny_llama, home=tmp_path / "hub") as hub, hub.serve(push_token=TOKEN, rederive=True) as srv:
         with pytest.raises(BlockCorrupted, match="not what its"):
             f.push(srv.url, token=TOKEN)
         assert hub.get_all() == []
 
 
-def test_cli_serve_with_a_push_token_accepts_pushes(source, tmp_path):
+def test_cli_serve_with_a_push_token_accepts_pushes(source, tiny_llama, tmp_path):
     hub = tmp_path / "hub"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "graftmem", "--home", str(hub), "--config", '{"probe": false}', "serve",
-         "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-m", "graftmem", "--home", str(hub), "--model", str(tiny_path("llama31")),
+         "--config", '{"probe": false, "n_threads": 1}', "serve", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONPATH": str(REPO), "GRAFTMEM_PUSH_TOKEN": TOKEN})
     try:
         line = proc.stdout.readline()  # type: ignore[union-attr]
@@ -333,14 +356,14 @@ def test_cli_serve_with_a_push_token_accepts_pushes(source, tmp_path):
         assert sorted(rep.added) == sorted([source["b1"].id, source["b2"].id])
         assert httpx.get(f"{url}/v1/info").json()["blocks"] == 2
         assert "OpenAI API at" in line  # the CLI serves the OpenAI-compatible API on the same socket
-        assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "smollm2"
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == tiny_llama.fingerprint.model_name
     finally:
         proc.terminate()
         proc.wait(timeout=30)
 
 
-def test_pulling_a_chained_block_brings_its_parent(smol, mem, tmp_path):
-    with Memory(engine=smol, home=tmp_path / "chain") as c:
+def test_pulling_a_chained_block_brings_its_parent(tiny_llama, mem, tmp_path):
+    with Memory(engine=tiny_llama, home=tmp_path / "chain") as c:
         root = c.learn(long_text(60, seed=11), name="root")
         child = c.learn(" " + long_text(40, seed=12), name="child", parent=root.id)
         with c.serve() as srv:

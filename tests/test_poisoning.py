@@ -12,6 +12,10 @@ cold, or refused where the verb is "answer from THIS block"); with consent it is
 its provenance. A block is marked ``unverified`` the way the store does it for an unchecked arrival
 (`Store.set_provenance`): the gate looks at provenance, not at the bytes, so a faithful state marked
 unverified is as refused as a forged one (the forged-state path itself is tests/test_trust.py's).
+
+The gate is server and store plumbing and holds on any model: every test runs the tiny random-weight
+Llama 3.1 of tests/tiny.py (`tiny_llama`, a real llama.cpp engine with the real tokenizer and template),
+whose prefills cost ~1/100th of SmolLM2's. Routing is MiniLM's, as before.
 """
 
 from __future__ import annotations
@@ -60,11 +64,11 @@ def _wait_autos(store, n_min: int) -> list:
     return autos
 
 
-def test_unverified_prefix_is_not_grafted_by_the_server_without_consent(smol, tmp_path):
+def test_unverified_prefix_is_not_grafted_by_the_server_without_consent(tiny_llama, tmp_path):
     """chat, completions, the warm start, the prefix lookup and the engine's kept cells."""
-    with Memory(engine=smol, home=tmp_path / "home") as m:
+    with Memory(engine=tiny_llama, home=tmp_path / "home") as m:
         store = m.store
-        with api_server(store, [smol], min_prefix_tokens=16, sightings=1) as srv:
+        with api_server(store, [tiny_llama], min_prefix_tokens=16, sightings=1) as srv:
             c = _client(srv)
             _chat(c)
             _complete(c)
@@ -74,9 +78,9 @@ def test_unverified_prefix_is_not_grafted_by_the_server_without_consent(smol, tm
         for b in autos:  # what an unchecked import of the same blocks would have left
             store.set_provenance(b.id, PROVENANCE_UNVERIFIED)
 
-        with api_server(store, [smol], min_prefix_tokens=16, sightings=1) as srv:
+        with api_server(store, [tiny_llama], min_prefix_tokens=16, sightings=1) as srv:
             assert srv.warm == []  # the warm start grafts nothing unverified
-            segs, _ = chunk_prompt(smol, PROMPT)
+            segs, _ = chunk_prompt(tiny_llama, PROMPT)
             assert srv.cache.lookup(segs) is None  # the index lookup skips it
             assert srv.cache.lookup(segs, allow_unverified=True) is not None  # with consent: found
             c = _client(srv)
@@ -98,16 +102,16 @@ def test_unverified_prefix_is_not_grafted_by_the_server_without_consent(smol, tm
         assert all(b.provenance == PROVENANCE_UNVERIFIED for b in store.list(kind=AUTO_KIND))
 
         # the operator's consent at start-up: the warm start grafts it, and the receipt says so
-        with api_server(store, [smol], min_prefix_tokens=16, sightings=1, allow_unverified=True) as srv:
+        with api_server(store, [tiny_llama], min_prefix_tokens=16, sightings=1, allow_unverified=True) as srv:
             assert srv.warm and all(w["provenance"] == PROVENANCE_UNVERIFIED for w in srv.warm)
             r, rec = _chat(_client(srv))
             assert r.usage.prompt_tokens_details.cached_tokens > 0 and rec["provenance"] == PROVENANCE_UNVERIFIED
 
 
 @pytest.fixture
-def poisoned(smol, minilm, tmp_path):
+def poisoned(tiny_llama, minilm, tmp_path):
     """A Memory whose routed manual is unverified (its router indexed it before it was marked)."""
-    with Memory(engine=smol, home=tmp_path / "home", embedder=minilm) as m:
+    with Memory(engine=tiny_llama, home=tmp_path / "home", embedder=minilm) as m:
         assert m.router is not None  # loaded first, so that learn() indexes the block
         block = m.learn(MANUAL, chat=True, name="refunds", when_to_use="refund codes, money back, returns")
         m.store.set_provenance(block.id, PROVENANCE_UNVERIFIED)
@@ -127,13 +131,13 @@ def test_memory_recall_refuses_before_grafting(poisoned):
     r = m.recall(TASK, max_tokens=4, min_score=0.1, allow_unverified=True)
     assert r.block is not None and r.block.id == block.id and r.receipt.provenance == PROVENANCE_UNVERIFIED
     with m.recall_stream(TASK, max_tokens=4, min_score=0.1, allow_unverified=True) as s:
-        assert "".join(s) == s.result.text == r.text
+        assert "".join(s) == s.result.text == r.text and r.text  # a text to compare
     assert s.result.receipt.provenance == PROVENANCE_UNVERIFIED
 
 
-def test_rest_recall_and_ask_refuse_without_consent(poisoned, smol):
+def test_rest_recall_and_ask_refuse_without_consent(poisoned, tiny_llama):
     m, block = poisoned
-    with api_server(m.store, [smol], learn=False, router=lambda: m.router) as srv:
+    with api_server(m.store, [tiny_llama], learn=False, router=lambda: m.router) as srv:
         for path, body in (("/v1/memory/recall", {"task": TASK, "max_tokens": 2, "min_score": 0.1}),
                            ("/v1/memory/ask", {"id": block.id, "question": TASK, "max_tokens": 2})):
             r = httpx.post(srv.url + path, json=body, timeout=120)
@@ -159,11 +163,11 @@ DOC = ("The lighthouse keeper's log. " + long_text(40, seed=91) +
 DOC_TASK = "Where is the spare lamp oil stored?"
 
 
-def test_recall_document_refuses_an_unverified_page_before_grafting(smol, minilm, tmp_path, monkeypatch):
+def test_recall_document_refuses_an_unverified_page_before_grafting(tiny_llama, minilm, tmp_path, monkeypatch):
     """The pager's door: a page imported unchecked may hold another text's state, so it is refused before
     a byte of it reaches llama.cpp (nothing restored, nothing prefilled, nothing decoded); with consent
     it is grafted and the receipt names its provenance."""
-    with Memory(engine=smol, home=tmp_path / "home", embedder=minilm) as m:
+    with Memory(engine=tiny_llama, home=tmp_path / "home", embedder=minilm) as m:
         m.learn_document(DOC, document="log", window=256, overlap=32, progress=False)
         pages = {b.id for b in m.get_all(kind="page")}
         assert pages
@@ -171,8 +175,8 @@ def test_recall_document_refuses_an_unverified_page_before_grafting(smol, minilm
             m.store.set_provenance(bid, PROVENANCE_UNVERIFIED)
         calls: list[str] = []
         for name in ("session", "restore", "prefill", "logits"):  # every way into llama.cpp's context
-            real = getattr(smol, name)
-            monkeypatch.setattr(smol, name, lambda *a, _n=name, _r=real, **k: (calls.append(_n), _r(*a, **k))[1])
+            real = getattr(tiny_llama, name)
+            monkeypatch.setattr(tiny_llama, name, lambda *a, _n=name, _r=real, **k: (calls.append(_n), _r(*a, **k))[1])
         with pytest.raises(UnverifiedBlock, match="unverified"):
             m.recall_document(DOC_TASK, document="log", max_tokens=2, min_score=0.0)
         assert calls == []  # refused before the graft: nothing of the page reached the engine
@@ -183,4 +187,4 @@ def test_recall_document_refuses_an_unverified_page_before_grafting(smol, minilm
         # a trusted page: grafted without consent, stamped local
         m.store.set_provenance(ans.recall.block.id, "local")
         again = m.recall_document(DOC_TASK, document="log", max_tokens=2, min_score=0.0)
-        assert again.recall.receipt.provenance == "local" and again.text == ans.text
+        assert again.recall.receipt.provenance == "local" and again.text == ans.text and ans.text

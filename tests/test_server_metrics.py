@@ -1,4 +1,9 @@
-"""``GET /health`` (public) and ``GET /metrics`` (Prometheus text, behind the key) on a real server."""
+"""``GET /health`` (public) and ``GET /metrics`` (Prometheus text, behind the key) on a real server.
+
+What is counted (requests, tokens, seconds by source, written / grafted / refused blocks) is server
+plumbing and holds on any model: the server runs the tiny random-weight Llama 3.1 of tests/tiny.py
+(`tiny_llama`, a real llama.cpp engine with the real tokenizer and template), whose prefills cost ~1/100th
+of SmolLM2's."""
 
 from __future__ import annotations
 
@@ -23,8 +28,8 @@ def _samples(text: str) -> dict[str, float]:
     return out
 
 
-def test_health_is_public_and_metrics_count_requests_and_tokens(smol, tmp_path):
-    with api_server(Store(tmp_path / "home"), [smol], api_key=KEY) as srv:
+def test_health_is_public_and_metrics_count_requests_and_tokens(tiny_llama, tmp_path):
+    with api_server(Store(tmp_path / "home"), [tiny_llama], api_key=KEY) as srv:
         # the probe carries no key and still gets its answer
         r = httpx.get(srv.url + "/health")
         assert r.status_code == 200 and r.json() == {"status": "ok"}
@@ -68,7 +73,7 @@ def test_health_is_public_and_metrics_count_requests_and_tokens(smol, tmp_path):
         assert s['graftmem_requests_total{route="/metrics",status="200"}'] == 1
 
 
-def test_health_says_loading_until_the_engines_are_loaded(smol, tmp_path):
+def test_health_says_loading_until_the_engines_are_loaded(tiny_llama, tmp_path):
     """The socket is bound before the engines load (what ``graftmem serve`` does): a probe reads 503
     ``loading`` and an API call a 503 in its API's shape, until the server built on it starts; then 200."""
     import threading
@@ -85,7 +90,7 @@ def test_health_says_loading_until_the_engines_are_loaded(smol, tmp_path):
 
     def load() -> None:  # what serve's loader thread does, held until the test lets it go
         go.wait()
-        made["engine"] = engine = Engine(smol.model_path, smol.config)
+        made["engine"] = engine = Engine(tiny_llama.model_path, tiny_llama.config)
         made["srv"] = api_server(Store(tmp_path / "home"), [engine], api_key=KEY, runner=runner).start()
 
     loader = threading.Thread(target=load)
@@ -125,7 +130,7 @@ def test_health_says_loading_until_the_engines_are_loaded(smol, tmp_path):
             made["engine"].close()
 
 
-def test_metrics_count_written_blocks_store_grafts_and_refused_blocks(smol, tmp_path):
+def test_metrics_count_written_blocks_store_grafts_and_refused_blocks(tiny_llama, tmp_path):
     """A breakpoint's block written (created tokens), grafted from the store (restore seconds by source),
     then damaged on disk: the graft's check refuses it (a verify failure) and the request is served cold."""
     import anthropic
@@ -134,7 +139,7 @@ def test_metrics_count_written_blocks_store_grafts_and_refused_blocks(smol, tmp_
 
     system = [{"type": "text", "text": "You file tickets. " + long_text(260, seed=21), "cache_control": {"type": "ephemeral"}}]
     ask = [{"role": "user", "content": "Open a ticket."}]
-    with api_server(Store(tmp_path / "home"), [smol], api_key=KEY) as srv:
+    with api_server(Store(tmp_path / "home"), [tiny_llama], api_key=KEY) as srv:
         c = anthropic.Anthropic(base_url=srv.url, api_key=KEY, max_retries=0)
         first = c.messages.create(model="m", max_tokens=2, system=system, messages=ask, extra_body={"temperature": 0})
         created = first.usage.cache_creation_input_tokens

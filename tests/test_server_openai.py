@@ -2,7 +2,15 @@
 LangChain's ChatOpenAI (only base_url changed), on the real SmolLM2 engine.
 
 Exactness is checked through the API: a request whose prefix was grafted returns the same greedy tokens
-and the same log-probabilities (floats compared exactly) as the same request served cold."""
+and the same log-probabilities (floats compared exactly) as the same request served cold.
+
+The tests of server plumbing (grafting from the store / RAM / a warm start, refusal of another
+fingerprint's or a corrupted block, concurrent clients, streamed log-probabilities and strict bodies, the
+memory REST endpoints) run
+on the tiny random-weight Llama 3.1 of tests/tiny.py (`tiny_llama`: a real llama.cpp engine, real
+tokenizer and chat template), whose prefill costs ~1/100th of SmolLM2's: graft == cold holds on any model.
+Those whose assertion depends on what SmolLM2 says (a completion's text, a tool call, an agent framework's
+run) or on its ChatML template stay on SmolLM2."""
 
 from __future__ import annotations
 
@@ -60,16 +68,17 @@ OTHER = [{"role": "system", "content": "You answer in French. " + long_text(40, 
          {"role": "user", "content": "Bonjour"}]
 
 
-def test_grafted_prefix_is_exact_and_survives_a_restart(smol, home):
+def test_grafted_prefix_is_exact_and_survives_a_restart(tiny_llama, home):
     """Each way a prompt's prefix is reused gives the cold request's bytes: a graft from the store, the
     cells the previous request left in RAM, the warm start's graft after a restart, a restart without it."""
     store = Store(home)
     try:
-        with api_server(store, [smol], min_prefix_tokens=32, sightings=2) as srv:
+        with api_server(store, [tiny_llama], min_prefix_tokens=32, sightings=2) as srv:
             assert srv.warm == []  # nothing learned yet: nothing to warm
             c = _client(srv)
             cold = _ask(c, cache=False)
             assert cold.usage.prompt_tokens_details.cached_tokens == 0
+            assert cold.choices[0].logprobs.content  # tokens to compare: the model did not stop at once
             first, second = _ask(c), _ask(c)  # two sightings: learned after the second
             assert first.usage.prompt_tokens_details.cached_tokens == 0
             assert srv.openai.wait_idle()  # the answer comes before the prefix is stored
@@ -91,13 +100,13 @@ def test_grafted_prefix_is_exact_and_survives_a_restart(smol, home):
                 model="smollm2", messages=MESSAGES, max_tokens=8, temperature=0, stream=True) if ch.choices]
             assert "".join(parts) == cold.choices[0].message.content
         # a new server on the same home (a restart) grafts the learned prefix before serving: in RAM at once
-        with api_server(store, [smol], min_prefix_tokens=32) as srv2:
+        with api_server(store, [tiny_llama], min_prefix_tokens=32) as srv2:
             assert [w["block_id"] for w in srv2.warm] == [receipt["block_id"]]
             r, rec = _receipt_of(_client(srv2))
             assert rec["source"] == "ram" and rec["block_id"] == receipt["block_id"]
             assert r.usage.prompt_tokens_details.cached_tokens == n_cached and _fingerprint(r) == _fingerprint(cold)
         # a restart without the warm start: the first request grafts from the store, same bytes
-        with api_server(store, [smol], min_prefix_tokens=32, warm=False) as srv3:
+        with api_server(store, [tiny_llama], min_prefix_tokens=32, warm=False) as srv3:
             assert srv3.warm == []
             again = _ask(_client(srv3))
             assert again.usage.prompt_tokens_details.cached_tokens == n_cached
@@ -112,14 +121,15 @@ def test_grafted_prefix_is_exact_and_survives_a_restart(smol, home):
         store.close()
 
 
-def test_manual_block_is_used_other_fingerprint_never_corrupted_refused(smol, home, caplog):
+def test_manual_block_is_used_other_fingerprint_never_corrupted_refused(tiny_llama, home, caplog):
     """A system turn learned with Memory.learn(chat=True) is grafted; the same block under another
     engine fingerprint is never used; a corrupted block is refused and the request served cold."""
-    with Memory(engine=smol, home=home) as m:
+    with Memory(engine=tiny_llama, home=home) as m:
         block = m.learn(SYSTEM, chat=True, name="system")
-        with api_server(m.store, [smol], learn=False) as srv:
+        with api_server(m.store, [tiny_llama], learn=False) as srv:
             c = _client(srv)
             cold = _ask(c, cache=False)
+            assert cold.choices[0].logprobs.content  # tokens to compare: the model did not stop at once
             warm = _ask(c)
             assert warm.model_extra["graftmem"]["block_id"] == block.id
             assert warm.usage.prompt_tokens_details.cached_tokens == block.n_tokens
@@ -128,7 +138,7 @@ def test_manual_block_is_used_other_fingerprint_never_corrupted_refused(smol, ho
         fid = forge(m.store, block.id, fingerprint=other_model(block.fingerprint))
         m.store.delete(block.id)
         assert [b.id for b in m.store.list()] == [fid]
-        with api_server(m.store, [smol], learn=False) as srv:
+        with api_server(m.store, [tiny_llama], learn=False) as srv:
             r = _ask(_client(srv))
             assert r.usage.prompt_tokens_details.cached_tokens == 0 and r.model_extra["graftmem"]["block_id"] is None
             assert _fingerprint(r) == _fingerprint(cold)
@@ -139,7 +149,7 @@ def test_manual_block_is_used_other_fingerprint_never_corrupted_refused(smol, ho
         raw = bytearray(p.read_bytes())
         raw[len(raw) // 2] ^= 0x40
         p.write_bytes(bytes(raw))
-        with api_server(m.store, [smol], learn=False) as srv, caplog.at_level(logging.WARNING, logger="graftmem"):
+        with api_server(m.store, [tiny_llama], learn=False) as srv, caplog.at_level(logging.WARNING, logger="graftmem"):
             r = _ask(_client(srv))
             assert r.usage.prompt_tokens_details.cached_tokens == 0
             assert _fingerprint(r) == _fingerprint(cold)
@@ -178,17 +188,17 @@ def test_openai_errors_and_completions(smol, home):
         store.close()
 
 
-def test_eight_concurrent_clients_get_their_own_answers(smol, home):
+def test_eight_concurrent_clients_get_their_own_answers(tiny_llama, home):
     """Two engines on one loaded model (two contexts decoding at once on the same weights), eight clients
     at once (half streaming): each answer equals the one it gets alone."""
     questions = [f"Name a color number {i}." for i in range(8)]
     msgs = [[{"role": "system", "content": "Answer in a few words."}, {"role": "user", "content": q}]
             for q in questions]
-    with smol.sibling() as second:
-        assert second.fingerprint == smol.fingerprint and second.model_handle == smol.model_handle
+    with tiny_llama.sibling() as second:
+        assert second.fingerprint == tiny_llama.fingerprint and second.model_handle == tiny_llama.model_handle
         store = Store(home)
         try:
-            with api_server(store, [smol, second], max_queue=8, learn=False) as srv:
+            with api_server(store, [tiny_llama, second], max_queue=8, learn=False) as srv:
                 c = _client(srv)
                 alone = [c.chat.completions.create(model="m", messages=m, max_tokens=5, temperature=0)
                          .choices[0].message.content for m in msgs]
@@ -209,7 +219,7 @@ def test_eight_concurrent_clients_get_their_own_answers(smol, home):
                     t.start()
                 for t in threads:
                     t.join(timeout=120)
-                assert [got.get(i) for i in range(8)] == alone
+                assert [got.get(i) for i in range(8)] == alone and any(alone)  # answers with text to compare
                 assert srv.openai.wait_idle(30)
                 # a streamed answer's last chunk is sent just before its engine is handed back
                 assert srv.pool.wait_all_free(30), srv.pool.in_use
@@ -281,7 +291,7 @@ def test_docs_agents_snippets_run(smol, home, capsys):
         store.close()
 
 
-def test_streamed_logprobs_and_strict_bodies(smol, home):
+def test_streamed_logprobs_and_strict_bodies(tiny_llama, home):
     """Streamed chunks carry the same tokens and log-probabilities as the whole answer; a JSON body over
     the limit is a 413 and a body that stops arriving is a 408, both in OpenAI's shape."""
     import socket
@@ -291,9 +301,10 @@ def test_streamed_logprobs_and_strict_bodies(smol, home):
 
     store = Store(home)
     try:
-        with api_server(store, [smol], learn=False, limits=Limits(max_body_bytes=4096, body_timeout=1.0)) as srv:
+        with api_server(store, [tiny_llama], learn=False, limits=Limits(max_body_bytes=4096, body_timeout=1.0)) as srv:
             c = _client(srv)
             whole = _ask(c, MESSAGES[-1:])
+            assert whole.choices[0].logprobs.content  # tokens to compare
             chunks = list(c.chat.completions.create(model="m", messages=MESSAGES[-1:], max_tokens=8, temperature=0,
                                                     logprobs=True, top_logprobs=2, stream=True))
             streamed = [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs])
@@ -374,11 +385,11 @@ def test_routed_recall_grafts_the_chosen_block_exactly(smol, home):
             assert none.usage.prompt_tokens_details.cached_tokens == 0
 
 
-def test_memory_rest_endpoints_give_what_memory_gives(smol, home, capsys):
+def test_memory_rest_endpoints_give_what_memory_gives(tiny_llama, home, capsys):
     """learn / list / get / search / recall / delete over HTTP; the recall through the server is the
     recall of Memory (same block, same answer, same first-step logits hash)."""
-    with Memory(engine=smol, home=home) as m:
-        with api_server(m.store, [smol], learn=False, router=lambda: m.router) as srv:
+    with Memory(engine=tiny_llama, home=home) as m:
+        with api_server(m.store, [tiny_llama], learn=False, router=lambda: m.router) as srv:
             u = srv.url + "/v1/memory"
             r = httpx.post(u + "/learn", json={"text": "Refunds take 14 days and need the receipt.", "chat": True,
                                                 "name": "refunds", "when_to_use": "refunds and money back"},
@@ -396,7 +407,7 @@ def test_memory_rest_endpoints_give_what_memory_gives(smol, home, capsys):
             assert hits[0]["block_id"] == bid
             via = httpx.post(u + "/recall", json={"task": task, "max_tokens": 6, "min_score": 0.1}, timeout=60).json()
             direct = m.recall(task, max_tokens=6, min_score=0.1)
-            assert via["block"]["id"] == direct.block.id == bid and via["text"] == direct.text
+            assert via["block"]["id"] == direct.block.id == bid and via["text"] == direct.text and direct.text
             assert via["receipt"]["first_logits_sha256"] == direct.receipt.first_logits_sha256
             # the CLI as a client of the running server: same hits, same answer, no model loaded
             from graftmem.cli import main
