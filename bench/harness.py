@@ -91,6 +91,16 @@ def summary(xs: Iterable[float], *, digits: Optional[int] = None, unit: str = ""
 
 
 # ----------------------------------------------------------------------------- engines
+def prose(n_words: int, seed: int) -> str:
+    """Deterministic filler of ``n_words`` words from a small agent-manual vocabulary (``seed`` picks the
+    sequence): text whose content does not matter to the bench, only its length and that it repeats."""
+    import random
+
+    rng = random.Random(seed)
+    vocab = "the agent reads a manual and answers the customer about orders refunds shipping codes".split()
+    return " ".join(rng.choice(vocab) for _ in range(n_words))
+
+
 def engine(model: str, **config: Any) -> Engine:
     """An engine for a bench: ``engine("smollm2", n_ctx=4096, probe=False)``. The config keywords are
     :class:`graftmem.EngineConfig`'s (a misspelt one is an error, not a silently default setting); the

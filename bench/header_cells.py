@@ -21,18 +21,9 @@ from typing import Optional
 
 from graftmem.core import statefmt
 
-from .harness import engine, write_results
+from .harness import engine, prose, write_results
 
 ANSWER_LENGTHS = (1, 8, 28, 60, 124, 200, 400)
-
-
-def _text(n_words: int, seed: int) -> str:
-    import random
-
-    rng = random.Random(seed)
-    words = ("the agent checks the order number then confirms the refund date and writes a short note for "
-             "the customer about each step of the policy").split()
-    return " ".join(rng.choice(words) for _ in range(n_words))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -42,9 +33,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", default="bench/results/header_cells.json")
     args = ap.parse_args(argv)
     with engine(args.model, n_ctx=2048, probe=False) as eng:
-        pre = eng.tokenize(_text(args.prefix, 3))[:args.prefix]
+        pre = eng.tokenize(prose(args.prefix, 3))[:args.prefix]
         head = eng.tokenize("<|im_start|>assistant\n", add_special=False)
-        answer = eng.tokenize(" " + _text(400, 9), add_special=False)
+        answer = eng.tokenize(" " + prose(400, 9), add_special=False)
 
         def state(calls: list[list[int]]) -> bytes:
             eng.reset()

@@ -11,22 +11,15 @@ SmolLM2, one engine, ``min_prefix_tokens=16``, ``sightings=1``, every B request 
 from __future__ import annotations
 
 import argparse
-import random
 import tempfile
 import time
 from pathlib import Path
 
 import openai
 
-from bench.harness import RESULTS, engine, summary, write_results
+from bench.harness import RESULTS, engine, prose, summary, write_results
 from graftmem import Store
 from graftmem.server import ApiKeys, api_server, hash_key
-
-
-def prose(n_words: int, seed: int) -> str:
-    rng = random.Random(seed)
-    vocab = "the agent reads a manual and answers the customer about orders refunds shipping codes".split()
-    return " ".join(rng.choice(vocab) for _ in range(n_words))
 
 
 def main() -> None:
