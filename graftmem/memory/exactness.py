@@ -9,9 +9,11 @@ For each sample query q:
 and, after each sample, removes the query's cells with ``llama_memory_seq_rm``, which leaves exactly
 the cells and cache head that a fresh prefill leaves (``test_trimmed_fresh_prefix_equals_reprefilled_prefix``
 compares the bytes); the first sample and the floor's samples are always full re-prefills.
-``fresh="auto"`` trims unless re-prefilling costs under ``REPREFILL_BUDGET`` tokens in all: the prefill
-is nearly all of a verification's time (50 samples of a 90-token block re-prefilled took 47 s of one
-core, trimmed about a fifth of it), and a re-prefill per sample proves nothing that trim does not.
+``fresh="auto"`` (the default) is ``"trim"``: the prefill is nearly all of a verification's time (50
+samples of a 90-token block re-prefilled took 47 s of one core, trimmed about a fifth of it; the demo's
+4 samples of a 209-token block 9.0 s re-prefilled, 4.2 s trimmed), and a re-prefill per sample proves
+nothing that trim does not. Trim checks itself on every run: the floor's second sample compares the
+trimmed prefix's logits with those of a full re-prefill, so a trim that diverged fails the floor.
 The **floor** is fresh-vs-fresh on the first samples: if it were not SHA-equal the engine would be
 nondeterministic and no graft could be called exact. **Cross-process** runs the graft in a new Python
 process on the same store and compares its SHA-256s with the fresh ones computed here.
@@ -37,9 +39,6 @@ if TYPE_CHECKING:
     from ..store.protocol import BlockStore
 
 __all__ = ["sample_queries", "kl_divergence", "graft_logits", "verify_block", "graft_in_new_process"]
-
-#: ``fresh="auto"`` re-prefills the block for every sample only when that costs fewer tokens than this
-REPREFILL_BUDGET = 2_000
 
 _WORDS = ("what when where which how why explain list name give the first last step rule value "
           "code answer because therefore next then total number page line word").split()
@@ -91,8 +90,10 @@ def verify_block(engine: "Engine", store: "BlockStore", block_id: str, *, sample
     eng = engine
     queries = sample_queries(samples)
     qtoks = [eng.tokenize(q, add_special=False) for q in queries]
+    if fresh not in ("auto", "reprefill", "trim"):
+        raise ConfigError(f"fresh must be 'auto', 'reprefill' or 'trim', got {fresh!r}")
     if fresh == "auto":
-        fresh = "reprefill" if block.pos_end * samples <= REPREFILL_BUDGET else "trim"
+        fresh = "trim"
     rows: list[SampleResult] = []
     fresh_logits: list[np.ndarray] = []
     floor_eq = 0
