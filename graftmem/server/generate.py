@@ -33,6 +33,7 @@ import functools
 import logging
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
@@ -359,7 +360,7 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
             return "cancelled"
         return None
 
-    with engine.session(resume=keep, keep=keep):
+    with engine.session(resume=keep, keep=keep), (cache.computing() if cache is not None else nullcontext()):
         t0 = time.perf_counter()
         # the prefix to learn is decided before the prefill, so its states are captured on the way
         learn_k = cache.learn_target(segs, job.learn_tail, keys, job.tenant, job.marks) if caching else 0

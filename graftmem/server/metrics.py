@@ -157,6 +157,9 @@ class Metrics:
             metric("graftmem_verify_failures_total", "counter",
                    "Stored blocks refused because a check failed (digest, fingerprint, llama.cpp refusing the bytes); "
                    "the request was served cold.", [("", self.cache.refusals)])
+            metric("graftmem_learn_writes_deferred_total", "counter",
+                   "Learned prompt prefixes whose cut, hash and write waited for the requests computing to finish.",
+                   [("", self.cache.deferred_writes)])
         if self.pool is not None:
             metric("graftmem_queue_depth", "gauge", "Requests waiting for an engine.", [("", self.pool.waiting)])
             metric("graftmem_engines_busy", "gauge", "Engines serving a request.", [("", self.pool.in_use)])

@@ -48,7 +48,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 from ..core.blocks import PROVENANCE_LOCAL, Block, Fingerprint, block_id_for
 from ..core.format import state_digest
@@ -72,6 +72,11 @@ _MAX_SIGHTINGS = 4096
 #: that finds the queue full waits for room while it still holds its engine (back-pressure on a writer
 #: that cannot keep up), so the states held in RAM stay bounded.
 MAX_PENDING_STORES = 2
+
+#: Seconds the writer waits for the engines to stop computing before it cuts, hashes and writes a
+#: learned prefix anyway (`PrefixCache.computing`): a prefix becomes findable within about this long
+#: even on a server that never goes quiet.
+WRITER_MAX_WAIT = 5.0
 
 
 def prefix_keys(segments: Sequence[Sequence[int]], tenant: Optional[str] = None) -> list[bytes]:
@@ -140,6 +145,11 @@ class PrefixCache:
         self._writer: Optional[threading.Thread] = None
         self._unfinished = 0
         self._idle = threading.Condition(self._lock)
+        self._computing = 0  #: requests computing on an engine now (`computing`)
+        self._pressing = 0   #: requests waiting for room in the writer's queue
+        self._quiet = threading.Condition(self._lock)
+        self.writer_max_wait = WRITER_MAX_WAIT
+        self.deferred_writes = 0  #: learned prefixes whose writing waited for a request to finish, for /metrics
 
     # ------------------------------------------------------------------ index
     def _current(self) -> tuple[int, int]:
@@ -348,7 +358,46 @@ class PrefixCache:
             if self._writer is None or not self._writer.is_alive():
                 self._writer = threading.Thread(target=self._write_loop, name="graftmem-prefix-writer", daemon=True)
                 self._writer.start()
-        self._writes.put((engine, segments, texts, first, states, start, tenant, keys))
+            full = self._writes.full()
+            if full:  # the writer stops waiting for a quiet moment: a request is waiting for it
+                self._pressing += 1
+                self._quiet.notify_all()
+        try:
+            self._writes.put((engine, segments, texts, first, states, start, tenant, keys))
+        finally:
+            if full:
+                with self._lock:
+                    self._pressing -= 1
+
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[None]:
+        """Held by a request while it computes on an engine (prefill and decode). The writer starts no
+        cut, hash or write meanwhile, unless a request waits for room in its queue or it has waited
+        ``writer_max_wait`` seconds: on a machine with few cores those writes took the cores from the
+        engine's threads, which wait for each other at every step of a llama.cpp graph, so a write of a
+        few tens of milliseconds of CPU held the next turn's prefill up far longer."""
+        with self._lock:
+            self._computing += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._computing -= 1
+                if not self._computing:
+                    self._quiet.notify_all()
+
+    def _wait_for_quiet(self) -> None:
+        """Block the writer while a request computes (see `computing`)."""
+        with self._lock:
+            if not self._computing or self._pressing:
+                return
+            self.deferred_writes += 1
+            deadline = time.monotonic() + self.writer_max_wait
+            while self._computing and not self._pressing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._quiet.wait(left)
 
     def _write_loop(self) -> None:
         # below the engines' threads: on a machine with few cores the writes share them with the next
@@ -359,6 +408,7 @@ class PrefixCache:
             item = self._writes.get()
             engine, segments, texts, first, states, start, tenant, keys = item
             try:
+                self._wait_for_quiet()
                 self.store_captured(engine, segments, texts, first, states, start, tenant)
             except Exception:  # noqa: BLE001 - a failed store loses a cache entry, never the server
                 log.exception("prefix cache: storing a learned prefix failed")
