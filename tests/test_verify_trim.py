@@ -28,11 +28,11 @@ def test_auto_trims_and_a_trim_that_keeps_the_wrong_cells_fails_the_floor(tiny_l
             assert [r.fresh_sha256 for r in full.rows] == [r.fresh_sha256 for r in rep.rows]
 
             # a trim that drops one cell of the prefix too many: the floor's trimmed-vs-re-prefilled sample
-            # differs, so the report is not ok (the graft itself still matches what was computed fresh)
+            # differs, and so do the trimmed samples from the grafts: the report is not ok
             calls.clear()
             eng.trim = lambda n: real_trim(n - 1)
             bad = verify_block(eng, mem.store, block.id, samples=6, cross_process=False)
-            assert bad.floor_sha_equal == 1 and not bad.ok
+            assert bad.floor_sha_equal == 1 and bad.sha_equal == 1 and not bad.ok
         finally:
             del eng.trim, eng.reset
     assert fresh_resets >= 3

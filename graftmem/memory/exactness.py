@@ -13,7 +13,8 @@ compares the bytes); the first sample and the floor's samples are always full re
 samples of a 90-token block re-prefilled took 47 s of one core, trimmed about a fifth of it; the demo's
 4 samples of a 209-token block 9.0 s re-prefilled, 4.2 s trimmed), and a re-prefill per sample proves
 nothing that trim does not. Trim checks itself on every run: the floor's second sample compares the
-trimmed prefix's logits with those of a full re-prefill, so a trim that diverged fails the floor.
+trimmed prefix's logits with those of a full re-prefill, so a trim that left other cells shows in the
+floor, and in the samples too (the graft restores the stored state, which such cells would not hold).
 The **floor** is fresh-vs-fresh on the first samples: if it were not SHA-equal the engine would be
 nondeterministic and no graft could be called exact. **Cross-process** runs the graft in a new Python
 process on the same store and compares its SHA-256s with the fresh ones computed here.
