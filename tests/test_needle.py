@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import signal
 import sqlite3
@@ -283,19 +284,23 @@ def test_resume_after_a_killed_build(tiny_llama, minilm, tmp_path):
     script = _BUILD.format(root=str(ROOT), home=str(home), model=str(tiny_path("llama31")))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     opened = Memory(engine=tiny_llama, home=home, embedder=minilm)  # the home is open here while the child writes
-    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    err = tmp_path / "child.stderr"  # a file, not a pipe: a child that logs a lot never blocks on it
+    with open(err, "wb") as err_f:
+        proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=err_f)
     try:
-        line = proc.stdout.readline() if proc.stdout else b""  # blocks until the child reaches page 2
-        assert line.strip() == b"PAGE2" and proc.poll() is None, (line, proc.stderr.read().decode()[-2000:]
-                                                                  if proc.stderr else "")
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 300)  # a deadline, not an ordering: a hung child fails
+        line = proc.stdout.readline() if ready else b""  # the child reached page 2 (or exited: b"")
+        alive = proc.poll() is None
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        for f in (proc.stdin, proc.stdout, proc.stderr):
+        for f in (proc.stdin, proc.stdout):
             if f is not None:
                 f.close()
         opened.close()
+    assert line.strip() == b"PAGE2" and alive, (line, err.read_text(errors="replace")[-2000:])
     killed_with = len(list((home / "blocks").glob("*/*.gmb")))
     assert killed_with >= 1
     # pages whose index row was committed before the kill; a file the kill left without its row is
