@@ -256,28 +256,28 @@ _BUILD = textwrap.dedent("""
     from graftmem import Memory
     from tests.test_needle import _document
     with Memory({model!r}, home={home!r}, config={{"n_threads": 1}}) as m:
-        prefill, calls = m.engine.prefill, []
+        index = m.pages  # the page index; its embedder loads on the first passages it embeds
+        add_page = index.add_page
 
-        def pausing(tokens, progress=None):  # page 2's prefill starts: page 1 is stored and indexed
-            calls.append(len(tokens))
-            if len(calls) == 2:
-                print("PAGE2", flush=True)
-                sys.stdin.read()  # blocks until the parent kills this process (kill -9)
-            return prefill(tokens, progress)
+        def pausing(*args, **kw):  # page 0 is prefilled, its block written and committed, its passages not yet
+            print("PAGE0", flush=True)
+            sys.stdin.read()  # blocks until the parent kills this process (kill -9)
+            return add_page(*args, **kw)
 
-        m.engine.prefill = pausing
+        index.add_page = pausing
         m.learn_document(_document(), document="town", window=256, overlap=32, progress=False)
     print("DONE")
 """)
 
 
 def test_resume_after_a_killed_build(tiny_llama, minilm, tmp_path):
-    """kill -9 a build in the middle of its second page, rerun: every page present, none stored twice.
+    """kill -9 a build after its first page, rerun: every page present, none stored twice.
 
     Store and page-index plumbing, so on the tiny Llama 3.1 (the parent's engine is the fixture's, the
     child loads the same GGUF with the same configuration: one fingerprint). The child says when its
-    second page's prefill starts and waits there to be killed: the kill lands in the middle of a build
-    on every run, whatever the speed of the model or of the machine."""
+    first page's block (page 0) is stored and waits there, before that page's passages are indexed, to be
+    killed (where a kill used to land while the child loaded MiniLM for them): on every run, whatever the
+    speed of the model or of the machine. The rerun prefills none of page 0 and indexes its passages."""
     from tests.tiny import tiny_path
 
     home = tmp_path / "dstore"
@@ -291,7 +291,7 @@ def test_resume_after_a_killed_build(tiny_llama, minilm, tmp_path):
     try:
         assert proc.stdout is not None
         ready, _, _ = select.select([proc.stdout], [], [], 300)  # a deadline, not an ordering: a hung child fails
-        line = proc.stdout.readline() if ready else b""  # the child reached page 2 (or exited: b"")
+        line = proc.stdout.readline() if ready else b""  # the child stored page 0 (or exited: b"")
         alive = proc.poll() is None
     finally:
         proc.send_signal(signal.SIGKILL)
@@ -300,7 +300,7 @@ def test_resume_after_a_killed_build(tiny_llama, minilm, tmp_path):
             if f is not None:
                 f.close()
         opened.close()
-    assert line.strip() == b"PAGE2" and alive, (line, err.read_text(errors="replace")[-2000:])
+    assert line.strip() == b"PAGE0" and alive, (line, err.read_text(errors="replace")[-2000:])
     killed_with = len(list((home / "blocks").glob("*/*.gmb")))
     assert killed_with >= 1
     # pages whose index row was committed before the kill; a file the kill left without its row is
@@ -308,10 +308,11 @@ def test_resume_after_a_killed_build(tiny_llama, minilm, tmp_path):
     idx = sqlite3.connect(home / "index.sqlite")
     committed = idx.execute("SELECT count(*) FROM blocks WHERE kind = 'page'").fetchone()[0]
     idx.close()
-    assert committed == killed_with == 1  # killed in page 2's prefill: page 1 written and committed, no more
+    assert committed == killed_with == 1  # page 0's block written and committed, no more
     db = sqlite3.connect(home / "pages" / "index.sqlite")
     complete = db.execute("SELECT complete FROM documents").fetchall()
     assert complete in ([], [(0,)])  # the killed build did not claim to be done
+    assert db.execute("SELECT COUNT(*) FROM passages").fetchone()[0] == 0  # killed before page 0's passages
 
     # `opened` opened the home before the child wrote; a new Memory reconciles with the files
     with Memory(engine=tiny_llama, home=home, embedder=minilm) as m2:
@@ -319,6 +320,8 @@ def test_resume_after_a_killed_build(tiny_llama, minilm, tmp_path):
         assert rep.complete
         assert rep.pages_skipped >= committed and rep.pages_learned == rep.pages - rep.pages_skipped
         assert rep.pages_skipped <= killed_with
+        assert rep.tokens_prefilled == sum(b.n_tokens for b in m2.get_all(kind=PAGE_KIND)
+                                           if b.metadata["page"] != 0)  # page 0 reused, not prefilled
         blocks = m2.get_all(kind=PAGE_KIND)
         assert len(blocks) == rep.pages == len({b.id for b in blocks})
         assert sorted(b.metadata["page"] for b in blocks) == list(range(rep.pages))
