@@ -1,7 +1,10 @@
-"""The CLI mirrors the API: real subprocesses, real engine, one-line errors with non-zero exits."""
+"""The CLI mirrors the API: real engine, one-line errors with non-zero exits. The entry point runs as a real
+subprocess where the process is the point (errors, doctor, the README's demo); the commands' own behaviour
+runs through graftmem.cli.main in this process, as ``python -m graftmem`` calls it."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -17,28 +20,45 @@ def run(home, *args, input=None):
                           env=env, input=input, timeout=600)
 
 
-def test_learn_ls_show_ask_verify_delete(tmp_path):
+def _in_process(capsys):
+    """``graftmem ARGS`` as ``python -m graftmem`` runs it (graftmem.cli.main), in this process: (exit code,
+    stdout, stderr). For the tests of what the commands do; the entry point itself, a new process, is what
+    test_errors_are_one_line_with_nonzero_exit, the doctor and the demo run."""
+    from graftmem.cli import main
+
+    def call(*args: str) -> tuple[int, str, str]:
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return call
+
+
+def test_learn_ls_show_ask_verify_delete(tmp_path, capsys, monkeypatch):
     home = tmp_path / "h"
+    monkeypatch.setenv("GRAFTMEM_HOME", str(home))  # the home from the environment, as a shell gives it
+    run = _in_process(capsys)
     manual = tmp_path / "refunds.txt"
     manual.write_text("Refunds: ask for the order number, then check the date, then approve.")
-    r = run(home, "--json", "learn", str(manual))
-    assert r.returncode == 0, r.stderr
-    bid = json.loads(r.stdout)["id"]
-    r = run(home, "ls")
-    assert r.returncode == 0 and bid[:12] in r.stdout and "refunds" in r.stdout
-    r = run(home, "show", bid[:8])
-    assert r.returncode == 0 and bid in r.stdout
-    r = run(home, "--json", "ask", bid[:8], "\nFirst, ask for the", "--max-tokens", "3")
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["receipt"]["block_id"] == bid
-    r = run(home, "verify", bid[:8], "--samples", "3")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "SHA-equal 3/3" in r.stdout and "OK" in r.stdout
-    r = run(home, "ls")
-    assert "yes" in r.stdout  # the verification record shows in the listing
-    r = run(home, "delete", bid[:8])
-    assert r.returncode == 0
-    assert "(no blocks)" in run(home, "ls").stdout
+    code, out, err = run("--json", "learn", str(manual))
+    assert code == 0, err
+    bid = json.loads(out)["id"]
+    code, out, err = run("ls")
+    assert code == 0 and bid[:12] in out and "refunds" in out
+    code, out, err = run("show", bid[:8])
+    assert code == 0 and bid in out
+    code, out, err = run("--json", "ask", bid[:8], "\nFirst, ask for the", "--max-tokens", "3")
+    assert code == 0, err
+    assert json.loads(out)["receipt"]["block_id"] == bid
+    code, out, err = run("verify", bid[:8], "--samples", "3")  # its new-process check still starts a child
+    assert code == 0, out + err
+    assert "SHA-equal 3/3" in out and "OK" in out
+    code, out, err = run("ls")
+    assert "yes" in out  # the verification record shows in the listing
+    code, out, err = run("delete", bid[:8])
+    assert code == 0
+    assert "(no blocks)" in run("ls")[1]
+    assert list(home.glob("blocks/*/*.gmb")) == []  # the home of GRAFTMEM_HOME is the one written and emptied
 
 
 def test_errors_are_one_line_with_nonzero_exit(tmp_path):
@@ -50,16 +70,20 @@ def test_errors_are_one_line_with_nonzero_exit(tmp_path):
     assert r.returncode == 2 and "unknown model" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_verify_exits_nonzero_on_corruption(tmp_path):
+def test_verify_exits_nonzero_on_corruption(tmp_path, capsys, monkeypatch):
     home = tmp_path / "h"
-    r = run(home, "--json", "learn", "-", input="Corrupt me later: a manual with a few words.")
-    bid = json.loads(r.stdout)["id"]
+    monkeypatch.setenv("GRAFTMEM_HOME", str(home))
+    run = _in_process(capsys)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Corrupt me later: a manual with a few words.")))
+    code, out, err = run("--json", "learn", "-")
+    assert code == 0, err
+    bid = json.loads(out)["id"]
     path = next(home.glob(f"blocks/*/{bid}.gmb"))
     data = bytearray(path.read_bytes())
     data[-100] ^= 0xFF
     path.write_bytes(bytes(data))
-    r = run(home, "verify", bid, "--samples", "2")
-    assert r.returncode == 2 and "state digest mismatch" in r.stderr
+    code, out, err = run("verify", bid, "--samples", "2")
+    assert code == 2 and "state digest mismatch" in err
 
 
 def test_doctor_reports_fingerprint_and_exactness(tmp_path):

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -153,18 +153,22 @@ def test_pages_indexed_and_routed(town, tmem):
     assert tmem.get(page0.id).provenance == "local"
 
 
-def test_same_document_under_two_engines(tmem, smol, minilm):
-    """One text learned by Gemma (`town`) and then by SmolLM2 in the same store (same document id, other
-    pages and block ids): each engine routes to its own page, and the first engine's index is untouched."""
+def test_same_document_under_two_engines(tmem, tiny_llama, minilm):
+    """One text learned by Gemma (`town`) and then by a second engine (the tiny Llama 3.1: another
+    fingerprint and tokenizer) in the same store (same document id, other pages and block ids): each
+    engine routes to its own page, and the first engine's index is untouched."""
     text = _document()
     task = "How many sacks of barley does the copper mill at Dunmere grind each week?"
     before = tmem.recall_document(task, document="town", max_tokens=4, min_score=0.0)
-    with Memory(engine=smol, home=tmem.store.home, embedder=minilm) as other:
+    with Memory(engine=tiny_llama, home=tmem.store.home, embedder=minilm) as other:
         rep = other.learn_document(text, document="town", window=200, overlap=16, progress=False)
         assert rep.complete and rep.passages_embedded > 0  # its own pages get their own passages
+        assert rep.pages_learned == rep.pages and rep.pages_skipped == 0  # none of Gemma's pages reused
         a = other.recall_document(task, document="town", max_tokens=4, min_score=0.0)
         assert FACTS[1] in other.get(a.page.block_id).text
-        assert other.get(a.page.block_id).fingerprint.model_name == "smollm2"
+        fp = other.get(a.page.block_id).fingerprint
+        assert fp.digest() == tiny_llama.fingerprint.digest() != tmem.engine.fingerprint.digest()
+        assert fp.model_name == tiny_llama.fingerprint.model_name != tmem.engine.fingerprint.model_name
     after = tmem.recall_document(task, document="town", max_tokens=4, min_score=0.0)
     assert after.page == before.page and FACTS[1] in tmem.get(after.page.block_id).text
 
@@ -247,32 +251,56 @@ def test_context_never_grows(town, tmem, monkeypatch):
 
 
 _BUILD = textwrap.dedent("""
-    import os, sys
+    import sys
     sys.path.insert(0, {root!r})
-    from graftmem import Memory, EngineConfig
+    from graftmem import Memory
     from tests.test_needle import _document
-    with Memory("gemma3-270m", home={home!r}, config=EngineConfig(probe=False)) as m:
+    with Memory({model!r}, home={home!r}, config={{"n_threads": 1}}) as m:
+        index = m.pages  # the page index; its embedder loads on the first passages it embeds
+        add_page = index.add_page
+
+        def pausing(*args, **kw):  # page 0 is prefilled, its block written and committed, its passages not yet
+            print("PAGE0", flush=True)
+            sys.stdin.read()  # blocks until the parent kills this process (kill -9)
+            return add_page(*args, **kw)
+
+        index.add_page = pausing
         m.learn_document(_document(), document="town", window=256, overlap=32, progress=False)
     print("DONE")
 """)
 
 
-def test_resume_after_a_killed_build(dmem, tmp_path):
-    """kill -9 a build after its first page, rerun: every page present, none stored twice."""
+def test_resume_after_a_killed_build(tiny_llama, minilm, tmp_path):
+    """kill -9 a build after its first page, rerun: every page present, none stored twice.
+
+    Store and page-index plumbing, so on the tiny Llama 3.1 (the parent's engine is the fixture's, the
+    child loads the same GGUF with the same configuration: one fingerprint). The child says when its
+    first page's block (page 0) is stored and waits there, before that page's passages are indexed, to be
+    killed (where a kill used to land while the child loaded MiniLM for them): on every run, whatever the
+    speed of the model or of the machine. The rerun prefills none of page 0 and indexes its passages."""
+    from tests.tiny import tiny_path
+
     home = tmp_path / "dstore"
-    script = _BUILD.format(root=str(ROOT), home=str(home))
+    script = _BUILD.format(root=str(ROOT), home=str(home), model=str(tiny_path("llama31")))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 300
+    opened = Memory(engine=tiny_llama, home=home, embedder=minilm)  # the home is open here while the child writes
+    err = tmp_path / "child.stderr"  # a file, not a pipe: a child that logs a lot never blocks on it
+    with open(err, "wb") as err_f:
+        proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=err_f)
     try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            if len(list((home / "blocks").glob("*/*.gmb"))) >= 1:
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 300)  # a deadline, not an ordering: a hung child fails
+        line = proc.stdout.readline() if ready else b""  # the child stored page 0 (or exited: b"")
+        alive = proc.poll() is None
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        for f in (proc.stdin, proc.stdout):
+            if f is not None:
+                f.close()
+        opened.close()
+    assert line.strip() == b"PAGE0" and alive, (line, err.read_text(errors="replace")[-2000:])
     killed_with = len(list((home / "blocks").glob("*/*.gmb")))
     assert killed_with >= 1
     # pages whose index row was committed before the kill; a file the kill left without its row is
@@ -280,16 +308,20 @@ def test_resume_after_a_killed_build(dmem, tmp_path):
     idx = sqlite3.connect(home / "index.sqlite")
     committed = idx.execute("SELECT count(*) FROM blocks WHERE kind = 'page'").fetchone()[0]
     idx.close()
+    assert committed == killed_with == 1  # page 0's block written and committed, no more
     db = sqlite3.connect(home / "pages" / "index.sqlite")
     complete = db.execute("SELECT complete FROM documents").fetchall()
     assert complete in ([], [(0,)])  # the killed build did not claim to be done
+    assert db.execute("SELECT COUNT(*) FROM passages").fetchone()[0] == 0  # killed before page 0's passages
 
-    # dmem opened the same home before the child wrote; a new Memory reconciles with the files
-    with Memory(engine=dmem.engine, home=home, embedder=dmem.embedder) as m2:
+    # `opened` opened the home before the child wrote; a new Memory reconciles with the files
+    with Memory(engine=tiny_llama, home=home, embedder=minilm) as m2:
         rep = m2.learn_document(_document(), document="town", window=256, overlap=32, progress=False)
         assert rep.complete
         assert rep.pages_skipped >= committed and rep.pages_learned == rep.pages - rep.pages_skipped
         assert rep.pages_skipped <= killed_with
+        assert rep.tokens_prefilled == sum(b.n_tokens for b in m2.get_all(kind=PAGE_KIND)
+                                           if b.metadata["page"] != 0)  # page 0 reused, not prefilled
         blocks = m2.get_all(kind=PAGE_KIND)
         assert len(blocks) == rep.pages == len({b.id for b in blocks})
         assert sorted(b.metadata["page"] for b in blocks) == list(range(rep.pages))
@@ -304,16 +336,20 @@ def test_resume_after_a_killed_build(dmem, tmp_path):
 
 
 @pytest.mark.slow
-def test_needle_bench_small(tmp_path):
-    """bench/needle.py end to end at a small size: 7 needles over 2,000 tokens in 512-token pages, one
+def test_needle_bench_small(tmp_path, monkeypatch):
+    """bench/needle.py end to end at a small size: 7 needles over 1,500 tokens in 512-token pages (4 pages; a question after a full page runs past Gemma's 512-token sliding window), one
     restore timing per question and one thread (the worker is pinned to one core: a second thread
-    would only wait on it)."""
+    would only wait on it). The bench's main() runs in this process (its build, then the question
+    child: a new process, as in every run of the bench), so sentence_transformers is not imported
+    twice more."""
+    from bench import needle
+
     out = tmp_path / "needle.json"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "bench.needle", "--tokens", "2000", "--window", "512",
-                           "--overlap", "32", "--reps", "1", "--threads", "1", "--store", str(tmp_path / "store"),
-                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    monkeypatch.chdir(ROOT)  # the child runs `python -m bench.needle` from the working directory
+    monkeypatch.setattr(sys, "argv", ["bench/needle.py", "--tokens", "1500", "--window", "512", "--overlap", "32",
+                                      "--reps", "1", "--threads", "1", "--store", str(tmp_path / "store"),
+                                      "--out", str(out)])
+    needle.main()  # asking failed: SystemExit with the child's stderr on this process's stderr
     d = json.loads(out.read_text())
     a = d["ask"]
     assert a["asked"] == 7 and a["found"] == 7
@@ -325,11 +361,16 @@ def test_needle_bench_small(tmp_path):
 
 
 def test_cli_learn_and_recall_document(tmp_path, capsys):
+    """The CLI's learn-document and recall-document verbs (plumbing around the pager: any model does, so
+    the tiny Llama 3.1 of tests/tiny.py, given to --model as a GGUF path)."""
     from graftmem.cli import main as cli_main
+
+    from tests.tiny import tiny_path
 
     doc = tmp_path / "town.txt"
     doc.write_text(_document())
-    base = ["--home", str(tmp_path / "cli"), "--model", "gemma3-270m", "--config", '{"n_ctx": 1024, "probe": false}']
+    base = ["--home", str(tmp_path / "cli"), "--model", str(tiny_path("llama31")),
+            "--config", '{"n_ctx": 1024, "probe": false}']
     assert cli_main(base + ["learn-document", str(doc), "--document", "town", "--window", "256", "--overlap", "32"]) == 0
     out = capsys.readouterr().out
     assert "document town:" in out and "already stored" in out
