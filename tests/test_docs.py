@@ -221,8 +221,10 @@ def test_snippet_runner_recovers_from_a_hang_and_a_crash(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     try:
         script.write_text("import threading\nprint('started', flush=True)\nthreading.Event().wait()\n")
-        with pytest.raises(AssertionError, match=r"(?s)did not finish within 3 s.*started"):
-            r.run(script, cwd=tmp_path, env=env, timeout=3)
+        # 1 s of wall time waited out: the runner is already up (its start has its own timeout), so the
+        # snippet's print comes within milliseconds; the test is that the hang is cut, not how soon
+        with pytest.raises(AssertionError, match=r"(?s)did not finish within 1 s.*started"):
+            r.run(script, cwd=tmp_path, env=env, timeout=1)
         script.write_text("import os\nprint(os.getpid())\n")
         first = r.run(script, cwd=tmp_path, env=env)
         assert first.returncode == 0 and first.stdout.strip() == str(r.pid), first
