@@ -1,6 +1,8 @@
 """The install a newcomer runs: the README's documented command (from a clone: graftmem is on no package
 index), run from a copy of this tree in a fresh venv, then the README quickstart from there (its part that
-needs no router: learn, ask, verify). The wheel built from the tree is checked too.
+needs no router: learn, ask, verify) with ``python`` in a brand-new process: the suite's cold run of the
+README quickstart (tests/test_docs.py runs the whole block in its warm snippet runner). The wheel that
+command built from the tree is checked too, by the file list pip installed from it (its RECORD).
 
 pip resolves llama-cpp-python from its wheel cache (the first build, ~7 min, happened when the dev
 environment was set up), so this costs about a minute. It needs the package registry, as any install does.
@@ -8,11 +10,11 @@ environment was set up), so this costs about a minute. It needs the package regi
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -56,14 +58,6 @@ def _readme_quickstart_without_router() -> str:
 
 @pytest.mark.slow
 def test_readme_install_from_a_clone_runs_the_quickstart_in_a_fresh_venv(tmp_path):
-    dist = tmp_path / "dist"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(ROOT)],
-                   check=True, capture_output=True, timeout=600)
-    wheel = next(dist.glob("graftmem-*.whl"))
-    names = zipfile.ZipFile(wheel).namelist()
-    assert "graftmem/py.typed" in names and any(n.endswith("licenses/LICENSE") for n in names), names
-    assert "graftmem/core/engine.py" in names and not any(n.startswith("tests/") for n in names)
-
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     py = venv / "bin" / "python"
@@ -83,7 +77,28 @@ def test_readme_install_from_a_clone_runs_the_quickstart_in_a_fresh_venv(tmp_pat
                          timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "True 50 0.0" in run.stdout, run.stdout  # report.ok, 50/50 SHA-equal, max KL 0
-    # the installed package is the venv's copy, not this checkout's
-    where = subprocess.run([str(py), "-c", "import graftmem; print(graftmem.__file__)"], capture_output=True,
-                           text=True, env=env, cwd=tmp_path, timeout=120)
-    assert str(venv) in where.stdout, where.stdout
+    # the installed package is the venv's copy, not this checkout's (nor an editable link to the clone)
+    where = subprocess.run([str(py), "-c", _WHERE], capture_output=True, text=True, env=env, cwd=tmp_path,
+                           timeout=120)
+    assert where.returncode == 0, where.stderr[-3000:]
+    info = json.loads(where.stdout)
+    assert info["file"].startswith(str(venv)) and not info["editable"], info
+    # what the wheel pip built held: the files its RECORD lists (pip adds only its own INSTALLER,
+    # REQUESTED, direct_url.json and the .pyc it compiled)
+    names = info["record"]
+    assert "graftmem/py.typed" in names and any(n.endswith("licenses/LICENSE") for n in names), names
+    assert "graftmem/core/engine.py" in names and not any(n.startswith("tests/") for n in names)
+
+
+#: the installed graftmem: where it imports from, whether pip installed it editable, its RECORD
+_WHERE = """
+import json
+from importlib.metadata import distribution
+
+import graftmem
+
+dist = distribution("graftmem")
+url = json.loads(dist.read_text("direct_url.json") or "{}")
+print(json.dumps({"file": graftmem.__file__, "editable": bool(url.get("dir_info", {}).get("editable")),
+                  "record": [str(f) for f in dist.files or []]}))
+"""

@@ -19,6 +19,12 @@ ROOT = Path(__file__).resolve().parents[1]
 MANUAL = ("Ticket codes. When asked to open a ticket, reply with only the ticket code: the letters TK, "
           "a dash, and the customer's number. Example: customer 4821 gets TK-4821.")
 
+#: the same rule in fewer words, for the tests that compare the graft way with the text way per task: the
+#: text way re-prefills the whole block for every task, and the seam they test is the block's end (its chat
+#: turn's closing markers) and the task's start, whatever the manual says (19 tokens as a SmolLM2 chat
+#: block instead of MANUAL's 54)
+SHORT_MANUAL = "Ticket codes: reply TK- and the customer's number."
+
 #: tasks whose edges are hard for a tokenizer seam: spaces, tabs, newlines, special-token text,
 #: punctuation that would merge with a preceding "." and non-ASCII
 TRICKY = [
@@ -61,8 +67,8 @@ def test_split_ids_detects_a_merging_seam(smol):
 
 
 def test_graft_and_text_give_identical_answers(cmem):
-    b = cmem.learn(MANUAL, name="tickets", when_to_use="opening a support ticket", chat=True)
-    assert b.text == CHATML.prefix(MANUAL) and b.metadata["chat_format"] == "chatml"
+    b = cmem.learn(SHORT_MANUAL, name="tickets", when_to_use="opening a support ticket", chat=True)
+    assert b.text == CHATML.prefix(SHORT_MANUAL) and b.metadata["chat_format"] == "chatml"
     for task in TRICKY:
         g = cmem.recall(task, max_tokens=6, min_score=-1.0)
         t = cmem.recall(task, max_tokens=6, min_score=-1.0, mode="text")
@@ -78,8 +84,8 @@ def test_graft_and_text_give_identical_answers(cmem):
 
 def test_graft_and_text_identical_on_gemma(gemma, tmp_path, minilm):
     with Memory(engine=gemma, home=tmp_path / "g", embedder=minilm) as m:
-        b = m.learn(MANUAL, name="tickets", when_to_use="opening a support ticket", chat=True)
-        assert b.text == GEMMA.prefix(MANUAL)
+        b = m.learn(SHORT_MANUAL, name="tickets", when_to_use="opening a support ticket", chat=True)
+        assert b.text == GEMMA.prefix(SHORT_MANUAL)
         for task in (TRICKY[0], TRICKY[2], TRICKY[6]):
             g = m.recall(task, max_tokens=8, min_score=-1.0)
             t = m.recall(task, max_tokens=8, min_score=-1.0, mode="text")
