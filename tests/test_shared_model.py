@@ -18,8 +18,8 @@ from graftmem.server import pool_engines
 
 from .conftest import long_text
 
-CFG = {"n_ctx": 1024, "n_batch": 256, "n_ubatch": 128, "probe": False}
-TEXT = long_text(230, seed=3)  # ~300 tokens: crosses two n_ubatch boundaries
+CFG = {"n_ctx": 1024, "n_batch": 128, "n_ubatch": 64, "probe": False}
+TEXT = long_text(115, seed=3)  # ~150 tokens: crosses two n_ubatch boundaries and one n_batch one
 
 
 def _alone_sha() -> str:
@@ -53,10 +53,10 @@ def test_siblings_share_the_weights_and_compute_the_bytes_of_a_lone_engine():
         assert _sha(b, tokens) == alone
         # interleaved on the two contexts: neither sees the other's cells (split at n_batch: the same
         # micro-batches as one prefill, whose chunking decides the bytes)
-        assert len(tokens) > CFG["n_batch"]
+        assert len(tokens) > CFG["n_batch"] and len(tokens) > 2 * CFG["n_ubatch"]
         with a.session(), b.session():
             a.prefill(tokens[:CFG["n_batch"]])
-            b.prefill(a.tokenize(long_text(50, seed=9)))
+            b.prefill(a.tokenize(long_text(25, seed=9)))
             a.prefill(tokens[CFG["n_batch"]:])
             assert logits_sha256(a.logits()) == alone
         # fewer threads on one sibling: same bytes, same fingerprint identity

@@ -18,7 +18,7 @@ import shutil
 
 import pytest
 
-from graftmem import BlockCorrupted, Memory
+from graftmem import BlockCorrupted, Engine, Memory
 from graftmem.core.engine import logits_sha256
 from graftmem.memory.answer import graft
 from graftmem.store import chain as _chain
@@ -26,7 +26,7 @@ from graftmem.store import verified
 
 from .conftest import flip_bit as _flip
 from .conftest import long_text
-
+from .tiny import tall_path
 
 
 def _fresh(eng, tokens: list[int], query: list[int]) -> str:
@@ -40,9 +40,11 @@ def _fresh(eng, tokens: list[int], query: list[int]) -> str:
 
 @pytest.fixture(scope="module")
 def stale_pair(smol, tmp_path_factory):
-    """A long and a short block, learned once for both queries of the stale-cells test (it only grafts them)."""
+    """A long and a short block, learned once for both queries of the stale-cells test (it only grafts them).
+    The long one needs only to cover every cell the short block's graft and query attend: llama.cpp pads
+    the cells it attends to a multiple of 256 (``llama_kv_cache::get_n_kv``), 512 here at most."""
     with Memory(engine=smol, home=tmp_path_factory.mktemp("stale") / "store") as m:
-        yield m, m.learn(long_text(700, seed=71), name="long"), m.learn(long_text(150, seed=72), name="short")
+        yield m, m.learn(long_text(420, seed=71), name="long"), m.learn(long_text(150, seed=72), name="short")
 
 
 @pytest.mark.parametrize("query", ["\n", "\nQuestion: " + " ".join(["which step comes first"] * 14) + "?"])
@@ -52,6 +54,7 @@ def test_graft_over_stale_cells_equals_fresh(stale_pair, smol, query):
     mem, long_b, short_b = stale_pair
     assert long_b.n_tokens > short_b.n_tokens + 200
     q = smol.tokenize(query, add_special=False)
+    assert long_b.n_tokens >= -(-(short_b.n_tokens + len(q)) // 256) * 256  # stale bytes in every attended cell
     with smol.session():
         graft(smol, mem.store, long_b)
         graft(smol, mem.store, short_b)  # cells past short_b + q still hold long_b's bytes
@@ -60,7 +63,17 @@ def test_graft_over_stale_cells_equals_fresh(stale_pair, smol, query):
     assert grafted == _fresh(smol, short_b.tokens, q)
 
 
-def test_flip_after_a_verified_read_goes_back_to_blake3(mem):
+@pytest.fixture
+def tmem(tiny_llama, tmp_path):
+    """A Memory over the tiny Llama 3.1 (tests/tiny.py) and a fresh store: the verified-read cache and the
+    receipt's phases are store plumbing that holds on any model (the exactness of the fast paths stays
+    on SmolLM2 and Gemma above and below)."""
+    with Memory(engine=tiny_llama, home=tmp_path / "tstore") as m:
+        yield m
+
+
+def test_flip_after_a_verified_read_goes_back_to_blake3(tmem):
+    mem = tmem
     block = mem.learn(long_text(120, seed=5), name="hot")
     path = mem.store.path_of(block.id)
     mem.ask(block.id, "\nQ:", max_tokens=1)
@@ -74,24 +87,33 @@ def test_flip_after_a_verified_read_goes_back_to_blake3(mem):
 
 
 @pytest.fixture(scope="module")
-def bitrot_home(smol, tmp_path_factory):
-    """A closed home holding the blocks the xxh3 test flips, learned once (the 420-word one serves two
-    cases): block id by word count. Each case flips a byte in a copy of its own."""
+def tall():
+    """The tall tiny Llama 3.1 (tests/tiny.py: 32 KiB of KV cache a token): states of several MiB, across
+    ``verified.OVERLAP_CHUNK``, in a prefill several times cheaper than SmolLM2's for the same size."""
+    with Engine(tall_path(), {"n_threads": 1}) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def bitrot_home(tall, tmp_path_factory):
+    """A closed home holding the blocks the xxh3 test flips, learned once (the 300-word one, ~11 MB of
+    state, serves two cases; the 60-word one is ~2 MB): block id by word count. Each case flips a byte
+    in a copy of its own."""
     home = tmp_path_factory.mktemp("bitrot") / "store"
-    with Memory(engine=smol, home=home) as m:
-        ids = {n: m.learn(long_text(n, seed=6), name="bitrot").id for n in (120, 420)}
+    with Memory(engine=tall, home=home) as m:
+        ids = {n: m.learn(long_text(n, seed=6), name="bitrot").id for n in (60, 300)}
     return home, ids
 
 
 @pytest.fixture
-def bitrot_mem(bitrot_home, smol, tmp_path):
+def bitrot_mem(bitrot_home, tall, tmp_path):
     home = tmp_path / "store"
     shutil.copytree(bitrot_home[0], home)
-    with Memory(engine=smol, home=home) as m:
+    with Memory(engine=tall, home=home) as m:
         yield m
 
 
-@pytest.mark.parametrize("n_words,back", [(120, 4097), (420, 4097), (420, 6 << 20)],
+@pytest.mark.parametrize("n_words,back", [(60, 4097), (300, 4097), (300, 6 << 20)],
                          ids=["one-thread", "overlapped-last-chunk", "overlapped-middle-chunk"])
 def test_flip_invisible_to_stat_is_refused_by_xxh3(bitrot_home, bitrot_mem, n_words, back):
     """A change the file's stat does not show (a bit flipped on the medium or in the page cache):
@@ -101,8 +123,10 @@ def test_flip_invisible_to_stat_is_refused_by_xxh3(bitrot_home, bitrot_mem, n_wo
     mem = bitrot_mem
     block = mem.get(bitrot_home[1][n_words])
     overlapped = block.state_size > verified.OVERLAP_CHUNK
-    assert overlapped == (n_words > 120)
+    assert overlapped == (n_words > 60)
     assert back < block.state_size
+    if back > verified.OVERLAP_CHUNK:  # the flip lands in a chunk that is neither the first nor the last
+        assert verified.OVERLAP_CHUNK < block.state_size - back < block.state_size // verified.OVERLAP_CHUNK * verified.OVERLAP_CHUNK
     path = mem.store.path_of(block.id)
     mem.ask(block.id, "\nQ:", max_tokens=1)
     with open(path, "rb") as f:
@@ -138,7 +162,8 @@ def test_gemma_root_placed_from_scratch_is_exact_and_refuses_a_flip(gmem, gemma)
         gmem.ask(block.id, " the", max_tokens=1)
 
 
-def test_receipt_breaks_the_restore_down(mem):
+def test_receipt_breaks_the_restore_down(tmem):
+    mem = tmem
     block = mem.learn(long_text(200, seed=8), name="phases")
     rc = mem.ask(block.id, "\nQ:", max_tokens=2).receipt
     parts = [rc.read_ms, rc.check_ms, rc.set_data_ms]
