@@ -388,16 +388,14 @@ class PrefixCache:
 
     def _wait_for_quiet(self) -> None:
         """Block the writer while a request computes (see `computing`)."""
+        def quiet() -> bool:
+            return not self._computing or bool(self._pressing)
+
         with self._lock:
-            if not self._computing or self._pressing:
+            if quiet():
                 return
             self.deferred_writes += 1
-            deadline = time.monotonic() + self.writer_max_wait
-            while self._computing and not self._pressing:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                self._quiet.wait(left)
+            self._quiet.wait_for(quiet, timeout=self.writer_max_wait)
 
     def _write_loop(self) -> None:
         # below the engines' threads: on a machine with few cores the writes share them with the next
@@ -425,14 +423,8 @@ class PrefixCache:
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until every prefix handed to `store_later()` is stored (or failed); False at ``timeout``."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            while self._unfinished:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
+            return self._idle.wait_for(lambda: not self._unfinished, timeout=timeout)
 
     def evict(self, tenant: Optional[str] = None) -> list[str]:
         """Delete ``tenant``'s least recently used leaf auto blocks until they fit its share of
