@@ -112,6 +112,14 @@ def gmem(gemma, tmp_path) -> Memory:
         yield m
 
 
+@pytest.fixture
+def tiny_mem(tiny_llama, tmp_path) -> Memory:
+    """A Memory over the tiny Llama 3.1 (`tiny_llama`) and a fresh store: for store plumbing that holds on
+    any dense model and prefills ~100x cheaper than SmolLM2 (exactness stays on the real models)."""
+    with Memory(engine=tiny_llama, home=tmp_path / "tstore") as m:
+        yield m
+
+
 def long_text(n_words: int, seed: int = 0) -> str:
     """Deterministic prose-like text of about n_words words (about 1.3 tokens per word)."""
     import random

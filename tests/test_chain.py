@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from graftmem import BlockCorrupted, BlockNotFound, ConfigError, Memory
+from graftmem import BlockCorrupted, BlockNotFound, ConfigError
 from graftmem.core.blocks import block_id_for
 from graftmem.store.chain import full_state, full_tokens, segments
 from graftmem.core.engine import logits_sha256
@@ -124,17 +124,9 @@ def test_smollm2_chain_equals_one_call_concatenation(mem):
     assert mem.ask(child.id, QUERIES[0], max_tokens=1).receipt.first_logits_sha256 == want
 
 
-@pytest.fixture
-def tmem(tiny_llama, tmp_path):
-    """A Memory over the tiny random-weight Llama 3.1 (tests/tiny.py) and a fresh store: for the chain's
-    store plumbing (identity, deletes, refusals), which holds on any dense model and prefills ~100x
-    cheaper than SmolLM2. The exactness of chains stays on the real models above."""
-    with Memory(engine=tiny_llama, home=tmp_path / "tstore") as m:
-        yield m
 
-
-def test_same_text_on_another_parent_is_another_block(tmem):
-    mem = tmem
+def test_same_text_on_another_parent_is_another_block(tiny_mem):
+    mem = tiny_mem
     a = mem.learn(long_text(40, 8))
     b = mem.learn(long_text(40, 9))
     ca = mem.learn(" shared manual text", parent=a.id)
@@ -143,8 +135,8 @@ def test_same_text_on_another_parent_is_another_block(tmem):
     assert mem.learn(" shared manual text", parent=a.id).id == ca.id  # deduplicated
 
 
-def test_delete_parent_refused_unless_cascade(tmem):
-    mem = tmem
+def test_delete_parent_refused_unless_cascade(tiny_mem):
+    mem = tiny_mem
     root = mem.learn(long_text(40, 10))
     child = mem.learn(" " + long_text(30, 11), parent=root.id)
     grand = mem.learn(" " + long_text(20, 12), parent=child.id)
@@ -158,8 +150,8 @@ def test_delete_parent_refused_unless_cascade(tmem):
     assert [b.id for b in mem.get_all()] == [other.id]
 
 
-def test_cli_delete_refuses_parent(tmem, capsys):
-    mem = tmem
+def test_cli_delete_refuses_parent(tiny_mem, capsys):
+    mem = tiny_mem
     from graftmem.cli import main
 
     root = mem.learn(long_text(30, 14))
@@ -169,8 +161,8 @@ def test_cli_delete_refuses_parent(tmem, capsys):
     assert mem.store.contains(root.id)
 
 
-def test_tampered_parent_refuses_the_child(tmem):
-    mem = tmem
+def test_tampered_parent_refuses_the_child(tiny_mem):
+    mem = tiny_mem
     root = mem.learn(long_text(60, 16))
     child = mem.learn(" " + long_text(40, 17), parent=root.id)
     path = mem.store.path_of(root.id)
@@ -182,8 +174,8 @@ def test_tampered_parent_refuses_the_child(tmem):
         mem.ask(child.id, " Q", max_tokens=1)
 
 
-def test_tampered_delta_refused(tmem):
-    mem = tmem
+def test_tampered_delta_refused(tiny_mem):
+    mem = tiny_mem
     root = mem.learn(long_text(60, 18))
     child = mem.learn(" " + long_text(40, 19), parent=root.id)
     path = mem.store.path_of(child.id)
@@ -194,8 +186,8 @@ def test_tampered_delta_refused(tmem):
         mem.ask(child.id, " Q", max_tokens=1)
 
 
-def test_missing_parent_refused(tmem):
-    mem = tmem
+def test_missing_parent_refused(tiny_mem):
+    mem = tiny_mem
     root = mem.learn(long_text(30, 20))
     child = mem.learn(" " + long_text(20, 21), parent=root.id)
     mem.store.path_of(root.id).unlink()  # e.g. another process, or a bundle that left it behind
@@ -206,8 +198,8 @@ def test_missing_parent_refused(tmem):
         mem.learn(" more", parent=root.id)
 
 
-def test_chat_cannot_be_chained(tmem):
-    mem = tmem
+def test_chat_cannot_be_chained(tiny_mem):
+    mem = tiny_mem
     root = mem.learn(long_text(20, 22))
     with pytest.raises(ConfigError, match="chat"):
         mem.learn("hello", parent=root.id, chat=True)

@@ -63,17 +63,9 @@ def test_graft_over_stale_cells_equals_fresh(stale_pair, smol, query):
     assert grafted == _fresh(smol, short_b.tokens, q)
 
 
-@pytest.fixture
-def tmem(tiny_llama, tmp_path):
-    """A Memory over the tiny Llama 3.1 (tests/tiny.py) and a fresh store: the verified-read cache and the
-    receipt's phases are store plumbing that holds on any model (the exactness of the fast paths stays
-    on SmolLM2 and Gemma above and below)."""
-    with Memory(engine=tiny_llama, home=tmp_path / "tstore") as m:
-        yield m
 
-
-def test_flip_after_a_verified_read_goes_back_to_blake3(tmem):
-    mem = tmem
+def test_flip_after_a_verified_read_goes_back_to_blake3(tiny_mem):
+    mem = tiny_mem
     block = mem.learn(long_text(120, seed=5), name="hot")
     path = mem.store.path_of(block.id)
     mem.ask(block.id, "\nQ:", max_tokens=1)
@@ -162,8 +154,8 @@ def test_gemma_root_placed_from_scratch_is_exact_and_refuses_a_flip(gmem, gemma)
         gmem.ask(block.id, " the", max_tokens=1)
 
 
-def test_receipt_breaks_the_restore_down(tmem):
-    mem = tmem
+def test_receipt_breaks_the_restore_down(tiny_mem):
+    mem = tiny_mem
     block = mem.learn(long_text(200, seed=8), name="phases")
     rc = mem.ask(block.id, "\nQ:", max_tokens=2).receipt
     parts = [rc.read_ms, rc.check_ms, rc.set_data_ms]
