@@ -341,13 +341,14 @@ def test_auto_blocks_are_evicted_lru_leaf_first_and_user_blocks_never(smol, home
         manual = m.learn("You answer questions about apples.", chat=True, name="user-learned")
         with api_server(m.store, [smol], min_prefix_tokens=8, sightings=1, max_auto_bytes=None) as srv:
             c = _client(srv)
-            _ask(c, convo("apples"), max_tokens=1)   # chained on the user's block: 2 auto blocks
-            _ask(c, convo("pears"), max_tokens=1)    # a chain of its own: 3 auto blocks
+            # segments: [system] [user] [assistant + user] [header]; the last two are never learned
+            _ask(c, convo("apples"), max_tokens=1)   # chained on the user's block: 1 auto block
+            _ask(c, convo("pears"), max_tokens=1)    # a chain of its own: 2 auto blocks
             assert srv.openai.wait_idle()  # stored after the answer
             auto = {b.id: b for b in m.store.list(kind="auto")}
-            assert len(auto) == 5
-            apples_leaf = next(b for b in auto.values() if b.text.startswith("<|im_start|>assistant")
-                               and m.store.get(b.parent).parent == manual.id)
+            assert len(auto) == 3
+            apples_leaf = next(b for b in auto.values() if b.parent == manual.id)
+            assert apples_leaf.text.startswith("<|im_start|>user")
             _ask(c, convo("pears"), max_tokens=1)    # pears used again: apples is the least recently used
             cache = srv.cache
             cache.max_auto_bytes = sum(b.state_size for b in auto.values()) - 1

@@ -340,3 +340,49 @@ def test_thinking_model_streams_what_it_answers(tmp_path):
                 content = "".join(d.get("content") or "" for d in deltas)
                 thought = "".join(d.get("reasoning_content") or "" for d in deltas)
                 assert content == (whole["content"] or "") and thought == (whole.get("reasoning_content") or "")
+
+
+# --------------------------------------------------------------------------- where a prompt is cut
+AGENT = [{"role": "system", "content": SYSTEM},
+         {"role": "user", "content": "Refund order 42."},
+         {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+             "name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+         {"role": "user", "content": "And now?"}]
+
+
+def test_an_assistant_turn_and_the_results_after_it_are_one_prefill_call(smol):
+    """The cuts fall where a later request resumes (after the system prompt, before each assistant
+    message, before the header), not after every message: an assistant message, the tool result and
+    the user message after it are one segment, so one prefill call (a call of a few tokens costs almost
+    what one of many does). Client marks (Anthropic's cache_control) still cut where they point. Both
+    ways of cutting render the same prompt: only the number of calls changes."""
+    from graftmem.server.chat import render_segments
+
+    tools = parse_tools({"tools": TOOLS})
+    tpl = own(smol)
+    texts, notes, _ = template_segments(smol, tpl, AGENT, tools)
+    assert not notes and len(texts) == 4, texts  # [system + tools] [user] [assistant, tool, user] [header]
+    assert texts[2].startswith("<|im_start|>assistant") and texts[2].rstrip().endswith("And now?<|im_end|>")
+    assert texts[3] == "<|im_start|>assistant\n"
+    # marks after every message give one segment per message: the same prompt, in six calls
+    each, _, _ = template_segments(smol, tpl, AGENT, tools, marks=range(1, len(AGENT) + 1))
+    assert len(each) == 6 and "".join(each) == "".join(texts)
+    # the same cuts with the hand-written ChatML
+    hand = render_segments(CHATML, AGENT, tools)
+    hand_each = render_segments(CHATML, AGENT, tools, marks=range(1, len(AGENT) + 1))
+    assert len(hand) == 4 and len(hand_each) == 6 and "".join(hand) == "".join(hand_each)
+    assert hand[2].startswith("<|im_start|>assistant") and hand[2].rstrip().endswith("And now?<|im_end|>")
+    # a mark after the assistant message (a count of messages) cuts there too, in both ways
+    marked, _, _ = template_segments(smol, tpl, AGENT, tools, marks=[3])
+    assert [len(t) for t in marked] != [len(t) for t in texts] and len(marked) == 5
+    assert marked[2].startswith("<|im_start|>assistant") and "sunny" not in marked[2] and "sunny" in marked[3]
+    assert "".join(marked) == "".join(texts)
+    assert len(render_segments(CHATML, AGENT, tools, marks=[3])) == 5
+    # two user messages in a row are one segment; a conversation's later request keeps the earlier cuts
+    first, _, _ = template_segments(smol, tpl, CONVO)
+    later, _, _ = template_segments(smol, tpl, CONVO + [{"role": "assistant", "content": "4"},
+                                                        {"role": "user", "content": "Thanks"},
+                                                        {"role": "user", "content": "Bye"}])
+    assert later[:len(first) - 1] == first[:-1] and len(later) == len(first) + 1
+

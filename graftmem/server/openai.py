@@ -270,11 +270,11 @@ class OpenAIRoutes:
             _check_contents(body.get("messages"))  # before anything tokenizes them (a lone surrogate was a 500)
             if template is not None:  # the model's own template (graftmem.core.template)
                 texts, notes, literal = template_segments(self.engine0, template, body.get("messages"), tools,
-                                                          kwargs, ends)
+                                                          kwargs, ends, marks)
             else:
                 assert fmt is not None
                 untrusted: list[Any] = []
-                texts = render_segments(fmt, body.get("messages"), tools, untrusted, ends)
+                texts = render_segments(fmt, body.get("messages"), tools, untrusted, ends, marks)
                 literal, found = literal_spans(self.engine0, texts, untrusted)
                 notes = found or None
             for i, t in enumerate(texts):  # a lone surrogate never reaches the tokenizer (it was a 500)
