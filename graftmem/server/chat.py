@@ -1,8 +1,9 @@
 """OpenAI ``messages`` rendered with the model's chat template, as *segments* of token ids.
 
 A segment is what a turn adds (``<|im_start|>role\\n...<|im_end|>\\n`` in ChatML per message: the system prompt, then
-each assistant message with the tool results and user message after it, `turn_cut`), and the last one is
-the header of the assistant's turn. Every segment starts with a special token, so tokenizing them one
+each assistant message with the tool results and user message after it, `turn_cut`); the header of the
+assistant's turn ends the last one where the template renders a past assistant turn with it verbatim
+(`_header_cuts`: a turn is then one prefill call), else it is a segment of its own. Every segment starts with a special token, so tokenizing them one
 by one gives the ids of tokenizing the whole prompt (the seam argument of `graftmem.core.prompt`).
 
 Why segments and not one token list: the server prefills a prompt one segment per ``prefill`` call,
@@ -17,6 +18,7 @@ its remaining segments computes the same bytes as a request served cold.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import threading
 from collections import OrderedDict
@@ -80,9 +82,12 @@ def message_text(msg: Any, i: int) -> tuple[str, str]:
 
 def render_segments(fmt: ChatFormat, messages: Sequence[Any], tools: Optional[ToolSpec] = None,
                     untrusted: Optional[list[Spans]] = None, ends: Optional[list[int]] = None,
-                    marks: Collection[int] = ()) -> list[str]:
+                    marks: Collection[int] = (), engine: Optional["Engine"] = None,
+                    joined: Optional[list[bool]] = None) -> list[str]:
     """The prompt's segments: the messages cut where `turn_cut` says (``marks`` too), then the
-    assistant's header. ``tools`` are appended to
+    assistant's header. With ``engine``, the header goes with what precedes it where the text after
+    it tokenizes apart (as `template_segments` does, `_header_cuts`: a turn is then one call);
+    ``joined`` receives whether the generation header joined the last segment. ``tools`` are appended to
     the first message when it is a system one, else put in a system message of their own before it
     (`graftmem.server.tools`).
 
@@ -116,22 +121,33 @@ def render_segments(fmt: ChatFormat, messages: Sequence[Any], tools: Optional[To
     if ends is not None:
         ends.extend(sum(map(len, parts[:k + shift])) for k in range(1, len(messages) + 1))
     shifted = {k + shift for k in marks}
-    segs: list[str] = []
-    seg_spans: list[Spans] = []
-    start = 0
-    for k in range(1, len(parts) + 1):  # each segment: the messages between two cuts, their spans moved
-        if turn_cut(roles, k, shifted):
-            at, joined = 0, []
-            for part, sp in zip(parts[start:k], spans[start:k]):
-                joined.extend((a + at, b + at) for a, b in sp)
-                at += len(part)
-            segs.append("".join(parts[start:k]))
-            seg_spans.append(joined)
-            start = k
-    segs.append(fmt.task_tail[len(fmt.block_tail):])  # the assistant's header
-    if untrusted is not None:
-        untrusted.extend(seg_spans)
-        untrusted.append([])
+    header = fmt.task_tail[len(fmt.block_tail):]  # the assistant's header
+    full = "".join(parts) + header
+    offs = [0, *itertools.accumulate(map(len, parts))]
+    cuts = [offs[k] for k in range(1, len(parts) + 1) if turn_cut(roles, k, shifted)]
+    after = [k for k in range(1, len(parts) + 1) if turn_cut(roles, k, shifted)]
+    if engine is not None:  # the header on the side of what precedes it, where that tokenizes apart
+        moved: list[int] = []
+        for c, k in zip(cuts, after):
+            if k in shifted:
+                moved.append(c)
+            elif k < len(parts) and roles[k] == "assistant" and parts[k].startswith(header) and header:
+                moved.append(c + len(header) if _apart(engine, full, c, c + len(header), offs[k + 1]) else c)
+            elif k == len(parts):
+                probe = f"{full}{_PROBE}{fmt.block_tail}"
+                if not _apart(engine, probe, c, len(full), len(probe)):
+                    moved.append(c)
+            else:
+                moved.append(c)
+        cuts = moved
+    bounds = [0, *cuts, len(full)]
+    segs = [full[a:b] for a, b in zip(bounds, bounds[1:])]
+    if joined is not None:
+        joined.append(not cuts or cuts[-1] != offs[-1])
+    if untrusted is not None:  # each message's spans, moved to its segment
+        absolute = [(a + offs[i], b + offs[i]) for i, sp in enumerate(spans) for a, b in sp]
+        untrusted.extend([(a - lo, b - lo) for a, b in absolute if lo <= a and b <= hi]
+                         for lo, hi in zip(bounds, bounds[1:]))
     return segs
 
 
@@ -266,7 +282,8 @@ Spans = list[tuple[int, int]]
 
 def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools: Optional[ToolSpec] = None,
                       kwargs: Optional[dict[str, Any]] = None, ends: Optional[list[int]] = None,
-                      marks: Collection[int] = ()) -> tuple[list[str], list[str], list[Spans]]:
+                      marks: Collection[int] = (), joined: Optional[list[bool]] = None,
+                      ) -> tuple[list[str], list[str], list[Spans]]:
     """A request rendered by the model's own template, cut after the messages where `turn_cut` says
     (and after each prefix in ``marks``) where the template allows it, and why it did not where it
     does not.
@@ -286,6 +303,8 @@ def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools:
     ``ends``, when given, receives per message of ``messages`` how many characters of the prompt its
     render up to that message accounts for (where ``render(messages[:k])`` stops agreeing with the
     whole): an Anthropic ``cache_control`` breakpoint on message k is the last cut at or before it.
+    ``joined``, when given, receives whether the generation header joined the last segment
+    (`_header_cuts`) rather than being a segment of its own.
     """
     msgs = template_messages(messages)
     kw = {**dict(kwargs or {}), "now": _DAYS.day(tpl, msgs)}
@@ -306,6 +325,7 @@ def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools:
     if not full:
         raise HTTPError(400, "the model's chat template rendered these messages as nothing", param="messages")
     cuts: list[int] = []
+    after: list[int] = []  # per cut: the messages before it
     notes: list[str] = []
     agreed = [0]  # per prefix of msgs: the characters of the whole prompt its render accounts for
     roles = [m.get("role") for m in msgs]
@@ -328,6 +348,11 @@ def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools:
         c = seam_before(engine, full, agree, lo, check=False)  # the caller checks all cuts' ids at once
         if c is not None and c < len(full):
             cuts.append(c)
+            after.append(k)
+    n_cuts = len(cuts)
+    cuts = _header_cuts(engine, tpl, msgs, tool_list, kw, full, cuts, after, shifted)
+    if joined is not None:
+        joined.append(len(cuts) < n_cuts)
     spans: Spans = []
     at = 0
     for i, m in enumerate(msgs):
@@ -355,6 +380,52 @@ def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools:
     literal = [[(max(a, lo) - lo, min(b, hi) - lo) for a, b in spans if a < hi and b > lo]
                for lo, hi in zip(bounds, bounds[1:])]
     return [full[a:b] for a, b in zip(bounds, bounds[1:])], notes, literal
+
+
+#: The content of the assistant turn a template is asked to render after a prompt (`_header_cuts`).
+_PROBE = "OK, here it is."
+
+
+def _header_cuts(engine: "Engine", tpl: ChatTemplate, msgs: list[dict[str, Any]], tools: Any, kw: dict[str, Any],
+                 full: str, cuts: list[int], after: list[int], marks: Collection[int]) -> list[int]:
+    """The cuts with the assistant's header on the side of what precedes it: a cut before an assistant
+    message moves past its header, and the generation header joins the last segment instead of being
+    a segment of its own, where the template allows it.
+
+    Why: a turn is then ONE prefill call (its new messages and the header) where it was two, and the
+    first turn after a restart grafts its whole prompt (the learned chain ends with the header) and
+    goes straight to decoding. A later request still resumes there: what ``render(messages[:k],
+    add_generation_prompt=True)`` gave the earlier request is, verbatim, where its assistant message
+    starts. Where it is not (a template that renders past assistant turns with another header, e.g.
+    an empty think block), or where the text after the header would tokenize otherwise on its own (a
+    SentencePiece vocabulary adds a space before the first word of a call: the ids are compared), the
+    cut stays before the header and the header is its own segment, as before. Cuts the client marked
+    stay where they are."""
+    out: list[int] = []
+    for j, (c, k) in enumerate(zip(cuts, after)):
+        nxt = cuts[j + 1] if j + 1 < len(cuts) else len(full)
+        if k in marks:
+            out.append(c)
+        elif k < len(msgs) and msgs[k].get("role") == "assistant":
+            head = _RENDERS.render(tpl, msgs[:k], tools, kw, True)
+            h = len(head)
+            out.append(h if c < h < nxt and full.startswith(head) and _apart(engine, full, c, h, nxt) else c)
+        elif k == len(msgs):
+            try:
+                probe = _RENDERS.render(tpl, [*msgs, {"role": "assistant", "content": _PROBE}], tools, kw, False)
+            except TemplateError:
+                probe = ""
+            if not (probe.startswith(full) and len(probe) > len(full) and _apart(engine, probe, c, len(full), len(probe))):
+                out.append(c)  # the header stays a segment of its own
+        else:
+            out.append(c)
+    return out
+
+
+def _apart(engine: "Engine", text: str, a: int, cut: int, b: int) -> bool:
+    """Whether ``text[a:b]`` tokenizes as ``text[a:cut]`` and ``text[cut:b]`` do apart (no BOS)."""
+    return engine.tokenize(text[a:b], add_special=False) == \
+        engine.tokenize(text[a:cut], add_special=False) + engine.tokenize(text[cut:b], add_special=False)
 
 
 def answer_text(engine: "Engine", tokens: Sequence[int]) -> str:
@@ -471,7 +542,7 @@ def continuation_segments(engine: "Engine", tpl: Optional[ChatTemplate], fmt: Op
     else:
         assert fmt is not None
         untrusted: list[Spans] = []
-        texts = render_segments(fmt, msgs, tools, untrusted)
+        texts = render_segments(fmt, msgs, tools, untrusted, engine=engine)
         literal, _ = literal_spans(engine, texts, untrusted)
     full = "".join(texts)
     at = full.find(_SENTINEL)

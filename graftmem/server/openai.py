@@ -264,17 +264,18 @@ class OpenAIRoutes:
         fmt, template = self.fmt, self.template
 
         ends: list[int] = []  # per message: the prompt's characters up to its end (for ``marks``)
+        joined: list[bool] = []  # whether the generation header is in the last segment (one segment less to keep)
 
         def prompt() -> tuple[list[str], list[list[int]], Optional[list[str]], Any]:
             notes, literal = None, None
             _check_contents(body.get("messages"))  # before anything tokenizes them (a lone surrogate was a 500)
             if template is not None:  # the model's own template (graftmem.core.template)
                 texts, notes, literal = template_segments(self.engine0, template, body.get("messages"), tools,
-                                                          kwargs, ends, marks)
+                                                          kwargs, ends, marks, joined)
             else:
                 assert fmt is not None
                 untrusted: list[Any] = []
-                texts = render_segments(fmt, body.get("messages"), tools, untrusted, ends, marks)
+                texts = render_segments(fmt, body.get("messages"), tools, untrusted, ends, marks, self.engine0, joined)
                 literal, found = literal_spans(self.engine0, texts, untrusted)
                 notes = found or None
             for i, t in enumerate(texts):  # a lone surrogate never reaches the tokenizer (it was a 500)
@@ -295,6 +296,8 @@ class OpenAIRoutes:
         n_before = len(segments)
         routed = await self._recall(body, segments, texts, tenant_of(request.scope))
         job = self._job(body, segments, texts, chat=True, tools=tools)
+        if joined and joined[-1] and n_before > 1:
+            job.learn_tail = 1  # the last segment is the last turn and the header: only it is never learned
         job.extra = routed
         job.tenant = tenant_of(request.scope)
         shift = len(segments) - n_before  # the routed block's chain put before the messages
