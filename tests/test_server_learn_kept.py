@@ -44,9 +44,12 @@ def test_turn_two_learns_from_the_kept_cells_and_a_restart_grafts_them_exactly(m
             _, r2 = _ask(c, t2)  # the system prompt's second sighting: learned, from the kept cells
             assert r2["source"] == "ram" and r2["tokens_restored"] > 0, r2
             assert srv.openai.wait_idle()
-            autos = store.list(kind="auto")
-            assert [b.metadata["segment"] for b in autos] == [0], autos
-            sys_block = autos[0]
+            # learned: the system prompt and turn 1's user message with the header but its last token (the
+            # prompt's last segment, never learned), both seen twice now
+            autos = sorted(store.list(kind="auto"), key=lambda b: b.metadata["segment"])
+            assert [b.metadata["segment"] for b in autos] == [0, 1], autos
+            sys_block, turn_block = autos
+            assert turn_block.parent == sys_block.id
             if model == "gemma":
                 assert sys_block.n_tokens > engine.n_swa  # past the window: the capture-after-trim path
         with engine.session():  # a fresh prefill of the same segment, captured
@@ -56,7 +59,7 @@ def test_turn_two_learns_from_the_kept_cells_and_a_restart_grafts_them_exactly(m
         with api_server(store, [engine], min_prefix_tokens=32, sightings=2, warm=False) as srv:  # a restart
             c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
             text, r3 = _ask(c, t3)
-            assert r3["source"] == "store" and r3["block_id"] == sys_block.id, r3
+            assert r3["source"] == "store" and r3["block_id"] == turn_block.id, r3
             assert r3["first_logits_sha256"] == cold["first_logits_sha256"]
             assert text == cold_text
     finally:

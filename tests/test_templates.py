@@ -238,7 +238,7 @@ def test_more_families_render_requests_and_graft_chat_blocks(family, tmp_path):
         assert "".join(texts) == tpl.render(CONVO, add_generation_prompt=True, tools=TOOLS)
         if family == "qwen3":  # chat_template_kwargs reach the template
             off, _, _ = template_segments(e, tpl, CONVO, kwargs={"enable_thinking": False})
-            assert off[-1].endswith("<think>\n\n</think>\n\n") and not texts[-1].endswith("</think>\n\n")
+            assert "".join(off).endswith("<think>\n\n</think>\n\n") and not "".join(texts).endswith("</think>\n\n")
         fmt = detect_format(e)
         assert (fmt is CHATML) == (family == "qwen35")
         with Memory(engine=e, home=tmp_path / "s") as mem:
@@ -353,20 +353,24 @@ AGENT = [{"role": "system", "content": SYSTEM},
 
 def test_a_turn_is_one_prefill_call(smol):
     """The cuts fall where a later request resumes, not after every message: after the system prompt
-    and after each assistant header (where the previous request's prompt, generation header included,
-    ended). A turn's new messages and the header are then ONE segment, so one prefill call (a call of a
-    few tokens costs almost what one of many does), and a restart's first turn grafts its whole prompt.
-    Client marks (Anthropic's cache_control) still cut where they point; the hand-written formats keep
-    the header apart. Every way of cutting renders the same prompt: only the number of calls changes."""
+    and just before the last token of each assistant header (where the previous request's prompt, its
+    generation header but the last token included, ended). A turn's new messages and header are then ONE
+    call, plus a one-token call (decoding starts from its logits, which are not part of llama.cpp's
+    state: a prompt's last segment is never grafted, so a replayed prompt grafts all but that token).
+    Client marks (Anthropic's cache_control) still cut where they point; without an engine to check the
+    ids with, the hand-written formats keep the header apart. Every way of cutting renders the same
+    prompt: only the number of calls changes."""
     from graftmem.server.chat import render_segments
 
     tools = parse_tools({"tools": TOOLS})
     tpl = own(smol)
     head = "<|im_start|>assistant\n"
     texts, notes, _ = template_segments(smol, tpl, AGENT, tools)
-    assert not notes and len(texts) == 3, texts  # [system + tools] [user, header] [assistant, tool, user, header]
-    assert texts[1].endswith("Refund order 42.<|im_end|>\n" + head)
-    assert "sunny" in texts[2] and texts[2].endswith("And now?<|im_end|>\n" + head)
+    # [system + tools] [user, header] [rest of the assistant turn, tool, user, header] [the header's "\n"]
+    assert not notes and len(texts) == 4, texts
+    assert texts[1].endswith("Refund order 42.<|im_end|>\n<|im_start|>assistant")
+    assert texts[2].startswith("\n") and "sunny" in texts[2]
+    assert texts[2].endswith("And now?<|im_end|>\n<|im_start|>assistant") and texts[3] == "\n"
     # the segments tokenize apart as the whole prompt does
     ids = [t for i, x in enumerate(texts) for t in smol.tokenize(x, add_special=i == 0)]
     assert ids == smol.tokenize("".join(texts))
@@ -375,41 +379,43 @@ def test_a_turn_is_one_prefill_call(smol):
     assert len(each) == 6 and each[-1] == head and "".join(each) == "".join(texts)
     # a mark after the assistant message cuts there too
     marked, _, _ = template_segments(smol, tpl, AGENT, tools, marks=[3])
-    assert len(marked) == 4 and "sunny" not in marked[2] and "sunny" in marked[3]
+    assert len(marked) == 5 and "sunny" not in marked[2] and "sunny" in marked[3]
     assert "".join(marked) == "".join(texts)
-    # the hand-written ChatML: the same turns, the header apart
+    # the hand-written ChatML: the same turns; without an engine the header apart
     hand = render_segments(CHATML, AGENT, tools)
     hand_each = render_segments(CHATML, AGENT, tools, marks=range(1, len(AGENT) + 1))
     assert len(hand) == 4 and hand[-1] == head and len(hand_each) == 6 and "".join(hand) == "".join(hand_each)
     assert hand[2].startswith(head) and hand[2].endswith("And now?<|im_end|>\n")
     assert len(render_segments(CHATML, AGENT, tools, marks=[3])) == 5
-    # given the engine to check the ids with, the hand-written format moves the header as the template does
+    # with the engine, it cuts as the template does
     hand_joined: list[bool] = []
     one = render_segments(CHATML, AGENT, tools, engine=smol, joined=hand_joined)
-    assert hand_joined == [True] and len(one) == 3 and one[1].endswith(head) and one[2].endswith("And now?<|im_end|>\n" + head)
+    assert hand_joined == [True] and len(one) == 4 and one[1].endswith("<|im_start|>assistant") and one[-1] == "\n"
     assert "".join(one) == "".join(hand)
     ids = [t for i, x in enumerate(one) for t in smol.tokenize(x, add_special=i == 0)]
     assert ids == smol.tokenize("".join(one))
-    # a conversation's later request starts with the earlier one's segments, whole: two user messages
-    # in a row are one segment
+    # a conversation's later request starts with the earlier one's segments but its last (two user
+    # messages in a row are one segment)
     first, _, _ = template_segments(smol, tpl, CONVO)
     later, _, _ = template_segments(smol, tpl, CONVO + [{"role": "assistant", "content": "4"},
                                                         {"role": "user", "content": "Thanks"},
                                                         {"role": "user", "content": "Bye"}])
-    assert later[:len(first)] == first and len(later) == len(first) + 1
+    assert later[:len(first) - 1] == first[:-1] and len(later) == len(first) + 1 and later[-1] == "\n"
 
 
 def test_the_header_joins_the_last_turn_only_where_a_past_turn_starts_with_it(tiny):
-    """Llama 3.1 and Phi-3.5 render a past assistant turn with the generation header verbatim: the
-    header joins the last segment. Gemma 4's generation prompt opens a thought channel a past turn does
-    not have: its header stays a segment of its own (a later request could not resume after it).
-    Either way the segments tokenize apart as the whole prompt does."""
+    """Llama 3.1 renders a past assistant turn with the generation header verbatim and its last token
+    ("\n\n") tokenizes apart: the header but that token joins the last turn, the token is the last
+    segment. Phi-3.5's "\n" after "<|assistant|>" would not tokenize alone as it does in the prompt
+    (a SentencePiece vocabulary), and Gemma 4's generation prompt opens a thought channel a past turn
+    does not have: their header stays a segment of its own. Either way the segments tokenize apart as
+    the whole prompt does."""
     tpl = own(tiny)
     joined: list[bool] = []
     texts, _, _ = template_segments(tiny, tpl, CONVO, joined=joined)
     ids = [t for i, x in enumerate(texts) for t in tiny.tokenize(x, add_special=i == 0)]
     assert ids == tiny.tokenize("".join(texts))
-    want = {"llama31": (True, 3), "phi35": (True, 3), "gemma4": (False, 4)}[tiny.family]
+    want = {"llama31": (True, 4), "phi35": (False, 4), "gemma4": (False, 4)}[tiny.family]
     assert (joined[0], len(texts)) == want, texts
     if tiny.family == "llama31":
-        assert texts[-1].endswith("two?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+        assert texts[-2].endswith("two?<|eot_id|><|start_header_id|>assistant<|end_header_id|>") and texts[-1] == "\n\n"

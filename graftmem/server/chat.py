@@ -2,8 +2,8 @@
 
 A segment is what a turn adds (``<|im_start|>role\\n...<|im_end|>\\n`` in ChatML per message: the system prompt, then
 each assistant message with the tool results and user message after it, `turn_cut`); the header of the
-assistant's turn ends the last one where the template renders a past assistant turn with it verbatim
-(`_header_cuts`: a turn is then one prefill call), else it is a segment of its own. Every segment starts with a special token, so tokenizing them one
+assistant's turn ends the last turn but for its last token (a one-token segment) where the template renders
+a past assistant turn with it verbatim (`_header_cuts`), else it is a segment of its own. Every segment starts with a special token, so tokenizing them one
 by one gives the ids of tokenizing the whole prompt (the seam argument of `graftmem.core.prompt`).
 
 Why segments and not one token list: the server prefills a prompt one segment per ``prefill`` call,
@@ -85,9 +85,9 @@ def render_segments(fmt: ChatFormat, messages: Sequence[Any], tools: Optional[To
                     marks: Collection[int] = (), engine: Optional["Engine"] = None,
                     joined: Optional[list[bool]] = None) -> list[str]:
     """The prompt's segments: the messages cut where `turn_cut` says (``marks`` too), then the
-    assistant's header. With ``engine``, the header goes with what precedes it where the text after
-    it tokenizes apart (as `template_segments` does, `_header_cuts`: a turn is then one call);
-    ``joined`` receives whether the generation header joined the last segment. ``tools`` are appended to
+    assistant's header. With ``engine``, the header but its last token goes with what precedes it where
+    the text after the cut tokenizes apart (as `template_segments` does, `_header_cuts`); ``joined``
+    receives whether the generation header joined the last turn. ``tools`` are appended to
     the first message when it is a system one, else put in a system message of their own before it
     (`graftmem.server.tools`).
 
@@ -132,18 +132,20 @@ def render_segments(fmt: ChatFormat, messages: Sequence[Any], tools: Optional[To
             if k in shifted:
                 moved.append(c)
             elif k < len(parts) and roles[k] == "assistant" and parts[k].startswith(header) and header:
-                moved.append(c + len(header) if _apart(engine, full, c, c + len(header), offs[k + 1]) else c)
+                h = _before_last_token(engine, full[:c + len(header)], c)
+                moved.append(h if h is not None and _apart(engine, full, c, h, offs[k + 1]) else c)
             elif k == len(parts):
                 probe = f"{full}{_PROBE}{fmt.block_tail}"
-                if not _apart(engine, probe, c, len(full), len(probe)):
-                    moved.append(c)
+                h = _before_last_token(engine, full, c)
+                ok = h is not None and _apart(engine, full, c, h, len(full)) and _apart(engine, probe, c, h, len(probe))
+                moved.append(h if ok and h is not None else c)
             else:
                 moved.append(c)
         cuts = moved
     bounds = [0, *cuts, len(full)]
     segs = [full[a:b] for a, b in zip(bounds, bounds[1:])]
     if joined is not None:
-        joined.append(not cuts or cuts[-1] != offs[-1])
+        joined.append(bool(cuts) and cuts[-1] != offs[-1])
     if untrusted is not None:  # each message's spans, moved to its segment
         absolute = [(a + offs[i], b + offs[i]) for i, sp in enumerate(spans) for a, b in sp]
         untrusted.extend([(a - lo, b - lo) for a, b in absolute if lo <= a and b <= hi]
@@ -303,8 +305,8 @@ def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools:
     ``ends``, when given, receives per message of ``messages`` how many characters of the prompt its
     render up to that message accounts for (where ``render(messages[:k])`` stops agreeing with the
     whole): an Anthropic ``cache_control`` breakpoint on message k is the last cut at or before it.
-    ``joined``, when given, receives whether the generation header joined the last segment
-    (`_header_cuts`) rather than being a segment of its own.
+    ``joined``, when given, receives whether the generation header joined the last turn (`_header_cuts`:
+    the last segment is then its last token) rather than being a segment of its own.
     """
     msgs = template_messages(messages)
     kw = {**dict(kwargs or {}), "now": _DAYS.day(tpl, msgs)}
@@ -349,10 +351,10 @@ def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools:
         if c is not None and c < len(full):
             cuts.append(c)
             after.append(k)
-    n_cuts = len(cuts)
+    end = cuts[-1] if cuts and after[-1] == len(msgs) else None
     cuts = _header_cuts(engine, tpl, msgs, tool_list, kw, full, cuts, after, shifted)
     if joined is not None:
-        joined.append(len(cuts) < n_cuts)
+        joined.append(end is not None and cuts[-1] != end)
     spans: Spans = []
     at = 0
     for i, m in enumerate(msgs):
@@ -388,19 +390,21 @@ _PROBE = "OK, here it is."
 
 def _header_cuts(engine: "Engine", tpl: ChatTemplate, msgs: list[dict[str, Any]], tools: Any, kw: dict[str, Any],
                  full: str, cuts: list[int], after: list[int], marks: Collection[int]) -> list[int]:
-    """The cuts with the assistant's header on the side of what precedes it: a cut before an assistant
-    message moves past its header, and the generation header joins the last segment instead of being
-    a segment of its own, where the template allows it.
+    """The cuts with the assistant's header on the side of what precedes it, but for its last token: a
+    cut before an assistant message moves to just before its header's last token, and the generation
+    header joins the last turn the same way, its last token a call of its own, where the template allows it.
 
-    Why: a turn is then ONE prefill call (its new messages and the header) where it was two, and the
-    first turn after a restart grafts its whole prompt (the learned chain ends with the header) and
-    goes straight to decoding. A later request still resumes there: what ``render(messages[:k],
-    add_generation_prompt=True)`` gave the earlier request is, verbatim, where its assistant message
-    starts. Where it is not (a template that renders past assistant turns with another header, e.g.
-    an empty think block), or where the text after the header would tokenize otherwise on its own (a
-    SentencePiece vocabulary adds a space before the first word of a call: the ids are compared), the
-    cut stays before the header and the header is its own segment, as before. Cuts the client marked
-    stay where they are."""
+    Why: a turn is then one prefill call of its new messages and header plus a one-token call, where it
+    was one call per message and one for the header; a later request resumes at the same place (what
+    ``render(messages[:k], add_generation_prompt=True)`` gave the earlier request is, verbatim, where its
+    assistant message starts); and a prompt replayed after a restart grafts everything but that one
+    token (the learned chain ends there), as llama-server's slot re-evaluates one token. The last token
+    stays apart because decoding starts from its call's logits, which are not part of llama.cpp's state:
+    the last segment of a prompt is never grafted. Where a past assistant turn does not start with the
+    generation prompt (a template that opens a think block there), where the header's last token is
+    not a plain suffix of its text, or where the text after a cut would tokenize otherwise on its own (a
+    SentencePiece vocabulary adds a space before a call's first word: the ids are compared), the cut
+    stays before the header and the header is its own segment, as before. Marked cuts stay where they are."""
     out: list[int] = []
     for j, (c, k) in enumerate(zip(cuts, after)):
         nxt = cuts[j + 1] if j + 1 < len(cuts) else len(full)
@@ -408,18 +412,35 @@ def _header_cuts(engine: "Engine", tpl: ChatTemplate, msgs: list[dict[str, Any]]
             out.append(c)
         elif k < len(msgs) and msgs[k].get("role") == "assistant":
             head = _RENDERS.render(tpl, msgs[:k], tools, kw, True)
-            h = len(head)
-            out.append(h if c < h < nxt and full.startswith(head) and _apart(engine, full, c, h, nxt) else c)
+            h = _before_last_token(engine, head, c) if full.startswith(head) else None
+            out.append(h if h is not None and c < h < nxt and _apart(engine, full, c, h, nxt) else c)
         elif k == len(msgs):
             try:
                 probe = _RENDERS.render(tpl, [*msgs, {"role": "assistant", "content": _PROBE}], tools, kw, False)
             except TemplateError:
                 probe = ""
-            if not (probe.startswith(full) and len(probe) > len(full) and _apart(engine, probe, c, len(full), len(probe))):
-                out.append(c)  # the header stays a segment of its own
+            h = _before_last_token(engine, full, c)
+            ok = h is not None and probe.startswith(full) and len(probe) > len(full) and \
+                _apart(engine, full, c, h, len(full)) and _apart(engine, probe, c, h, len(probe))
+            out.append(h if ok and h is not None else c)  # else the header stays a segment of its own
         else:
             out.append(c)
     return out
+
+
+def _before_last_token(engine: "Engine", text: str, a: int) -> Optional[int]:
+    """Where the last token of ``text[a:]`` (a header) starts in ``text``: None if it is the only one, a
+    control token (no text) or not a plain suffix of the text."""
+    ids = engine.tokenize(text[a:], add_special=False)
+    if len(ids) < 2:
+        return None
+    try:
+        piece = engine.piece(ids[-1]).decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    if not piece or not text.endswith(piece) or len(text) - len(piece) <= a:
+        return None
+    return len(text) - len(piece)
 
 
 def _apart(engine: "Engine", text: str, a: int, cut: int, b: int) -> bool:
