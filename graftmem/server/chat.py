@@ -48,8 +48,8 @@ def turn_cut(roles: Sequence[Any], k: int, marks: Collection[int] = ()) -> bool:
     Anthropic's ``cache_control``). A user or tool message followed by another user or tool message,
     and an assistant message with the results that follow it, are one segment: one prefill call instead
     of one per message. Why that matters: a few tokens in a call of their own cost almost what a call
-    of many does on a CPU (measured in docs/benchmarks.md: after 2,526 cached SmolLM2 tokens, 124 new ones
-    in one call took 1.4 s, in four calls 3.9 s), and every cut is a call in every request, cold or not,
+    of many does on a CPU (bench/call_split.py, in docs/benchmarks.md: after 2,500 cached SmolLM2 tokens,
+    one thread, 124 new ones in one call took 2.3 s, in four calls 5.3 s), and every cut is a call in every request, cold or not,
     since the cuts are what make a graft's bytes equal to a cold prefill's."""
     n = len(roles)
     if k >= n or k in marks:
