@@ -3,8 +3,10 @@
 A segment is what a turn adds (``<|im_start|>role\\n...<|im_end|>\\n`` in ChatML per message: the system prompt, then
 each assistant message with the tool results and user message after it, `turn_cut`); the header of the
 assistant's turn ends the last turn but for its last token (a one-token segment) where the template renders
-a past assistant turn with it verbatim (`_header_cuts`), else it is a segment of its own. Every segment starts with a special token, so tokenizing them one
-by one gives the ids of tokenizing the whole prompt (the seam argument of `graftmem.core.prompt`).
+a past assistant turn with it verbatim (`_header_cuts`), else it is a segment of its own. A cut falls before
+a special token (the seam argument of `graftmem.core.prompt`) or, after a header, where the ids of the text
+on both sides were compared with those of the text whole, so tokenizing the segments one by one gives the
+ids of tokenizing the whole prompt.
 
 Why segments and not one token list: the server prefills a prompt one segment per ``prefill`` call,
 cache or no cache. The K/V bytes of a token depend on how the prompt was cut into prefill calls (a
@@ -22,7 +24,7 @@ import itertools
 import json
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Collection, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Optional, Sequence
 
 from ..core.prompt import ChatFormat, has_special_text, seam_before, tokenize_literal
 from ..core.template import ChatTemplate, TemplateError, today
@@ -48,9 +50,10 @@ def turn_cut(roles: Sequence[Any], k: int, marks: Collection[int] = ()) -> bool:
     Anthropic's ``cache_control``). A user or tool message followed by another user or tool message,
     and an assistant message with the results that follow it, are one segment: one prefill call instead
     of one per message. Why that matters: a few tokens in a call of their own cost almost what a call
-    of many does on a CPU (bench/call_split.py, in docs/benchmarks.md: after 2,500 cached SmolLM2 tokens,
-    one thread, 124 new ones in one call took 2.3 s, in four calls 5.3 s), and every cut is a call in every request, cold or not,
-    since the cuts are what make a graft's bytes equal to a cold prefill's."""
+    of many does on a CPU (bench/call_split.py, in docs/benchmarks.md: after 2,500 cached SmolLM2
+    tokens, one thread, 124 new ones in one call took 2.3 s, in four calls 5.3 s), and every cut is a
+    call in every request, cold or not, since the cuts are what make a graft's bytes equal to a cold
+    prefill's. `_header_cuts` then moves the cuts around the assistant's header."""
     n = len(roles)
     if k >= n or k in marks:
         return True
@@ -124,28 +127,20 @@ def render_segments(fmt: ChatFormat, messages: Sequence[Any], tools: Optional[To
     header = fmt.task_tail[len(fmt.block_tail):]  # the assistant's header
     full = "".join(parts) + header
     offs = [0, *itertools.accumulate(map(len, parts))]
-    cuts = [offs[k] for k in range(1, len(parts) + 1) if turn_cut(roles, k, shifted)]
     after = [k for k in range(1, len(parts) + 1) if turn_cut(roles, k, shifted)]
+    cuts = [offs[k] for k in after]
+    moved_end = False
     if engine is not None:  # the header on the side of what precedes it, where that tokenizes apart
-        moved: list[int] = []
-        for c, k in zip(cuts, after):
-            if k in shifted:
-                moved.append(c)
-            elif k < len(parts) and roles[k] == "assistant" and parts[k].startswith(header) and header:
-                h = _before_last_token(engine, full[:c + len(header)], c)
-                moved.append(h if h is not None and _apart(engine, full, c, h, offs[k + 1]) else c)
-            elif k == len(parts):
-                probe = f"{full}{_PROBE}{fmt.block_tail}"
-                h = _before_last_token(engine, full, c)
-                ok = h is not None and _apart(engine, full, c, h, len(full)) and _apart(engine, probe, c, h, len(probe))
-                moved.append(h if ok and h is not None else c)
-            else:
-                moved.append(c)
-        cuts = moved
+
+        def header_end(k: int, c: int) -> Optional[int]:
+            return c + len(header) if header and roles[k] == "assistant" and parts[k].startswith(header) else None
+
+        cuts, moved_end = _header_cuts(engine, full, cuts, after, len(parts), shifted, header_end,
+                                       lambda: f"{full}{_PROBE}{fmt.block_tail}")
     bounds = [0, *cuts, len(full)]
     segs = [full[a:b] for a, b in zip(bounds, bounds[1:])]
     if joined is not None:
-        joined.append(bool(cuts) and cuts[-1] != offs[-1])
+        joined.append(moved_end)
     if untrusted is not None:  # each message's spans, moved to its segment
         absolute = [(a + offs[i], b + offs[i]) for i, sp in enumerate(spans) for a, b in sp]
         untrusted.extend([(a - lo, b - lo) for a, b in absolute if lo <= a and b <= hi]
@@ -351,10 +346,21 @@ def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools:
         if c is not None and c < len(full):
             cuts.append(c)
             after.append(k)
-    end = cuts[-1] if cuts and after[-1] == len(msgs) else None
-    cuts = _header_cuts(engine, tpl, msgs, tool_list, kw, full, cuts, after, shifted)
+    def header_end(k: int, c: int) -> Optional[int]:
+        if msgs[k].get("role") != "assistant":
+            return None
+        head = _RENDERS.render(tpl, msgs[:k], tool_list, kw, True)
+        return len(head) if full.startswith(head) else None
+
+    def probe() -> str:
+        try:
+            return _RENDERS.render(tpl, [*msgs, {"role": "assistant", "content": _PROBE}], tool_list, kw, False)
+        except TemplateError:
+            return ""
+
+    cuts, moved_end = _header_cuts(engine, full, cuts, after, len(msgs), shifted, header_end, probe)
     if joined is not None:
-        joined.append(end is not None and cuts[-1] != end)
+        joined.append(moved_end)
     spans: Spans = []
     at = 0
     for i, m in enumerate(msgs):
@@ -388,11 +394,17 @@ def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools:
 _PROBE = "OK, here it is."
 
 
-def _header_cuts(engine: "Engine", tpl: ChatTemplate, msgs: list[dict[str, Any]], tools: Any, kw: dict[str, Any],
-                 full: str, cuts: list[int], after: list[int], marks: Collection[int]) -> list[int]:
-    """The cuts with the assistant's header on the side of what precedes it, but for its last token: a
-    cut before an assistant message moves to just before its header's last token, and the generation
-    header joins the last turn the same way, its last token a call of its own, where the template allows it.
+def _header_cuts(engine: "Engine", full: str, cuts: list[int], after: list[int], n: int, marks: Collection[int],
+                 header_end: Callable[[int, int], Optional[int]], probe: Callable[[], str]) -> tuple[list[int], bool]:
+    """``cuts`` (after ``after[i]`` of the ``n`` messages) with the assistant's header on the side of what
+    precedes it, but for its last token, where the prompt allows it; and whether the cut before the
+    generation header moved (the header joined the last turn). A cut before an assistant message moves
+    to just before the last token of its header (``header_end(k, cut)``: where that header ends in
+    ``full``, None where the assistant message does not start with the generation prompt verbatim); the
+    cut before the generation header moves the same way if an assistant turn after the prompt
+    (``probe()``: the prompt rendered with one more, short, assistant message) starts with it, so that
+    the next request of the conversation can cut there too. Both render paths (`template_segments`,
+    `render_segments`) cut through this one function.
 
     Why: a turn is then one prefill call of its new messages and header plus a one-token call, where it
     was one call per message and one for the header; a later request resumes at the same place (what
@@ -408,24 +420,23 @@ def _header_cuts(engine: "Engine", tpl: ChatTemplate, msgs: list[dict[str, Any]]
     out: list[int] = []
     for j, (c, k) in enumerate(zip(cuts, after)):
         nxt = cuts[j + 1] if j + 1 < len(cuts) else len(full)
+        h: Optional[int] = None
         if k in marks:
-            out.append(c)
-        elif k < len(msgs) and msgs[k].get("role") == "assistant":
-            head = _RENDERS.render(tpl, msgs[:k], tools, kw, True)
-            h = _before_last_token(engine, head, c) if full.startswith(head) else None
-            out.append(h if h is not None and c < h < nxt and _apart(engine, full, c, h, nxt) else c)
-        elif k == len(msgs):
-            try:
-                probe = _RENDERS.render(tpl, [*msgs, {"role": "assistant", "content": _PROBE}], tools, kw, False)
-            except TemplateError:
-                probe = ""
+            pass
+        elif k < n:
+            end = header_end(k, c)
+            h = _before_last_token(engine, full[:end], c) if end is not None else None
+            if h is not None and not (c < h < nxt and _apart(engine, full, c, h, nxt)):
+                h = None
+        else:  # the generation header
             h = _before_last_token(engine, full, c)
-            ok = h is not None and probe.startswith(full) and len(probe) > len(full) and \
-                _apart(engine, full, c, h, len(full)) and _apart(engine, probe, c, h, len(probe))
-            out.append(h if ok and h is not None else c)  # else the header stays a segment of its own
-        else:
-            out.append(c)
-    return out
+            after_prompt = probe() if h is not None else ""
+            if h is not None and not (after_prompt.startswith(full) and len(after_prompt) > len(full)
+                                      and _apart(engine, full, c, h, len(full))
+                                      and _apart(engine, after_prompt, c, h, len(after_prompt))):
+                h = None
+        out.append(c if h is None else h)
+    return out, bool(after) and after[-1] == n and out[-1] != cuts[-1]
 
 
 def _before_last_token(engine: "Engine", text: str, a: int) -> Optional[int]:

@@ -264,7 +264,7 @@ class OpenAIRoutes:
         fmt, template = self.fmt, self.template
 
         ends: list[int] = []  # per message: the prompt's characters up to its end (for ``marks``)
-        joined: list[bool] = []  # whether the generation header is in the last segment (one segment less to keep)
+        joined: list[bool] = []  # whether the generation header joined the last turn (its last token a segment)
 
         def prompt() -> tuple[list[str], list[list[int]], Optional[list[str]], Any]:
             notes, literal = None, None
@@ -296,8 +296,8 @@ class OpenAIRoutes:
         n_before = len(segments)
         routed = await self._recall(body, segments, texts, tenant_of(request.scope))
         job = self._job(body, segments, texts, chat=True, tools=tools)
-        if joined and joined[-1] and n_before > 1:
-            job.learn_tail = 1  # the last segment is the last turn and the header: only it is never learned
+        if joined and joined[-1] and n_before > 1:  # (not when the prompt fell back to one segment)
+            job.learn_tail = 1  # the last segment is the header's last token: only it is never learned
         job.extra = routed
         job.tenant = tenant_of(request.scope)
         shift = len(segments) - n_before  # the routed block's chain put before the messages

@@ -238,8 +238,10 @@ class PrefixCache:
         stable part learned within its first session: turn 2 re-sends turn 1's system prompt and tools
         (their second sighting, learned then), turn 3 re-sends turn 2's messages, and so on.
 
-        ``tail``: how many final segments are never learned (2 for a chat: the last turn's messages and
-        the assistant's header, one segment or two, and the turn before; 1 for a raw completion prompt: its last chunk).
+        ``tail``: how many final segments are never learned (2 for a chat whose generation header is a
+        segment of its own: the last turn and the header; 1 for a chat whose header joined the last turn,
+        `graftmem.server.chat._header_cuts`: the header's last token; 1 for a raw completion prompt: its
+        last chunk).
 
         ``marks``: prefixes (counts of segments, the last one excluded) the client asked to be stored
         (Anthropic's ``cache_control``): one that is not stored yet and at least ``min_tokens`` long is
