@@ -1,7 +1,8 @@
 """A prefix learned on its second sighting is learned from the cells the first request left in the engine
-(no second prefill): turn 2 reuses them (``cached_tokens`` > 0) and stores the system prompt; the stored
-state is byte for byte a fresh prefill's, and after a restart turn 3 grafts it with the cold request's
-first-token logits. A dense model cuts the state out of one capture after the answer (`statefmt.cut`):
+(no second prefill): turn 2 reuses them (``cached_tokens`` > 0) and stores the system prompt and turn 1's
+user message (its header but the last token: the segments seen twice by then); the system prompt's stored
+state is byte for byte a fresh prefill's, and after a restart turn 3 grafts that chain with the cold
+request's first-token logits. A dense model cuts the state out of one capture after the answer (`statefmt.cut`):
 the tiny random-weight Llama 3.1 of tests/tiny.py (`tiny_llama`, a real llama.cpp engine on a dense
 llama body as SmolLM2 is, ~1/100th of its prefill cost); Gemma 3, past its sliding window, captures it
 right after trimming the kept cells to the system prompt (no tiny model has a sliding window: Gemma stays)."""
