@@ -251,8 +251,12 @@ class BucketIndex:
 
     # ------------------------------------------------------------------ the cache's use times (LRU)
     def touch(self, bid: str) -> None:
+        """Mark ``bid`` used now: ``at`` is one past the largest so far (a sequence, not the wall clock,
+        which a virtual machine's time sync can step back between two reads: the cache then evicted a
+        block read after another one first; rows written as ``time.time()`` before still order below)."""
         with self.lock, contextlib.suppress(sqlite3.Error):
-            self.db.execute("INSERT OR REPLACE INTO used (id, at) VALUES (?, ?)", (bid, time.time()))
+            self.db.execute("INSERT OR REPLACE INTO used (id, at) "
+                            "VALUES (?, (SELECT COALESCE(MAX(at), 0) + 1 FROM used))", (bid,))
 
     def forget_use(self, bid: str) -> None:
         with self.lock, contextlib.suppress(sqlite3.Error):
