@@ -22,6 +22,7 @@ from the sdist-vendored tokenizer (Llama 3's BPE vocab and the Llama 3.1 chat te
 * **io**: the read / BLAKE3 / xxh3 rates of `bench.restore_rates` on this host's disk and cores.
 
     python -m bench.gpu [--gpu-layers 999] [--only small,big,io] [--reps 3] [--out FILE]
+    python -m bench.gpu --table bench/results/gpu_h200.json     # the table of docs/benchmarks.md
 
 What a CUDA build of llama-cpp-python needs: docs/exactness.md ("GPU offload"); ``bench/gpu_check.sh``
 builds one from the sdist's llama.cpp sources on a CUDA host and runs this script. Results:
@@ -47,8 +48,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from bench.harness import RESULTS, summary, write_results
-from graftmem import EngineConfig, Memory
-from graftmem.core.engine import Engine, logits_sha256, system_report
+from graftmem import Engine, EngineConfig, Memory, logits_sha256, system_report
 
 _TINY = Path(__file__).resolve().parent.parent / "scripts" / "tiny_models.py"
 
@@ -316,6 +316,30 @@ def io_rates(reps: int, tmp: Path) -> dict[str, Any]:
     return io_and_hash_rates([0.25, 1.0, 4.0], reps, tmp)
 
 
+def table(data: dict[str, Any]) -> str:
+    """The 8B graft-vs-prefill table of docs/benchmarks.md, from a results file of this script.
+
+    A graft's first token = where the state comes from + its check + ``set_data`` + a one-token
+    prefill (measured together as ``graft_first_token``): from RAM (the server's in-process prompt cache), from
+    the page cache (a later read of a checked file version: xxh3), from a cold disk (a first read: BLAKE3
+    over every core); and the pipelined cold read (read, check and copy in chunks: the slowest phase)."""
+    io = data["io"][max(data["io"], key=float)]
+    rate = {k: io[k]["gb_s"] for k in ("read_warm", "read_cold", "blake3_auto", "xxh3")}
+    lines = ["| KV | tokens | state | prefill (cold) | graft from RAM | from page cache | from a cold disk "
+             "| cold, pipelined | learn: capture |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in data["rates"]["rows"]:
+        gb = r["state_bytes"] / 1e9
+        ram = r["graft_first_token"]["median_s"]
+        pre = r["prefill"]["median_s"]
+        warm = gb / rate["read_warm"] + gb / rate["xxh3"] + ram
+        cold = gb / rate["read_cold"] + gb / rate["blake3_auto"] + ram
+        piped = max(gb / rate["read_cold"], gb / rate["blake3_auto"], r["restore"]["median_ms"] / 1e3)
+        lines.append(f"| {r['kv']} | {r['tokens']:,} | {gb:.2f} GB | {pre:.2f} s | {ram:.3f} s ({pre / ram:.1f}x) "
+                     f"| {warm:.2f} s ({pre / warm:.1f}x) | {cold:.2f} s ({pre / cold:.1f}x) "
+                     f"| {piped:.2f} s ({pre / piped:.1f}x) | {r['capture']['median_s']:.2f} s |")
+    return "\n".join(lines)
+
+
 def host() -> dict[str, Any]:
     info: dict[str, Any] = {"system": system_report(), "python": platform.python_version(), "cpus": os.cpu_count()}
     for cmd in (["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm", "--format=csv,noheader"],
@@ -342,7 +366,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--prefix-tokens", type=int, default=2000, help="the exactness check's prefix")
     ap.add_argument("--big-layers", type=int, default=BIG["n_layer"], help="fewer for a smoke run on a CPU")
     ap.add_argument("--out", type=Path, default=RESULTS / "gpu.json")
+    ap.add_argument("--table", type=Path, default=None, help="print the 8B table of a results file and exit")
     args = ap.parse_args(argv)
+    if args.table:
+        sys.stdout.write(table(json.loads(args.table.read_text())) + "\n")
+        return 0
     phases = set(args.only.split(","))
     data: dict[str, Any] = {"host": host()}
     _log({"host": data["host"]["system"], "gpu": data["host"].get("nvidia-smi")})

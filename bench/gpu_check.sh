@@ -5,6 +5,10 @@
 # wheels graftmem needs, then runs `python -m bench.gpu "$@"`.
 #
 # usage: GPU_DIR=.gpu OUT=/tmp/out bash bench/gpu_check.sh [bench.gpu arguments...]
+# --exclude-libs,ALL: with CUDA 13.0 and g++ 13.3 (this workplace's H200 image) libggml-cuda.so carried a
+# static libstdc++ and exported its symbols; libllama's std::ostream calls bound to that copy and every
+# model load segfaulted in llama_model::print_info. Not exporting symbols of static archives fixes it
+# (measured: bench/results/gpu_h200.json "build"); it changes no kernel.
 # GPU_DIR holds: llama-src.tgz, whl/*.whl (cp312), py/llama_cpp/ (no lib/), cache/llama-cpp-python-0.3.36/
 # (the vendored vocab, template and gguf-py, as scripts/tiny_models.py extracts them). The build is kept in
 # $GPU_DIR/build and reused by a later run on the same machine. With network access, a plain
@@ -22,7 +26,8 @@ if [ ! -f "$B/done" ]; then
   cmake -S "$B/src" -B "$B/b" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
     -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DGGML_NATIVE=ON \
     -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF > "$OUT/cmake.log" 2>&1 \
+    -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF \
+    -DCMAKE_SHARED_LINKER_FLAGS="-Wl,--exclude-libs,ALL" > "$OUT/cmake.log" 2>&1 \
     || { tail -40 "$OUT/cmake.log"; exit 1; }
   cmake --build "$B/b" -j "$(nproc)" --target llama > "$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
   echo "graftmem: llama.cpp with CUDA (sm_$ARCH) built in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/build.log"

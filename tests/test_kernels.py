@@ -160,3 +160,29 @@ def test_the_load_time_probe_runs_once_per_fingerprint_and_machine(fresh_verdict
     with Engine("smollm2", EngineConfig(n_ctx=768)) as other:
         assert other.exactness.exact and other.exactness.reason != "planted verdict"
     assert len(list(probes.glob("*.json"))) == 2
+
+
+def test_a_crash_while_loading_is_not_reported_as_a_crashing_kernel(fresh_verdicts, monkeypatch):
+    """The probe child says how far it got: a crash before the first decode (as a CUDA build whose
+    libggml-cuda.so exported a static libstdc++ did on an H200 host, in llama_model::print_info) names
+    loading, not the kernels, and does not tell the user to turn the extra buffers off."""
+    monkeypatch.setenv("GRAFTMEM_TEST_CRASH_PROBE_CHILD", "load")
+    with pytest.raises(EngineError) as exc:
+        Engine("smollm2", EngineConfig(n_ctx=512))
+    msg = str(exc.value)
+    assert "SIGSEGV while loading the model (before any decode)" in msg, msg
+    assert "first decode" not in msg and "extra_bufts='off'" not in msg and "doctor" in msg, msg
+
+
+def test_a_rebuilt_library_is_probed_again(monkeypatch):
+    """The cached verdicts are keyed by the library files (name, size, mtime): a rebuild that fixes a
+    crash is probed again instead of being refused from the cache (what happened on the H200 host)."""
+    from graftmem.core import engine as E
+
+    libs = E.library_identity()
+    assert any(name.startswith("libllama") for name, _, _ in libs) and all(size > 0 for _, size, _ in libs), libs
+    cfg = EngineConfig(n_ctx=512)
+    before = E._kernel_key("0" * 64, cfg, False)
+    assert E._kernel_key("0" * 64, cfg, False) == before  # stable within one build
+    monkeypatch.setattr(E, "_LIBS", [(n, s, m + 1) for n, s, m in libs])  # the same files, rewritten
+    assert E._kernel_key("0" * 64, cfg, False) != before

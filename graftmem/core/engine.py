@@ -254,6 +254,7 @@ _CHILD_ENV = "GRAFTMEM_KERNEL_PROBE_CHILD"
 #: first decode (a real SIGSEGV in a real child process), as the AMX kernels did on some Xeons; "on" or
 #: "off" crash only the children probing that weight-buffer choice, any other value every child.
 _CRASH_ENV = "GRAFTMEM_TEST_CRASH_PROBE_CHILD"
+_STAGE = "graftmem-probe-stage"
 _CHILD_TIMEOUT_S = 600.0
 
 
@@ -271,11 +272,40 @@ class KernelVerdict(BaseModel):
     key: str = ""
 
 
+_LIBS: Optional[list[tuple[str, int, int]]] = None
+
+
+def library_identity() -> list[tuple[str, int, int]]:
+    """(name, size, mtime in ns) of each llama.cpp / ggml shared library this process loaded from.
+
+    Why: the verdicts this module caches on disk (a probe child's crash, the load-time exactness probe)
+    belong to the compiled libraries, and llama.cpp's version string does not change when they are
+    rebuilt with other flags. Measured on an H200 host: a CUDA build that crashed while loading was fixed
+    by a relink (bench/gpu_check.sh), and the crash cached under the old key kept being reported until
+    the cache was deleted by hand. A rebuild or reinstall writes new files, hence a new key; stat is
+    cheap where hashing ~100 MB of libraries at every start is not."""
+    global _LIBS
+    if _LIBS is None:
+        base = Path(getattr(C, "_base_path", Path(llama_cpp.__file__).parent / "lib"))
+        seen: dict[str, tuple[str, int, int]] = {}
+        try:
+            for f in sorted(base.iterdir()):
+                if f.name.startswith(("libllama", "libggml", "llama", "ggml")) and f.is_file():
+                    st = f.stat()
+                    seen.setdefault(os.path.realpath(f), (f.name, st.st_size, st.st_mtime_ns))
+        except OSError:
+            pass
+        _LIBS = sorted(seen.values())
+    return _LIBS
+
+
 def _kernel_key(model_sha256: str, config: EngineConfig, extra: bool) -> str:
-    """The verdict cache key: what decides which kernels run (build, CPU, weights, buffer choice,
-    offload, attention and KV types); n_ctx and threads do not change whether a kernel crashes."""
+    """The verdict cache key: what decides which kernels run (build, the library files, CPU, weights,
+    buffer choice, offload, attention and KV types); n_ctx and threads do not change whether a kernel
+    crashes."""
     info = system_report()
     blob = json.dumps({"model": model_sha256, "version": info["llama_cpp_version"], "build": info["llama_build"],
+                       "libraries": library_identity(),
                        "cpu": info["system_info"], "devices": info["devices"], "extra_bufts": extra,
                        "n_gpu_layers": config.n_gpu_layers, "flash_attn": config.flash_attn,
                        "type_k": config.type_k, "type_v": config.type_v, "swa_full": config.swa_full},
@@ -344,9 +374,11 @@ def kernel_verdict(model_path: Path, model_sha256: str, config: EngineConfig, ex
                                  reason=f"the probe child printed no verdict: {proc.stderr[-500:]}")
     elif proc.returncode < 0:
         sig = signal.Signals(-proc.returncode).name if -proc.returncode in signal.valid_signals() else proc.returncode
+        stages = [ln.split()[-1] for ln in proc.stdout.splitlines() if ln.startswith(_STAGE)]
+        where = "in its first decode" if stages[-1:] == ["decode"] else "while loading the model (before any decode)"
         verdict = KernelVerdict(extra_bufts=extra, ran=False, key=key, reason=(
-            f"llama.cpp died with {sig} in its first decode with "
-            f"{'extra (repacked/AMX)' if extra else 'plain'} weight buffers on this CPU"))
+            f"llama.cpp died with {sig} {where} with "
+            f"{'extra (repacked/AMX)' if extra else 'plain'} weight buffers on this machine"))
     else:  # a Python error in the child (a bad model, a bad config): not a kernel verdict, not cached
         tail = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
         return KernelVerdict(extra_bufts=extra, ran=False, key=key, reason=f"the probe child failed: {tail}")
@@ -365,8 +397,18 @@ def probe_kernels(model: str | os.PathLike[str] | None, config: EngineConfig | M
     return kernel_verdict(path, _file_sha256(path), cfg, extra_bufts)
 
 
+def _child_stage(stage: str) -> None:
+    """Tell the parent how far the probe child got (a line on the child's stdout, flushed before the
+    step that may crash), so a crash while loading is not reported as a crashing kernel."""
+    sys.stdout.write(f"{_STAGE} {stage}\n")
+    sys.stdout.flush()
+
+
 def _probe_child_main(model_path: str, config_json: str) -> None:
     """Entry point of the probe child: load, probe, print one JSON line (see `kernel_verdict`)."""
+    _child_stage("load")
+    if os.environ.get(_CRASH_ENV) == "load":
+        ctypes.string_at(0)  # the fault the crash-path tests inject while loading
     with Engine(model_path, EngineConfig.model_validate_json(config_json)) as eng:
         ex = eng.exactness
         sys.stdout.write(json.dumps({"exact": ex.exact, "reason": ex.reason,
@@ -569,9 +611,18 @@ class Engine:
         want = choice == "on"
         verdict = kernel_verdict(self.model_path, model_sha256, self.config, want)
         if not verdict.ran and verdict.reason.startswith("llama.cpp died"):
-            fix = (f"turn them off with {_setting_hint('off')}" if want else
-                   "no setting of graftmem avoids it; rebuild llama-cpp-python without -march=native "
-                   "(CMAKE_ARGS=\"-DGGML_NATIVE=OFF\") and report the CPU flags")
+            if "while loading" in verdict.reason:
+                fix = ("no setting of graftmem avoids a crash while loading; "
+                       + ("a llama.cpp built with CUDA whose libggml-cuda.so exports a static copy of libstdc++ "
+                          "crashes exactly here (measured with CUDA 13.0 and g++ 13.3): rebuild llama-cpp-python "
+                          "with CMAKE_ARGS=\"-DGGML_CUDA=on -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL\" "
+                          "(docs/exactness.md, GPU offload); otherwise " if C.llama_supports_gpu_offload() else "")
+                       + "check the model file (graftmem doctor --model PATH) and report its output")
+            elif want:
+                fix = f"turn them off with {_setting_hint('off')}"
+            else:
+                fix = ("no setting of graftmem avoids it; rebuild llama-cpp-python without -march=native "
+                       "(CMAKE_ARGS=\"-DGGML_NATIVE=OFF\") and report the CPU flags")
             raise EngineError(f"{verdict.reason} (probed in a child process; verdict cached as "
                               f"{verdict.key}): {fix}")
         if not verdict.ran:
@@ -936,8 +987,8 @@ class Engine:
         in a kernel-probe child (that child exists to run its first decode)."""
         if os.environ.get(_CHILD_ENV):
             return self.probe()
-        blob = json.dumps({"probe": _PROBE_VERSION, "n_swa": self.n_swa, "fingerprint": self.fingerprint.model_dump()},
-                          sort_keys=True, default=str)
+        blob = json.dumps({"probe": _PROBE_VERSION, "n_swa": self.n_swa, "fingerprint": self.fingerprint.model_dump(),
+                           "libraries": library_identity()}, sort_keys=True, default=str)
         path = model_cache_dir() / "exactness-probes" / f"{hashlib.sha256(blob.encode()).hexdigest()[:32]}.json"
         cached = _read_verdict(path, Exactness)
         if cached is not None:
@@ -960,7 +1011,9 @@ class Engine:
         tokens = self.tokenize(text)[:n]
         query = self.tokenize(" and then", add_special=False)
         crash = os.environ.get(_CRASH_ENV) if os.environ.get(_CHILD_ENV) else None
-        if crash and (crash not in ("on", "off") or (crash == "on") == self.extra_bufts):
+        if os.environ.get(_CHILD_ENV):
+            _child_stage("decode")
+        if crash and crash != "load" and (crash not in ("on", "off") or (crash == "on") == self.extra_bufts):
             ctypes.string_at(0)  # the fault the crash-path tests inject: SIGSEGV before the first decode
         with self.session():
             self.prefill(tokens)
