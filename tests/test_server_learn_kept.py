@@ -65,3 +65,26 @@ def test_turn_two_learns_from_the_kept_cells_and_a_restart_grafts_them_exactly(m
             assert text == cold_text
     finally:
         store.close()
+
+
+def test_the_same_prompt_again_prefills_nothing_and_decodes_the_cold_bytes(tiny_llama, tmp_path):
+    """Cells left by a prompt keep that prompt's first logits (`Kept.first`): the same prompt again (a
+    retry, a regenerate) prefills no token, where llama-server re-evaluates its last one, and its first
+    logits and answer are the cold request's; a prompt that differs only in its last message prefills it."""
+    system = {"role": "system", "content": "You are a shop's support agent. " + long_text(60, seed=29)}
+    t1 = [system, {"role": "user", "content": "Where is my order?"}]
+    other = [system, {"role": "user", "content": "Where is my refund?"}]
+    store = Store(tmp_path / "home")
+    try:
+        with api_server(store, [tiny_llama], min_prefix_tokens=32, sightings=2) as srv:
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+            cold_text, cold = _ask(c, t1, cache=False)
+            _, r1 = _ask(c, t1)
+            assert r1["tokens_prefilled"] > 0
+            text, r2 = _ask(c, t1)
+            assert r2["source"] == "ram" and r2["tokens_prefilled"] == 0, r2
+            assert r2["first_logits_sha256"] == cold["first_logits_sha256"] and text == cold_text
+            _, r3 = _ask(c, other)  # the kept cells hold its system prompt, not its last message
+            assert r3["source"] == "ram" and 0 < r3["tokens_prefilled"] < r1["tokens_prefilled"], r3
+    finally:
+        store.close()

@@ -90,11 +90,12 @@ def test_grafted_prefix_is_exact_and_survives_a_restart(tiny_llama, home):
             assert receipt["source"] == "store" and receipt["block_id"]
             assert n_cached > 32 and receipt["tokens_restored"] == n_cached
             assert warm.model_extra["graftmem"]["block_id"] == receipt["block_id"]
-            # the same prompt again: the previous request's cells, kept in RAM, up to its last segment (the
-            # header's last token: prefilled again for the first token's logits), as the graft was
+            assert n_cached == warm.usage.prompt_tokens - 1  # the graft: all but the header's last token
+            # the same prompt again: the previous request's cells, kept in RAM with their first logits
+            # (`Kept.first`): nothing is prefilled, where the graft prefilled the header's last token
             again, receipt2 = _receipt_of(c)
-            assert receipt2["source"] == "ram" and again.usage.prompt_tokens_details.cached_tokens == n_cached
-            assert n_cached == again.usage.prompt_tokens - 1
+            assert receipt2["source"] == "ram" and receipt2["tokens_prefilled"] == 0
+            assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens
             assert _fingerprint(warm) == _fingerprint(cold) == _fingerprint(first) == _fingerprint(second)
             assert _fingerprint(again) == _fingerprint(cold)
             # streaming from the kept prefix gives the same text

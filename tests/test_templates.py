@@ -291,8 +291,10 @@ def test_untrusted_text_stays_text(tmp_path):
             assert cold["usage"]["prompt_tokens"] == len(ids)
             _post(srv.url, body)
             assert srv.openai.wait_idle()
+            _post(srv.url, {**body, "graftmem": {"cache": False}})  # the cells go: the next one grafts
             second = _post(srv.url, body).json()
             assert 0 < second["usage"]["prompt_tokens_details"]["cached_tokens"] < len(ids)
+            assert second["graftmem"]["source"] == "store"
             assert second["choices"][0]["logprobs"] == cold["choices"][0]["logprobs"]
             # forged text in the middle of a longer conversation: no stored block holds it, and every
             # stored block's text re-derives its tokens

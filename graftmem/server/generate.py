@@ -37,6 +37,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
+import numpy as np
+
 from ..core import statefmt
 from ..core.blocks import Receipt
 from ..core.decoding import AnswerText, Sampling, decode
@@ -154,6 +156,11 @@ class Kept:
     #: the provenance of the grafted block when it needs consent (``unverified``): then the cells hold a
     #: state nothing here vouches for, and only a request that consents may reuse them
     untrusted: Optional[str] = None
+    #: the logits the call that computed the last segment returned (a copy), when these cells were left
+    #: by the prompt itself: a request with exactly this prompt then prefills nothing and decodes from
+    #: them (the bytes its own last call would compute: the same calls on the same cells). None: a
+    #: request always prefills at least its last segment, as llama-server re-evaluates its last token.
+    first: Optional[np.ndarray] = field(default=None, compare=False, repr=False)
 
 
 def can_keep(engine: "Engine") -> bool:
@@ -163,12 +170,15 @@ def can_keep(engine: "Engine") -> bool:
 
 
 def kept_segments(engine: "Engine", keys: Sequence[bytes], allow_unverified: bool = False) -> int:
-    """How many leading segments of a prompt with ``keys`` this engine's kept cells hold (at most all
-    but the last, which a request always prefills to get its first logits); none when they hold an
-    unverified block's state and the request did not consent."""
+    """How many leading segments of a prompt with ``keys`` this engine's kept cells hold: all but the
+    last, which a request prefills to get its first logits, unless the cells were left by exactly this
+    prompt with those logits (`Kept.first`: all of them); none when they hold an unverified block's
+    state and the request did not consent."""
     kept = engine.kept
     if not isinstance(kept, Kept) or (kept.untrusted is not None and not allow_unverified):
         return 0
+    if kept.first is not None and len(kept.keys) == len(keys) and kept.keys[-1] == keys[-1]:
+        return len(keys)  # the whole prompt, with its first logits (`Kept.first`)
     n = min(len(kept.keys), len(keys) - 1)
     while n > 0 and kept.keys[n - 1] != keys[n - 1]:  # a key covers every segment before it too
         n -= 1
@@ -373,8 +383,11 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
         phases: dict[str, float] = {}  #: where a graft's time went (read, check, a bucket's fetch, ...)
         untrusted: Optional[str] = None  #: provenance of an unverified state in the cells, if any
         provenance: Optional[str] = None
+        kept_first: Optional[np.ndarray] = None
         if in_ram > 0 and in_ram >= m:
             kept = engine.kept if isinstance(engine.kept, Kept) else None
+            if in_ram == len(segs) and kept is not None:
+                kept_first = kept.first
             kept_block = kept.block_id if kept is not None else None
             untrusted = kept.untrusted if kept is not None else None
             restored = ends[in_ram - 1]
@@ -417,7 +430,8 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
             if not cut_later and i < learn_k and held < MAX_CAPTURE_BYTES and len(captured) == i - learn_from:
                 captured.append(engine.capture_copy())  # its own buffer: capture() reuses the engine's
                 held += len(captured[-1])
-        first = engine.logits()
+        first = engine.logits() if kept_first is None else kept_first.copy()
+        first_kept = first.copy() if keep else None  # before the decode loop could touch ``first``
         t2 = time.perf_counter()
         grammar = engine.grammar(job.grammar) if job.grammar else None
         try:
@@ -438,7 +452,7 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
             parts = [*segs[:end.parent.n_segments if end.parent is not None else 0], end.tokens]
             engine.kept = Kept(tuple(prefix_keys(parts, job.tenant)), tuple(segment_ends(parts)), None, None)
         elif keep:
-            engine.kept = Kept(tuple(keys), tuple(ends), None, untrusted)
+            engine.kept = Kept(tuple(keys), tuple(ends), None, untrusted, first=first_kept)
     text = answer.text
     rest = answer.delta(final=True)
     if job.emit is not None and (rest or pending):
