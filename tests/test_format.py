@@ -34,3 +34,49 @@ def test_not_a_block_and_wrong_version_are_refused(mem):
     raw[8] = 99  # version field
     with pytest.raises(BlockCorrupted, match="version 99"):
         parse_header(bytes(raw[:HEADER.size]), where="v", file_size=len(raw))
+
+
+def test_a_paced_write_calls_the_pacer_per_chunk_and_writes_the_same_bytes(mem):
+    """The server's writer paces its block writes (`graftmem.core.format.paced`): the state goes out in
+    WRITE_CHUNK pieces with the pacer called before each, and the file is the unpaced one, byte for byte."""
+    from graftmem.core.format import WRITE_CHUNK, paced
+
+    block = mem.learn("Pacing check: a short manual.")
+    raw = mem.store.path_of(block.id).read_bytes()
+    _mlen, soff, slen = parse_header(raw[:HEADER.size], where="x", file_size=len(raw))
+    state = raw[soff:soff + slen] * (2 + WRITE_CHUNK // slen)  # several chunks (the digest is not checked)
+    big = block.model_copy(update={"state_size": len(state), "state_digest": state_digest(state)})
+    plain, paced_buf, calls = io.BytesIO(), io.BytesIO(), []
+    write_block(plain, big, state)
+    with paced(lambda: calls.append(paced_buf.tell())):
+        write_block(paced_buf, big, state)
+    write_block(io.BytesIO(), big, state)  # outside the context: no pacer any more
+    assert paced_buf.getvalue() == plain.getvalue()
+    n_chunks = -(-len(state) // WRITE_CHUNK)
+    assert len(calls) == n_chunks >= 2, (len(calls), len(state))
+    assert calls[1] - calls[0] == WRITE_CHUNK  # one chunk between two calls
+
+
+def test_the_writer_pacer_waits_while_a_request_computes(mem):
+    """`PrefixCache._quiet_until`: returns at once when no request computes or the deadline has passed,
+    and otherwise when the computing request is done (the thread is bounded by a join timeout)."""
+    import threading
+    import time
+
+    from graftmem.server.prefix import PrefixCache
+
+    cache = PrefixCache(mem.store, mem.engine.fingerprint)
+    cache._quiet_until(time.monotonic() + 60)  # nothing computes: no wait
+    done = threading.Event()
+    with cache.computing():
+        cache._quiet_until(time.monotonic() - 1)  # past the deadline: no wait either
+        t = threading.Thread(target=lambda: (cache._quiet_until(time.monotonic() + 60), done.set()))
+        t.start()
+        for _ in range(3000):  # until the pacer waits on the cache's condition (bounded: 30 s)
+            with cache._lock:
+                if cache._quiet._waiters:  # noqa: SLF001 - the state this test is about
+                    break
+            time.sleep(0.01)
+        assert cache._quiet._waiters and not done.is_set()  # held while the request computes
+    t.join(timeout=30)
+    assert done.is_set() and not t.is_alive()

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 from ..core.blocks import PROVENANCE_LOCAL, Block, Fingerprint, block_id_for
-from ..core.format import state_digest
+from ..core.format import paced, state_digest
 from ..core.errors import ConfigError, GraftmemError
 from ..memory.router import AUTO_KIND
 from ..memory.access import owned_parent, owner_of
@@ -399,6 +399,17 @@ class PrefixCache:
             self.deferred_writes += 1
             self._quiet.wait_for(quiet, timeout=self.writer_max_wait)
 
+    def _quiet_until(self, deadline: float) -> None:
+        """The pacer of the writer's block writes (`graftmem.core.format.paced`): wait while a request
+        computes, until ``deadline`` (`writer_max_wait` after the write began), then no more."""
+        def quiet() -> bool:
+            return not self._computing or bool(self._pressing)
+
+        with self._lock:
+            left = deadline - time.monotonic()
+            if left > 0 and not quiet():
+                self._quiet.wait_for(quiet, timeout=left)
+
     def _write_loop(self) -> None:
         # below the engines' threads: on a machine with few cores the writes share them with the next
         # request's prefill, which a client is waiting for (Linux: a thread's nice value is its own)
@@ -409,7 +420,9 @@ class PrefixCache:
             engine, segments, texts, first, states, start, tenant, keys = item
             try:
                 self._wait_for_quiet()
-                self.store_captured(engine, segments, texts, first, states, start, tenant)
+                deadline = time.monotonic() + self.writer_max_wait
+                with paced(lambda: self._quiet_until(deadline)):  # and between chunks of each file
+                    self.store_captured(engine, segments, texts, first, states, start, tenant)
             except Exception:  # noqa: BLE001 - a failed store loses a cache entry, never the server
                 log.exception("prefix cache: storing a learned prefix failed")
             finally:

@@ -685,23 +685,36 @@ class Store:
         if block.state_size != len(state):
             raise ConfigError(f"block says {block.state_size} state bytes, got {len(state)}")
         self._writable(f"write block {block.short_id}")
-        with self.lock():
-            if not replace and self.path_of(block.id).exists() and self.contains(block.id):
-                return self.get(block.id)
-            if block.parent is not None and not self.contains(block.parent):
-                raise BlockNotFound(f"block {block.short_id} is chained on {block.parent[:12]}, which "
-                                    f"is not in the store at {self.home} (deleted meanwhile?)")
-            self._write(block, state, provenance=provenance, labels_trusted=labels_trusted)
+        if not replace and self.contains(block.id) and self.path_of(block.id).exists():
+            return self.get(block.id)
+        # the file first, outside the lock: its temp name is this thread's own, and the copy of the
+        # state is the slow part (a paced writer, `graftmem.core.format.paced`, waits inside it; under
+        # the lock it held up every reader of the index, a request's prefix lookup included)
+        tmp, size = self._write_temp(block, state)
+        try:
+            with self.lock():
+                if not replace and self.path_of(block.id).exists() and self.contains(block.id):
+                    return self.get(block.id)
+                if block.parent is not None and not self.contains(block.parent):
+                    raise BlockNotFound(f"block {block.short_id} is chained on {block.parent[:12]}, which "
+                                        f"is not in the store at {self.home} (deleted meanwhile?)")
+                self._commit(block, tmp, size, provenance=provenance, labels_trusted=labels_trusted)
+        finally:
+            tmp.unlink(missing_ok=True)
         return block.model_copy(update={"provenance": provenance, "labels_trusted": labels_trusted})
 
     def _write(self, block: Block, state: memoryview | bytes, *, provenance: str, labels_trusted: bool) -> None:
-        """Write the block file (temp, fsync) and, in ONE index transaction, insert its row, rename it
-        over any old file and fsync the directory; the commit comes last. A failure anywhere (a full
-        disk in the write, the rename or SQLite's commit) removes what this call put in place, so a
-        new block is never left behind as a file without a row (which would come back, unverified, on
-        the next open). The caller holds the lock."""
+        """Write the block file (temp, fsync) and commit it (`_commit`). The caller holds the lock."""
+        tmp, size = self._write_temp(block, state)
+        try:
+            self._commit(block, tmp, size, provenance=provenance, labels_trusted=labels_trusted)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _write_temp(self, block: Block, state: memoryview | bytes) -> tuple[Path, int]:
+        """The whole block file under a temp name of this process and thread, fsynced; its size. A
+        failure removes it."""
         path = self.path_of(block.id)
-        doing = f"writing block {block.short_id}"
         tmp = path.parent / f".{block.id}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             path.parent.mkdir(exist_ok=True)
@@ -711,10 +724,20 @@ class Store:
                 os.fsync(f.fileno())
         except OSError as exc:
             tmp.unlink(missing_ok=True)
-            raise _os_error(exc, self.home, doing) from exc
+            raise _os_error(exc, self.home, f"writing block {block.short_id}") from exc
         except BaseException:  # not only a disk error: never leave the temp file behind
             tmp.unlink(missing_ok=True)
             raise
+        return tmp, size
+
+    def _commit(self, block: Block, tmp: Path, size: int, *, provenance: str, labels_trusted: bool) -> None:
+        """In ONE index transaction, insert the block's row, rename its temp file over any old file and
+        fsync the directory; the commit comes last. A failure anywhere (the rename or SQLite's commit)
+        removes what this call put in place, so a new block is never left behind as a file without a
+        row (which would come back, unverified, on the next open). The caller holds the lock and
+        removes the temp file afterwards."""
+        path = self.path_of(block.id)
+        doing = f"writing block {block.short_id}"
         existed = os.path.lexists(path)
         renamed = False
         try:
@@ -732,8 +755,6 @@ class Store:
             raise _os_error(exc, self.home, doing) from exc
         except sqlite3.Error as exc:
             raise _sql_error(exc, self.home, doing) from exc
-        finally:
-            tmp.unlink(missing_ok=True)
 
     def children(self, block_id: str) -> list[str]:
         """Ids of the blocks chained directly on ``block_id`` (their manifest's ``parent``)."""
