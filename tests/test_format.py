@@ -80,3 +80,53 @@ def test_the_writer_pacer_waits_while_a_request_computes(mem):
         assert cache._quiet._waiters and not done.is_set()  # held while the request computes
     t.join(timeout=30)
     assert done.is_set() and not t.is_alive()
+
+
+_DEADLOCKED: list = []  #: what a failing run of the test below must never close nor collect
+
+
+def test_a_paced_write_holds_no_store_lock_while_it_waits(mem, tmp_path):
+    """The writer's pacer waits while a request computes; if it waited inside the store's lock, the
+    request's own prefix lookup (which reads the index) would wait for the writer: a deadlock until the
+    writer's deadline, measured as a 600 s client timeout in bench/serve.py before the store wrote its
+    files outside the lock."""
+    import threading
+    import time
+
+    from graftmem.core.format import paced
+    from graftmem.server.prefix import PrefixCache
+    from graftmem.store.local import Store
+
+    block = mem.learn("Lock check: a short manual.")
+    raw = mem.store.path_of(block.id).read_bytes()
+    _mlen, soff, slen = parse_header(raw[:HEADER.size], where="x", file_size=len(raw))
+    store = Store(tmp_path / "other")
+    cache = PrefixCache(store, mem.engine.fingerprint)
+    wrote = threading.Event()
+
+    def writer() -> None:
+        with paced(lambda: cache._quiet_until(time.monotonic() + 60)):
+            store.put(block, raw[soff:soff + slen])
+        wrote.set()
+
+    held = cache.computing()  # a request computes: the pacer holds the write
+    held.__enter__()
+    t = threading.Thread(target=writer, daemon=True)  # daemon: a deadlock must fail the test, not hang it
+    t.start()
+    for _ in range(3000):  # until the writer waits in its pacer (bounded: 30 s)
+        with cache._lock:
+            if cache._quiet._waiters:  # noqa: SLF001
+                break
+        time.sleep(0.01)
+    looked = threading.Event()
+    r = threading.Thread(target=lambda: (cache.refresh(), store.contains(block.id), looked.set()), daemon=True)
+    r.start()
+    r.join(timeout=20)
+    if not looked.is_set():  # deadlocked: leave the threads, the request and the store as they are (closing
+        _DEADLOCKED.append((store, cache, held))  # or collecting them needs a lock a deadlocked thread holds)
+        pytest.fail("a reader of the index waited for the paced writer")
+    assert not wrote.is_set()
+    held.__exit__(None, None, None)
+    t.join(timeout=30)
+    assert wrote.is_set() and store.contains(block.id)
+    store.close()
