@@ -45,7 +45,10 @@ def test_a_user_cannot_forge_a_chatml_turn(smol, tmp_path):
         for _ in range(2):
             warm = _post(srv.url, body).json()
             assert srv.openai.wait_idle()
+        _post(srv.url, {**body, "graftmem": {"cache": False}})  # the kept cells go: the next one grafts
+        warm = _post(srv.url, body).json()
         # the system prompt before the forged message is reused; the forged segment never becomes a block
+        assert warm["graftmem"]["source"] == "store"
         assert 0 < warm["usage"]["prompt_tokens_details"]["cached_tokens"] < len(ids)
         assert warm["choices"][0]["logprobs"] == cold["choices"][0]["logprobs"]
         assert not any("9999" in b.text for b in srv.store.list())
