@@ -175,14 +175,16 @@ def test_a_crash_while_loading_is_not_reported_as_a_crashing_kernel(fresh_verdic
 
 
 def test_a_rebuilt_library_is_probed_again(monkeypatch):
-    """The cached verdicts are keyed by the library files (name, size, mtime): a rebuild that fixes a
-    crash is probed again instead of being refused from the cache (what happened on the H200 host)."""
+    """The cached verdicts are keyed by the library files (name, size, content digest): a rebuild that
+    fixes a crash is probed again instead of being refused from the cache (what happened on the H200
+    host), while a reinstall of the same files keeps them."""
     from graftmem.core import engine as E
 
     libs = E.library_identity()
     assert any(name.startswith("libllama") for name, _, _ in libs) and all(size > 0 for _, size, _ in libs), libs
     cfg = EngineConfig(n_ctx=512)
     before = E._kernel_key("0" * 64, cfg, False)
-    assert E._kernel_key("0" * 64, cfg, False) == before  # stable within one build
-    monkeypatch.setattr(E, "_LIBS", [(n, s, m + 1) for n, s, m in libs])  # the same files, rewritten
-    assert E._kernel_key("0" * 64, cfg, False) != before
+    monkeypatch.setattr(E, "_LIBS", None)  # computed again from the files: the same key
+    assert E._kernel_key("0" * 64, cfg, False) == before
+    monkeypatch.setattr(E, "_LIBS", [(n, s, "0" * 32 if n.startswith("libggml-cpu") else d) for n, s, d in libs])
+    assert E._kernel_key("0" * 64, cfg, False) != before  # one library rebuilt: other bytes

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, TypeVar
 
+import blake3
 import numpy as np
 
 import llama_cpp
@@ -272,30 +273,31 @@ class KernelVerdict(BaseModel):
     key: str = ""
 
 
-_LIBS: Optional[list[tuple[str, int, int]]] = None
+_LIBS: Optional[list[tuple[str, int, str]]] = None
 
 
-def library_identity() -> list[tuple[str, int, int]]:
-    """(name, size, mtime in ns) of each llama.cpp / ggml shared library this process loaded from.
+def library_identity() -> list[tuple[str, int, str]]:
+    """(name, size, BLAKE3 of the content) of each llama.cpp / ggml shared library this process loaded from.
 
     Why: the verdicts this module caches on disk (a probe child's crash, the load-time exactness probe)
     belong to the compiled libraries, and llama.cpp's version string does not change when they are
     rebuilt with other flags. Measured on an H200 host: a CUDA build that crashed while loading was fixed
     by a relink (bench/gpu_check.sh), and the crash cached under the old key kept being reported until
-    the cache was deleted by hand. A rebuild or reinstall writes new files, hence a new key; stat is
-    cheap where hashing ~100 MB of libraries at every start is not."""
+    the cache was deleted by hand. The content, not the file times: a reinstall of the same wheel (a fresh
+    virtual environment, CI's fresh clone) keeps its verdicts (with file times, a fresh clone's suite
+    re-ran every probe: +83 s). Hashed once per process (tens of MB, milliseconds with BLAKE3's threads)."""
     global _LIBS
     if _LIBS is None:
         base = Path(getattr(C, "_base_path", Path(llama_cpp.__file__).parent / "lib"))
-        seen: dict[str, tuple[str, int, int]] = {}
+        out: list[tuple[str, int, str]] = []
         try:
             for f in sorted(base.iterdir()):
                 if f.name.startswith(("libllama", "libggml", "llama", "ggml")) and f.is_file():
-                    st = f.stat()
-                    seen.setdefault(os.path.realpath(f), (f.name, st.st_size, st.st_mtime_ns))
+                    data = f.read_bytes()
+                    out.append((f.name, len(data), blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest()[:32]))
         except OSError:
             pass
-        _LIBS = sorted(seen.values())
+        _LIBS = out
     return _LIBS
 
 
