@@ -104,15 +104,7 @@ def shaped_model(shape: dict[str, int], wtype: str, *, seed: int = 0, repeat_lay
     w.add_vocab_size(n_vocab)
     qtype = {"f16": gguf.GGMLQuantizationType.F16, "q4_0": gguf.GGMLQuantizationType.Q4_0}[wtype]
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if wtype == "f16" else gguf.LlamaFileType.MOSTLY_Q4_0)
-    for name, (vtype, sub, value) in kv.items():
-        if not name.startswith("tokenizer.") or name.startswith("tokenizer.chat_template"):
-            continue
-        if vtype == gguf.GGUFValueType.ARRAY:
-            items = value.tolist() if hasattr(value, "tolist") else value
-            w.add_key_value(name, items, gguf.GGUFValueType(vtype), sub_type=gguf.GGUFValueType(sub))
-        else:
-            w.add_key_value(name, value, gguf.GGUFValueType(vtype))
-    w.add_chat_template(tpl.read_text(encoding="utf-8"))
+    tm.copy_tokenizer(w, kv, tpl)
     rng = np.random.default_rng(seed)
 
     def weight(rows: int, cols: int, scale: float) -> np.ndarray:

@@ -43,7 +43,7 @@ SDIST_FILE = "llama_cpp_python-0.3.36.tar.gz"
 _VENDOR = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
 RECIPE = 1  #: bump when the body below changes: it is part of every cache key
 
-__all__ = ["Family", "FAMILIES", "build", "sdist_dir", "templates_dir", "vocab_path"]
+__all__ = ["Family", "FAMILIES", "build", "copy_tokenizer", "sdist_dir", "templates_dir", "vocab_path"]
 
 
 @dataclass(frozen=True)
@@ -181,6 +181,21 @@ def read_kv(path: Path) -> dict[str, tuple[int, int, object]]:
     return out
 
 
+def copy_tokenizer(w, kv: dict[str, tuple[int, int, object]], template: Path) -> None:
+    """Every ``tokenizer.*`` key of a vocab GGUF's `read_kv` into the writer ``w``, and ``template`` as
+    its chat template (the vocab's own template keys are left out). Also used by bench/gpu.py."""
+    gguf = _gguf()
+    for name, (vtype, sub, value) in kv.items():
+        if not name.startswith("tokenizer.") or name.startswith("tokenizer.chat_template"):
+            continue
+        if vtype == gguf.GGUFValueType.ARRAY:
+            items = value.tolist() if hasattr(value, "tolist") else value
+            w.add_key_value(name, items, gguf.GGUFValueType(vtype), sub_type=gguf.GGUFValueType(sub))
+        else:
+            w.add_key_value(name, value, gguf.GGUFValueType(vtype))
+    w.add_chat_template(template.read_text(encoding="utf-8"))
+
+
 def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -220,15 +235,7 @@ def build(family: str | Family, *, template: Optional[Path] = None, n_embd: int 
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(n_vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    for name, (vtype, sub, value) in kv.items():
-        if not name.startswith("tokenizer.") or name.startswith("tokenizer.chat_template"):
-            continue
-        if vtype == gguf.GGUFValueType.ARRAY:
-            items = value.tolist() if hasattr(value, "tolist") else value
-            w.add_key_value(name, items, gguf.GGUFValueType(vtype), sub_type=gguf.GGUFValueType(sub))
-        else:
-            w.add_key_value(name, value, gguf.GGUFValueType(vtype))
-    w.add_chat_template(tpl.read_text(encoding="utf-8"))
+    copy_tokenizer(w, kv, tpl)
     rng = np.random.default_rng(seed)
 
     def rand(*shape: int, scale: float = 0.02, dtype=np.float32) -> np.ndarray:
