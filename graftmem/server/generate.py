@@ -430,8 +430,9 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
             if not cut_later and i < learn_k and held < MAX_CAPTURE_BYTES and len(captured) == i - learn_from:
                 captured.append(engine.capture_copy())  # its own buffer: capture() reuses the engine's
                 held += len(captured[-1])
-        first = engine.logits() if kept_first is None else kept_first.copy()
-        first_kept = first.copy() if keep else None  # before the decode loop could touch ``first``
+        # `engine.logits()` is a copy and `decode` never writes into its first logits: the same array can
+        # be kept for the next request (and `Kept.first` is only ever read)
+        first = engine.logits() if kept_first is None else kept_first
         t2 = time.perf_counter()
         grammar = engine.grammar(job.grammar) if job.grammar else None
         try:
@@ -452,7 +453,7 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
             parts = [*segs[:end.parent.n_segments if end.parent is not None else 0], end.tokens]
             engine.kept = Kept(tuple(prefix_keys(parts, job.tenant)), tuple(segment_ends(parts)), None, None)
         elif keep:
-            engine.kept = Kept(tuple(keys), tuple(ends), None, untrusted, first=first_kept)
+            engine.kept = Kept(tuple(keys), tuple(ends), None, untrusted, first=first)
     text = answer.text
     rest = answer.delta(final=True)
     if job.emit is not None and (rest or pending):
