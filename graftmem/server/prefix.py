@@ -388,27 +388,25 @@ class PrefixCache:
                 if not self._computing:
                     self._quiet.notify_all()
 
+    def _is_quiet(self) -> bool:
+        """No request computes, or one waits for room in the writer's queue (the caller holds the lock)."""
+        return not self._computing or bool(self._pressing)
+
     def _wait_for_quiet(self) -> None:
         """Block the writer while a request computes (see `computing`)."""
-        def quiet() -> bool:
-            return not self._computing or bool(self._pressing)
-
         with self._lock:
-            if quiet():
+            if self._is_quiet():
                 return
             self.deferred_writes += 1
-            self._quiet.wait_for(quiet, timeout=self.writer_max_wait)
+            self._quiet.wait_for(self._is_quiet, timeout=self.writer_max_wait)
 
     def _quiet_until(self, deadline: float) -> None:
         """The pacer of the writer's block writes (`graftmem.core.format.paced`): wait while a request
         computes, until ``deadline`` (`writer_max_wait` after the write began), then no more."""
-        def quiet() -> bool:
-            return not self._computing or bool(self._pressing)
-
         with self._lock:
             left = deadline - time.monotonic()
-            if left > 0 and not quiet():
-                self._quiet.wait_for(quiet, timeout=left)
+            if left > 0 and not self._is_quiet():
+                self._quiet.wait_for(self._is_quiet, timeout=left)
 
     def _write_loop(self) -> None:
         # below the engines' threads: on a machine with few cores the writes share them with the next
