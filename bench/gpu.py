@@ -7,7 +7,7 @@ from the sdist-vendored tokenizer (Llama 3's BPE vocab and the Llama 3.1 chat te
 * **exactness** (``small``): a random-weight model with SmolLM2-135M's shape (30 layers, 576 wide, 9
   heads, 3 KV heads) in f16 and in Q4_0 weights (cuBLAS and the quantized matmul kernels), each with
   flash attention on (KV f16 and q8_0) and off. Per setting: the load-time probe, then a 2,000-token
-  prefix (four micro-batches) captured, a 24-token suffix and 16 greedy tokens: a second fresh run
+  prefix (four micro-batches) captured, a short suffix (9 tokens) and 16 greedy tokens: a second fresh run
   (run-to-run determinism), a graft of the captured state (logits SHA-256 and tokens), the capture
   after the graft (the same bytes?), and graftmem's own `Memory.verify` (graft vs a fresh prefill in a
   child process). The same model on the CPU backend in the same process: its logits differ from the
