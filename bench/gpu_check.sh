@@ -9,7 +9,7 @@
 # static libstdc++ and exported its symbols; libllama's std::ostream calls bound to that copy and every
 # model load segfaulted in llama_model::print_info. Not exporting symbols of static archives fixes it
 # (measured: bench/results/gpu_h200.json "build"); it changes no kernel.
-# GPU_DIR holds: llama-src.tgz, whl/*.whl (cp312), py/llama_cpp/ (no lib/), cache/llama-cpp-python-0.3.36/
+# GPU_DIR holds: llama-src.tgz, whl/*.whl (cp312), py/llama_cpp/ (no lib/) and py/<pure-Python packages>, cache/llama-cpp-python-0.3.36/
 # (the vendored vocab, template and gguf-py, as scripts/tiny_models.py extracts them). The build is kept in
 # $GPU_DIR/build and reused by a later run on the same machine. With network access, a plain
 # `CMAKE_ARGS="-DGGML_CUDA=on" pip install llama-cpp-python==0.3.36` and `python -m bench.gpu` do the same.
@@ -33,7 +33,9 @@ if [ ! -f "$B/done" ]; then
   echo "graftmem: llama.cpp with CUDA (sm_$ARCH) built in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/build.log"
   touch "$B/done"
 fi
-rm -rf /tmp/site/llama_cpp && cp -r "$G/py/llama_cpp" /tmp/site/llama_cpp && mkdir -p /tmp/site/llama_cpp/lib
+# the pure-Python packages: llama_cpp, and what the server phase needs that the image lacks (h11, anyio, httpx, ...)
+for d in "$G"/py/*/; do rm -rf "/tmp/site/$(basename "$d")" && cp -r "$d" /tmp/site/; done
+mkdir -p /tmp/site/llama_cpp/lib
 find "$B/b" -name "*.so*" -exec cp -a {} /tmp/site/llama_cpp/lib/ \;
 export GRAFTMEM_MODEL_CACHE=${GRAFTMEM_MODEL_CACHE:-/tmp/graftmem-models}
 mkdir -p "$GRAFTMEM_MODEL_CACHE" && cp -r "$G"/cache/. "$GRAFTMEM_MODEL_CACHE"/
