@@ -40,7 +40,7 @@ The order of the servers rotates per rep (the machine is shared and noisy); the 
 number, the table shows medians and [min, max]. Afterwards, ``graftmem search --url`` through a running
 server: p50 of the HTTP request alone and of the whole CLI process.
 
-    python -m bench.serve [--reps 3] [--words 2000] [--cli-reps 10] [--model tiny:qwen3]
+    python -m bench.serve [--reps 3] [--restarts 1] [--words 2000] [--cli-reps 10] [--model tiny:qwen3]
 """
 
 from __future__ import annotations
@@ -400,6 +400,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--words", type=int, default=2000, help="manual words in the system prompt (~3,000 tokens)")
     ap.add_argument("--cli-reps", type=int, default=10)
+    ap.add_argument("--restarts", type=int, default=1,
+                    help="sessions after a restart per rep (graftmem: each a new process on a copy of the home as the "
+                         "cold session left it; llama-server: each another warm session of the same process): "
+                         "more samples of the short restart / warm turns for the price of one cold session")
     ap.add_argument("--only", default="graftmem,graftmem-responses,llama-server,llama-cpp-python",
                     help="graftmem-responses: the same user turns as a Responses agent (previous_response_id), "
                          "5 turns, a restart, 5 more continuing the stored conversation, next to the same "
@@ -453,12 +457,21 @@ def main() -> None:
         with started(lambda: graftmem_server(home, work)) as s:
             startup["graftmem"].append(s.startup_s)
             res["graftmem_cold"].append(session(s.url, reqs, chat_extra))
-        with started(lambda: graftmem_server(home, work)) as s:
-            startup["graftmem"].append(s.startup_s)
-            res["graftmem_restart"].append(session(s.url, reqs, chat_extra))
-            cached.append([t["cached_tokens"] for t in res["graftmem_restart"][-1]])
-            if rep == args.reps - 1 and args.cli_reps:
-                cli.update(cli_search(s.url, args.cli_reps, work))
+        pristine = work / f"home-{rep}-after-cold"
+        if args.restarts > 1:  # what a restart session learns must not reach the next restart's home
+            shutil.copytree(home, pristine)
+        for k in range(args.restarts):
+            where = home if k == 0 else work / f"home-{rep}-restart-{k}"
+            if k:
+                shutil.copytree(pristine, where)
+            with started(lambda: graftmem_server(where, work)) as s:
+                startup["graftmem"].append(s.startup_s)
+                res["graftmem_restart"].append(session(s.url, reqs, chat_extra))
+                cached.append([t["cached_tokens"] for t in res["graftmem_restart"][-1]])
+                if rep == args.reps - 1 and k == args.restarts - 1 and args.cli_reps:
+                    cli.update(cli_search(s.url, args.cli_reps, work))
+            if k:
+                shutil.rmtree(where, ignore_errors=True)
 
     def run_baseline(rep: int) -> None:
         home, root = work / f"home-baseline-{rep}", Path(args.baseline).resolve()
@@ -473,7 +486,8 @@ def main() -> None:
         with started(lambda: llama_server(exe, model, cfg, threads, work)) as s:
             startup["llama-server"].append(s.startup_s)
             res["llama_server_cold"].append(session(s.url, reqs, {"cache_prompt": True, **chat_extra}))
-            res["llama_server_warm"].append(session(s.url, reqs, {"cache_prompt": True, **chat_extra}))
+            for _ in range(args.restarts):  # each starts from the slot the session before left (turn 5's)
+                res["llama_server_warm"].append(session(s.url, reqs, {"cache_prompt": True, **chat_extra}))
 
     def run_lcp(rep: int) -> None:
         d = work / f"lcp-cache-{rep}"
@@ -573,7 +587,7 @@ def main() -> None:
         "baseline": args.baseline,
         "model": f"{model_name} ({model_note})" if model_note else model_name, "model_path": str(model),
         "chat_template_kwargs": tpl_kwargs, "engine": {**cfg.model_dump(), "threads": threads},
-        "max_tokens": MAX_TOKENS, "reps": args.reps, "turns": len(reqs), "system_words": args.words,
+        "max_tokens": MAX_TOKENS, "reps": args.reps, "restarts": args.restarts, "turns": len(reqs), "system_words": args.words,
         "machine": {"cpu_count": os.cpu_count(), "usable_cores": usable_cores(),
                     "loadavg_before": load_before, "loadavg_after": load_after, "loadavg_per_runner": loads},
         "wall_s": round(time.time() - t_start, 1),
