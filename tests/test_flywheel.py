@@ -1,6 +1,11 @@
 """The flywheel: nothing unverified is deposited; a recurring problem is served from its block with
 identical output in a new process; the gate keeps a block away from a problem the model already
-solves; the sandbox refuses crashes, timeouts, memory hogs and the network."""
+solves; the sandbox refuses crashes, timeouts, memory hogs and the network.
+
+What the model writes is the point of the cache, gate and transfer tests (SmolLM2 answers "391" after
+the graft, "4" to "2 + 2", writes print(19 * 42)): those stay on SmolLM2. The refusals (nothing
+unverified deposited, bad programs, bad arguments) hold whatever the model writes: they run on the tiny
+random-weight Llama 3.1 (`tiny_mem`), whose decode costs ~1/100th of SmolLM2's."""
 
 from __future__ import annotations
 
@@ -32,10 +37,11 @@ def smol1():
 
 
 @pytest.fixture
-def mem(smol1, tmp_path):
+def mem(smol1, minilm, tmp_path):
+    """SmolLM2 (one thread) and the session's MiniLM (the router loads it once, not once per test)."""
     from graftmem import Memory
 
-    with Memory(engine=smol1, home=tmp_path / "store") as m:
+    with Memory(engine=smol1, home=tmp_path / "store", embedder=minilm) as m:
         yield m
 ANSWERS = {PROBLEM: "391", "What is 19 * 42?": "798", "What is 2 + 2?": "4", "What is 345 + 678?": "1023"}
 
@@ -136,30 +142,30 @@ class Truthy:
     ProgramVerifier(lambda p: "999", timeout_s=1),             # the program prints 391, expected 999
     CallableVerifier(lambda p, c: time.sleep(3) or True, timeout_s=0.3, name="slow"),
 ], ids=["false", "raises", "times-out", "verdict-no", "program-mismatch", "callable-times-out"])
-def test_nothing_unverified_is_deposited(mem, verifier):
-    fw = fast(mem, verifier, verify_timeout_s=0.5)
+def test_nothing_unverified_is_deposited(tiny_mem, verifier):
+    fw = fast(tiny_mem, verifier, verify_timeout_s=0.5)
     sol = fw.solve(PROBLEM)
     assert not sol.verified and sol.source == "unsolved" and sol.deposited is None and sol.answer is None
     assert any(a.method == "solver" and a.answer == "391" for a in sol.attempts)  # the solver did answer
-    assert mem.get_all(kind="solution") == []
+    assert tiny_mem.get_all(kind="solution") == []
 
 
-def test_program_timeout_and_crash_are_not_deposited(mem):
+def test_program_timeout_and_crash_are_not_deposited(tiny_mem):
     for prog in ("while True: pass\n", "import os\nos._exit(0)\n" "print(391)\n", "raise ValueError\n"):
-        fw = fast(mem, ExactMatch(ANSWERS), solver=lambda p, b, prog=prog: SolverOutput(program=prog),
+        fw = fast(tiny_mem, ExactMatch(ANSWERS), solver=lambda p, b, prog=prog: SolverOutput(program=prog),
                   program_timeout_s=1)
         sol = fw.solve(PROBLEM)
         assert not sol.verified and sol.deposited is None
-    assert mem.get_all(kind="solution") == []
+    assert tiny_mem.get_all(kind="solution") == []
 
 
-def test_bad_arguments(mem):
+def test_bad_arguments(tiny_mem):
     with pytest.raises(ConfigError):
-        Flywheel(mem, object())  # type: ignore[arg-type]
+        Flywheel(tiny_mem, object())  # type: ignore[arg-type]
     with pytest.raises(ConfigError):
-        Flywheel(mem, ExactMatch(ANSWERS), budget=0)
+        Flywheel(tiny_mem, ExactMatch(ANSWERS), budget=0)
     with pytest.raises(ConfigError):
-        Flywheel(mem, ExactMatch(ANSWERS)).solve("  ")
+        Flywheel(tiny_mem, ExactMatch(ANSWERS)).solve("  ")
 
 
 # ------------------------------------------------------------------------------ recurrence from the cache

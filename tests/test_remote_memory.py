@@ -1,5 +1,10 @@
 """`Memory.serve(ServeConfig)` and `RemoteMemory`: one config object from the CLI to the server, and
-`Memory`'s verbs against a real server on 127.0.0.1 giving `Memory`'s typed results and exceptions."""
+`Memory`'s verbs against a real server on 127.0.0.1 giving `Memory`'s typed results and exceptions.
+
+Configuration, transport and error mapping (and remote answer == local answer, two real computations)
+hold on any model: the server's engine is the tiny random-weight Llama 3.1 of tests/tiny.py (`tiny_llama`),
+whose prefills cost ~1/100th of SmolLM2's. The pool test stays on SmolLM2's default-configured engine: an
+engine given an explicit n_threads (as `tiny_llama` is) keeps it, and resizing the threads is its point."""
 
 from __future__ import annotations
 
@@ -85,9 +90,9 @@ def test_memory_serve_takes_the_config_and_its_overrides(smol, tmp_path):
 
 
 @pytest.fixture
-def served(smol, minilm, tmp_path):
+def served(tiny_llama, minilm, tmp_path):
     """A Memory on the shared engine and its server (REST, with a router and a key) started on 127.0.0.1."""
-    with Memory(engine=smol, home=tmp_path / "home", embedder=minilm) as mem:
+    with Memory(engine=tiny_llama, home=tmp_path / "home", embedder=minilm) as mem:
         srv = mem.serve(api=True, api_key=KEY, warm=False).start()
         try:
             yield mem, srv

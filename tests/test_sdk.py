@@ -1,5 +1,10 @@
 """The verbs agent developers know (mem0's): add(messages), search(limit=, filters=), get_all(user_id=),
-history, reset; scoped memory; honest results (a refused recall is not an answer)."""
+history, reset; scoped memory; honest results (a refused recall is not an answer).
+
+Scopes, filters, search, history and refusals are bookkeeping around the engine: they run on the tiny
+random-weight Llama 3.1 of tests/tiny.py (`tiny_llama`, real tokenizer and chat template), whose
+prefills cost ~1/100th of SmolLM2's. `add` stays on SmolLM2: its point is that the block is the text
+in SmolLM2's own ChatML, turn by turn, and that the hand-written format refuses malformed turns."""
 
 from __future__ import annotations
 
@@ -8,20 +13,22 @@ import pytest
 from graftmem import ConfigError, Memory
 from graftmem.core.prompt import CHATML
 
+from .tiny import tiny_path
+
 TEA = [{"role": "user", "content": "I like green tea, no sugar."},
        {"role": "assistant", "content": "Noted: green tea, no sugar."}]
 
 
-@pytest.fixture(scope="module")
-def embedder():
-    from graftmem import SentenceTransformerEmbedder
-
-    return SentenceTransformerEmbedder()  # MiniLM loaded once for this module
+@pytest.fixture
+def mem(tiny_llama, tmp_path, minilm):
+    """The tiny Llama 3.1 and the session's MiniLM (loaded once), over a fresh store."""
+    with Memory(engine=tiny_llama, home=tmp_path / "store", embedder=minilm) as m:
+        yield m
 
 
 @pytest.fixture
-def mem(smol, tmp_path, embedder):
-    with Memory(engine=smol, home=tmp_path / "store", embedder=embedder) as m:
+def smol_mem(smol, tmp_path, minilm):
+    with Memory(engine=smol, home=tmp_path / "smol-store", embedder=minilm) as m:
         yield m
 
 
@@ -29,7 +36,8 @@ REFUNDS = ("Refunds: ask for the order number (NW-12345), check the purchase is 
            "answer REFUND APPROVED with ticket code RF-<order digits>.")
 
 
-def test_add_takes_chat_messages_and_recall_continues_the_conversation(mem):
+def test_add_takes_chat_messages_and_recall_continues_the_conversation(smol_mem):
+    mem = smol_mem
     b = mem.add(TEA, user_id="alice")
     assert b.text == CHATML.render(TEA)  # the model's own template, turn by turn
     assert b.metadata["chat_format"] == "chatml" and b.name.startswith("I like green tea")
@@ -38,10 +46,12 @@ def test_add_takes_chat_messages_and_recall_continues_the_conversation(mem):
 
 
 @pytest.mark.parametrize("bad", [[], [{"role": "user"}], [{"role": "pirate", "content": "arr"}], b"bytes"])
-def test_add_refuses_malformed_messages(mem, bad):
+def test_add_refuses_malformed_messages(smol_mem, bad):
+    """On SmolLM2's hand-written ChatML (with a model's own Jinja template, a role-less or unknown-role
+    message is not refused as a ConfigError today: see the tiny Llama 3.1)."""
     with pytest.raises(ConfigError):
-        mem.add(bad)
-    assert mem.get_all() == []
+        smol_mem.add(bad)
+    assert smol_mem.get_all() == []
 
 
 def test_scopes_share_one_block_and_filter_get_all(mem):
@@ -88,7 +98,7 @@ def test_refused_recall_is_empty_and_says_why_naming_other_engines(mem, tmp_path
     # the same store opened with another n_ctx: its blocks are invisible, and the reason says why
     from graftmem import Engine
 
-    with Engine("smollm2", {"n_ctx": 1024, "probe": False}) as other, \
+    with Engine(tiny_path("llama31"), {"n_ctx": 1024, "n_threads": 1, "probe": False}) as other, \
             Memory(engine=other, home=mem.store.home, embedder=mem.embedder) as m2:
         r2 = m2.recall("A customer wants a refund.", max_tokens=4)
         assert not r2.matched and "another engine configuration" in r2.reason and "n_ctx" in r2.reason

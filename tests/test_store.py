@@ -1,5 +1,9 @@
 """Integrity, identity and durability: corrupt, truncated and foreign blocks are refused with their
-own errors; the store keeps working; concurrent writers and kill -9 leave it consistent."""
+own errors; the store keeps working; concurrent writers and kill -9 leave it consistent.
+
+All of it is store plumbing that holds on any model: it runs on the tiny random-weight Llama 3.1 of
+tests/tiny.py (`tiny_llama` / `tiny_mem`, also in the child processes), whose prefills cost ~1/100th of
+SmolLM2's. The "another model" is still a real other model (Gemma 3 270M)."""
 
 from __future__ import annotations
 
@@ -16,6 +20,17 @@ from graftmem.store.local import Store
 
 from .conftest import flip_bit as _flip
 from .conftest import long_text
+from .tiny import tiny_path
+
+#: The tiny Llama 3.1 for a child process or a second engine: one thread, as `tiny_llama` has it.
+TINY = str(tiny_path("llama31"))
+
+
+@pytest.fixture
+def mem(tiny_llama, tmp_path) -> Memory:
+    """A Memory over the tiny Llama 3.1 and a fresh store (conftest's `tiny_mem`, under this file's name)."""
+    with Memory(engine=tiny_llama, home=tmp_path / "store") as m:
+        yield m
 
 TEXT = "Shipping rule: parcels over 2 kg go by ground, others by air. Always print the label first."
 
@@ -57,11 +72,11 @@ def test_truncated_file_is_refused(mem):
     _still_works(mem)
 
 
-def test_block_from_another_model_is_refused(smol, gemma, tmp_path):
+def test_block_from_another_model_is_refused(tiny_llama, gemma, tmp_path):
     home = tmp_path / "shared"
     with Memory(engine=gemma, home=home) as g:
         block = g.learn(TEXT)
-    with Memory(engine=smol, home=home) as s:
+    with Memory(engine=tiny_llama, home=home) as s:
         with pytest.raises(IncompatibleBlock) as ei:
             s.ask(block.id, "\nQ:")
         assert "model_sha256" in ei.value.fields
@@ -69,11 +84,11 @@ def test_block_from_another_model_is_refused(smol, gemma, tmp_path):
         _still_works(s)
 
 
-def test_block_from_another_n_ctx_is_refused(smol, tmp_path):
+def test_block_from_another_n_ctx_is_refused(tiny_llama, tmp_path):
     home = tmp_path / "shared"
-    with Memory(engine=smol, home=home) as s:
+    with Memory(engine=tiny_llama, home=home) as s:
         block = s.learn(TEXT)
-    with Memory("smollm2", home=home, config=EngineConfig(n_ctx=4096, probe=False)) as other:
+    with Memory(TINY, home=home, config=EngineConfig(n_ctx=4096, n_threads=1, probe=False)) as other:
         with pytest.raises(IncompatibleBlock) as ei:
             other.ask(block.id, "\nQ:")
         assert set(ei.value.fields) == {"n_ctx"}
@@ -87,9 +102,9 @@ def test_same_text_twice_is_one_block(mem):
     assert a.id == b.id and len(mem.get_all()) == 1
 
 
-def test_index_survives_restart_and_reconciles_with_files(smol, tmp_path):
+def test_index_survives_restart_and_reconciles_with_files(tiny_llama, tmp_path):
     home = tmp_path / "s"
-    with Memory(engine=smol, home=home) as m:
+    with Memory(engine=tiny_llama, home=home) as m:
         ids = {m.learn(TEXT).id, m.learn(TEXT + " Twice.").id}
     # a file without an index row (killed between rename and insert) and a row without a file
     import sqlite3
@@ -98,10 +113,10 @@ def test_index_survives_restart_and_reconciles_with_files(smol, tmp_path):
     gone = sorted(ids)[0]
     db.execute("DELETE FROM blocks WHERE id=?", (gone,))
     db.commit(); db.close()
-    with Memory(engine=smol, home=home) as m:
+    with Memory(engine=tiny_llama, home=home) as m:
         assert {b.id for b in m.get_all()} == ids  # re-indexed from the file
         m.store.path_of(gone).unlink()
-    with Memory(engine=smol, home=home) as m:
+    with Memory(engine=tiny_llama, home=home) as m:
         assert {b.id for b in m.get_all()} == ids - {gone}
         with pytest.raises(BlockNotFound):
             m.get(gone)
@@ -117,8 +132,8 @@ def test_id_prefix_and_missing_block(mem):
 _CHILD = r"""
 import sys, json
 from graftmem import Memory, EngineConfig
-home, tag, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-with Memory("smollm2", home=home, config=EngineConfig(probe=False)) as m:
+home, tag, n, model = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+with Memory(model, home=home, config=EngineConfig(n_threads=1, probe=False)) as m:
     for i in range(n):
         m.learn(f"Manual {tag}-{i}: step one, step two, step three." if i else "Common shared manual.")
 print("done")
@@ -127,7 +142,7 @@ print("done")
 
 def test_two_processes_learning_into_one_store(tmp_path):
     home = tmp_path / "concurrent"
-    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, str(home), tag, "4"],
+    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, str(home), tag, "4", TINY],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for tag in ("a", "b")]
     for p in procs:
@@ -147,8 +162,8 @@ def test_two_processes_learning_into_one_store(tmp_path):
 _KILL_CHILD = r"""
 import sys
 from graftmem import Memory, EngineConfig
-home = sys.argv[1]
-with Memory("smollm2", home=home, config=EngineConfig(probe=False)) as m:
+home, model = sys.argv[1], sys.argv[2]
+with Memory(model, home=home, config=EngineConfig(n_threads=1, probe=False)) as m:
     i = 0
     while True:
         b = m.learn(f"Entry {i}: " + "the quick brown fox jumps over the lazy dog. " * 30)
@@ -160,7 +175,7 @@ with Memory("smollm2", home=home, config=EngineConfig(probe=False)) as m:
 @pytest.mark.parametrize("delay", [0.3, 0.9, 1.7])
 def test_kill_minus_9_mid_write_leaves_store_consistent(tmp_path, delay):
     home = tmp_path / "killed"
-    p = subprocess.Popen([sys.executable, "-c", _KILL_CHILD, str(home)], stdout=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-c", _KILL_CHILD, str(home), TINY], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     line = p.stdout.readline().split()  # one block committed before the kill, so the kill lands in
     assert line[:1] == ["learned"], line  # a later prefill or write, never before any write
@@ -183,14 +198,14 @@ def test_kill_minus_9_mid_write_leaves_store_consistent(tmp_path, delay):
 def test_full_disk_raises_store_full_and_loses_nothing(mem, tmp_path):
     mnt = tmp_path / "small"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)],
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
                       capture_output=True).returncode != 0:
         pytest.skip("mounting a small tmpfs needs root")
     try:
         with Memory(engine=mem.engine, home=mnt / "store") as m:
             small = m.learn("Tiny manual.")
             with pytest.raises(StoreFull):
-                m.learn(long_text(200))  # ~4.6 MB of state does not fit in 3 MB
+                m.learn(long_text(4800))  # ~5,300 tokens of 512 B: ~2.7 MB of state does not fit in 2 MB
             assert [b.id for b in m.get_all()] == [small.id]
             assert not list((mnt / "store").glob("blocks/*/.*.tmp"))
             assert m.ask(small.id, " Q:", max_tokens=2).receipt.exact

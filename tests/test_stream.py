@@ -3,6 +3,10 @@
 The streamed answer must be the same computation as the plain one: the same text (pieces joined),
 the same tokens and the same first-step logits hash; a stop string cuts the text exactly where the
 unstopped answer has it; closing a stream early cancels the decode and leaves the engine usable.
+
+All of it compares two real computations (or checks arguments), whatever the model writes: it runs on
+the tiny random-weight Llama 3.1 of tests/tiny.py (`tiny_llama`, real tokenizer), whose prefill and
+decode cost ~1/100th of SmolLM2's.
 """
 
 from __future__ import annotations
@@ -17,6 +21,13 @@ from graftmem.core.decoding import AnswerText
 from .conftest import long_text
 
 QUERY = "\nQuestion: what did the people in the story do? Answer in a few sentences.\nAnswer:"
+
+
+@pytest.fixture
+def mem(tiny_llama, tmp_path) -> Memory:
+    """A Memory over the tiny Llama 3.1 and a fresh store (conftest's `tiny_mem`, under this file's name)."""
+    with Memory(engine=tiny_llama, home=tmp_path / "store") as m:
+        yield m
 
 
 @pytest.fixture
@@ -73,8 +84,8 @@ def test_stream_errors_are_raised_at_call_or_in_the_iteration(mem, block):
         mem.ask_stream(block.id, QUERY, max_tokens=0)
 
 
-def test_recall_stream_and_no_match(tmp_path, smol, minilm):
-    with Memory(engine=smol, home=tmp_path / "r", embedder=minilm) as m:
+def test_recall_stream_and_no_match(tmp_path, tiny_llama, minilm):
+    with Memory(engine=tiny_llama, home=tmp_path / "r", embedder=minilm) as m:
         m.learn("Ticket codes: TK- followed by the customer number.", name="tickets",
                 when_to_use="opening a support ticket", chat=True)
         plain = m.recall("Open a ticket for customer 7312.", max_tokens=12)
@@ -87,9 +98,9 @@ def test_recall_stream_and_no_match(tmp_path, smol, minilm):
         assert s.result.matched is False and s.result.reason
 
 
-def test_async_ask_stream(smol, tmp_path):
+def test_async_ask_stream(tiny_llama, tmp_path):
     async def go() -> tuple[str, str]:
-        async with AsyncMemory(engine=smol, home=tmp_path / "a") as am:
+        async with AsyncMemory(engine=tiny_llama, home=tmp_path / "a") as am:
             b = await am.learn(long_text(80, seed=3), name="a")
             plain = await am.ask(b.id, QUERY, max_tokens=16)
             pieces = [p async for p in am.ask_stream(b.id, QUERY, max_tokens=16)]

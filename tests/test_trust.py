@@ -11,6 +11,11 @@ three ways (bundle import, pull from a server, push to a server):
 Under the default policy each is refused and the store is left as it was; opting out of the
 re-derivation lands a forged state ``unverified``, which is never grafted without consent, never
 routed, and replaced by ``learn`` of the real text with this engine's own state.
+
+Every check is of bytes, digests, tokens, signatures or the equality of two real computations, which
+hold on any model: the stores are built on the tiny random-weight Llama 3.1 of tests/tiny.py
+(`tiny_llama`, a real llama.cpp engine with the real Llama 3 tokenizer), whose prefills (each default
+import re-derives) cost ~1/100th of SmolLM2's.
 """
 
 from __future__ import annotations
@@ -48,12 +53,12 @@ def rewrite(store: Store, block_id: str, **update) -> None:
 
 
 @pytest.fixture(scope="module")
-def attacks(smol, tmp_path_factory):
+def attacks(tiny_llama, tmp_path_factory):
     """One forger store and one exported bundle per attack; the real texts to compare with."""
     root = tmp_path_factory.mktemp("attacks")
     out: dict = {}
     # forged state: A's id/text/tokens, B's state (B = A with one word changed: same token count)
-    with Memory(engine=smol, home=root / "forged") as f:
+    with Memory(engine=tiny_llama, home=root / "forged") as f:
         text_a = long_text(40, seed=5)
         text_b = text_a.replace("agent", "robot", 1)
         a, b = f.learn(text_a, name="a"), f.learn(text_b, name="b")
@@ -65,7 +70,7 @@ def attacks(smol, tmp_path_factory):
         out["forged"] = {"home": f.store.home, "bundle": root / "forged.gmbundle", "id": a.id,
                          "text": text_a, "match": "not what its .* tokens produce", "exc": BlockCorrupted}
     # spoofed label: the refund manual's tokens and state, text and name of a weather report
-    with Memory(engine=smol, home=root / "label") as f:
+    with Memory(engine=tiny_llama, home=root / "label") as f:
         r = f.learn(REFUND, name="refunds")
         rewrite(f.store, r.id, text="Weather report: sunny all week, light wind from the west.",
                 name="weather report", metadata={"when_to_use": "questions about the weather"})
@@ -73,7 +78,7 @@ def attacks(smol, tmp_path_factory):
         out["label"] = {"home": f.store.home, "bundle": root / "label.gmbundle", "id": r.id,
                         "match": "does not tokenize to its", "exc": BundleRejected}
     # wrong position: a root that claims to start at 7 (the id does not cover pos_start)
-    with Memory(engine=smol, home=root / "pos") as f:
+    with Memory(engine=tiny_llama, home=root / "pos") as f:
         r = f.learn(long_text(30, seed=12), name="positioned")
         rewrite(f.store, r.id, pos_start=7)
         f.export(root / "pos.gmbundle")
@@ -82,11 +87,18 @@ def attacks(smol, tmp_path_factory):
     yield out
 
 
-def carry(how: str, attack: dict, mem: Memory, smol, tmp_path: Path, **kw):
+@pytest.fixture
+def mem(tiny_llama, tmp_path) -> Memory:
+    """The receiving store, on the same tiny engine as the attackers' (conftest's `tiny_mem`, renamed)."""
+    with Memory(engine=tiny_llama, home=tmp_path / "store") as m:
+        yield m
+
+
+def carry(how: str, attack: dict, mem: Memory, engine, tmp_path: Path, **kw):
     """Bring the attack's block to ``mem`` by ``how`` (import / pull / push), with the policy ``kw``."""
     if how == "import":
         return mem.import_bundle(attack["bundle"], **kw)
-    with Memory(engine=smol, home=attack["home"]) as forger:
+    with Memory(engine=engine, home=attack["home"]) as forger:
         if how == "pull":
             with forger.serve() as srv:
                 return mem.pull(srv.url, **kw)
@@ -96,30 +108,30 @@ def carry(how: str, attack: dict, mem: Memory, smol, tmp_path: Path, **kw):
 
 @pytest.mark.parametrize("how", ["import", "pull", "push"])
 @pytest.mark.parametrize("attack", ["forged", "label", "pos"])
-def test_poisoned_block_is_refused_by_default(attacks, attack, how, mem, smol, tmp_path):
+def test_poisoned_block_is_refused_by_default(attacks, attack, how, mem, tiny_llama, tmp_path):
     a = attacks[attack]
     before = state_of(mem)
     with pytest.raises(a["exc"], match=a["match"]):
-        carry(how, a, mem, smol, tmp_path)
+        carry(how, a, mem, tiny_llama, tmp_path)
     assert state_of(mem) == before, f"a refused {how} changed the store"
     assert not mem.store.contains(a["id"])
 
 
 @pytest.mark.parametrize("how", ["import", "pull", "push"])
 @pytest.mark.parametrize("attack", ["label", "pos"])
-def test_spoofed_labels_are_refused_even_without_rederive(attacks, attack, how, mem, smol, tmp_path):
+def test_spoofed_labels_are_refused_even_without_rederive(attacks, attack, how, mem, tiny_llama, tmp_path):
     """Binding labels to content costs a tokenization, not a prefill: it is never opted out of."""
     a = attacks[attack]
     with pytest.raises(a["exc"], match=a["match"]):
-        carry(how, a, mem, smol, tmp_path, rederive=False)
+        carry(how, a, mem, tiny_llama, tmp_path, rederive=False)
     assert mem.get_all() == []
 
 
 @pytest.mark.parametrize("how", ["import", "pull", "push"])
-def test_forged_state_without_rederive_lands_unverified_and_is_never_grafted(attacks, how, mem, smol,
+def test_forged_state_without_rederive_lands_unverified_and_is_never_grafted(attacks, how, mem, tiny_llama,
                                                                              tmp_path):
     a = attacks["forged"]
-    rep = carry(how, a, mem, smol, tmp_path, rederive=False)
+    rep = carry(how, a, mem, tiny_llama, tmp_path, rederive=False)
     assert rep.added == [a["id"]]
     b = mem.get(a["id"])
     assert b.provenance == "unverified" and not b.trusted and b.labels_trusted is False
@@ -139,11 +151,11 @@ def _fresh_sha(eng, text: str) -> str:
         return logits_sha256(eng.logits())
 
 
-def test_learn_of_the_real_text_after_a_forged_import_yields_the_real_state(attacks, mem, smol):
+def test_learn_of_the_real_text_after_a_forged_import_yields_the_real_state(attacks, mem, tiny_llama):
     a = attacks["forged"]
     mem.import_bundle(a["bundle"], rederive=False)
     forged_sha = mem.ask(a["id"], QUERY, max_tokens=1, allow_unverified=True).receipt.first_logits_sha256
-    fresh = _fresh_sha(smol, a["text"])
+    fresh = _fresh_sha(tiny_llama, a["text"])
     assert forged_sha != fresh  # the poison is real: it answers from another text's state
     b = mem.learn(a["text"], name="mine")
     assert b.id == a["id"] and b.provenance == "local"  # same content address, own state
@@ -165,11 +177,11 @@ def test_rederive_upgrades_an_unverified_block_that_proves_equal(source_bundle, 
 
 
 @pytest.fixture(scope="module")
-def source_bundle(smol, tmp_path_factory):
+def source_bundle(tiny_llama, tmp_path_factory):
     """An honest store with a root and a chained child, exported plain and signed."""
     home = tmp_path_factory.mktemp("honest")
     key = SigningKey.generate()
-    with Memory(engine=smol, home=home / "store") as m:
+    with Memory(engine=tiny_llama, home=home / "store") as m:
         b1 = m.learn(REFUND, name="refunds", when_to_use="refund questions")
         child = m.learn(" Exchanges follow the same rule.", name="exchanges", parent=b1.id)
         m.export(home / "plain.gmbundle")
