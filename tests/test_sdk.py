@@ -46,12 +46,13 @@ def test_add_takes_chat_messages_and_recall_continues_the_conversation(smol_mem)
 
 
 @pytest.mark.parametrize("bad", [[], [{"role": "user"}], [{"role": "pirate", "content": "arr"}], b"bytes"])
-def test_add_refuses_malformed_messages(smol_mem, bad):
-    """On SmolLM2's hand-written ChatML (with a model's own Jinja template, a role-less or unknown-role
-    message is not refused as a ConfigError today: see the tiny Llama 3.1)."""
-    with pytest.raises(ConfigError):
-        smol_mem.add(bad)
-    assert smol_mem.get_all() == []
+def test_add_refuses_malformed_messages(smol_mem, mem, bad):
+    """On SmolLM2's hand-written ChatML and on a model's own Jinja template (the tiny Llama 3.1's: it
+    rendered a role-less message as a KeyError and an unknown role as text, until the check came first)."""
+    for m in (smol_mem, mem):
+        with pytest.raises(ConfigError):
+            m.add(bad)
+        assert m.get_all() == []
 
 
 def test_scopes_share_one_block_and_filter_get_all(mem):

@@ -81,13 +81,19 @@ class ChatFormat:
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, generation_prompt: bool = False) -> str:
         """Chat messages (``[{"role": ..., "content": ...}]``) as this template's text; with
-        ``generation_prompt`` the header of the assistant's turn follows, ready for decoding."""
-        if self.template is not None:
-            return self.template.render(messages, add_generation_prompt=generation_prompt)
-        parts = []
+        ``generation_prompt`` the header of the assistant's turn follows, ready for decoding. Each
+        message is checked first, whichever renders it (a model's own template would render a role-less
+        or unknown-role message as whatever its Jinja makes of it)."""
+        known = dict(self.roles) if self.template is None else dict.fromkeys(("system", "user", "assistant", "tool"))
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ConfigError(f"message {i} must be a mapping with string 'role' and 'content', got {m!r:.80}")
+            if m["role"] not in known:
+                raise ConfigError(f"message {i}: role {m['role']!r} is not one of {', '.join(known)}")
+        if self.template is not None:
+            return self.template.render(messages, add_generation_prompt=generation_prompt)
+        parts = []
+        for m in messages:
             parts.append(self.turn(m["role"], m["content"]))
         if generation_prompt:
             parts.append(self.turn_open.format(role=dict(self.roles)["assistant"]))
