@@ -1,7 +1,10 @@
 """``tool_choice: "required"`` and a named function through the server, with the real clients: the
 answer is a call (a grammar in the model family's own call syntax masks everything else), parsed into
-``tool_calls`` with arguments the tool's schema accepts; on SmolLM2 (whose template renders no tools:
-graftmem's Hermes prompt) and on tiny real-family models whose own templates render the tools."""
+``tool_calls`` with arguments the tool's schema accepts; with a template that renders no tools (graftmem's
+Hermes prompt: SmolLM2's own template, on the tiny random-weight Qwen 2.5 of tests/tiny.py, whose ChatML
+markers are special tokens as SmolLM2's are) and on tiny real-family models whose own templates render the
+tools. The call is the grammar's, not the model's judgement: random weights write no call by themselves,
+which makes the forced call's contrast with the free answer sharper, and cost ~1/100th of SmolLM2's prefill."""
 
 from __future__ import annotations
 
@@ -16,6 +19,13 @@ from graftmem.server import api_server
 from graftmem.store.local import Store
 
 from .tiny import tiny_path
+
+#: SmolLM2's own chat template (its GGUF's ``tokenizer.chat_template``): ChatML that renders no tools
+SMOLLM2_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+                    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                    "<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+                    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+                    "{% endif %}")
 
 WEATHER = {"type": "object", "required": ["city"], "additionalProperties": False, "properties": {
     "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"], "description": "The city"},
@@ -34,6 +44,16 @@ def _client(srv) -> openai.OpenAI:
     return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
 
 
+@pytest.fixture(scope="module")
+def hermes(tmp_path_factory):
+    """A tiny Qwen 2.5 (real tokenizer, ChatML specials) serving with SmolLM2's template: a template that
+    renders no tools, so the server writes graftmem's Hermes tool prompt and forces Hermes calls."""
+    tpl = tmp_path_factory.mktemp("forced-tools") / "smollm2.jinja"
+    tpl.write_text(SMOLLM2_TEMPLATE)
+    with Engine(tiny_path("qwen25"), {"n_threads": 1}) as eng:
+        yield eng, str(tpl)
+
+
 def _check(calls, names):
     assert calls, "no tool call"
     for call in calls:
@@ -41,13 +61,14 @@ def _check(calls, names):
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
-def test_required_and_named_calls_with_the_openai_client(smol, tmp_path):
+def test_required_and_named_calls_with_the_openai_client(hermes, tmp_path):
+    eng, tpl = hermes
     store = Store(tmp_path / "home")
     try:
-        with api_server(store, [smol], warm=False) as srv:
+        with api_server(store, [eng], warm=False, chat_template=tpl) as srv:
             c = _client(srv)
             free = c.chat.completions.create(model="m", messages=ASK, tools=TOOLS, max_tokens=24, temperature=0)
-            assert not free.choices[0].message.tool_calls  # on its own, SmolLM2 answers a greeting in text
+            assert not free.choices[0].message.tool_calls  # on its own, the model answers in text
             r = c.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice="required",
                                           max_tokens=96, temperature=0)
             assert r.choices[0].finish_reason == "tool_calls"
@@ -80,12 +101,13 @@ def test_required_and_named_calls_with_the_openai_client(smol, tmp_path):
         store.close()
 
 
-def test_forced_calls_through_responses_and_anthropic(smol, tmp_path):
+def test_forced_calls_through_responses_and_anthropic(hermes, tmp_path):
     import anthropic
 
+    eng, tpl = hermes
     store = Store(tmp_path / "home")
     try:
-        with api_server(store, [smol], warm=False) as srv:
+        with api_server(store, [eng], warm=False, chat_template=tpl) as srv:
             tools = [{"type": "function", **t["function"]} for t in TOOLS]
             r = _client(srv).responses.create(model="m", input="Hello! How are you today?", tools=tools,
                                               tool_choice={"type": "function", "name": "get_weather"},
@@ -109,7 +131,7 @@ def test_forced_calls_through_responses_and_anthropic(smol, tmp_path):
 def test_forced_call_in_the_family_syntax(family, tmp_path):
     """A tiny random-weight model of the family (its real tokenizer and template): whatever it would
     write, the grammar makes it a call in the family's own syntax, which the family's parser reads."""
-    with Engine(tiny_path(family)) as eng, api_server(Store(tmp_path / "home"), [eng], warm=False) as srv:
+    with Engine(tiny_path(family), {"n_threads": 1}) as eng, api_server(Store(tmp_path / "home"), [eng], warm=False) as srv:
         c = _client(srv)
         for choice, names in (("required", {"get_weather", "get_time"}),
                               ({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"})):
