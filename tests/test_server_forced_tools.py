@@ -131,7 +131,8 @@ def test_forced_calls_through_responses_and_anthropic(hermes, tmp_path):
 def test_forced_call_in_the_family_syntax(family, tmp_path):
     """A tiny random-weight model of the family (its real tokenizer and template): whatever it would
     write, the grammar makes it a call in the family's own syntax, which the family's parser reads."""
-    with Engine(tiny_path(family), {"n_threads": 1}) as eng, api_server(Store(tmp_path / "home"), [eng], warm=False) as srv:
+    with Engine(tiny_path(family), {"n_threads": 1}) as eng, \
+            api_server(Store(tmp_path / "home"), [eng], warm=False) as srv:
         c = _client(srv)
         for choice, names in (("required", {"get_weather", "get_time"}),
                               ({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"})):
