@@ -1,11 +1,11 @@
 """Tool use through the OpenAI API with the official `openai` client.
 
 The tests check the mechanics (calls parsed, streamed, the round trip, the tool block grafted exactly),
-not the model's judgement: the round trip runs on the tiny random-weight Qwen 2.5 of tests/tiny.py (real
-tokenizer, ChatML specials) serving with SmolLM2's own template (which renders no tools: graftmem's Hermes
-tool prompt, as on SmolLM2), ~1/100th of SmolLM2's prefill. Random weights choose no call by themselves, so
-the call is forced with ``tool_choice: "required"``: a grammar makes the answer a Hermes ``<tool_call>``,
-which goes through the same parsing and streaming (`ToolStream`) as a call the model chose. Two examples in
+not the model's judgement: the round trip runs on the tiny random-weight Phi-3.5 of tests/tiny.py (real
+tokenizer and template, which renders no tools: graftmem's Hermes tool prompt, as on SmolLM2), ~1/100th of
+SmolLM2's prefill and a 32k vocabulary (cheap grammar-masked steps). Random weights choose no call by
+themselves, so the call is forced with ``tool_choice: "required"``: a grammar makes the answer a Hermes
+``<tool_call>``, which goes through the same parsing and streaming (`ToolStream`) as a call the model chose. Two examples in
 the conversation exercise rendering assistant ``tool_calls`` and ``role: "tool"`` messages."""
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ from graftmem.core.prompt import detect_format
 from graftmem.core import Engine
 from graftmem.store.local import Store
 
-from .test_server_forced_tools import SMOLLM2_TEMPLATE
 from .tiny import tiny_path
 
 #: ``maxLength`` bounds the forced call's argument: random weights under the grammar would write the string
-#: until ``max_tokens`` (a closing quote is one token of 150k)
+#: until ``max_tokens`` (a closing quote is one token of 32k)
 TOOLS = [{"type": "function", "function": {
     "name": "lookup", "description": "Look up a section of the shop manual by topic.",
     "parameters": {"type": "object", "properties": {"topic": {"type": "string", "maxLength": 12}},
@@ -69,12 +68,10 @@ def test_tool_rendering_is_deterministic_and_parsing_is_strict(smol):
 
 
 def test_tool_call_round_trip_streamed_and_not(tmp_path):
-    tpl = tmp_path / "smollm2.jinja"
-    tpl.write_text(SMOLLM2_TEMPLATE)
     store = Store(tmp_path / "home")
     try:
-        with Engine(tiny_path("qwen25"), {"n_threads": 1}) as eng, \
-                api_server(store, [eng], min_prefix_tokens=64, sightings=1, chat_template=str(tpl)) as srv:
+        with Engine(tiny_path("phi35"), {"n_threads": 1}) as eng, \
+                api_server(store, [eng], min_prefix_tokens=64, sightings=1) as srv:
             c = _client(srv)
             r = c.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, max_tokens=64, temperature=0,
                                           tool_choice="required")
