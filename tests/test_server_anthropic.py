@@ -1,7 +1,12 @@
 """The Anthropic Messages API on a real uvicorn socket, with the official ``anthropic`` package (only
-``base_url`` changed), on the real SmolLM2 engine: non-streamed and streamed answers, the prefix cache
+``base_url`` changed), on a real engine: non-streamed and streamed answers, the prefix cache
 reported as ``cache_read_input_tokens`` (and the cached answer equal to the cold one), count_tokens,
-stop sequences, tools, and Anthropic's error shape."""
+stop sequences, tools, and Anthropic's error shape.
+
+Every assertion is the route's plumbing or an equality of two computations (streamed == not, cached ==
+cold, the cut text == the uncut one's prefix), which holds on any model: the engine is the tiny random-weight
+Llama 3.1 of tests/tiny.py (`tiny_llama`: real tokenizer and chat template, whose template renders the
+tools), ~1/100th of SmolLM2's prefill."""
 
 from __future__ import annotations
 
@@ -20,8 +25,8 @@ ASK = [{"role": "user", "content": "What is two plus two?"}]
 
 
 @pytest.fixture(scope="module")
-def srv(smol, tmp_path_factory):
-    with api_server(Store(tmp_path_factory.mktemp("anthropic") / "home"), [smol], api_key=KEY) as s:
+def srv(tiny_llama, tmp_path_factory):
+    with api_server(Store(tmp_path_factory.mktemp("anthropic") / "home"), [tiny_llama], api_key=KEY) as s:
         yield s
 
 

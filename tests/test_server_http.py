@@ -1,5 +1,6 @@
 """The server's HTTP foundation on a real uvicorn socket: API key, strict request bodies, deleted block
-files, and error messages that never carry a local path."""
+files, and error messages that never carry a local path. All plumbing: the blocks are learned on the tiny
+random-weight Llama 3.1 of tests/tiny.py (`tiny_llama`), ~1/100th of SmolLM2's prefill."""
 
 from __future__ import annotations
 
@@ -21,11 +22,11 @@ TOKEN = "push-token-for-tests"
 
 
 @pytest.fixture(scope="module")
-def home(smol, tmp_path_factory):
+def home(tiny_llama, tmp_path_factory):
     """A store with two blocks (module-scoped: the tests below only read it, except the deletion test,
     which uses its own)."""
     h = tmp_path_factory.mktemp("http") / "store"
-    with Memory(engine=smol, home=h) as m:
+    with Memory(engine=tiny_llama, home=h) as m:
         a = m.learn(long_text(30, seed=21), name="a")
         b = m.learn(long_text(25, seed=22), name="b")
     return h, a.id, b.id
@@ -64,18 +65,18 @@ def test_binds_loopback_by_default_and_api_key_guards_every_route(home):
     ({"Content-Length": "1e3"}, 400),
     ({"Transfer-Encoding": "chunked"}, 411),                # chunked bodies are not accepted
 ])
-def test_push_body_needs_a_sane_content_length(smol, tmp_path, headers, status):
-    with Memory(engine=smol, home=tmp_path / "hub") as hub, hub.serve(push_token=TOKEN) as srv:
+def test_push_body_needs_a_sane_content_length(tiny_llama, tmp_path, headers, status):
+    with Memory(engine=tiny_llama, home=tmp_path / "hub") as hub, hub.serve(push_token=TOKEN) as srv:
         body = b"0\r\n\r\n" if "Transfer-Encoding" in headers else b""
         got, raw = _raw(srv.url, "POST", "/v1/bundles", {"Authorization": f"Bearer {TOKEN}", **headers}, body)
         assert got == status, raw
         assert hub.get_all() == []
 
 
-def test_body_over_the_limit_is_413_before_it_is_read(smol, tmp_path):
+def test_body_over_the_limit_is_413_before_it_is_read(tiny_llama, tmp_path):
     """The server answers 413 from the announced length: the client has sent none of the body yet."""
-    with Memory(engine=smol, home=tmp_path / "hub") as hub:
-        srv = BlockServer(hub.store, push_token=TOKEN, fingerprint=smol.fingerprint, max_push_bytes=1000)
+    with Memory(engine=tiny_llama, home=tmp_path / "hub") as hub:
+        srv = BlockServer(hub.store, push_token=TOKEN, fingerprint=tiny_llama.fingerprint, max_push_bytes=1000)
         with srv:
             status, raw = _raw(srv.url, "POST", "/v1/bundles",
                                {"Authorization": f"Bearer {TOKEN}", "Content-Length": str(10 ** 9)})
@@ -83,16 +84,16 @@ def test_body_over_the_limit_is_413_before_it_is_read(smol, tmp_path):
         assert hub.get_all() == []
 
 
-def test_a_garbage_push_is_refused_in_the_block_error_shape(smol, tmp_path):
-    with Memory(engine=smol, home=tmp_path / "hub") as hub, hub.serve(push_token=TOKEN) as srv:
+def test_a_garbage_push_is_refused_in_the_block_error_shape(tiny_llama, tmp_path):
+    with Memory(engine=tiny_llama, home=tmp_path / "hub") as hub, hub.serve(push_token=TOKEN) as srv:
         status, raw = _raw(srv.url, "POST", "/v1/bundles",
                            {"Authorization": f"Bearer {TOKEN}", "Content-Length": "10"}, b"y" * 10)
         assert status == 422 and b"BundleRejected" in raw
         assert hub.get_all() == []
 
 
-def test_deleted_block_file_is_a_404_and_left_out_of_the_listing(smol, tmp_path, caplog):
-    with Memory(engine=smol, home=tmp_path / "s") as m:
+def test_deleted_block_file_is_a_404_and_left_out_of_the_listing(tiny_llama, tmp_path, caplog):
+    with Memory(engine=tiny_llama, home=tmp_path / "s") as m:
         keep = m.learn(long_text(20, seed=31), name="keep")
         gone = m.learn(long_text(20, seed=32), name="gone")
         with m.serve() as srv:

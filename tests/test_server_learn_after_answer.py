@@ -1,7 +1,8 @@
 """A non-streamed answer is sent before the request stores the prefix it learned: the client's wait does
 not include writing blocks, and the next request on the same engine does not wait for them either (the
 prefix cache's writer thread stores them after the engine is released; the next request reuses the
-same cells from RAM meanwhile)."""
+same cells from RAM meanwhile). Plumbing of the server's writer, on the tiny random-weight Llama 3.1 of
+tests/tiny.py (`tiny_llama`), ~1/100th of SmolLM2's prefill."""
 
 from __future__ import annotations
 
@@ -35,14 +36,14 @@ def _held_store(cache, monkeypatch) -> tuple[threading.Event, list[bool]]:
 
 
 @contextlib.contextmanager
-def _held_server(smol, tmp_path, monkeypatch, seed: int) -> Iterator[tuple[Any, Store, Any, threading.Event,
+def _held_server(engine, tmp_path, monkeypatch, seed: int) -> Iterator[tuple[Any, Store, Any, threading.Event,
                                                                           list[bool], list[dict]]]:
-    """A server on SmolLM2 that learns a prompt prefix on its first sighting, its store step held
+    """A server on ``engine`` that learns a prompt prefix on its first sighting, its store step held
     (`_held_store`), a client, and a conversation whose system prompt is long enough to be learned;
     the store is closed after the server."""
     store = Store(tmp_path / "home")
     try:
-        with api_server(store, [smol], min_prefix_tokens=16, sightings=1) as srv:
+        with api_server(store, [engine], min_prefix_tokens=16, sightings=1) as srv:
             gate, released = _held_store(srv.cache, monkeypatch)
             c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
             msgs = [{"role": "system", "content": long_text(40, seed=seed)}, {"role": "user", "content": "Hi"},
@@ -52,8 +53,8 @@ def _held_server(smol, tmp_path, monkeypatch, seed: int) -> Iterator[tuple[Any, 
         store.close()
 
 
-def test_answer_comes_before_the_prefix_is_stored(smol, tmp_path, monkeypatch):
-    with _held_server(smol, tmp_path, monkeypatch, 9) as (srv, store, c, gate, released, msgs):
+def test_answer_comes_before_the_prefix_is_stored(tiny_llama, tmp_path, monkeypatch):
+    with _held_server(tiny_llama, tmp_path, monkeypatch, 9) as (srv, store, c, gate, released, msgs):
         c.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, temperature=0)
         assert store.list(kind="auto") == []  # answered while the store step was still held
         gate.set()
@@ -62,10 +63,10 @@ def test_answer_comes_before_the_prefix_is_stored(smol, tmp_path, monkeypatch):
         assert second.usage.prompt_tokens_details.cached_tokens > 16  # the kept cells, or the stored prefix
 
 
-def test_closing_waits_for_what_requests_learn(smol, tmp_path, monkeypatch):
+def test_closing_waits_for_what_requests_learn(tiny_llama, tmp_path, monkeypatch):
     """Graceful shutdown covers the learning after the answer: a server closed right after answering
     has stored the prefix when close() returns."""
-    with _held_server(smol, tmp_path, monkeypatch, 10) as (srv, store, c, gate, released, msgs):
+    with _held_server(tiny_llama, tmp_path, monkeypatch, 10) as (srv, store, c, gate, released, msgs):
         c.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, temperature=0)
         assert store.list(kind="auto") == []  # answered, not stored yet
         gate.set()  # close() below starts while the store step may still be running
@@ -74,11 +75,11 @@ def test_closing_waits_for_what_requests_learn(smol, tmp_path, monkeypatch):
         assert store.list(kind="auto"), "close() returned before the request stored what it learned"
 
 
-def test_next_request_on_the_engine_does_not_wait_for_the_store_step(smol, tmp_path, monkeypatch):
+def test_next_request_on_the_engine_does_not_wait_for_the_store_step(tiny_llama, tmp_path, monkeypatch):
     """The store step runs off the engine: with it held, the next request on the same (only) engine is
     answered, from the cells the first one kept; the blocks are stored once the step is let go, and
     wait_idle() waits for them."""
-    with _held_server(smol, tmp_path, monkeypatch, 11) as (srv, store, c, gate, released, msgs):
+    with _held_server(tiny_llama, tmp_path, monkeypatch, 11) as (srv, store, c, gate, released, msgs):
         c.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, temperature=0)
         more = msgs + [{"role": "assistant", "content": "Welcome"}, {"role": "user", "content": "Bye"}]
         second = c.chat.completions.create(model="smollm2", messages=more, max_tokens=2, temperature=0)

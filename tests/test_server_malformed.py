@@ -1,5 +1,9 @@
 """Every malformed field of the red-team list (issue 24) is a 4xx in the route's error shape, never a 500:
-the HTTP routes run the SDK's own argument checks (`graftmem.memory.validate`) before any work."""
+the HTTP routes run the SDK's own argument checks (`graftmem.memory.validate`) before any work.
+
+All of it is plumbing (argument checks, the store's writes), which holds on any model: the engine is the tiny
+random-weight Llama 3.1 of tests/tiny.py (`tiny_llama`: real tokenizer and chat template), ~1/100th of
+SmolLM2's prefill; its blocks are ~45x smaller, so the full-disk sweep below takes fewer steps."""
 
 from __future__ import annotations
 
@@ -18,12 +22,12 @@ SURROGATE = "\ud800"
 
 
 @pytest.fixture(scope="module")
-def srv(smol, minilm, tmp_path_factory):
+def srv(tiny_llama, minilm, tmp_path_factory):
     home = tmp_path_factory.mktemp("malformed")
-    with Memory(engine=smol, home=home / "store", embedder=minilm) as m:
+    with Memory(engine=tiny_llama, home=home / "store", embedder=minilm) as m:
         block = m.learn("Refunds: the refund code is 4417.", chat=True, name="refunds",
                         when_to_use="refund codes")
-        with api_server(m.store, [smol], learn=False, router=lambda: m.router) as s:
+        with api_server(m.store, [tiny_llama], learn=False, router=lambda: m.router) as s:
             s.block = block  # type: ignore[attr-defined]
             yield s
 
@@ -79,12 +83,12 @@ def test_deeply_nested_json_is_a_400(srv, path):
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
 
 
-def test_a_leftover_temp_file_does_not_fail_the_next_learn(smol, tmp_path):
+def test_a_leftover_temp_file_does_not_fail_the_next_learn(tiny_llama, tmp_path):
     """A write that failed once left its temp file; its name (pid, thread) comes back with the next
     writer on a reused thread, which failed with "File exists" (a 500 through the server)."""
     text = "A manual that is learned again after a failed write."
-    with Memory(engine=smol, home=tmp_path / "store") as m:
-        tokens = smol.tokenize(text)
+    with Memory(engine=tiny_llama, home=tmp_path / "store") as m:
+        tokens = tiny_llama.tokenize(text)
         bid = block_id_for(m.fingerprint, tokens)
         path = m.store.path_of(bid)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -94,7 +98,7 @@ def test_a_leftover_temp_file_does_not_fail_the_next_learn(smol, tmp_path):
         assert block.id == bid and m.get(bid).provenance == "local" and not left.exists()
 
 
-def test_a_full_disk_at_the_scope_write_leaves_no_block(smol, tmp_path):
+def test_a_full_disk_at_the_scope_write_leaves_no_block(tiny_llama, tmp_path):
     """learn with a scope is all or nothing: the free space is swept across the block write and the scope
     index's writes; every attempt either stores the block with its scope or raises StoreError and leaves
     no block (it used to raise StoreError "cannot rollback" with the block stored, 2 of 25 levels)."""
@@ -105,7 +109,7 @@ def test_a_full_disk_at_the_scope_write_leaves_no_block(smol, tmp_path):
     from .test_trust_store import _fill, tmpfs
 
     text = long_text(12, seed=27)
-    with Memory(engine=smol, home=tmp_path / "src") as src:
+    with Memory(engine=tiny_llama, home=tmp_path / "src") as src:
         size = src.learn(text).state_size + 8192
     mnt = tmp_path / "full"
     outcomes = {"stored": 0, "refused": 0}
@@ -115,7 +119,7 @@ def test_a_full_disk_at_the_scope_write_leaves_no_block(smol, tmp_path):
         # what one learn with a scope takes at its peak here (the block, SQLite's journals of the index
         # and the scope index): the sweep goes from well below it to above it, so both outcomes occur
         free = lambda: os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize  # noqa: E731
-        with Memory(engine=smol, home=home) as m:
+        with Memory(engine=tiny_llama, home=home) as m:
             before = free()
             m.learn(text, user_id="u1")
             need = before - free()
@@ -123,7 +127,7 @@ def test_a_full_disk_at_the_scope_write_leaves_no_block(smol, tmp_path):
         for leave in range(max(0, min(size, need) - 4096), max(size, need) + 64 * 1024, 4096):
             filler = _fill(mnt, leave)
             try:
-                with Memory(engine=smol, home=home) as m:
+                with Memory(engine=tiny_llama, home=home) as m:
                     try:
                         b = m.learn(text, user_id="u1")
                     except StoreError:
@@ -133,7 +137,7 @@ def test_a_full_disk_at_the_scope_write_leaves_no_block(smol, tmp_path):
                         assert [x.id for x in m.get_all(user_id="u1")] == [b.id]
             finally:
                 filler.unlink()
-            with Memory(engine=smol, home=home) as m:
+            with Memory(engine=tiny_llama, home=home) as m:
                 owned = {x.id for x in m.get_all(user_id="u1")}
                 assert {x.id for x in m.get_all()} == owned, f"a block stored without its scope at {leave}"
                 m.reset()

@@ -1,9 +1,16 @@
 """The OpenAI Responses API on a real uvicorn socket with the official ``openai`` package and the OpenAI
-Agents SDK (only ``base_url`` changed), on the real SmolLM2 engine: answers streamed and not, stored
-responses as KV chains continued with ``previous_response_id`` (in RAM, and from the store in a second
-server process: the same greedy answer and first-step logits), branching that shares the parent's
-block, tenants that cannot see each other's responses, TTL and size-cap retention, refusals in
-OpenAI's error shape."""
+Agents SDK (only ``base_url`` changed): answers streamed and not, stored responses as KV chains continued
+with ``previous_response_id`` (in RAM, and from the store in a second server process: the same greedy
+answer and first-step logits), branching that shares the parent's block, tenants that cannot see each
+other's responses, TTL and size-cap retention, refusals in OpenAI's error shape.
+
+Every assertion here is the server's plumbing or an equality of two computations (streamed == not,
+RAM == store after a restart, re-rendered == cold), which holds on any model: the tests run on the tiny
+random-weight Llama 3.1 of tests/tiny.py (`tiny_llama`: a real llama.cpp engine, real tokenizer and chat
+template), whose prefill costs ~1/100th of SmolLM2's. The Agents SDK's run stays on SmolLM2 (`smol_srv`):
+the model chooses the tool call by itself, and the run needs an answer the model ends (the SDK refuses a
+response cut at ``max_output_tokens``, and random weights never end one); a forced call would not help.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +29,8 @@ from graftmem.server import api_server
 from graftmem.server.tenants import ApiKeys, hash_key
 from graftmem.store.local import Store
 
+from .tiny import tiny_path
+
 REPO = Path(__file__).resolve().parents[1]
 ALICE, BOB = "sk-alice-responses-key", "sk-bob-responses-key"
 INSTRUCTIONS = "You are a terse assistant. Answer in one short sentence."
@@ -39,8 +48,15 @@ def keyfile(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def srv(smol, tmp_path_factory, keyfile):
+def srv(tiny_llama, tmp_path_factory, keyfile):
     home = tmp_path_factory.mktemp("responses") / "home"
+    with api_server(Store(home), [tiny_llama], api_key=ApiKeys.load(keyfile)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def smol_srv(smol, tmp_path_factory, keyfile):
+    home = tmp_path_factory.mktemp("responses-smol") / "home"
     with api_server(Store(home), [smol], api_key=ApiKeys.load(keyfile)) as s:
         yield s
 
@@ -100,7 +116,9 @@ def test_previous_response_id_across_a_restart_equals_continuing_in_ram(srv, key
     parent = ra["response"]["chain"]
     assert store.get(parent).metadata["response"]["id"] == r1.id
     proc = subprocess.Popen(
-        [sys.executable, "-m", "graftmem", "--home", str(srv.store.home), "serve", "--port", "0", "--no-warm",
+        # B serves the same model with the same engine configuration as A (the tiny_llama fixture)
+        [sys.executable, "-m", "graftmem", "--home", str(srv.store.home), "--model", str(tiny_path("llama31")),
+         "--config", json.dumps({"n_threads": 1}), "serve", "--port", "0", "--no-warm",
          "--api-key-file", str(keyfile)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"})
     try:
@@ -263,13 +281,13 @@ def test_json_schema_text_format(srv):
     assert set(json.loads(r.output_text)) == {"colour"} and r.store is False
 
 
-def test_openai_agents_sdk_runs_a_function_tool(srv):
+def test_openai_agents_sdk_runs_a_function_tool(smol_srv):
     """The Agents SDK's default model (OpenAIResponsesModel over AsyncOpenAI) runs an agent with one
     function tool to completion: its requests (input items with function calls and outputs, tools in
     the Responses shape, streaming or not) and our answers parse on both sides."""
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)
-    client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key=ALICE, max_retries=0)
+    client = openai.AsyncOpenAI(base_url=smol_srv.url + "/v1", api_key=ALICE, max_retries=0)
     seen: list[str] = []
 
     async def lookup(ctx, args: str) -> str:

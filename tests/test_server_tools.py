@@ -1,9 +1,12 @@
-"""Tool use through the OpenAI API with the official `openai` client, on the real SmolLM2 engine.
+"""Tool use through the OpenAI API with the official `openai` client.
 
-SmolLM2-135M follows the Hermes ``<tool_call>`` format after two examples in the conversation (which
-also exercises rendering assistant ``tool_calls`` and ``role: "tool"`` messages); the tests check the
-mechanics (calls parsed, streamed, the round trip, the tool block grafted exactly), not the model's
-judgement."""
+The tests check the mechanics (calls parsed, streamed, the round trip, the tool block grafted exactly),
+not the model's judgement: the round trip runs on the tiny random-weight Phi-3.5 of tests/tiny.py (real
+tokenizer and template, which renders no tools: graftmem's Hermes tool prompt, as on SmolLM2), ~1/100th of
+SmolLM2's prefill and a 32k vocabulary (cheap grammar-masked steps). Random weights choose no call by
+themselves, so the call is forced with ``tool_choice: "required"``: a grammar makes the answer a Hermes
+``<tool_call>``, which goes through the same parsing and streaming (`ToolStream`) as a call the model chose. Two examples in
+the conversation exercise rendering assistant ``tool_calls`` and ``role: "tool"`` messages."""
 
 from __future__ import annotations
 
@@ -16,11 +19,17 @@ from graftmem.server import api_server
 from graftmem.server.chat import render_segments
 from graftmem.server.tools import ToolStream, parse_calls, parse_tools
 from graftmem.core.prompt import detect_format
+from graftmem.core import Engine
 from graftmem.store.local import Store
 
+from .tiny import tiny_path
+
+#: ``maxLength`` bounds the forced call's argument: random weights under the grammar would write the string
+#: until ``max_tokens`` (a closing quote is one token of 32k)
 TOOLS = [{"type": "function", "function": {
     "name": "lookup", "description": "Look up a section of the shop manual by topic.",
-    "parameters": {"type": "object", "properties": {"topic": {"type": "string"}}, "required": ["topic"]}}}]
+    "parameters": {"type": "object", "properties": {"topic": {"type": "string", "maxLength": 12}},
+                   "required": ["topic"]}}}]
 
 
 def _example(q: str, topic: str, answer: str, i: int) -> list[dict]:
@@ -58,20 +67,22 @@ def test_tool_rendering_is_deterministic_and_parsing_is_strict(smol):
     assert s.feed("ok <tool") == "ok " and s.feed("_call>{") == "" and s.feed("x") == ""
 
 
-def test_tool_call_round_trip_streamed_and_not(smol, tmp_path):
+def test_tool_call_round_trip_streamed_and_not(tmp_path):
     store = Store(tmp_path / "home")
     try:
-        with api_server(store, [smol], min_prefix_tokens=64, sightings=1) as srv:
+        with Engine(tiny_path("phi35"), {"n_threads": 1}) as eng, \
+                api_server(store, [eng], min_prefix_tokens=64, sightings=1) as srv:
             c = _client(srv)
-            r = c.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, max_tokens=40, temperature=0)
+            r = c.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, max_tokens=64, temperature=0,
+                                          tool_choice="required")
             msg = r.choices[0].message
             assert r.choices[0].finish_reason == "tool_calls", msg
             call = msg.tool_calls[0]
             assert call.function.name == "lookup" and isinstance(json.loads(call.function.arguments), dict)
             # streamed: the same call, assembled from the deltas the way an agent library does
             name, args, reason, content = "", "", None, ""
-            for ch in c.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, max_tokens=40,
-                                                temperature=0, stream=True):
+            for ch in c.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, max_tokens=64,
+                                                temperature=0, stream=True, tool_choice="required"):
                 d = ch.choices[0]
                 content += d.delta.content or ""
                 for tc in d.delta.tool_calls or []:

@@ -2,7 +2,11 @@
 only tenant A sent, never reads, lists or deletes A's automatic blocks, cannot evict them; the tenant
 comes from the key (hashed at rest), never from the request. A block A learns is A's (B never lists,
 reads, searches, recalls, routes to or deletes it) unless A shares it; the operator's blocks are shared;
-REST scopes (``user_id`` ...) narrow what a tenant sees, inside that tenant only."""
+REST scopes (``user_id`` ...) narrow what a tenant sees, inside that tenant only.
+
+All of it is the server's plumbing (keys, stores, receipts, routes, eviction shares), which holds on any
+model: the engine is the tiny random-weight Llama 3.1 of tests/tiny.py (`tiny_llama`: real tokenizer and
+chat template), ~1/100th of SmolLM2's prefill; routing is MiniLM's, whatever the model."""
 
 from __future__ import annotations
 
@@ -55,10 +59,10 @@ def test_the_key_file_is_hashed_and_checked(key_file, tmp_path):
             ApiKeys.load(bad)
 
 
-def test_tenant_b_never_reaches_tenant_a_s_prefixes_or_blocks(smol, key_file, tmp_path):
+def test_tenant_b_never_reaches_tenant_a_s_prefixes_or_blocks(tiny_llama, key_file, tmp_path):
     store = Store(tmp_path / "home")
     try:
-        with api_server(store, [smol], api_key=ApiKeys.load(key_file), min_prefix_tokens=16, sightings=1) as srv:
+        with api_server(store, [tiny_llama], api_key=ApiKeys.load(key_file), min_prefix_tokens=16, sightings=1) as srv:
             url = srv.url
             assert httpx.get(url + "/v1/models").status_code == 401
             assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer nope-nope-nope"}).status_code == 401
@@ -113,16 +117,16 @@ SCOPED = "Carol prefers green tea in the morning."
 
 
 @pytest.fixture(scope="module")
-def tenant_srv(smol, minilm, tmp_path_factory):
+def tenant_srv(tiny_llama, minilm, tmp_path_factory):
     """One server for the module: two tenants, a router, and one block the operator learned with the SDK
     into the home before serving (shared with every tenant)."""
     home = tmp_path_factory.mktemp("tenants-learned")
     keys = home / "keys.txt"
     keys.write_text("".join(f"{n} {hash_key(k)}\n" for n, k in KEYS.items()))
-    with Memory(engine=smol, home=home / "home", embedder=minilm) as m:
+    with Memory(engine=tiny_llama, home=home / "home", embedder=minilm) as m:
         assert m.router is not None  # loaded first: every learn is routed
         op = m.learn(OPERATOR, name="fire exit", when_to_use="where is the fire exit, evacuation")
-        with api_server(m.store, [smol], api_key=ApiKeys.load(keys), learn=False, router=lambda: m.router) as srv:
+        with api_server(m.store, [tiny_llama], api_key=ApiKeys.load(keys), learn=False, router=lambda: m.router) as srv:
             yield srv, m, op
 
 
@@ -241,11 +245,11 @@ def test_rest_scopes_are_honoured_within_a_tenant(tenant_srv):
     assert _ids(srv, "alice", user_id="carol") == set()
 
 
-def test_without_keys_learned_blocks_stay_shared_and_scopes_work(smol, tmp_path):
+def test_without_keys_learned_blocks_stay_shared_and_scopes_work(tiny_llama, tmp_path):
     """No key file: one local trust domain, as before tenants (every learn shared, deletable by anyone)."""
     store = Store(tmp_path / "home")
     try:
-        with api_server(store, [smol], learn=False) as srv:
+        with api_server(store, [tiny_llama], learn=False) as srv:
             r = httpx.post(srv.url + "/v1/memory/learn", json={"text": SCOPED, "user_id": "carol"}, timeout=120)
             b = r.json()["block"]
             assert r.status_code == 200 and b["shared"] is True and "tenant" not in store.get(b["id"]).metadata
