@@ -194,7 +194,8 @@ WARM_CHECK_BYTES = 1 << 30
 
 
 def warm_engines(desks: Sequence[MemoryVerbs], cache: "PrefixCache", *, allow_unverified: bool = False,
-                 check_bytes: int = WARM_CHECK_BYTES, tokens: Optional["TokenCache"] = None) -> list[dict[str, Any]]:
+                 check_bytes: int = WARM_CHECK_BYTES, tokens: Optional["TokenCache"] = None,
+                 run: Optional[Callable[["Engine", Callable[[], None]], None]] = None) -> list[dict[str, Any]]:
     """Graft the most recently learned automatic prompt prefixes, one per engine (``desks``: the verbs of
     each pooled engine over the store), and keep them: a restarted server finds an agent's last
     conversation in RAM, as llama-server finds its slot's, instead of reading and checking it from disk
@@ -206,8 +207,10 @@ def warm_engines(desks: Sequence[MemoryVerbs], cache: "PrefixCache", *, allow_un
     graft once the first one has trimmed the engine's cells to its own prompt) are read and checked
     too, up to ``check_bytes``: their later grafts in this process check xxh3 only
     (`graftmem.store.verified`). The prefix index is built and, with ``tokens``, the chains' message
-    texts are tokenized into that cache, so the first request does none of it either. Returns what
-    each engine got (block id, tokens, milliseconds, provenance)."""
+    texts are tokenized into that cache, so the first request does none of it either. ``run(engine, fn)``
+    calls ``fn`` where that engine computes (the server's pool: the engine's own thread, so its first
+    request finds llama.cpp's thread team built; `graftmem.server.pool`); None: here. Returns what each
+    engine got (block id, tokens, milliseconds, provenance)."""
     cache.refresh()
     if not desks:
         return []
@@ -236,7 +239,9 @@ def warm_engines(desks: Sequence[MemoryVerbs], cache: "PrefixCache", *, allow_un
     for desk, (block, chain, bad) in zip([d for d in desks if can_keep(d.engine)], chains):
         engine = desk.engine
         t0 = time.perf_counter()
-        try:
+
+        def warm(desk: MemoryVerbs = desk, engine: "Engine" = engine, block: "Block" = block,
+                 chain: list["Block"] = chain, bad: Optional["Block"] = bad) -> None:
             with engine.session(keep=True):
                 desk.graft(block, allow_unverified=allow_unverified, chain=chain)
                 # one throwaway token after the grafted cells, then trimmed away: the first decode over a
@@ -248,6 +253,12 @@ def warm_engines(desks: Sequence[MemoryVerbs], cache: "PrefixCache", *, allow_un
                 owner = next((o for o in map(owner_of, chain) if o is not None), None)  # its tenant's keys
                 engine.kept = Kept(tuple(prefix_keys(segs, owner)), tuple(segment_ends(segs)), block.id,
                                    bad.provenance or "unverified" if bad is not None else None)
+
+        try:
+            if run is None:
+                warm()
+            else:
+                run(engine, warm)
         except GraftmemError as exc:
             cache.refuse(block.id, str(exc))
             continue

@@ -35,6 +35,7 @@ import json
 import threading
 import time
 import uuid
+from concurrent import futures
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional, Sequence
 
 from starlette.requests import Request
@@ -146,7 +147,7 @@ class OpenAIRoutes:
         engine = pool.engines[0]
         self.engine0 = engine
         self.tokens = TokenCache()  #: ids of the segments agents keep re-sending
-        self._workers: set[threading.Thread] = set()
+        self._workers: set[futures.Future[None]] = set()  #: requests' work on the engines' threads
         self._workers_lock = threading.Lock()
         self.model_id = model_id or engine.fingerprint.model_name
         self.fmt = detect_format(engine)
@@ -414,10 +415,8 @@ class OpenAIRoutes:
                 else:
                     done.set_result(result)  # type: ignore[arg-type]
 
-        worker = threading.Thread(target=work, name="graftmem-request", daemon=True)
-        with self._workers_lock:
-            self._workers = {t for t in self._workers if t.is_alive()} | {worker}
-        worker.start()
+        with self._workers_lock:  # on the engine's own thread (`EnginePool.run`: never a thread per request)
+            self._workers = {f for f in self._workers if not f.done()} | {self.pool.run(engine, work)}
 
     def wait_idle(self, timeout: float = 60.0) -> bool:
         """Wait until every request's worker has finished, learning included (a non-streamed answer is
@@ -425,9 +424,7 @@ class OpenAIRoutes:
         deadline = time.monotonic() + timeout
         with self._workers_lock:
             workers = list(self._workers)
-        for t in workers:
-            t.join(max(0.0, deadline - time.monotonic()))
-        if any(t.is_alive() for t in workers):
+        if futures.wait(workers, timeout).not_done:
             return False
         # the prefixes those requests learned are written by the prefix cache's thread after them
         return self.cache is None or self.cache.flush(max(0.0, deadline - time.monotonic()))

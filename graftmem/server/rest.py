@@ -133,7 +133,7 @@ class MemoryRoutes:
 
     async def _on_engine(self, fn: Callable[["Engine"], T], request: Optional[Request] = None,
                          cancel: Optional[threading.Event] = None) -> T:
-        """``fn(engine)`` in a worker thread on an engine of the pool. With ``request``: a client that goes
+        """``fn(engine)`` on an engine of the pool, on that engine's thread (`EnginePool.run`). With ``request``: a client that goes
         away while waiting for an engine gives up its place, and one that goes away while ``fn`` runs
         sets ``cancel`` (an answer's decode stops at its next token; it used to run to ``max_tokens``)."""
         gone = asyncio.ensure_future(client_gone(request)) if request is not None else None
@@ -146,7 +146,7 @@ class MemoryRoutes:
                     raise HTTPError(499, "the client went away", code="client_closed_request")
             engine = await acquire
             try:
-                work = asyncio.ensure_future(asyncio.to_thread(fn, engine))
+                work = asyncio.wrap_future(self.pool.run(engine, lambda: fn(engine)))  # the engine's own thread
                 if gone is not None:
                     await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
                     if not work.done() and cancel is not None:

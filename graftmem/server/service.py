@@ -113,7 +113,8 @@ def api_server(store: "BlockStore", engines: Sequence["Engine"], config: Optiona
     oa = OpenAIRoutes(pool, store, cache, model_id=cfg.model_id, limits=limits, router=ref,
                       allow_unverified=allow_unverified, chat_template=cfg.chat_template)
     desks = [oa.desks[id(e)] for e in engines]
-    warmed = warm_engines(desks, cache, allow_unverified=allow_unverified, tokens=oa.tokens) if cfg.warm else []
+    warmed = warm_engines(desks, cache, allow_unverified=allow_unverified, tokens=oa.tokens,
+                          run=lambda e, fn: pool.run(e, fn).result()) if cfg.warm else []
     responses = ResponsesRoutes(oa, ttl=cfg.responses_ttl)
     responses.stored.sweep()  # what expired while the server was down
     rest = MemoryRoutes(pool, store, ref, limits=limits, shared_learned=cfg.shared_learned)
@@ -142,6 +143,7 @@ def api_server(store: "BlockStore", engines: Sequence["Engine"], config: Optiona
             except GraftmemError:  # closed already: nothing kept
                 pass
         rest.close()
+        pool.close()  # the engines' threads end (nothing runs on them any more)
 
     srv.on_close.append(forget)
     return srv
