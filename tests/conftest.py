@@ -35,12 +35,12 @@ _pin_xdist_worker()
 #: a long file started last would leave the other worker idle at the end. Files not named keep their order,
 #: after these; the list is a schedule hint, not a correctness matter.
 SLOWEST_FIRST: list[str] = [
-    "test_exactness.py", "test_docs.py", "test_needle.py", "test_chain.py", "test_packaging.py",
-    "test_server_openai.py", "test_http.py", "test_cli.py", "test_bundle.py", "test_fleet.py",
-    "test_forced_calls.py", "test_router.py", "test_server_forced_tools.py", "test_speed_paths.py",
-    "test_templates.py", "test_recall.py", "test_server_frameworks.py", "test_server_ram.py",
-    "test_server_responses.py", "test_kernels.py", "test_fleet_pages.py", "test_flywheel.py",
-    "test_fleet_cluster.py", "test_server_anthropic_cache.py", "test_store.py", "test_shared_model.py",
+    "test_exactness.py", "test_docs.py", "test_needle.py", "test_cli.py", "test_packaging.py",
+    "test_server_openai.py", "test_chain.py", "test_server_frameworks.py", "test_server_responses.py",
+    "test_recall.py", "test_forced_calls.py", "test_fleet.py", "test_fleet_cluster.py", "test_kernels.py",
+    "test_server_forced_tools.py", "test_speed_paths.py", "test_server_ram.py", "test_flywheel.py",
+    "test_state_cut.py", "test_server_hostile.py", "test_server_chain.py", "test_server_agent_example.py",
+    "test_templates.py", "test_http.py", "test_store.py", "test_shared_model.py",
 ]
 
 
