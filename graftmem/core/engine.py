@@ -18,6 +18,7 @@ docs/exactness.md for the measurements on Gemma 3).
 from __future__ import annotations
 
 import contextlib
+import functools
 import ctypes
 import hashlib
 import json
@@ -482,6 +483,26 @@ _JSON_CHAR = r'[^"\\\x7F\x00-\x1F] | [\\] (["\\bfnrt] | "u" [0-9a-fA-F]{4})'
 _GBNF_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[a-zA-Z0-9-]+|.', re.S)
 
 
+@functools.lru_cache(maxsize=1)
+def _converter(LG: Any) -> type:
+    """llama-cpp-python's schema converter, plus the integer bounds it ignores (``minimum``, ``maximum``
+    and their exclusive forms: `graftmem.core.intrange`, llama.cpp's own converter's digit ranges), so a
+    structured output's ``"age": {"type": "integer", "minimum": 0, "maximum": 150}`` is kept in range by
+    the grammar instead of only by luck."""
+    from .intrange import int_range, integer_bounds
+
+    class Converter(LG.SchemaConverter):  # type: ignore[misc,name-defined]
+        def visit(self, schema: Any, name: str) -> str:
+            if isinstance(schema, dict) and schema.get("type") == "integer" and "$ref" not in schema:
+                lo, hi = integer_bounds(schema)
+                if lo is not None or hi is not None:
+                    rule = name + "-" if name in LG.RESERVED_NAMES else name or "root"
+                    return self._add_rule(rule, f"({int_range(lo, hi)}) space")
+            return super().visit(schema, name)
+
+    return Converter
+
+
 def json_rules(schema: Optional[Mapping[str, Any]], name: str) -> str:
     """GBNF rules whose rule ``name`` matches the JSON values ``schema`` accepts (None: any object),
     for a grammar that puts JSON inside other text (a tool call between a model family's markers,
@@ -496,7 +517,7 @@ def json_rules(schema: Optional[Mapping[str, Any]], name: str) -> str:
     if not re.fullmatch(r"[a-zA-Z][a-zA-Z0-9-]*", name):
         raise ConfigError(f"a grammar rule name is letters, digits and -, got {name!r}")
     try:
-        conv = LG.SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+        conv = _converter(LG)(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
         resolved = conv.resolve_refs(json.loads(json.dumps(dict(schema if schema is not None else {"type": "object"}))), "input")
         conv.visit(resolved, "")
         rules: dict[str, str] = dict(conv._rules)  # the converter keeps its rules here (name -> body)
