@@ -5,6 +5,7 @@ bucket is checked before it can be grafted; faults are clear typed errors with t
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import obstore
@@ -195,6 +196,39 @@ def test_the_cache_is_capped_least_recently_used_first(tiny_llama, bucket_url, t
         cached = {x.id for x in b.store.cache.list()}
         assert b.store.cache_stats()["bytes"] <= cap
         assert cached == {blocks[0].id, blocks[1].id}
+        assert [b.ask(x.id, QUERY, max_tokens=1).receipt.first_logits_sha256 for x in blocks] == shas
+
+
+def test_a_write_behind_evicts_by_the_reads_that_passed_it(tiny_llama, bucket_url, tmp_path, monkeypatch):
+    """A fetched block's cache file is written behind the graft; reads of cached blocks may come in before
+    that write ends. Its eviction must follow the order of all those reads: the block it wrote is then the
+    least recently used, not one to keep (it kept it, and evicted a block read after it: found on a fast host)."""
+    from graftmem.store.fleet.cache import ReadCache
+
+    with _worker(tiny_llama, bucket_url, tmp_path, "a") as a:
+        blocks = [a.learn(long_text(60, seed=40 + i), name=f"b{i}") for i in range(3)]
+    gate, waiting = threading.Event(), threading.Event()
+    real = ReadCache._write_cached
+
+    def gated(self, bid, *args):
+        if bid == blocks[2].id:
+            waiting.set()
+            assert gate.wait(60), "the test never opened the gate"
+        return real(self, bid, *args)
+
+    monkeypatch.setattr(ReadCache, "_write_cached", gated)
+    cap = int(max(b.state_size for b in blocks) * 2.5)
+    with _worker(tiny_llama, bucket_url, tmp_path, "b", cache_bytes=cap) as b:
+        shas = [b.ask(x.id, QUERY, max_tokens=1).receipt.first_logits_sha256 for x in blocks[:2]]
+        b.store.flush()
+        shas.append(b.ask(blocks[2].id, QUERY, max_tokens=1).receipt.first_logits_sha256)  # its write waits
+        assert waiting.wait(60)
+        for x in (blocks[1], blocks[0]):  # cache hits while b2's write is held: b2 is now the least recent
+            assert b.ask(x.id, QUERY, max_tokens=1).receipt.fetch_ms is None
+        gate.set()
+        b.store.flush()
+        assert b.store.cache_stats()["bytes"] <= cap
+        assert {x.id for x in b.store.cache.list()} == {blocks[0].id, blocks[1].id}
         assert [b.ask(x.id, QUERY, max_tokens=1).receipt.first_logits_sha256 for x in blocks] == shas
 
 

@@ -265,7 +265,9 @@ class ReadCache:
                 raise OSError(f"{tmp}: {os.stat(tmp).st_size} bytes written of {size}")
             staged = meta.model_copy(update={"provenance": meta.provenance, "labels_trusted": meta.labels_trusted})
             self.store.adopt([(staged, tmp)])
-            self.evict(keep=bid)
+            # by the order of the reads, the most recent one kept: not ``bid``, which other reads (cache hits
+            # of blocks this write's eviction would otherwise have removed) may have passed since its fetch
+            self.evict()
         except (OSError, StoreError) as exc:  # a cache that cannot take it: the read was served anyway
             log.warning("fleet store %s: block %s not cached: %s", self.url, bid[:12], exc)
             self.index.forget_use(bid)
@@ -324,12 +326,15 @@ class ReadCache:
                 self._prefetches.pop(bid, None)
 
     # ------------------------------------------------------------------ eviction
-    def evict(self, keep: str) -> None:
-        """Remove least recently used blocks until the cache is under its cap."""
+    def evict(self, keep: Optional[str] = None) -> None:
+        """Remove least recently used blocks until the cache is under its cap; ``keep`` (the block being
+        read; None: the most recently used one) stays even if the cap is smaller than it."""
         size = self.store.stats().bytes_on_disk
         if size <= self.cache_bytes:
             return
         order = self.index.least_recently_used()
+        if keep is None and order:
+            keep = order[-1]
         cached = {b.id: b for b in self.store.list()}
         order += [bid for bid in cached if bid not in set(order)]
         for bid in order:
