@@ -73,12 +73,13 @@ def test_memory_serve_takes_the_config_and_its_overrides(smol, tmp_path):
             assert srv.config == cfg.replace(sightings=1) and srv.config.api_key is None
             assert srv.pool.engines[0] is smol and len(srv.pool.engines) == 2  # engines=2: one more opened
             assert (srv.cache.min_tokens, srv.cache.sightings) == (16, 1)
-            assert smol.n_threads == extra.n_threads < big  # sized for the pool
+            assert smol.n_threads_batch == extra.n_threads_batch < big  # prefill sized for the pool
+            assert smol.n_threads == extra.n_threads == big  # one-token calls: the Memory's engine's count
         finally:
             srv.close()
-            threads_after = smol.n_threads
+            threads_after = (smol.n_threads, smol.n_threads_batch)
             smol.set_threads(own)
-        assert threads_after == big  # the Memory's engine outlives the server: its threads are given back
+        assert threads_after == (big, big)  # the Memory's engine outlives the server: its threads are given back
         with pytest.raises(ClosedError):  # the engine the server opened is closed with it; the Memory's is not
             extra.tokenize("x")
         assert smol.tokenize("x")

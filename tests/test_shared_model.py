@@ -95,7 +95,9 @@ def test_pool_engines_size_threads_per_engine_and_keep_the_fingerprint():
         assert len(engines) == 3 and engines[0] is first
         assert len({e.model_handle for e in engines}) == 1
         want = max(1, usable_cores() // 3)
-        assert [e.n_threads for e in engines] == [want] * 3 == [threads_per_engine(3)] * 3
+        assert [e.n_threads_batch for e in engines] == [want] * 3 == [threads_per_engine(3)] * 3
+        # one-token calls keep the lone engine's count: their bytes depend on it
+        assert [e.n_threads for e in engines] == [usable_cores()] * 3
         assert {e.fingerprint.digest() for e in engines} == {digest}
     finally:
         for e in engines[1:]:
@@ -105,7 +107,7 @@ def test_pool_engines_size_threads_per_engine_and_keep_the_fingerprint():
     first = Engine("smollm2", {**CFG, "n_threads": 1})
     engines = pool_engines(first, 2)
     try:
-        assert [e.n_threads for e in engines] == [1, 1]
+        assert [(e.n_threads, e.n_threads_batch) for e in engines] == [(1, 1), (1, 1)]
     finally:
         for e in engines:
             e.close()
@@ -129,7 +131,8 @@ def test_serve_with_two_engines_says_its_threads_and_answers(tmp_path):
         line = proc.stdout.readline()  # type: ignore[union-attr]
         assert "serving" in line, (proc.stderr.read()  # type: ignore[union-attr]
                                    if proc.poll() is not None else line)
-        assert f"with 2 engine(s) x {threads_per_engine(2)} thread(s) on one loaded model" in line
+        assert (f"with 2 engine(s) x {threads_per_engine(2)} prefill thread(s) ({usable_cores()} for one-token calls) "
+                "on one loaded model") in line
         url = line.split(" at ")[1].split()[0]
         msgs = [{"role": "user", "content": "Name a fruit."}]
         got: list[str] = []

@@ -717,9 +717,10 @@ class Memory:
             return block_server(self._store, cfg, fingerprint=self.fingerprint, check=check_pushes)
         # one loaded model for the pool, threads sized per engine (graftmem.server.pool.pool_engines); the
         # memory's own engine gets its threads back when the server closes (it outlives the server)
-        threads = self._engine.n_threads
+        threads, batch = self._engine.n_threads, self._engine.n_threads_batch
         extra = pool_engines(self._engine, cfg.engines)[1:]
-        restore = [] if self._engine.n_threads == threads else [lambda: self._engine.set_threads(threads)]
+        restore = [] if (self._engine.n_threads, self._engine.n_threads_batch) == (threads, batch) \
+            else [lambda: self._engine.set_threads(threads, batch)]
         try:
             srv = api_server(self._store, [self._engine, *extra], cfg, check=check_pushes,
                              router=lambda: self.router, runner=runner)  # router: loaded on the first routed request

@@ -69,8 +69,8 @@ def _serve_api(args: argparse.Namespace, config: Any) -> int:
                 return
             srv.start()  # the gate opens: requests reach the routes
             warmed = getattr(srv, "warm", [])
-            what = (f"OpenAI API at {srv.url}/v1 with {config.engines} engine(s) x {mem.engine.n_threads} "
-                    f"thread(s) on one loaded model, ")
+            what = (f"OpenAI API at {srv.url}/v1 with {config.engines} engine(s) x {mem.engine.n_threads_batch} "
+                    f"prefill thread(s) ({mem.engine.n_threads} for one-token calls) on one loaded model, ")
             if warmed:
                 what += f"{sum(w['tokens'] for w in warmed)} prompt tokens warm in RAM, "
             _announce(srv, args, config, what)

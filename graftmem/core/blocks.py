@@ -289,6 +289,14 @@ class Block(_Strict):
         return self.pos_start + self.n_tokens
 
     @property
+    def one_token_from(self) -> Optional[int]:
+        """Where the first cell computed by a one-token call lies in this block's state (None: there is
+        none); such cells depend on the thread count (`graftmem.Engine.one_token_calls`)."""
+        calls = self.metadata.get("one_token_calls")
+        got = calls.get("from") if isinstance(calls, dict) else None
+        return got if isinstance(got, int) else None
+
+    @property
     def restored_size(self) -> int:
         """Bytes of the full state a graft restores (the stored size, or the rebuilt size of a delta)."""
         return self.full_state_size if self.full_state_size is not None else self.state_size

@@ -573,7 +573,7 @@ class Engine:
     def _open_context(self, model_sha256: str, offload: int) -> None:
         """The context on the loaded model, its batch, fingerprint and exactness (the load-time probe)."""
         threads = self.config.n_threads or usable_cores()
-        self.n_threads = threads
+        self.n_threads = self.n_threads_batch = threads
         cp = C.llama_context_default_params()
         cp.n_ctx = self.config.n_ctx
         cp.n_batch = self.config.n_batch
@@ -599,6 +599,8 @@ class Engine:
         self._has_batch = True
         self._buf = bytearray()
         self._n_past = 0
+        #: the lowest position evaluated by a one-token call in the cells now (None: none), see `one_token_calls`
+        self._one_token_from: Optional[int] = None
         #: What the last holder left in the cache for a later ``session(resume=True)`` (opaque here:
         #: the holder's own description); None whenever the cells changed since (see `session()`).
         self.kept: Optional[object] = None
@@ -675,21 +677,49 @@ class Engine:
         """How many open engines of this process use this engine's loaded model (itself included)."""
         return self._loaded.refs
 
-    def set_threads(self, n_threads: int) -> None:
-        """Run this context's decodes on ``n_threads`` threads from now on (``llama_set_n_threads``).
+    def set_threads(self, n_threads: int, n_threads_batch: Optional[int] = None) -> None:
+        """Run this context's one-token calls on ``n_threads`` threads and its calls of two tokens or
+        more on ``n_threads_batch`` (default: the same) from now on (``llama_set_n_threads``).
 
-        Why it may change after load: a pool of N contexts on C cores sizes each to C // N (see
-        `threads_per_engine`) so that N concurrent decodes do not oversubscribe the cores. The thread
-        count is recorded in the fingerprint for information only: measured not to change the bytes
-        on the CPU backend (docs/exactness.md, tests/test_shared_model.py), so blocks stay graftable.
+        Why they may differ: a pool of N contexts on C cores sizes the batch threads to C // N (see
+        `threads_per_engine`) so that N concurrent prefills do not oversubscribe the cores, and keeps the
+        one-token threads, whose count changes the bytes those calls compute (`one_token_calls_split`):
+        a request's answer on a pool is then the answer of the same request on one engine. The
+        fingerprint records ``n_threads`` (the one-token count); blocks whose cells include one-token
+        calls record it too and are refused by an engine with another (docs/exactness.md).
         """
-        if n_threads < 1:
-            raise ConfigError(f"n_threads must be >= 1, not {n_threads}")
+        batch = n_threads if n_threads_batch is None else n_threads_batch
+        if n_threads < 1 or batch < 1:
+            raise ConfigError(f"n_threads must be >= 1, not {min(n_threads, batch)}")
         with self._lock:
             self._check()
-            C.llama_set_n_threads(self._ctx, n_threads, n_threads)
-            self.n_threads = n_threads
+            C.llama_set_n_threads(self._ctx, n_threads, batch)
+            self.n_threads, self.n_threads_batch = n_threads, batch
             self.fingerprint = self.fingerprint.model_copy(update={"n_threads": n_threads})
+
+    @property
+    def one_token_calls_split(self) -> bool:
+        """Whether this engine's one-token calls compute other bytes on another thread count.
+
+        Measured (SmolLM2 and the tiny Llama, 1 vs 2 threads, after 300-1,000 cells): llama.cpp's CPU
+        flash-attention kernel splits the attention of a one-token batch over the keys into one chunk
+        per thread once the cache view holds 512 cells or more (``use_split_kv_path`` in
+        ggml-cpu/ops.cpp: f16 or f32 K and V of one type), and adds the chunks' partial sums in that
+        order: another thread count, other bytes. Batches of two tokens or more take the per-row path,
+        which is the same on any thread count. So a state holds thread-count-dependent cells exactly
+        where a one-token call (a decoded token; a prompt or chunk of one token) computed them."""
+        return bool(self.config.flash_attn) and self.config.type_k == self.config.type_v \
+            and self.config.type_k in ("f16", "f32")
+
+    def one_token_calls(self, end: Optional[int] = None) -> Optional[dict[str, int]]:
+        """What a block of the cells up to ``end`` (default: all) records of their one-token calls, when
+        they have any whose bytes depend on the thread count (`one_token_calls_split`): ``{"threads":
+        n_threads, "from": position}``; None when they have none. A block carrying it is refused by an
+        engine whose one-token calls run on another number of threads (`graftmem.store.local.incompatibility`)."""
+        end = self._n_past if end is None else end
+        if self._one_token_from is None or self._one_token_from >= end:
+            return None
+        return {"threads": int(self.n_threads), "from": int(self._one_token_from)}
 
     # ----------------------------------------------------------------- lifecycle
     def close(self) -> None:
@@ -845,6 +875,7 @@ class Engine:
             self._check()
             C.llama_memory_clear(C.llama_get_memory(self._ctx), True)
             self._n_past = 0
+            self._one_token_from = None
 
     def reset_at(self, position: int) -> None:
         """Empty the KV cache and make the next prefill start at ``position`` instead of 0.
@@ -875,6 +906,8 @@ class Engine:
             self.kept = None
             C.llama_memory_seq_add(mem, 0, 0, -1, delta)
             self._n_past = C.llama_memory_seq_pos_max(mem, 0) + 1
+            if self._one_token_from is not None:
+                self._one_token_from = max(0, self._one_token_from + delta)
 
     def trim(self, n_keep: int) -> None:
         """Drop the cells at positions >= n_keep (what a query added), keeping the prefix intact."""
@@ -884,6 +917,8 @@ class Engine:
             if not C.llama_memory_seq_rm(C.llama_get_memory(self._ctx), 0, n_keep, -1):
                 raise EngineError(f"could not trim sequence 0 to {n_keep} positions")
             self._n_past = min(self._n_past, n_keep)
+            if self._one_token_from is not None and self._one_token_from >= n_keep:
+                self._one_token_from = None
 
     def prefill(self, tokens: Sequence[int],
                 progress: Optional[Callable[[int], None]] = None) -> None:
@@ -911,6 +946,8 @@ class Engine:
                 rc = C.llama_decode(self._ctx, b)
                 if rc != 0:
                     raise EngineError(f"llama_decode failed with code {rc} at position {self._n_past}")
+                if len(chunk) == 1 and self._one_token_from is None and self.one_token_calls_split:
+                    self._one_token_from = self._n_past
                 self._n_past += len(chunk)
                 if progress is not None:
                     progress(len(chunk))
@@ -958,9 +995,10 @@ class Engine:
                 raise EngineError(f"state capture wrote {written} of {size} bytes")
             return out
 
-    def restore(self, state: memoryview, n_tokens: int) -> float:
+    def restore(self, state: memoryview, n_tokens: int, one_token_from: Optional[int] = None) -> float:
         """Clear the cache and graft ``state`` as sequence 0; return the milliseconds of the clear and
-        the llama call.
+        the llama call. ``one_token_from``: where the state's one-token calls begin, from the block's
+        record (`one_token_calls`; None: it has none).
 
         The clear empties the cells' metadata only (``data=False``): zeroing the whole KV buffer is a
         memset of every layer's K and V (94 MB for SmolLM2 at n_ctx 4096, ~2 ms) that changes nothing
@@ -975,6 +1013,7 @@ class Engine:
             self.kept = None
             C.llama_memory_clear(C.llama_get_memory(self._ctx), False)
             self._n_past = 0
+            self._one_token_from = None
             size = len(state)
             arr = (ctypes.c_uint8 * size).from_buffer(state)
             ok = C.llama_state_seq_set_data(self._ctx, arr, size, 0)
@@ -987,6 +1026,7 @@ class Engine:
                 C.llama_memory_clear(C.llama_get_memory(self._ctx), True)
                 raise EngineError(f"restored state ends at position {pos_max}, block says {n_tokens} tokens")
             self._n_past = n_tokens
+            self._one_token_from = one_token_from if one_token_from is not None and one_token_from < n_tokens else None
             return ms
 
     # ----------------------------------------------------------------- exactness

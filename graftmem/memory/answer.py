@@ -95,7 +95,7 @@ def graft(eng: Engine, store: "BlockStore", block: Block, timings: Optional[dict
     given, gets the phases' milliseconds (``read_ms``, ``check_ms``, ``place_ms``, ``set_data_ms``).
     """
     _, view = load_state(store, block.id, eng.buffer, fingerprint=eng.fingerprint, timings=timings)
-    ms = eng.restore(view, block.pos_end)
+    ms = eng.restore(view, block.pos_end, block.one_token_from)
     if timings is not None:
         timings["set_data_ms"] = timings.get("set_data_ms", 0.0) + ms
     return block.pos_end

@@ -76,7 +76,7 @@ def graft_logits(engine: "Engine", store: "BlockStore", block_id: str, query_tok
     callers inside a session reset it; a standalone call gets its own session)."""
     with engine.session():
         block, view = load_state(store, block_id, engine.buffer, fingerprint=engine.fingerprint)
-        engine.restore(view, block.pos_end)
+        engine.restore(view, block.pos_end, block.one_token_from)
         engine.prefill(query_tokens)
         return engine.logits()
 

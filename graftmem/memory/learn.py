@@ -95,8 +95,10 @@ def prefill_and_store(engine: "Engine", store: "BlockStore", *, block_id: str, t
             engine.prefill(tokens, progress=progress)
             state = engine.capture()
             fields = {"state_size": len(state), "state_digest": state_digest(state)}
+        calls = engine.one_token_calls()  # thread-count-dependent cells (a one-token chunk): recorded
         block = Block(id=block_id, name=name, kind=kind, text=text, tokens=list(tokens), n_tokens=len(tokens),
-                      fingerprint=engine.fingerprint, metadata=dict(metadata), **fields)
+                      fingerprint=engine.fingerprint,
+                      metadata={**metadata, **({"one_token_calls": calls} if calls else {})}, **fields)
         stored = store.put(block, state, replace=replace, provenance=PROVENANCE_LOCAL, labels_trusted=True)
     log.info("learned block %s (%d tokens, %d state bytes)", stored.short_id, len(tokens), len(state))
     return stored
@@ -137,7 +139,13 @@ def learn(engine: "Engine", store: "BlockStore", text: str, *, name: Optional[st
     if start + len(tokens) >= engine.n_ctx:
         raise ConfigError(f"text is {len(tokens)} tokens after {start} positions, the engine's n_ctx "
                           f"is {engine.n_ctx}: raise n_ctx or split the text")
-    bid = block_id_for(engine.fingerprint, tokens, owned_parent(pblock.id if pblock is not None else None, owner))
+    salt = owned_parent(pblock.id if pblock is not None else None, owner)
+    if engine.one_token_calls_split and (len(tokens) % engine.fingerprint.n_batch == 1 or
+                                         (pblock is not None and pblock.one_token_from is not None)):
+        # its prefill ends with a one-token chunk (or grafts a parent with one): its state depends on the
+        # thread count (`Engine.one_token_calls`), so engines with other thread counts learn other blocks
+        salt = f"{salt or ''}|one-token-threads={engine.n_threads}"
+    bid = block_id_for(engine.fingerprint, tokens, salt)
     if owner is not None:
         metadata = {**(metadata or {}), TENANT_KEY: owner}
     replace = False

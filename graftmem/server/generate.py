@@ -142,6 +142,8 @@ class EndState:
     text: str
     calls: list[int]
     state: bytes
+    #: what the state records of its one-token calls (`Engine.one_token_calls`): the decoded tokens' at least
+    one_token: Optional[dict[str, int]] = None
 
 
 @dataclass(frozen=True)
@@ -433,13 +435,16 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
         if job.on_start is not None:
             job.on_start(restored, _new_tokens(segs, max(learn_from, first_seg), learn_k))
         captured: list[bytes] = []
+        calls: list[Optional[dict[str, int]]] = []  # what each captured state records of its one-token calls
         if learn_k > learn_from and not cut_later and first_seg == learn_from + 1:
             captured.append(engine.capture_copy())  # the kept cells end where the first learned segment does
+            calls.append(engine.one_token_calls())
         held = sum(map(len, captured))
         for i in range(first_seg, len(segs)):
             engine.prefill(segs[i])
             if not cut_later and i < learn_k and held < MAX_CAPTURE_BYTES and len(captured) == i - learn_from:
                 captured.append(engine.capture_copy())  # its own buffer: capture() reuses the engine's
+                calls.append(engine.one_token_calls())
                 held += len(captured[-1])
         # `engine.logits()` is a copy and `decode` never writes into its first logits: the same array can
         # be kept for the next request (and `Kept.first` is only ever read)
@@ -456,6 +461,7 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
         states: Sequence[bytes] = captured
         if cut_later and learn_k > learn_from and out.finish_reason != "cancelled":
             states = capture_prefixes(engine, ends[learn_from:learn_k])
+            calls = [engine.one_token_calls(e) for e in ends[learn_from:learn_k]]
         end: Optional[EndState] = None
         if job.capture_end and untrusted is None and can_keep(engine) and out.finish_reason in ("stop", "length") \
                 and engine.n_past + 1 < engine.n_ctx:
@@ -490,7 +496,7 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
         job.emit("done", result)
     if stored:
         assert cache is not None
-        cache.store_later(engine, segs, job.texts, learn_from, states, match, job.tenant)
+        cache.store_later(engine, segs, job.texts, learn_from, states, match, job.tenant, calls)
     return result
 
 
@@ -513,7 +519,8 @@ def _capture_end(engine: "Engine", segs: Sequence[Sequence[int]], texts: Sequenc
     rest = [list(s) for s in segs[first:]]
     tokens = [t for s in rest for t in s] + generated
     return EndState(parent=match, tokens=tokens, text="".join(texts[first:]) + answer_text_of(engine, generated),
-                    calls=[len(s) for s in rest] + [1] * len(generated), state=bytes(engine.capture()))
+                    calls=[len(s) for s in rest] + [1] * len(generated), state=bytes(engine.capture()),
+                    one_token=engine.one_token_calls())
 
 
 def answer_text_of(engine: "Engine", tokens: Sequence[int]) -> str:

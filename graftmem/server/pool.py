@@ -78,12 +78,15 @@ def pool_engines(first: "Engine", n: int) -> list["Engine"]:
     """``first`` and ``n - 1`` siblings on its loaded model (one copy of the weights for the pool, see
     [`Engine.sibling()`][graftmem.Engine.sibling]), each with its own context, for `EnginePool`.
 
-    Threads: where the configuration leaves ``n_threads`` unset, each engine gets
-    `threads_per_engine` (``max(1, cores // n)``): N requests decode at once, and N contexts of
-    ``cores`` threads each would make every decode wait on threads that are not running. The thread
-    count does not change the bytes on the CPU backend (docs/exactness.md), so the fingerprint, hence
-    every block, stays the same. An explicit ``n_threads`` is kept, with a warning when the pool
-    asks for more threads than there are cores. The caller closes the siblings (``result[1:]``).
+    Threads: where the configuration leaves ``n_threads`` unset, each engine's calls of two tokens or
+    more (prefill) get `threads_per_engine` (``max(1, cores // n)``): N requests prefill at once, and N
+    contexts of ``cores`` threads each would make every step wait on threads that are not running. Its
+    one-token calls (decoding) keep the configured count: their bytes depend on it (llama.cpp's flash
+    attention splits a one-token call by thread: `Engine.one_token_calls_split`), and a request's answer
+    must not depend on how many engines serve it (measured: with one-token calls sized too, 8 of 40
+    answers of 8 concurrent agents differed from the same requests served alone; bench/concurrency.py).
+    The fingerprint, hence every block, stays the same. An explicit ``n_threads`` is kept, with a warning
+    when the pool asks for more threads than there are cores. The caller closes the siblings.
     """
     from ..core.engine import threads_per_engine, usable_cores
 
@@ -95,13 +98,16 @@ def pool_engines(first: "Engine", n: int) -> list["Engine"]:
         engines += [first.sibling() for _ in range(n - 1)]
         if first.config.n_threads is None:
             threads = threads_per_engine(n, cores)
-            for e in engines:
-                if e.n_threads != threads:
-                    e.set_threads(threads)
-            how = "sized to the cores (n_threads unset)"
+            for e in engines:  # every engine's one-token calls on the first's count: the same bytes
+                if (e.n_threads, e.n_threads_batch) != (first.n_threads, threads):
+                    e.set_threads(first.n_threads, threads)
+            how = f"for prefill, sized to the cores (n_threads unset); {first.n_threads} for one-token calls"
         else:
             threads = first.config.n_threads
             how = "as configured"
+            for e in engines[1:]:  # one-token calls on the first's count (it may have been changed)
+                if (e.n_threads, e.n_threads_batch) != (first.n_threads, first.n_threads_batch):
+                    e.set_threads(first.n_threads, first.n_threads_batch)
             if n * threads > cores:
                 log.warning("serve: %d engines x %d threads exceed the %d usable cores: concurrent decodes will "
                             "wait on each other (leave n_threads unset to size it per engine)", n, threads, cores)

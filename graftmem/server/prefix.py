@@ -277,7 +277,8 @@ class PrefixCache:
     def store_captured(self, engine: "Engine", segments: Sequence[Sequence[int]], texts: Sequence[str],
                        first: int, states: Sequence[bytes], start: Optional[Match],
                        tenant: Optional[str] = None, *, metadata: Optional[dict[str, Any]] = None,
-                       salt: Optional[str] = None, evict: bool = True) -> Optional[Block]:
+                       salt: Optional[str] = None, evict: bool = True,
+                       calls: Sequence[Optional[dict[str, int]]] = ()) -> Optional[Block]:
         """Store segments ``first .. first + len(states) - 1`` of a served request as a chain, from the
         states the request captured after prefilling each of them (no second prefill: learning costs
         a copy and a write, after the answer). ``start`` is the grafted block they continue, if any.
@@ -290,7 +291,8 @@ class PrefixCache:
         (two tenants sending the same prompt get two blocks: neither can read, delete or evict the
         other's) and into its index key. ``metadata`` is added to each block's, and ``salt`` mixed into each
         id (a stored response's block is its own, `graftmem.server.responses`, even when another response
-        generated the same tokens)."""
+        generated the same tokens). ``calls[j]``: what state ``j``'s cells record of their one-token calls
+        (`Engine.one_token_calls`, taken when the state was captured), if any."""
         parent = start.block if start is not None and first > 0 else None
         pfull: Optional[bytes] = full_state(self.store, parent, fingerprint=self.fingerprint) \
             if parent is not None and self.auto_storage == "delta" else None
@@ -322,7 +324,9 @@ class PrefixCache:
                     block = Block(id=bid, name=f"auto: {' '.join(texts[i].split())[:40]}", kind=AUTO_KIND,
                                   text=texts[i], tokens=tokens, n_tokens=len(tokens), fingerprint=self.fingerprint,
                                   metadata={"segment": i, **({"tenant": tenant} if tenant is not None else {}),
-                                            **(metadata or {})},
+                                            **(metadata or {}),
+                                            **({"one_token_calls": calls[i - first]}
+                                               if i - first < len(calls) and calls[i - first] else {})},
                                   **fields)
                     block = self.store.put(block, memoryview(data), provenance=PROVENANCE_LOCAL,
                                            labels_trusted=True)
@@ -345,7 +349,7 @@ class PrefixCache:
 
     def store_later(self, engine: "Engine", segments: Sequence[Sequence[int]], texts: Sequence[str],
                     first: int, states: Sequence[bytes], start: Optional[Match],
-                    tenant: Optional[str] = None) -> None:
+                    tenant: Optional[str] = None, calls: Sequence[Optional[dict[str, int]]] = ()) -> None:
         """`store_captured()` on the cache's writer thread, so that the request's engine is free for the
         next request while the blocks are cut, hashed and written (measured: ~0.4 s per turn for a
         3,000-token SmolLM2 prefix, which the next turn of the same agent used to wait for). Until
@@ -365,7 +369,7 @@ class PrefixCache:
                 self._pressing += 1
                 self._quiet.notify_all()
         try:
-            self._writes.put((engine, segments, texts, first, states, start, tenant, keys))
+            self._writes.put((engine, segments, texts, first, states, start, tenant, keys, calls))
         finally:
             if full:
                 with self._lock:
@@ -415,12 +419,12 @@ class PrefixCache:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, os.getpriority(os.PRIO_PROCESS, 0) + 5))
         while True:
             item = self._writes.get()
-            engine, segments, texts, first, states, start, tenant, keys = item
+            engine, segments, texts, first, states, start, tenant, keys, calls = item
             try:
                 self._wait_for_quiet()
                 deadline = time.monotonic() + self.writer_max_wait
                 with paced(lambda: self._quiet_until(deadline)):  # and between chunks of each file
-                    self.store_captured(engine, segments, texts, first, states, start, tenant)
+                    self.store_captured(engine, segments, texts, first, states, start, tenant, calls=calls)
             except Exception:  # noqa: BLE001 - a failed store loses a cache entry, never the server
                 log.exception("prefix cache: storing a learned prefix failed")
             finally:

@@ -343,7 +343,7 @@ class ResponseStore:
         block = self.cache.store_captured(None, parts, [*job.texts[:n], end.text], n,  # type: ignore[arg-type]
                                           [end.state], end.parent, job.tenant,
                                           metadata={"response": record, "calls": end.calls},
-                                          salt="response:" + record["id"])
+                                          salt="response:" + record["id"], calls=[end.one_token])
         with self._lock:
             self._version = None
         return block

@@ -227,11 +227,11 @@ def capture_child(store: "Store", engine: "Engine", parent: Block, tokens: list[
     except _statefmt.StateLayoutError:
         placed = b""
     if placed is None:
-        engine.restore(pview, parent.pos_end)
+        engine.restore(pview, parent.pos_end, parent.one_token_from)
     elif placed:
         # the parent's window cache was trimmed: restore it with masked placeholders in front so
         # that every cell sits where a fresh prefill puts it (see _statefmt.place_cells)
-        engine.restore(memoryview(bytearray(placed)), parent.pos_end)
+        engine.restore(memoryview(bytearray(placed)), parent.pos_end, parent.one_token_from)
     else:
         log.info("block chained on %s: state layout not understood; re-prefilling the chain "
                  "(%d tokens) instead of grafting it", parent.short_id, parent.pos_end)

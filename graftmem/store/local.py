@@ -180,8 +180,22 @@ def pid_alive(pid: int) -> bool:
 
 
 def incompatibility(block: Block, fingerprint: Fingerprint) -> IncompatibleBlock | None:
-    """An [`IncompatibleBlock`][graftmem.IncompatibleBlock] naming every differing identity field, or None."""
+    """An [`IncompatibleBlock`][graftmem.IncompatibleBlock] naming every differing identity field, or None.
+
+    The thread count is not an identity field (a prefill's bytes do not depend on it), except for a block
+    whose cells include one-token calls (a decoded answer, a one-token prompt chunk): it records their
+    thread count (``metadata["one_token_calls"]``, `Engine.one_token_calls`), which must then be this
+    engine's ``n_threads`` (llama.cpp's flash attention splits a one-token call by thread)."""
     diff = block.fingerprint.diff(fingerprint)
+    calls = block.metadata.get("one_token_calls") if isinstance(block.metadata, dict) else None
+    if isinstance(calls, dict) and calls.get("threads") != fingerprint.n_threads:
+        diff = {**diff, "n_threads": (calls.get("threads"), fingerprint.n_threads)}
+        if len(diff) == 1:
+            return IncompatibleBlock(
+                f"block {block.short_id} holds cells computed by one-token calls on {calls.get('threads')!r} "
+                f"thread(s) and this engine runs them on {fingerprint.n_threads} (llama.cpp's flash-attention "
+                f"kernel splits a one-token call's attention by thread, so the bytes differ): open the engine "
+                f"with n_threads={calls.get('threads')!r} to graft it, or learn it again here", fields=diff)
     if not diff:
         return None
     parts = ", ".join(f"{k}={a!r} (this engine has {b!r})" for k, (a, b) in diff.items())

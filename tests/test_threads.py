@@ -1,0 +1,130 @@
+"""The thread count and the bytes: llama.cpp's CPU flash attention splits a ONE-token call's attention over
+its threads (once the cache view holds 512 cells), so those calls compute other bytes on another thread
+count, while calls of two tokens or more do not. What graftmem does about it, checked here on the tiny
+Llama 3.1: a pool decodes on the lone engine's thread count (answers do not depend on `--engines`), and a
+block whose cells include one-token calls records their thread count and is refused by an engine with
+another (docs/exactness.md, "One-token calls and the thread count")."""
+
+from __future__ import annotations
+
+import pytest
+
+from graftmem import IncompatibleBlock, Memory
+from graftmem.core import engine as engine_module
+from graftmem.core.engine import Engine, logits_sha256
+from graftmem.server import pool_engines
+
+from .conftest import long_text
+from .tiny import tiny_path
+
+CFG = {"n_ctx": 1024, "n_batch": 128, "n_ubatch": 128, "probe": False}
+PREFIX = list(range(100, 700))  # 600 cells: the cache view holds 1,024 (padded), past the split's 512
+QUERY = "What is the third word?"
+
+
+def _engine(**over) -> Engine:
+    return Engine(tiny_path("llama31"), {**CFG, **over})
+
+
+def _calls(threads: int, flash_attn: bool = True) -> list[str]:
+    """Logits after the 600-token prefix and then calls of 1, 2 and 5 tokens (each from the prefix)."""
+    with _engine(n_threads=threads, flash_attn=flash_attn) as e, e.session():
+        e.prefill(PREFIX)
+        out = []
+        for n in (1, 2, 5):
+            e.prefill(list(range(800, 800 + n)))
+            out.append(logits_sha256(e.logits()))
+            e.trim(len(PREFIX))
+        return out
+
+
+def test_one_token_calls_depend_on_the_thread_count_and_longer_calls_do_not():
+    one, two = _calls(1), _calls(2)
+    assert one[0] != two[0], "a one-token call gave the same bytes on 1 and 2 threads: the split rule is moot"
+    assert one[1:] == two[1:]  # 2 and 5 tokens: the per-row path, any thread count
+    assert _calls(1, flash_attn=False) == _calls(2, flash_attn=False)  # no split without flash attention
+    with _engine(n_threads=1) as fa, _engine(n_threads=1, flash_attn=False) as plain:
+        assert fa.one_token_calls_split and not plain.one_token_calls_split
+
+
+def test_a_pool_decodes_on_the_lone_engine_s_thread_count(monkeypatch):
+    """On a 2-core host a pool of 2 prefills on 1 thread per engine and still decodes on 2, as a lone
+    engine does: the same greedy tokens, the same logits at every step (with both sized, the pool
+    engine's one-token calls ran on 1 thread and its logits differed from the first decoded token on)."""
+    monkeypatch.setattr(engine_module, "usable_cores", lambda: 2)
+
+    def decode(e: Engine) -> list[tuple[int, str]]:
+        out = []
+        with e.session():
+            e.prefill(PREFIX)
+            for _ in range(6):
+                tok = int(e.logits().argmax())
+                e.prefill([tok])
+                out.append((tok, logits_sha256(e.logits())))
+        return out
+
+    with _engine() as lone:
+        assert lone.n_threads == 2
+        want = decode(lone)
+    first = _engine()
+    engines = pool_engines(first, 2)
+    try:
+        assert decode(engines[1]) == want
+        assert [(e.n_threads, e.n_threads_batch) for e in engines] == [(2, 1), (2, 1)]
+    finally:
+        for e in engines[1:]:
+            e.close()
+        first.close()
+
+
+def _text_with_tokens(e: Engine, one: bool) -> str:
+    """A text of more than 300 tokens whose last prefill chunk (n_batch) is one token (``one``) or more
+    than one: the chunk then lies at position >= 256, where the cache view reaches 512 cells."""
+    words = long_text(900, seed=5).split()
+    for n in range(150, len(words)):
+        text = " ".join(words[:n])
+        k = len(e.tokenize(text))
+        if k > 300 and (k % CFG["n_batch"] == 1) == one and k % CFG["n_batch"] != 0:
+            return text
+    raise AssertionError("no prefix of the text has that many tokens")
+
+
+def test_a_block_with_one_token_cells_records_its_threads_and_another_count_refuses_it(tmp_path):
+    home = tmp_path / "store"
+    two, one = _engine(n_threads=2), _engine(n_threads=1)
+    try:
+        ragged, even = _text_with_tokens(two, True), _text_with_tokens(two, False)
+        with Memory(engine=two, home=home) as m2:
+            marked = m2.learn(ragged, name="ends with a one-token chunk")
+            plain = m2.learn(even, name="chunks of 2 tokens or more")
+        n = len(two.tokenize(ragged))
+        assert marked.metadata["one_token_calls"] == {"threads": 2, "from": n - 1}
+        assert "one_token_calls" not in plain.metadata
+        query = one.tokenize(QUERY, add_special=False)
+
+        def fresh(text: str) -> str:  # this engine's own prefill of the text, then the query
+            with one.session():
+                one.prefill(one.tokenize(text))
+                one.prefill(query)
+                return logits_sha256(one.logits())
+
+        with Memory(engine=one, home=home) as m1:
+            # a prefill-only block grafts byte-exactly on another thread count
+            assert m1.ask(plain.id, QUERY, max_tokens=1).receipt.first_logits_sha256 == fresh(even)
+            with pytest.raises(IncompatibleBlock, match="one-token calls on 2 thread") as err:
+                m1.ask(marked.id, QUERY, max_tokens=1)
+            assert err.value.fields == {"n_threads": (2, 1)}
+            # why: its state grafted here anyway is not this engine's computation of the same text
+            state = m1.store.read_state(marked.id, one.buffer)[1]  # no fingerprint: unchecked
+            with one.session():
+                one.restore(state, marked.pos_end)
+                one.prefill(query)
+                forced = logits_sha256(one.logits())
+            assert forced != fresh(ragged)
+            # learned here it is another block (the thread count is in its id), which grafts exactly
+            own = m1.learn(ragged, name="here")
+            assert own.id != marked.id and own.metadata["one_token_calls"] == {"threads": 1, "from": n - 1}
+            assert m1.ask(own.id, QUERY, max_tokens=1).receipt.first_logits_sha256 == fresh(ragged)
+    finally:
+        two.close()
+        one.close()
