@@ -47,6 +47,21 @@ def test_one_token_calls_depend_on_the_thread_count_and_longer_calls_do_not():
         assert fa.one_token_calls_split and not plain.one_token_calls_split
 
 
+def test_a_quantized_cache_s_one_token_calls_do_not_depend_on_the_thread_count():
+    """The split path takes f16 / f32 K and V only (``kv_is_f32_or_f16``): with a q8_0 cache a one-token
+    call gives the same bytes on 1 and 2 threads, and the engine says so (its blocks record nothing). On
+    SmolLM2: the tiny model's heads are too small for q8_0 blocks. If llama.cpp ever splits these calls
+    too, this fails and `Engine.one_token_calls_split` must learn it."""
+    def one_token(threads: int) -> tuple[bool, str]:
+        with Engine("smollm2", {**CFG, "n_threads": threads, "type_k": "q8_0", "type_v": "q8_0"}) as e, e.session():
+            e.prefill(e.tokenize(long_text(500, seed=3))[:300])  # > 256 cells: a view of 512
+            e.prefill([1000])
+            return e.one_token_calls_split, logits_sha256(e.logits())
+
+    one, two = one_token(1), one_token(2)
+    assert one == two and one[0] is False
+
+
 def test_a_pool_decodes_on_the_lone_engine_s_thread_count(monkeypatch):
     """On a 2-core host a pool of 2 prefills on 1 thread per engine and still decodes on 2, as a lone
     engine does: the same greedy tokens, the same logits at every step (with both sized, the pool
