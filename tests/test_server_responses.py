@@ -115,6 +115,10 @@ def test_previous_response_id_across_a_restart_equals_continuing_in_ram(srv, key
     store = Store(srv.store.home)
     parent = ra["response"]["chain"]
     assert store.get(parent).metadata["response"]["id"] == r1.id
+    # its answer's cells came from one-token calls: their thread count is recorded (docs/exactness.md), and B,
+    # with the same count, grafts it below
+    calls = store.get(parent).metadata["one_token_calls"]
+    assert calls["threads"] == 1 and 0 < calls["from"] < r1.usage.input_tokens + r1.usage.output_tokens
     proc = subprocess.Popen(
         # B serves the same model with the same engine configuration as A (the tiny_llama fixture)
         [sys.executable, "-m", "graftmem", "--home", str(srv.store.home), "--model", str(tiny_path("llama31")),
