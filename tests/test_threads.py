@@ -143,3 +143,43 @@ def test_a_block_with_one_token_cells_records_its_threads_and_another_count_refu
     finally:
         two.close()
         one.close()
+
+
+def test_the_prompt_cache_finds_only_the_blocks_of_its_own_thread_count(tmp_path):
+    """A learned prompt prefix whose last segment is one token (cells of a one-token call) is stored per
+    thread count: another count's block is invisible to the lookup (it would be refused at its graft, and
+    the request served cold, every time), and learning the same prefix here stores a block of its own."""
+    from graftmem.server.prefix import PrefixCache
+    from graftmem.store import Store
+
+    store = Store(tmp_path / "home")
+    two, one = _engine(n_threads=2), _engine(n_threads=1)
+    try:
+        segs = [PREFIX[:300], [1000]]  # the one-token segment lies at position 300 (a 512-cell view)
+
+        def learn(e: Engine) -> tuple[PrefixCache, list]:
+            states, calls = [], []
+            with e.session():
+                for seg in segs:
+                    e.prefill(seg)
+                    states.append(bytes(e.capture()))
+                    calls.append(e.one_token_calls())
+            cache = PrefixCache(store, e.fingerprint, min_tokens=1)
+            leaf = cache.store_captured(e, segs, ["a", "b"], 0, states, None, calls=calls)
+            return cache, [leaf]
+
+        cache2, (leaf2,) = learn(two)
+        assert leaf2.metadata["one_token_calls"] == {"threads": 2, "from": 300}
+        prompt = segs + [[7]]
+        assert cache2.lookup(prompt).block.id == leaf2.id
+        here = PrefixCache(store, one.fingerprint, min_tokens=1)
+        found = here.lookup(prompt)
+        assert found is not None and found.n_segments == 1  # the root (prefill only) is shared; the leaf is not
+        _, (leaf1,) = learn(one)
+        assert leaf1.id != leaf2.id and leaf1.parent == leaf2.parent
+        here.refresh(force=True)
+        assert here.lookup(prompt).block.id == leaf1.id
+    finally:
+        two.close()
+        one.close()
+        store.close()

@@ -57,6 +57,7 @@ from ..memory.router import AUTO_KIND
 from ..memory.access import owned_parent, owner_of
 from ..memory.verbs import first_untrusted
 from ..store.chain import chain_of, full_state, make_delta
+from ..store.local import incompatibility
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -163,7 +164,7 @@ class PrefixCache:
                 return
             index: dict[bytes, str] = {}
             for b in self.store.list():
-                if b.fingerprint.digest() != self._digest:
+                if b.fingerprint.digest() != self._digest or not self._same_threads(b):
                     continue
                 try:
                     chain = chain_of(self.store, b)
@@ -173,6 +174,11 @@ class PrefixCache:
                 owner = next((o for o in map(owner_of, chain) if o is not None), None)
                 index[prefix_keys([c.tokens for c in chain], owner)[-1]] = b.id
             self._index, self._version = index, now
+
+    def _same_threads(self, block: Block) -> bool:
+        """Whether a block with cells of one-token calls recorded this engine's thread count for them (the
+        one rule is `incompatibility`): another count's block is as invisible as another fingerprint's."""
+        return block.one_token_from is None or incompatibility(block, self.fingerprint) is None
 
     def __len__(self) -> int:
         return len(self._index)
@@ -303,6 +309,9 @@ class PrefixCache:
                 salted = owned_parent(parent.id if parent is not None else None, tenant)
                 if salt is not None:
                     salted = f"{salted or ''}|{salt}"
+                own = calls[i - first] if i - first < len(calls) else None
+                if own:  # cells of one-token calls: each thread count stores its own block (`Engine.one_token_calls`)
+                    salted = f"{salted or ''}|one-token-threads={own['threads']}"
                 bid = block_id_for(self.fingerprint, tokens, salted)
                 full: Optional[bytes] = None  # ``states`` may cut it on demand: only when it is needed
                 if self.store.contains(bid):
@@ -325,8 +334,7 @@ class PrefixCache:
                                   text=texts[i], tokens=tokens, n_tokens=len(tokens), fingerprint=self.fingerprint,
                                   metadata={"segment": i, **({"tenant": tenant} if tenant is not None else {}),
                                             **(metadata or {}),
-                                            **({"one_token_calls": calls[i - first]}
-                                               if i - first < len(calls) and calls[i - first] else {})},
+                                            **({"one_token_calls": own} if own else {})},
                                   **fields)
                     block = self.store.put(block, memoryview(data), provenance=PROVENANCE_LOCAL,
                                            labels_trusted=True)
