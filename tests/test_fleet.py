@@ -232,6 +232,51 @@ def test_a_write_behind_evicts_by_the_reads_that_passed_it(tiny_llama, bucket_ur
         assert [b.ask(x.id, QUERY, max_tokens=1).receipt.first_logits_sha256 for x in blocks] == shas
 
 
+def test_a_block_read_from_the_cache_is_not_evicted_by_a_write_that_ends_during_the_read(
+        tiny_llama, bucket_url, tmp_path, monkeypatch):
+    """A cache hit marks its block used before it reads it: a write behind that ends (and evicts) during
+    the read sees that block as the most recent one. It used to mark it after the read, so the eviction
+    took the block being read for the least recently used (found on a fast host: the cache then lacked
+    the block just asked)."""
+    from graftmem.store.fleet.cache import ReadCache
+
+    with _worker(tiny_llama, bucket_url, tmp_path, "a") as a:
+        blocks = [a.learn(long_text(60, seed=50 + i), name=f"b{i}") for i in range(3)]
+    gate, written, pause = threading.Event(), threading.Event(), threading.Event()
+    real_write, real_read = ReadCache._write_cached, Store.read_state
+
+    def gated_write(self, bid, *args):
+        if bid == blocks[2].id:
+            assert gate.wait(60), "the test never opened the gate"
+        try:
+            return real_write(self, bid, *args)
+        finally:
+            if bid == blocks[2].id:
+                written.set()
+
+    def paused_read(self, bid, *args, **kw):
+        out = real_read(self, bid, *args, **kw)
+        if bid == blocks[0].id and pause.is_set() and not gate.is_set():
+            gate.set()  # b2's write ends, and evicts, while this read of b0 is in progress
+            assert written.wait(60)
+        return out
+
+    monkeypatch.setattr(ReadCache, "_write_cached", gated_write)
+    monkeypatch.setattr(Store, "read_state", paused_read)
+    cap = int(max(b.state_size for b in blocks) * 2.5)
+    with _worker(tiny_llama, bucket_url, tmp_path, "b", cache_bytes=cap) as b:
+        shas = [b.ask(x.id, QUERY, max_tokens=1).receipt.first_logits_sha256 for x in blocks[:2]]
+        b.store.flush()
+        shas.append(b.ask(blocks[2].id, QUERY, max_tokens=1).receipt.first_logits_sha256)  # its write waits
+        assert b.ask(blocks[1].id, QUERY, max_tokens=1).receipt.fetch_ms is None
+        pause.set()
+        assert b.ask(blocks[0].id, QUERY, max_tokens=1).receipt.fetch_ms is None  # a hit; b2 written meanwhile
+        b.store.flush()
+        assert written.is_set() and b.store.cache_stats()["bytes"] <= cap
+        assert {x.id for x in b.store.cache.list()} == {blocks[0].id, blocks[1].id}
+        assert [b.ask(x.id, QUERY, max_tokens=1).receipt.first_logits_sha256 for x in blocks] == shas
+
+
 def test_bucket_down_is_a_clear_error_and_the_cache_stays(tiny_llama, tmp_path, monkeypatch):
     server = Seaweed(tmp_path / "sw").start()
     try:

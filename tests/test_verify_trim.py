@@ -35,3 +35,14 @@ def test_auto_trims_and_a_trim_that_keeps_the_wrong_cells_fails_the_floor(tiny_m
     finally:
         del eng.trim, eng.reset
     assert fresh_resets >= 3
+
+
+def test_a_report_whose_floor_differs_is_not_ok_even_if_every_sample_matched(tiny_mem):
+    """The floor compares two fresh prefills: when they differ, the engine is not deterministic here, and
+    samples that happened to match their graft prove nothing (``ok`` read only the samples before)."""
+    mem = tiny_mem
+    block = mem.learn("Returns: ask for the receipt, check the date, then refund or exchange.", name="returns")
+    rep = verify_block(mem.engine, mem.store, block.id, samples=3, cross_process=False)
+    assert rep.ok and rep.floor_sha_equal == rep.floor_samples == 2
+    shaky = rep.model_copy(update={"floor_sha_equal": 1})
+    assert shaky.sha_equal == shaky.samples and not shaky.ok

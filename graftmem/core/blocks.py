@@ -399,7 +399,8 @@ class SampleResult(_Strict):
 
 
 class VerifyReport(_Strict):
-    """Graft vs fresh prefill, per sample; ``ok`` only when every sample is byte-identical."""
+    """Graft vs fresh prefill, per sample; ``ok`` only when every sample is byte-identical and so is the
+    fresh-vs-fresh floor: graft == fresh says nothing on an engine whose fresh prefills differ from each other."""
 
     block_id: str
     n_tokens: int
@@ -417,7 +418,8 @@ class VerifyReport(_Strict):
     @property
     def ok(self) -> bool:
         return (self.sha_equal == self.samples and self.argmax_agree == self.samples
-                and self.max_kl == 0.0 and self.cross_process is not False)
+                and self.max_kl == 0.0 and self.cross_process is not False
+                and self.floor_sha_equal == self.floor_samples)
 
 
 class StoreStats(_Strict):

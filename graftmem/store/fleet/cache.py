@@ -93,6 +93,7 @@ class ReadCache:
         self._prefetcher: Optional[ThreadPoolExecutor] = None
         self._writer: Optional[ThreadPoolExecutor] = None  #: writes fetched blocks into the cache
         self._writes: dict[str, Future] = {}  #: block id -> its cache write in progress
+        self._use = threading.Lock()  #: a cache hit's "used now" against an eviction's order (`evict`)
 
     def close(self) -> None:
         """Let running prefetches and the cache writes in progress land, drop queued prefetches."""
@@ -129,11 +130,14 @@ class ReadCache:
         """A block's state in ``buffer(n)``, checked, from the cache or else from the bucket (`fetch`);
         ``meta`` is its marker's manifest, which is what is returned."""
         self.wait(bid)  # fetched a moment ago and being written: read it from the cache
-        if self.store.contains(bid):
+        with self._use:  # used from now on: an eviction that runs during the read keeps it (`evict`)
+            hit = self.store.contains(bid)
+            if hit:
+                self.index.touch(bid)
+        if hit:
             try:
                 _, view = self.store.read_state(bid, buffer, fingerprint=fingerprint, timings=timings)
                 self.counters["cache_hits"] += 1
-                self.index.touch(bid)
                 return meta, view
             except BlockNotFound:
                 pass
@@ -328,7 +332,13 @@ class ReadCache:
     # ------------------------------------------------------------------ eviction
     def evict(self, keep: Optional[str] = None) -> None:
         """Remove least recently used blocks until the cache is under its cap; ``keep`` (the block being
-        read; None: the most recently used one) stays even if the cap is smaller than it."""
+        read; None: the most recently used one) stays even if the cap is smaller than it. Under the lock
+        a cache hit takes to mark its block used before reading it: a hit that began before is in the
+        order (its block the most recent one), one that begins after finds what is left."""
+        with self._use:
+            self._evict(keep)
+
+    def _evict(self, keep: Optional[str]) -> None:
         size = self.store.stats().bytes_on_disk
         if size <= self.cache_bytes:
             return
