@@ -199,37 +199,59 @@ def test_the_cache_is_capped_least_recently_used_first(tiny_llama, bucket_url, t
         assert [b.ask(x.id, QUERY, max_tokens=1).receipt.first_logits_sha256 for x in blocks] == shas
 
 
-def test_a_write_behind_evicts_by_the_reads_that_passed_it(tiny_llama, bucket_url, tmp_path, monkeypatch):
-    """A fetched block's cache file is written behind the graft; reads of cached blocks may come in before
-    that write ends. Its eviction must follow the order of all those reads: the block it wrote is then the
-    least recently used, not one to keep (it kept it, and evicted a block read after it: found on a fast host)."""
-    from graftmem.store.fleet.cache import ReadCache
+class _HeldWrite:
+    """Holds the cache write of block ``bid`` (written behind its graft) until ``gate`` is set: ``waiting`` is
+    set once it is held, ``written`` once it ended (and evicted what the cap asked)."""
 
+    def __init__(self, monkeypatch, bid: str) -> None:
+        from graftmem.store.fleet.cache import ReadCache
+
+        self.gate, self.waiting, self.written = threading.Event(), threading.Event(), threading.Event()
+        real = ReadCache._write_cached
+
+        def held(cache, b, *args):
+            if b == bid:
+                self.waiting.set()
+                assert self.gate.wait(60), "the test never released the write"
+            try:
+                return real(cache, b, *args)
+            finally:
+                if b == bid:
+                    self.written.set()
+
+        monkeypatch.setattr(ReadCache, "_write_cached", held)
+
+
+def _capped_while_b2_is_written(tiny_llama, bucket_url, tmp_path, monkeypatch, seed: int, meanwhile) -> None:
+    """Three blocks in a cache capped at 2.5 of them: b0 and b1 cached, b2 fetched with its write held;
+    ``meanwhile(worker, blocks, held)`` reads b1 then b0 from the cache, after which b2 is the least recently
+    used: once its write ended the cache must hold b0 and b1, and every graft stays exact."""
     with _worker(tiny_llama, bucket_url, tmp_path, "a") as a:
-        blocks = [a.learn(long_text(60, seed=40 + i), name=f"b{i}") for i in range(3)]
-    gate, waiting = threading.Event(), threading.Event()
-    real = ReadCache._write_cached
-
-    def gated(self, bid, *args):
-        if bid == blocks[2].id:
-            waiting.set()
-            assert gate.wait(60), "the test never opened the gate"
-        return real(self, bid, *args)
-
-    monkeypatch.setattr(ReadCache, "_write_cached", gated)
+        blocks = [a.learn(long_text(60, seed=seed + i), name=f"b{i}") for i in range(3)]
+    held = _HeldWrite(monkeypatch, blocks[2].id)
     cap = int(max(b.state_size for b in blocks) * 2.5)
     with _worker(tiny_llama, bucket_url, tmp_path, "b", cache_bytes=cap) as b:
         shas = [b.ask(x.id, QUERY, max_tokens=1).receipt.first_logits_sha256 for x in blocks[:2]]
         b.store.flush()
         shas.append(b.ask(blocks[2].id, QUERY, max_tokens=1).receipt.first_logits_sha256)  # its write waits
-        assert waiting.wait(60)
-        for x in (blocks[1], blocks[0]):  # cache hits while b2's write is held: b2 is now the least recent
-            assert b.ask(x.id, QUERY, max_tokens=1).receipt.fetch_ms is None
-        gate.set()
+        assert held.waiting.wait(60)
+        meanwhile(b, blocks, held)
+        held.gate.set()
         b.store.flush()
-        assert b.store.cache_stats()["bytes"] <= cap
+        assert held.written.is_set() and b.store.cache_stats()["bytes"] <= cap
         assert {x.id for x in b.store.cache.list()} == {blocks[0].id, blocks[1].id}
         assert [b.ask(x.id, QUERY, max_tokens=1).receipt.first_logits_sha256 for x in blocks] == shas
+
+
+def test_a_write_behind_evicts_by_the_reads_that_passed_it(tiny_llama, bucket_url, tmp_path, monkeypatch):
+    """A fetched block's cache file is written behind the graft; reads of cached blocks may come in before
+    that write ends. Its eviction must follow the order of all those reads: the block it wrote is then the
+    least recently used, not one to keep (it kept it, and evicted a block read after it: found on a fast host)."""
+    def hits(b, blocks, held) -> None:
+        for x in (blocks[1], blocks[0]):  # cache hits while b2's write is held
+            assert b.ask(x.id, QUERY, max_tokens=1).receipt.fetch_ms is None
+
+    _capped_while_b2_is_written(tiny_llama, bucket_url, tmp_path, monkeypatch, 40, hits)
 
 
 def test_a_block_read_from_the_cache_is_not_evicted_by_a_write_that_ends_during_the_read(
@@ -238,43 +260,25 @@ def test_a_block_read_from_the_cache_is_not_evicted_by_a_write_that_ends_during_
     the read sees that block as the most recent one. It used to mark it after the read, so the eviction
     took the block being read for the least recently used (found on a fast host: the cache then lacked
     the block just asked)."""
-    from graftmem.store.fleet.cache import ReadCache
-
-    with _worker(tiny_llama, bucket_url, tmp_path, "a") as a:
-        blocks = [a.learn(long_text(60, seed=50 + i), name=f"b{i}") for i in range(3)]
-    gate, written, pause = threading.Event(), threading.Event(), threading.Event()
-    real_write, real_read = ReadCache._write_cached, Store.read_state
-
-    def gated_write(self, bid, *args):
-        if bid == blocks[2].id:
-            assert gate.wait(60), "the test never opened the gate"
-        try:
-            return real_write(self, bid, *args)
-        finally:
-            if bid == blocks[2].id:
-                written.set()
+    pause, real_read, blocks_of = threading.Event(), Store.read_state, {}
 
     def paused_read(self, bid, *args, **kw):
         out = real_read(self, bid, *args, **kw)
-        if bid == blocks[0].id and pause.is_set() and not gate.is_set():
-            gate.set()  # b2's write ends, and evicts, while this read of b0 is in progress
-            assert written.wait(60)
+        held = blocks_of.get(bid)
+        if held is not None and pause.is_set() and not held.gate.is_set():
+            held.gate.set()  # b2's write ends, and evicts, while this read of b0 is in progress
+            assert held.written.wait(60)
         return out
 
-    monkeypatch.setattr(ReadCache, "_write_cached", gated_write)
-    monkeypatch.setattr(Store, "read_state", paused_read)
-    cap = int(max(b.state_size for b in blocks) * 2.5)
-    with _worker(tiny_llama, bucket_url, tmp_path, "b", cache_bytes=cap) as b:
-        shas = [b.ask(x.id, QUERY, max_tokens=1).receipt.first_logits_sha256 for x in blocks[:2]]
-        b.store.flush()
-        shas.append(b.ask(blocks[2].id, QUERY, max_tokens=1).receipt.first_logits_sha256)  # its write waits
+    def hits(b, blocks, held) -> None:
         assert b.ask(blocks[1].id, QUERY, max_tokens=1).receipt.fetch_ms is None
+        blocks_of[blocks[0].id] = held
         pause.set()
         assert b.ask(blocks[0].id, QUERY, max_tokens=1).receipt.fetch_ms is None  # a hit; b2 written meanwhile
-        b.store.flush()
-        assert written.is_set() and b.store.cache_stats()["bytes"] <= cap
-        assert {x.id for x in b.store.cache.list()} == {blocks[0].id, blocks[1].id}
-        assert [b.ask(x.id, QUERY, max_tokens=1).receipt.first_logits_sha256 for x in blocks] == shas
+        assert held.written.is_set()
+
+    monkeypatch.setattr(Store, "read_state", paused_read)
+    _capped_while_b2_is_written(tiny_llama, bucket_url, tmp_path, monkeypatch, 50, hits)
 
 
 def test_bucket_down_is_a_clear_error_and_the_cache_stays(tiny_llama, tmp_path, monkeypatch):
