@@ -18,7 +18,8 @@ order of the two servers alternates per N and rep (the machines are shared and n
     python -m bench.concurrency --rss 4 --baseline /tmp/before   # RSS of 4 engines, this tree and another
 
 Threads: llama-server runs one process with every usable core (``-t C``); graftmem ``--engines E``
-sizes each engine to ``C // E`` threads (the pool's rule, logged at start). Results go to
+sizes each engine's prefill to ``C // E`` threads and decodes on ``C`` (the pool's rule, logged at start: a
+one-token call's bytes depend on its thread count, docs/exactness.md). Results go to
 ``bench/results/concurrency.json`` with the command, the git commit and the machine (lscpu).
 """
 
