@@ -175,8 +175,13 @@ class Exactness(_Strict):
     probe_tokens: int = 0
 
 
-def block_id_for(fingerprint: Fingerprint, tokens: list[int] | np.ndarray, parent: str | None = None) -> str:
-    """Content address of a block: SHA-256 over fingerprint identity, parent id and token ids."""
+def block_id_for(fingerprint: Fingerprint, tokens: list[int] | np.ndarray, parent: str | None = None,
+                 one_token_threads: int | None = None) -> str:
+    """Content address of a block: SHA-256 over fingerprint identity, parent id and token ids; for a state
+    whose cells include one-token calls, their thread count too (`graftmem.Engine.one_token_calls`: each
+    count computes its own bytes, so each gets its own block). Ids of every other block are unchanged."""
+    if one_token_threads is not None:
+        parent = f"{parent or ''}|one-token-threads={one_token_threads}"
     h = hashlib.sha256()
     h.update(fingerprint.digest().encode())
     h.update(b"\0" + (parent or "").encode() + b"\0")
@@ -289,11 +294,16 @@ class Block(_Strict):
         return self.pos_start + self.n_tokens
 
     @property
-    def one_token_from(self) -> Optional[int]:
-        """Where the first cell computed by a one-token call lies in this block's state (None: there is
-        none); such cells depend on the thread count (`graftmem.Engine.one_token_calls`)."""
+    def one_token_calls(self) -> Optional[dict[str, Any]]:
+        """What this block's state records of its one-token calls (``{"threads", "from"}``, from
+        `graftmem.Engine.one_token_calls`; None: it has none): such cells depend on the thread count."""
         calls = self.metadata.get("one_token_calls")
-        got = calls.get("from") if isinstance(calls, dict) else None
+        return calls if isinstance(calls, dict) else None
+
+    @property
+    def one_token_from(self) -> Optional[int]:
+        """Where the first cell computed by a one-token call lies in this block's state (None: there is none)."""
+        got = (self.one_token_calls or {}).get("from")
         return got if isinstance(got, int) else None
 
     @property

@@ -711,6 +711,11 @@ class Engine:
         return bool(self.config.flash_attn) and self.config.type_k == self.config.type_v \
             and self.config.type_k in ("f16", "f32")
 
+    def ends_with_one_token_call(self, n_tokens: int) -> bool:
+        """Whether `prefill` of ``n_tokens`` tokens makes its last call (``n_batch`` tokens a call) a
+        one-token call whose bytes depend on the thread count (`one_token_calls_split`)."""
+        return self.one_token_calls_split and n_tokens % self.config.n_batch == 1
+
     def one_token_calls(self, end: Optional[int] = None) -> Optional[dict[str, int]]:
         """What a block of the cells up to ``end`` (default: all) records of their one-token calls, when
         they have any whose bytes depend on the thread count (`one_token_calls_split`): ``{"threads":

@@ -139,13 +139,12 @@ def learn(engine: "Engine", store: "BlockStore", text: str, *, name: Optional[st
     if start + len(tokens) >= engine.n_ctx:
         raise ConfigError(f"text is {len(tokens)} tokens after {start} positions, the engine's n_ctx "
                           f"is {engine.n_ctx}: raise n_ctx or split the text")
-    salt = owned_parent(pblock.id if pblock is not None else None, owner)
-    if engine.one_token_calls_split and (len(tokens) % engine.fingerprint.n_batch == 1 or
-                                         (pblock is not None and pblock.one_token_from is not None)):
-        # its prefill ends with a one-token chunk (or grafts a parent with one): its state depends on the
-        # thread count (`Engine.one_token_calls`), so engines with other thread counts learn other blocks
-        salt = f"{salt or ''}|one-token-threads={engine.n_threads}"
-    bid = block_id_for(engine.fingerprint, tokens, salt)
+    # a prefill that ends with a one-token chunk (or grafts a parent with one) computes bytes of this thread
+    # count (`Engine.one_token_calls`): engines with other thread counts learn other blocks
+    one_token = engine.ends_with_one_token_call(len(tokens)) or \
+        (pblock is not None and pblock.one_token_from is not None)
+    bid = block_id_for(engine.fingerprint, tokens, owned_parent(pblock.id if pblock is not None else None, owner),
+                       engine.n_threads if one_token else None)
     if owner is not None:
         metadata = {**(metadata or {}), TENANT_KEY: owner}
     replace = False

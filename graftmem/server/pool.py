@@ -96,18 +96,17 @@ def pool_engines(first: "Engine", n: int) -> list["Engine"]:
     engines = [first]
     try:
         engines += [first.sibling() for _ in range(n - 1)]
-        if first.config.n_threads is None:
-            threads = threads_per_engine(n, cores)
-            for e in engines:  # every engine's one-token calls on the first's count: the same bytes
-                if (e.n_threads, e.n_threads_batch) != (first.n_threads, threads):
-                    e.set_threads(first.n_threads, threads)
+        sized = first.config.n_threads is None
+        batch = threads_per_engine(n, cores) if sized else first.n_threads_batch
+        for e in engines:  # every engine's one-token calls on the first's count (the same bytes), prefill on ``batch``
+            if (e.n_threads, e.n_threads_batch) != (first.n_threads, batch):
+                e.set_threads(first.n_threads, batch)
+        if sized:
+            threads = batch
             how = f"for prefill, sized to the cores (n_threads unset); {first.n_threads} for one-token calls"
         else:
             threads = first.config.n_threads
             how = "as configured"
-            for e in engines[1:]:  # one-token calls on the first's count (it may have been changed)
-                if (e.n_threads, e.n_threads_batch) != (first.n_threads, first.n_threads_batch):
-                    e.set_threads(first.n_threads, first.n_threads_batch)
             if n * threads > cores:
                 log.warning("serve: %d engines x %d threads exceed the %d usable cores: concurrent decodes will "
                             "wait on each other (leave n_threads unset to size it per engine)", n, threads, cores)

@@ -309,10 +309,8 @@ class PrefixCache:
                 salted = owned_parent(parent.id if parent is not None else None, tenant)
                 if salt is not None:
                     salted = f"{salted or ''}|{salt}"
-                own = calls[i - first] if i - first < len(calls) else None
-                if own:  # cells of one-token calls: each thread count stores its own block (`Engine.one_token_calls`)
-                    salted = f"{salted or ''}|one-token-threads={own['threads']}"
-                bid = block_id_for(self.fingerprint, tokens, salted)
+                own = calls[i - first] if i - first < len(calls) else None  # its one-token calls, if any
+                bid = block_id_for(self.fingerprint, tokens, salted, own["threads"] if own else None)
                 full: Optional[bytes] = None  # ``states`` may cut it on demand: only when it is needed
                 if self.store.contains(bid):
                     block = self.store.get(bid)

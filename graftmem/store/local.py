@@ -187,8 +187,8 @@ def incompatibility(block: Block, fingerprint: Fingerprint) -> IncompatibleBlock
     thread count (``metadata["one_token_calls"]``, `Engine.one_token_calls`), which must then be this
     engine's ``n_threads`` (llama.cpp's flash attention splits a one-token call by thread)."""
     diff = block.fingerprint.diff(fingerprint)
-    calls = block.metadata.get("one_token_calls") if isinstance(block.metadata, dict) else None
-    if isinstance(calls, dict) and calls.get("threads") != fingerprint.n_threads:
+    calls = block.one_token_calls
+    if calls is not None and calls.get("threads") != fingerprint.n_threads:
         diff = {**diff, "n_threads": (calls.get("threads"), fingerprint.n_threads)}
         if len(diff) == 1:
             return IncompatibleBlock(
