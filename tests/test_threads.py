@@ -183,3 +183,42 @@ def test_the_prompt_cache_finds_only_the_blocks_of_its_own_thread_count(tmp_path
         two.close()
         one.close()
         store.close()
+
+
+def test_a_served_prompt_s_learned_blocks_record_the_one_token_calls_in_their_cells(tmp_path):
+    """The prompt cache's blocks learned from a served request's own cells (`run_job`, no second
+    prefill) record the one-token calls those cells hold: with ``n_batch`` 2, a segment of odd length
+    ends with one. Expected from the segments' lengths alone: every block ending after the first such
+    call records it (``from`` = its position), every block ending before records nothing."""
+    import openai
+
+    from graftmem.server import api_server
+    from graftmem.store import Store
+
+    store = Store(tmp_path / "home")
+    seen: list[tuple[list[list[int]], int, int]] = []  # (segments, first learned, states) per store step
+    try:
+        with _engine(n_threads=2, n_batch=2, n_ubatch=2) as e, \
+                api_server(store, [e], min_prefix_tokens=4, sightings=1) as srv:
+            real = srv.cache.store_captured
+
+            def observed(engine, segments, texts, first, states, *a, **kw):
+                seen.append(([list(s) for s in segments], first, len(states)))
+                return real(engine, segments, texts, first, states, *a, **kw)
+
+            srv.cache.store_captured = observed  # pass-through: what was learned, from which segments
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+            msgs = [{"role": "system", "content": long_text(30, seed=3)}, {"role": "user", "content": "Hi there, my friend"},
+                    {"role": "assistant", "content": "Hello, how can I help?"}, {"role": "user", "content": "Thanks"}]
+            c.chat.completions.create(model="m", messages=msgs, max_tokens=1, temperature=0)
+            assert srv.openai.wait_idle()
+        (segments, first, n_states), = seen
+        assert first == 0 and n_states >= 2
+        ends = [sum(map(len, segments[:i + 1])) for i in range(len(segments))]
+        one_token_at = next(ends[i] - 1 for i, s in enumerate(segments) if len(s) % 2 == 1)
+        want = [{"threads": 2, "from": one_token_at} if one_token_at < end else None for end in ends[:n_states]]
+        assert any(want) and not all(want), (want, list(map(len, segments)))  # both kinds are learned here
+        blocks = {b.metadata["segment"]: b for b in store.list(kind="auto")}
+        assert [blocks[i].metadata.get("one_token_calls") for i in range(n_states)] == want
+    finally:
+        store.close()

@@ -435,16 +435,13 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
         if job.on_start is not None:
             job.on_start(restored, _new_tokens(segs, max(learn_from, first_seg), learn_k))
         captured: list[bytes] = []
-        calls: list[Optional[dict[str, int]]] = []  # what each captured state records of its one-token calls
         if learn_k > learn_from and not cut_later and first_seg == learn_from + 1:
             captured.append(engine.capture_copy())  # the kept cells end where the first learned segment does
-            calls.append(engine.one_token_calls())
         held = sum(map(len, captured))
         for i in range(first_seg, len(segs)):
             engine.prefill(segs[i])
             if not cut_later and i < learn_k and held < MAX_CAPTURE_BYTES and len(captured) == i - learn_from:
                 captured.append(engine.capture_copy())  # its own buffer: capture() reuses the engine's
-                calls.append(engine.one_token_calls())
                 held += len(captured[-1])
         # `engine.logits()` is a copy and `decode` never writes into its first logits: the same array can
         # be kept for the next request (and `Kept.first` is only ever read)
@@ -461,7 +458,9 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
         states: Sequence[bytes] = captured
         if cut_later and learn_k > learn_from and out.finish_reason != "cancelled":
             states = capture_prefixes(engine, ends[learn_from:learn_k])
-            calls = [engine.one_token_calls(e) for e in ends[learn_from:learn_k]]
+        # what each state records of its one-token calls: state j ends where segment learn_from + j does, and
+        # the decode after the captures only added cells past the prompt, so the engine still knows it
+        calls = [engine.one_token_calls(e) for e in ends[learn_from:learn_from + len(states)]]
         end: Optional[EndState] = None
         if job.capture_end and untrusted is None and can_keep(engine) and out.finish_reason in ("stop", "length") \
                 and engine.n_past + 1 < engine.n_ctx:
