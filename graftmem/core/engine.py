@@ -42,6 +42,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .blocks import EXTRA_BUFTS_ENV, FORMAT_VERSION, EngineConfig, Exactness, Fingerprint
 from .errors import ClosedError, ConfigError, EngineError
+from .grammar_limits import DEFAULT_GRAMMAR_LIMITS, GrammarLimits, check_gbnf, check_schema
 from .models import model_cache_dir, resolve_model
 
 __all__ = ["Engine", "Grammar", "json_grammar", "json_rules", "logits_sha256", "system_report", "KernelVerdict", "probe_kernels",
@@ -433,8 +434,10 @@ class Grammar:
     Not thread-safe: one grammar per answer.
     """
 
-    def __init__(self, engine: "Engine", gbnf: str, root: str = "root") -> None:
+    def __init__(self, engine: "Engine", gbnf: str, root: str = "root",
+                 limits: GrammarLimits = DEFAULT_GRAMMAR_LIMITS) -> None:
         engine._check()
+        check_gbnf(gbnf, limits)  # llama.cpp's parser recurses per nested group: a deep one kills the process
         self._smpl = C.llama_sampler_init_grammar(engine._vocab, gbnf.encode("utf-8"), root.encode())
         if not self._smpl:
             raise ConfigError(f"llama.cpp could not parse the grammar (root {root!r}); its log says why "
@@ -471,11 +474,14 @@ class Grammar:
             self.close()
 
 
-def json_grammar(schema: Optional[Mapping[str, Any]] = None) -> str:
+def json_grammar(schema: Optional[Mapping[str, Any]] = None, where: str = "schema",
+                 limits: GrammarLimits = DEFAULT_GRAMMAR_LIMITS) -> str:
     """GBNF for any JSON object (``schema=None``: OpenAI's ``json_object``) or for a JSON schema, with
-    llama.cpp's own schema converter (as llama-cpp-python ships it): the grammars llama-server uses."""
+    llama.cpp's own schema converter (as llama-cpp-python ships it): the grammars llama-server uses.
+    A schema over ``limits`` is a `ConfigError` naming the keyword's path under ``where``
+    (`graftmem.core.grammar_limits`)."""
     # an object at the top (schema None), as OpenAI's json_object mode promises
-    return json_rules(schema, "root")
+    return json_rules(schema, "root", where, limits)
 
 
 #: A JSON string's character as llama.cpp's C++ converter (``json-schema-to-grammar.cpp``) writes it.
@@ -503,7 +509,8 @@ def _converter(LG: Any) -> type:
     return Converter
 
 
-def json_rules(schema: Optional[Mapping[str, Any]], name: str) -> str:
+def json_rules(schema: Optional[Mapping[str, Any]], name: str, where: str = "schema",
+               limits: GrammarLimits = DEFAULT_GRAMMAR_LIMITS) -> str:
     """GBNF rules whose rule ``name`` matches the JSON values ``schema`` accepts (None: any object),
     for a grammar that puts JSON inside other text (a tool call between a model family's markers,
     `graftmem.core.toolcalls.call_grammar`), as llama.cpp's ``common_grammar_builder.add_schema`` does.
@@ -511,18 +518,24 @@ def json_rules(schema: Optional[Mapping[str, Any]], name: str) -> str:
     Why renamed: llama.cpp's converter names the rules of ``$defs`` after their last path element,
     so two schemas converted by one converter would share a rule named ``Item`` whatever each meant;
     each schema gets its own converter here, and every rule of it is called ``name`` or ``name-...``,
-    so the rules of several schemas join without a clash. ``name`` is letters, digits and ``-``."""
+    so the rules of several schemas join without a clash. ``name`` is letters, digits and ``-``.
+
+    The schema is checked against ``limits`` first (`graftmem.core.grammar_limits.check_schema`; errors
+    name the keyword's path under ``where``): the converter unrolls repetitions into nested groups."""
     from llama_cpp import llama_grammar as LG
 
     if not re.fullmatch(r"[a-zA-Z][a-zA-Z0-9-]*", name):
         raise ConfigError(f"a grammar rule name is letters, digits and -, got {name!r}")
+    check_schema(schema, where, limits)
     try:
         conv = _converter(LG)(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
         resolved = conv.resolve_refs(json.loads(json.dumps(dict(schema if schema is not None else {"type": "object"}))), "input")
         conv.visit(resolved, "")
         rules: dict[str, str] = dict(conv._rules)  # the converter keeps its rules here (name -> body)
     except Exception as exc:  # the converter raises bare errors on unsupported schema features
-        raise ConfigError(f"this JSON schema cannot be turned into a grammar: {exc}") from exc
+        err = ConfigError(f"{where}: this JSON schema cannot be turned into a grammar: {exc!r:.300}")
+        err.param = where  # type: ignore[attr-defined]
+        raise err from exc
     if "char" in rules:  # the Python port lets raw control characters into strings (invalid JSON that
         rules["char"] = _JSON_CHAR  # json.loads refuses); llama.cpp's C++ converter excludes them
     new = {old: name if old == "root" else f"{name}-{old}" for old in rules}
@@ -788,9 +801,10 @@ class Engine:
     def is_eog(self, token: int) -> bool:
         return bool(C.llama_vocab_is_eog(self._vocab, token))
 
-    def grammar(self, gbnf: str, root: str = "root") -> Grammar:
-        """A [`Grammar`][graftmem.core.engine.Grammar] over this engine's vocabulary, for `decode(grammar=)`."""
-        return Grammar(self, gbnf, root)
+    def grammar(self, gbnf: str, root: str = "root", limits: GrammarLimits = DEFAULT_GRAMMAR_LIMITS) -> Grammar:
+        """A [`Grammar`][graftmem.core.engine.Grammar] over this engine's vocabulary, for `decode(grammar=)`;
+        a grammar over ``limits`` (its size, its nesting) is a `ConfigError` before llama.cpp parses it."""
+        return Grammar(self, gbnf, root, limits)
 
     # ----------------------------------------------------------------- model metadata (chat templates)
     def metadata(self) -> dict[str, str]:

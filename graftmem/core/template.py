@@ -20,9 +20,11 @@ removed from the rendered text (as llama-server does), so the prompt holds one B
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import hashlib
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
@@ -35,6 +37,11 @@ if TYPE_CHECKING:
 __all__ = ["ChatTemplate", "TemplateError", "load_template", "model_template", "today"]
 
 log = logging.getLogger("graftmem")
+
+
+#: The longest text a render may produce (characters): as long as any text a verb accepts
+#: (`graftmem.memory.validate.MAX_TEXT_CHARS`); no context holds more.
+MAX_RENDER_CHARS = 4 << 20
 
 
 class TemplateError(ConfigError):
@@ -77,12 +84,69 @@ def _environments() -> tuple[Any, Any]:
 
     out = []
     for cls in (ImmutableSandboxedEnvironment, SandboxedEnvironment):
-        env = cls(loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True,
-                  extensions=[Generation, loopcontrols])
+        env = _bounded(cls)(loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True,
+                            extensions=[Generation, loopcontrols])
         env.filters["tojson"] = _tojson
+        env.filters = {k: _bounded_filter(f) for k, f in env.filters.items()}
         env.globals["raise_exception"] = raise_exception
         out.append(env)
     return out[0], out[1]
+
+
+#: The largest number a template may hand to an operation that allocates by it (a repeat count, a
+#: width, an exponent): one C call allocating gigabytes is not interrupted by the render's time budget
+#: (`graftmem.core.budget`), so it is refused before it starts. jinja's sandbox already caps ``range``.
+MAX_TEMPLATE_SIZE = 1 << 20
+
+
+def _too_big(*values: Any) -> bool:
+    return any(isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_TEMPLATE_SIZE for v in values)
+
+
+def _bounded(cls: Any) -> Any:
+    """``cls`` (a jinja sandbox) whose ``*``, ``**`` and ``%`` and whose calls refuse sizes over
+    `MAX_TEMPLATE_SIZE`: ``"x" * 10**9``, ``2 ** 10**9``, ``"%0999999999d" % 1``, ``s.ljust(10**9)``."""
+    from jinja2.exceptions import SecurityError
+
+    class Bounded(cls):  # type: ignore[misc,valid-type]
+        intercepted_binops = frozenset(["*", "**", "%"])
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if operator == "*" and isinstance(left, (str, list, tuple)) and isinstance(right, int):
+                big = len(left) * right > MAX_TEMPLATE_SIZE
+            elif operator == "*" and isinstance(right, (str, list, tuple)) and isinstance(left, int):
+                big = len(right) * left > MAX_TEMPLATE_SIZE
+            elif operator == "**":
+                big = _too_big(right) or (isinstance(right, int) and isinstance(left, int)
+                                          and abs(left).bit_length() * abs(right) > MAX_TEMPLATE_SIZE)
+            elif operator == "%" and isinstance(left, str):
+                big = any(int(w) > MAX_TEMPLATE_SIZE for w in re.findall(r"%[-+ #0]*(\d+)", left))
+            else:
+                big = False
+            if big:
+                raise SecurityError(f"the template asks for an operation over {MAX_TEMPLATE_SIZE} items")
+            return super().call_binop(context, operator, left, right)
+
+        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+            if _too_big(*args, *kwargs.values()):
+                raise SecurityError(f"the template passes a number over {MAX_TEMPLATE_SIZE} to {__obj!r:.60}")
+            return super().call(__context, __obj, *args, **kwargs)
+
+    return Bounded
+
+
+def _bounded_filter(fn: Any) -> Any:
+    """A filter that refuses a number argument over `MAX_TEMPLATE_SIZE` (``center(10**9)``, ``indent``...):
+    filters are called directly by the compiled template, not through the sandbox's ``call``."""
+    from jinja2.exceptions import SecurityError
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if _too_big(*args[1:], *kwargs.values()):
+            raise SecurityError(f"the template passes a number over {MAX_TEMPLATE_SIZE} to a filter")
+        return fn(*args, **kwargs)
+
+    return run
 
 
 _ENVS: Optional[tuple[Any, Any]] = None
@@ -199,6 +263,9 @@ class ChatTemplate:
             except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
                 raise TemplateError(f"chat template {self.name!r} failed on these messages: {exc!r}") from exc
         assert text is not None
+        if len(text) > MAX_RENDER_CHARS:
+            raise TemplateError(f"chat template {self.name!r} rendered {len(text)} characters, over the "
+                                f"{MAX_RENDER_CHARS}-character limit")
         if self.strip_bos and self.bos_token and text.startswith(self.bos_token):
             text = text[len(self.bos_token):]
         return text

@@ -29,7 +29,10 @@ import re
 import secrets
 import string
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
+
+if TYPE_CHECKING:
+    from .grammar_limits import GrammarLimits
 
 __all__ = ["ToolCallFormat", "Parsed", "FORMATS", "FORCEABLE", "tool_format", "parse", "call_id", "split_reasoning",
            "call_grammar"]
@@ -617,7 +620,7 @@ def _gemma(schema: Any, rules: dict[str, str], name: str) -> str:
 
 
 def call_grammar(fmt: ToolCallFormat, functions: Iterable[Mapping[str, Any]], *, parallel: bool = False,
-                 think_open: bool = False) -> str:
+                 think_open: bool = False, limits: Optional["GrammarLimits"] = None) -> str:
     """GBNF for an answer that is a call of one of ``functions`` (``{"name", "parameters"}``) in
     ``fmt``'s own syntax and nothing else: what ``tool_choice: "required"`` (all tools) or a named
     function (that one) asks for, as llama.cpp's ``common/chat.cpp`` builds it per family (not lazy:
@@ -626,13 +629,19 @@ def call_grammar(fmt: ToolCallFormat, functions: Iterable[Mapping[str, Any]], *,
     time. ``parallel``: one or more calls, else exactly one. ``think_open``: the prompt opened a
     ``<think>`` block, closed first (the forced answer does not think, as llama-server's).
 
-    A family not in `FORCEABLE` is a `ConfigError` (its call syntax has no grammar here)."""
+    A family not in `FORCEABLE` is a `ConfigError` (its call syntax has no grammar here). Every
+    function's schema is checked against ``limits`` first (`graftmem.core.grammar_limits`), whatever
+    the family writes its arguments with."""
     from .engine import json_rules  # llama.cpp's schema converter: only the engine module imports llama_cpp
     from .errors import ConfigError
+    from .grammar_limits import DEFAULT_GRAMMAR_LIMITS, check_schema
 
+    limits = limits or DEFAULT_GRAMMAR_LIMITS
     fns = list(functions)
     if not fns:
         raise ConfigError("a forced tool call needs at least one function")
+    for fn in fns:
+        check_schema(fn.get("parameters"), f"tools.{fn['name']}.parameters", limits)
     if fmt.name not in FORCEABLE:
         raise ConfigError(f"tool calls of the {fmt.name!r} format cannot be forced by a grammar on this server "
                           f"(forceable: {', '.join(sorted(FORCEABLE))}); use tool_choice \"auto\"")
@@ -647,11 +656,12 @@ def call_grammar(fmt: ToolCallFormat, functions: Iterable[Mapping[str, Any]], *,
             required = set(params.get("required") or []) if isinstance(params, Mapping) else set()
             parts = []
             for j, (key, sub) in enumerate((props or {}).items()):
-                rules.append(json_rules(sub if isinstance(sub, Mapping) else {}, f"fn{i}-p{j}"))
+                rules.append(json_rules(sub if isinstance(sub, Mapping) else {}, f"fn{i}-p{j}",
+                                        f"tools.{name}.parameters.properties.{key}", limits))
                 one = f"{_lit(k_head + key + k_after)} fn{i}-p{j} {_lit(k_tail)}"
                 parts.append(one if key in required else f"( {one} )?")
             if props is None and fmt.name == "qwen-xml":  # no properties: Functionary's JSON body
-                rules.append(json_rules(params, f"fn{i}-args"))
+                rules.append(json_rules(params, f"fn{i}-args", f"tools.{name}.parameters", limits))
                 parts.append(f"fn{i}-args")
             calls.append(_seq(_lit(head + name + after_name), *parts, _lit(tail)))
             continue
@@ -659,7 +669,7 @@ def call_grammar(fmt: ToolCallFormat, functions: Iterable[Mapping[str, Any]], *,
             calls.append(f"{_lit('<|tool_call>call:' + name)} {_gemma(params, gemma, f'fn{i}-args')} "
                          f"{_lit('<tool_call|>')}?")
             continue
-        rules.append(json_rules(params, f"fn{i}-args"))
+        rules.append(json_rules(params, f"fn{i}-args", f"tools.{name}.parameters", limits))
         if fmt.name in _NAMED_CALLS:
             _, before, between, after, _ = _NAMED_CALLS[fmt.name]
             calls.append(_seq(_lit(before + name + between), f"fn{i}-args", _lit(after) if after else ""))

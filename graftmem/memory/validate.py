@@ -12,11 +12,14 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Iterable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
 
 from ..core.blocks import Scope
 from ..core.errors import ConfigError
 from .router import LEX_WEIGHT
+
+if TYPE_CHECKING:
+    from ..core.grammar_limits import GrammarLimits
 
 __all__ = ["text", "integer", "flag", "score", "choice", "ids", "metadata", "path", "instance", "scope",
            "max_tokens", "response_format", "MAX_TEXT_CHARS"]
@@ -139,14 +142,16 @@ def scope(user_id: Any, agent_id: Any, session_id: Any) -> Scope:
     return Scope(user_id=user_id, agent_id=agent_id, session_id=session_id)
 
 
-def response_format(value: Any, name: str = "response_format") -> Optional[str]:
+def response_format(value: Any, name: str = "response_format",
+                    limits: Optional["GrammarLimits"] = None) -> Optional[str]:
     """The grammar (GBNF) that OpenAI's ``response_format`` asks for, or None for free text.
 
     ``{"type": "text"}`` (or None): free text. ``{"type": "json_object"}``: any JSON object.
     ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``: JSON that
     the schema accepts (strict or not: the grammar always enforces it, as llama-server does). The
     grammar is built with llama.cpp's own schema converter (`graftmem.core.engine.json_grammar`); a
-    schema it cannot express is a `ConfigError` before any work.
+    schema it cannot express, or one over ``limits`` (`graftmem.core.grammar_limits`: repetitions, enum
+    sizes, ...), is a `ConfigError` naming the keyword's path, before any work.
     """
     if value is None:
         return None
@@ -164,8 +169,7 @@ def response_format(value: Any, name: str = "response_format") -> Optional[str]:
         if not isinstance(spec, Mapping) or not isinstance(spec.get("schema", {}), Mapping):
             raise _error(name, f"{name}.json_schema must be an object with a \"schema\" object")
         schema = spec.get("schema") or {}
-        try:
-            return json_grammar(schema)
-        except ConfigError as exc:
-            raise _error(name, f"{name}.json_schema: {exc}") from None
+        if limits is None:
+            return json_grammar(schema, f"{name}.json_schema.schema")
+        return json_grammar(schema, f"{name}.json_schema.schema", limits)
     raise _error(name, f"{name}.type must be text, json_object or json_schema, got {kind!r:.40}")

@@ -44,6 +44,7 @@ from ..core.blocks import Receipt
 from ..core.decoding import AnswerText, Sampling, decode
 from ..core.engine import logits_sha256
 from ..core.errors import GraftmemError
+from ..core.grammar_limits import DEFAULT_GRAMMAR_LIMITS, GrammarLimits
 from ..memory.verbs import MemoryVerbs, first_untrusted, weakest_provenance
 from ..store.chain import chain_of
 from .prefix import AUTO_KIND, prefix_keys, segment_ends
@@ -94,6 +95,8 @@ class Job:
     tenant: Optional[str] = None
     #: a GBNF grammar the answer must follow (``response_format``; `graftmem.memory.validate.response_format`)
     grammar: Optional[str] = None
+    #: what ``grammar`` may cost (`graftmem.core.grammar_limits`; the server's `Limits.grammar`)
+    grammar_limits: GrammarLimits = DEFAULT_GRAMMAR_LIMITS
     #: a stored chain this prompt continues (a Responses ``previous_response_id``): its blocks are the
     #: prompt's first ``base.n_segments`` segments and it is grafted (or found in RAM) instead of looked up
     base: Optional["Match"] = None
@@ -447,7 +450,7 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
         # be kept for the next request (and `Kept.first` is only ever read)
         first = engine.logits() if kept_first is None else kept_first
         t2 = time.perf_counter()
-        grammar = engine.grammar(job.grammar) if job.grammar else None
+        grammar = engine.grammar(job.grammar, limits=job.grammar_limits) if job.grammar else None
         try:
             out = decode(engine, job.max_tokens, first_logits=first, sampling=job.sampling, on_token=on_token,
                          top_logprobs=job.top_logprobs if job.logprobs else 0, grammar=grammar)

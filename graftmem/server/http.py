@@ -33,6 +33,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..core.errors import ConfigError, UnverifiedBlock
+from ..core.grammar_limits import DEFAULT_GRAMMAR_LIMITS, GrammarLimits
 from .tenants import TENANT_STATE, ApiKeys
 
 #: paths the API key does not guard: the health probe (`graftmem.server.metrics`)
@@ -78,6 +79,12 @@ class Limits:
     max_connections: Optional[int] = None
     #: the JSON nesting a request body may have (deeper is a 400 before it is parsed)
     max_json_depth: int = 64
+    #: what a ``response_format`` schema or a forced tool call's schemas may cost once made a grammar
+    #: (repetitions, enum sizes, properties, the grammar's size and nesting; `graftmem.core.grammar_limits`)
+    grammar: GrammarLimits = DEFAULT_GRAMMAR_LIMITS
+    #: seconds a request's prompt may take to render, tokenize and cut into segments (in a worker
+    #: thread; past it the work is stopped and the request is a 400: `graftmem.core.budget`)
+    render_timeout: float = 10.0
 
 
 class HTTPError(Exception):

@@ -36,14 +36,17 @@ import threading
 import time
 import uuid
 from concurrent import futures
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional, Sequence, TypeVar
 
+import anyio.to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
+from ..core.budget import Overrun, within
 from ..core.decoding import Sampling
 from ..core.errors import ConfigError, GraftmemError
+from ..core.grammar_limits import check_schema
 from ..core.prompt import detect_format, request_template
 from ..core.toolcalls import call_grammar, split_reasoning, tool_format
 from ..memory import validate as check
@@ -69,6 +72,7 @@ __all__ = ["OpenAIRoutes", "RECEIPT_HEADER"]
 log = logging.getLogger("graftmem")
 
 RECEIPT_HEADER = "X-Graftmem-Receipt"
+T = TypeVar("T")
 DEFAULT_MAX_TOKENS = 256
 
 
@@ -168,8 +172,8 @@ class OpenAIRoutes:
             {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "graftmem"}]})
 
     # ------------------------------------------------------------------ parsing
-    def _job(self, body: dict[str, Any], segments: list[list[int]], texts: list[str], *, chat: bool,
-             tools: Optional[ToolSpec] = None) -> Job:
+    async def _job(self, body: dict[str, Any], segments: list[list[int]], texts: list[str], *, chat: bool,
+                   tools: Optional[ToolSpec] = None) -> Job:
         if body.get("n", 1) != 1:
             raise HTTPError(400, "n must be 1: this server generates one choice per request", param="n",
                             code="unsupported_value")
@@ -212,14 +216,41 @@ class OpenAIRoutes:
                                 seed=None if seed is None else seed % (2 ** 63))
         except ConfigError as exc:
             raise HTTPError(400, str(exc), code="invalid_value") from exc
-        grammar = check.response_format(body.get("response_format"))
+        grammar = None
+        fmt = body.get("response_format")
+        if (tools is not None and tools.forced) or not (fmt is None or isinstance(fmt, dict) and fmt.get("type") == "text"):
+            # converted and compiled in a worker thread: bounded by `Limits.grammar` (checked first), but a
+            # schema of 100,000 enum values once held the event loop 13 s
+            grammar = await self.budgeted(lambda: self._grammar(fmt, tools, texts), "making the answer's grammar",
+                                          "response_format")
+        return Job(segments=segments, texts=texts, max_tokens=max_tokens, sampling=sampling, stops=stops,
+                   logprobs=logprobs, top_logprobs=top, use_cache=cache, learn_tail=2 if chat else 1,
+                   allow_unverified=consent or self.allow_unverified, grammar=grammar,
+                   grammar_limits=self.limits.grammar)
+
+    def _check_schemas(self, body: dict[str, Any], tools: Optional[ToolSpec]) -> None:
+        """The schemas a grammar will be made of, checked against `Limits.grammar` (a walk, no conversion)
+        before the request's prompt is rendered and tokenized: a 100,000-value enum in a forced tool's
+        schema was otherwise rendered into a 900,000-token prompt first."""
+        limits = self.limits.grammar
+        fmt = body.get("response_format")
+        if isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("json_schema"), dict):
+            check_schema(fmt["json_schema"].get("schema"), "response_format.json_schema.schema", limits)
+        if tools is not None and tools.forced:
+            for f in tools.functions:
+                if f["name"] in tools.forced:
+                    check_schema(f.get("parameters"), f"tools.{f['name']}.parameters", limits)
+
+    def _grammar(self, fmt: Any, tools: Optional[ToolSpec], texts: list[str]) -> Optional[str]:
+        """The answer's grammar: a forced call's (`call_grammar`), else ``response_format``'s; checked
+        against `Limits.grammar` before conversion (`graftmem.core.grammar_limits`) and compiled once
+        here, so a grammar llama.cpp refuses is a 400 now, not a 500 in the middle of a stream."""
+        grammar = check.response_format(fmt, limits=self.limits.grammar)
         if tools is not None and tools.forced:  # the answer is a call: its grammar, not the text's format
             grammar = self.call_grammar(tools, texts)
         if grammar is not None:
-            self.engine0.grammar(grammar).close()  # a grammar llama.cpp refuses is a 400 now, not a 500 later
-        return Job(segments=segments, texts=texts, max_tokens=max_tokens, sampling=sampling, stops=stops,
-                   logprobs=logprobs, top_logprobs=top, use_cache=cache, learn_tail=2 if chat else 1,
-                   allow_unverified=consent or self.allow_unverified, grammar=grammar)
+            self.engine0.grammar(grammar, limits=self.limits.grammar).close()
+        return grammar
 
     def call_grammar(self, tools: ToolSpec, texts: list[str]) -> str:
         """The grammar of a forced call (``tool_choice: "required"`` or a named function) in the call
@@ -231,9 +262,10 @@ class OpenAIRoutes:
         think_open = self.template is not None and "</think>" in self.template.source and \
             bool(texts) and texts[-1].rstrip().endswith("<think>")
         try:
-            return call_grammar(tools.fmt, fns, parallel=tools.parallel, think_open=think_open)
+            return call_grammar(tools.fmt, fns, parallel=tools.parallel, think_open=think_open,
+                                limits=self.limits.grammar)
         except ConfigError as exc:
-            raise HTTPError(400, f"tool_choice: {exc}", param="tool_choice") from exc
+            raise HTTPError(400, f"tool_choice: {exc}", param=getattr(exc, "param", None) or "tool_choice") from exc
 
     async def _parse(self, request: Request) -> dict[str, Any]:
         raw = await read_body(request, self.limits.max_body_bytes, self.limits.body_timeout)
@@ -257,6 +289,7 @@ class OpenAIRoutes:
             raise HTTPError(400, f"model {self.model_id!r} has no chat template graftmem knows; use "
                             "/v1/completions", code="unsupported_model")
         tools = self.tool_spec(body)
+        self._check_schemas(body, tools)  # a grammar bomb is refused before its request is rendered
         notes: Optional[list[str]] = None
         literal = None
         kwargs = body.get("chat_template_kwargs") or {}
@@ -289,14 +322,13 @@ class OpenAIRoutes:
                 notes.append("the segments do not tokenize apart as the whole prompt: served as one segment")
             return texts, segments, notes, literal
 
-        # a large body is rendered and tokenized in a worker thread: the event loop keeps serving
-        texts, segments, notes, literal = await off_loop(
-            sum(len(str(m)) for m in body.get("messages") or [] if isinstance(m, dict)), prompt)
+        # rendered and tokenized in a worker thread, within the render budget: the event loop keeps serving
+        texts, segments, notes, literal = await self.budgeted(prompt)
         stops = list(itertools.accumulate(map(len, texts)))  # each segment's end, in characters
         cuts = {bisect.bisect_right(stops, ends[k - 1]) for k in marks if 0 < k <= len(ends)}
         n_before = len(segments)
         routed = await self._recall(body, segments, texts, tenant_of(request.scope))
-        job = self._job(body, segments, texts, chat=True, tools=tools)
+        job = await self._job(body, segments, texts, chat=True, tools=tools)
         if joined and joined[-1] and n_before > 1:  # (not when the prompt fell back to one segment)
             job.learn_tail = 1  # the last segment is the header's last token: only it is never learned
         job.extra = routed
@@ -312,6 +344,22 @@ class OpenAIRoutes:
         if notes:
             job.extra = {**(routed or {}), "template": {"notes": notes}}
         return job, tools
+
+    async def budgeted(self, fn: Callable[[], T], what: str = "rendering this request's prompt",
+                       param: str = "messages") -> T:
+        """``fn()`` (a request's render, tokenization and segment cuts: work its data controls) in a worker
+        thread, stopped past ``Limits.render_timeout`` (`graftmem.core.budget.within`): a chat template
+        that loops on a trigger word once held the event loop, so that ``/health`` stopped answering
+        and SIGINT could not stop the process. Past the budget the request is a 400 naming ``param``;
+        the thread is free. A schema's conversion to a grammar runs under the same budget."""
+        timeout = self.limits.render_timeout
+        try:
+            return await anyio.to_thread.run_sync(within, timeout, fn)
+        except Overrun:
+            log.warning("serve: %s took longer than %g s and was stopped", what, timeout)
+            raise HTTPError(400, f"{what} took longer than this server's {timeout:g} s budget (the request is "
+                            "too costly: its template, messages or schema); it was stopped",
+                            param=param, code="render_timeout") from None
 
     def tool_spec(self, body: dict[str, Any]) -> Optional[ToolSpec]:
         """The request's tools (``tools`` / ``tool_choice`` in the chat shape), in the call grammar the
@@ -382,7 +430,7 @@ class OpenAIRoutes:
             return chunk_prompt(engine, prompt)
 
         segments, texts = await off_loop(len(prompt), cut)
-        job = self._job(body, segments, texts, chat=False)
+        job = await self._job(body, segments, texts, chat=False)
         job.tenant = tenant_of(request.scope)
         return await self._serve(request, body, job, chat=False)
 

@@ -57,7 +57,7 @@ from ..core.blocks import AUTO_KIND
 from ..memory.verbs import first_untrusted
 from ..store.chain import chain_of
 from .chat import continuation_segments
-from .http import HTTPError, guarded, off_loop, sse
+from .http import HTTPError, guarded, sse
 from .openai import RECEIPT_HEADER, OpenAIRoutes, job_events
 from .prefix import Match
 from .tenants import owner_of, tenant_of
@@ -543,11 +543,11 @@ class ResponsesRoutes:
                                                 cache=oa.tokens)
             return chain, texts, segs
 
-        chain, texts, segs = await off_loop(sum(len(str(m)) for m in new), build)
+        chain, texts, segs = await oa.budgeted(build)
         if not segs:
             raise _bad("input", "input renders as nothing to add to the conversation", "invalid_value")
-        job = oa._job(chat, [list(b.tokens) for b in chain] + segs, [b.text for b in chain] + texts, chat=True,
-                      tools=tools)
+        job = await oa._job(chat, [list(b.tokens) for b in chain] + segs, [b.text for b in chain] + texts, chat=True,
+                            tools=tools)
         job.tenant = tenant_of(request.scope)
         job.base = Match(block, len(chain), block.pos_end, tuple(chain), first_untrusted(chain))
         if oa.cache is not None:

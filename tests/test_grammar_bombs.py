@@ -1,0 +1,225 @@
+"""No request can crash or freeze the server through a grammar or a chat template (issue 37).
+
+A ~200-byte JSON schema (``maxLength: 30000``) once killed `graftmem serve` (SIGSEGV: llama.cpp's GBNF
+parser recursed once per nested group the converter wrote), through every door that builds a grammar;
+a chat template that loops on a trigger word held the event loop. Here each bomb goes through every
+door of a real server process and must come back a 4xx naming the field while the process lives; a
+looping template is stopped within its budget, with ``/health`` answering while it runs. Every loop
+here is bounded; everything is on 127.0.0.1 and on ports these tests opened."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from graftmem.core.errors import ConfigError
+from graftmem.core.grammar_limits import DEFAULT_GRAMMAR_LIMITS, check_gbnf, check_schema
+from graftmem.memory import validate as check
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: (name, schema, the keyword the refusal must name)
+BOMBS = [
+    ("maxLength", {"type": "string", "maxLength": 30000}, "maxLength"),
+    ("minLength", {"type": "string", "minLength": 100000}, "minLength"),
+    ("maxItems", {"type": "array", "items": {"type": "string"}, "maxItems": 100000}, "maxItems"),
+    ("nested-maxLength", {"type": "object", "properties": {"a": {"type": "array", "items": {
+        "type": "object", "properties": {"b": {"type": "string", "maxLength": 50000}}}}}},
+     "properties.a.items.properties.b.maxLength"),
+    ("pattern", {"type": "string", "pattern": "^(a|b){0,100000}$"}, "pattern"),
+    ("nested-pattern", {"type": "string", "pattern": "^((a{0,400}){0,400}){0,400}$"}, "pattern"),
+    ("enum", {"enum": [f"value-{i}" for i in range(100_000)]}, "enum"),
+    ("many-lengths", {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 500}
+                                                       for i in range(100)}}, "maxLength"),
+    ("float-bound", {"type": "string", "maxLength": 1e9}, "maxLength"),
+]
+
+
+@pytest.mark.parametrize("name,schema,keyword", BOMBS, ids=[b[0] for b in BOMBS])
+def test_a_bomb_schema_is_refused_before_conversion_naming_its_keyword(name, schema, keyword):
+    with pytest.raises(ConfigError) as info:
+        check.response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    param = getattr(info.value, "param", "")
+    assert param.startswith("response_format.json_schema.schema"), param
+    assert keyword in str(info.value) or keyword.split(".")[-1] in param, (param, str(info.value))
+
+
+def test_real_schemas_still_become_grammars():
+    """What agents send (pydantic-ai / instructor models: bounded strings, lists, enums, refs, recursion)."""
+    person = {"type": "object", "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 200},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 20},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "phone": {"type": "string", "pattern": "^[0-9]{3}-[0-9]{4}$"},
+        "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+        "required": ["name", "age"],
+        "$defs": {"node": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}}}
+    grammar = check.response_format({"type": "json_schema", "json_schema": {"name": "p", "schema": person}})
+    assert grammar and "root ::=" in grammar
+    check_gbnf(grammar)  # and under the grammar limits too
+    # an enum at the limit, and 250 long values, still pass
+    check_schema({"enum": [f"v{i}" for i in range(DEFAULT_GRAMMAR_LIMITS.max_enum_values)]})
+    check_schema({"enum": ["x" * 50 for _ in range(250)]})
+
+
+def test_a_deeply_nested_grammar_is_refused_before_llama_cpp_parses_it():
+    """The last guard, for any grammar from any door or the SDK: in a child process, since without it
+    llama.cpp's parser overflows the stack (a crash, not an exception) at 30,000 levels."""
+    code = ("from graftmem.core.engine import Engine, Grammar\n"
+            "from graftmem.core.errors import ConfigError\n"
+            "e = Engine('smollm2')\n"
+            "try:\n"
+            "    Grammar(e, 'root ::= ' + '(\"a\" ' * 30000 + ')?' * 30000)\n"
+            "except ConfigError as exc:\n"
+            "    print('REFUSED', exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, (out.returncode, out.stderr[-500:])
+    assert "REFUSED" in out.stdout and "nests groups 30000 deep" in out.stdout, out.stdout
+
+
+# ---------------------------------------------------------------------------------------- a real server
+
+@pytest.fixture(scope="module")
+def server_process(tmp_path_factory):
+    """``graftmem serve`` (SmolLM2) in its own process: a crash there is seen as a dead process."""
+    home = tmp_path_factory.mktemp("bombs")
+    env = {**os.environ, "GRAFTMEM_HOME": str(home), "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "graftmem", "serve", "--port", "0", "--no-warm", "--no-learn"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        url = None
+        for _ in range(50):  # bounded: the banner comes within a few lines
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            if not line:
+                break
+            m = re.search(r"(http://127\.0\.0\.1:\d+)", line)
+            if m:
+                url = m.group(1)
+                break
+        assert url, "the server did not start"
+        yield proc, url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=20)
+
+
+def _doors(schema: dict) -> list[tuple[str, dict]]:
+    """The five doors that build a grammar, each asked for ``schema``."""
+    msg = [{"role": "user", "content": "Hi"}]
+    fn = {"name": "f", "description": "f", "parameters": {"type": "object", "properties": {"x": schema}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    return [
+        ("/v1/chat/completions", {"model": "m", "max_tokens": 4, "messages": msg, "response_format": fmt}),
+        ("/v1/chat/completions", {"model": "m", "max_tokens": 4, "messages": msg,
+                                  "tools": [{"type": "function", "function": fn}], "tool_choice": "required"}),
+        ("/v1/completions", {"model": "m", "max_tokens": 4, "prompt": "Hi", "response_format": fmt}),
+        ("/v1/responses", {"model": "m", "max_output_tokens": 4, "input": "Hi",
+                           "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}}),
+        ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": msg, "tool_choice": {"type": "any"},
+                          "tools": [{"name": "f", "description": "f", "input_schema": {
+                              "type": "object", "properties": {"x": schema}}}]}),
+    ]
+
+
+@pytest.mark.parametrize("name,schema,keyword", [b for b in BOMBS if b[0] in
+                                                 ("maxLength", "maxItems", "pattern", "enum", "nested-pattern")],
+                         ids=lambda v: v if isinstance(v, str) else "")
+def test_every_door_answers_a_grammar_bomb_with_a_4xx_and_the_server_lives(server_process, name, schema, keyword):
+    proc, url = server_process
+    with httpx.Client(base_url=url, timeout=120) as client:
+        for path, body in _doors(schema):
+            r = client.post(path, json=body)
+            assert proc.poll() is None, f"the server died on {name} through {path}"
+            assert r.status_code == 400, (path, r.status_code, r.text[:300])
+            assert keyword.split(".")[-1] in r.text and "limit" in r.text, (path, r.text[:300])
+        assert client.get("/health").status_code == 200
+        # and it still answers an honest request with a schema
+        ok = client.post("/v1/chat/completions", json={"model": "m", "max_tokens": 8, "temperature": 0,
+                         "messages": [{"role": "user", "content": "Hi"}], "response_format": {
+                             "type": "json_schema", "json_schema": {"name": "x", "schema": {
+                                 "type": "object", "properties": {"a": {"type": "string", "maxLength": 5}}}}}})
+        assert ok.status_code == 200, ok.text[:300]
+
+
+# ---------------------------------------------------------------------------------------- templates
+
+#: A template that renders like a plain chat, except that a user's trigger word makes it loop ~10^10 times.
+LOOPING = ("{% for m in messages %}{% if 'TRIGGER' in m['content'] %}"
+           "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}{% endif %}"
+           "<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def _rendering_threads() -> int:
+    """Threads whose stack is inside a jinja template right now."""
+    return sum(any(f.f_code.co_filename == "<template>" for f in _stack(frame))
+               for frame in sys._current_frames().values())
+
+
+def _stack(frame):
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
+def test_a_template_that_loops_is_stopped_and_health_answers_meanwhile(smol, tmp_path):
+    from graftmem.server import api_server
+    from graftmem.server.config import ServeConfig
+    from graftmem.server.http import Limits
+    from graftmem.store.local import Store
+
+    tpl = tmp_path / "loop.jinja"
+    tpl.write_text(LOOPING)
+    config = ServeConfig(api=True, learn=False, warm=False, chat_template=str(tpl),
+                         limits=Limits(render_timeout=3.0))
+    with api_server(Store(tmp_path / "home"), [smol], config) as srv:
+        with httpx.Client(base_url=srv.url, timeout=60) as client:
+            got: dict = {}
+
+            def ask() -> None:
+                got["r"] = client.post("/v1/chat/completions", json={
+                    "model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "say TRIGGER"}]})
+
+            t = threading.Thread(target=ask)
+            t.start()
+            deadline = time.monotonic() + 30
+            while _rendering_threads() == 0 and time.monotonic() < deadline and t.is_alive():
+                time.sleep(0.01)
+            assert _rendering_threads() > 0, "the looping render never started"
+            # the render is running right now: the event loop still answers
+            assert httpx.get(srv.url + "/health", timeout=2).status_code == 200
+            t.join(60)
+            assert not t.is_alive()
+            r = got["r"]
+            assert r.status_code == 400, r.text[:300]
+            assert r.json()["error"]["code"] == "render_timeout", r.text[:300]
+            assert _rendering_threads() == 0, "the stopped render is still spinning in its thread"
+            ok = client.post("/v1/chat/completions", json={"model": "m", "max_tokens": 2, "messages": [
+                {"role": "user", "content": "Hello"}]})
+            assert ok.status_code == 200, ok.text[:300]
+
+
+@pytest.mark.parametrize("expr", ['"x" * 1000000000', "2 ** 100000000", '"%0999999999d" % 1',
+                                  '"a"|center(1000000000)', '"a".ljust(1000000000)'])
+def test_a_template_cannot_allocate_gigabytes_in_one_call(expr):
+    """One C call is not interrupted by the time budget: the sandbox refuses the size before it starts."""
+    from graftmem.core.template import ChatTemplate, TemplateError
+
+    with pytest.raises(TemplateError):
+        ChatTemplate("{{ " + expr + " }}").render([{"role": "user", "content": "hi"}])
+    assert ChatTemplate('{{ "ab" * 3 }}{{ 2 ** 10 }}{{ "%05d" % 3 }}{{ "a"|center(5) }}').render([]) == \
+        "ababab102400003  a  "
