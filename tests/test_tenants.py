@@ -16,7 +16,8 @@ import httpx
 import openai
 import pytest
 
-from graftmem import Memory
+from graftmem import ConfigError, Memory
+from graftmem.cli import main
 from graftmem.server import AUTO_KIND, RECEIPT_HEADER, ApiKeys, api_server, hash_key
 from graftmem.store.local import Store
 
@@ -57,6 +58,22 @@ def test_the_key_file_is_hashed_and_checked(key_file, tmp_path):
         bad.write_text(text)
         with pytest.raises(Exception, match="expected|twice|no key"):
             ApiKeys.load(bad)
+
+
+def test_two_tenants_with_one_key_are_refused_at_start(tmp_path, capsys):
+    """Two tenants with the same key hash used to start silently: every request with the key was the
+    second tenant's, and the first could never log in. Refused at start, naming both tenants, not the key."""
+    same = hash_key("one-key-for-two-tenants")
+    bad = tmp_path / "keys.txt"
+    bad.write_text(f"alice {hash_key(KEYS['alice'])}\ncarol {same}\nbob {same}\n")
+    with pytest.raises(ConfigError, match="'carol' and 'bob' have the same API key") as err:
+        ApiKeys.load(bad)
+    assert same[7:] not in str(err.value) and "one-key" not in str(err.value)
+    with pytest.raises(ConfigError, match="'carol' and 'bob'"):  # built in code, not from a file
+        ApiKeys((("carol", bytes.fromhex(same[7:])), ("bob", bytes.fromhex(same[7:]))))
+    assert main(["serve", "--blocks-only", "--home", str(tmp_path / "home"), "--api-key-file", str(bad)]) == 2
+    out = capsys.readouterr()
+    assert "'carol' and 'bob' have the same API key" in out.err and same[7:] not in out.err + out.out
 
 
 def test_tenant_b_never_reaches_tenant_a_s_prefixes_or_blocks(tiny_llama, key_file, tmp_path):
