@@ -173,3 +173,51 @@ def test_metrics_count_written_blocks_store_grafts_and_refused_blocks(tiny_llama
         assert srv.openai.wait_idle()
         s = _samples(httpx.get(srv.url + "/metrics", headers={"x-api-key": KEY}).text)
         assert s["graftmem_verify_failures_total"] == 1
+
+
+def test_with_tenants_each_key_reads_its_own_counters_and_the_operator_key_the_server_s(tiny_llama, tmp_path):
+    """Issue 37: /metrics was global, so tenant B read tenant A's cached tokens (a hit on a block B shared
+    told B what A's prompt held). With a key file each key reads its own counters; the operator's metrics
+    key (``serve --metrics-key``) reads the whole server's, on /metrics and /v1/info only."""
+    import pytest
+
+    from graftmem import ConfigError
+    from graftmem.server import ApiKeys, hash_key
+
+    keys = {"alice": "alice-key-0123456789", "bob": "bob-key-9876543210"}
+    op = "operator-metrics-key-1"
+    p = tmp_path / "keys.txt"
+    p.write_text("".join(f"{n} {hash_key(k)}\n" for n, k in keys.items()))
+    tenants = ApiKeys.load(p)
+    with pytest.raises(ConfigError, match="also tenant 'bob'"):
+        api_server(Store(tmp_path / "h2"), [tiny_llama], api_key=tenants, metrics_key=keys["bob"])
+    with pytest.raises(ConfigError, match="needs API keys"):
+        api_server(Store(tmp_path / "h3"), [tiny_llama], metrics_key=op)
+    with api_server(Store(tmp_path / "home"), [tiny_llama], api_key=tenants, metrics_key=op) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key=keys["alice"], max_retries=0)
+        for _ in range(2):
+            out = c.chat.completions.create(model="m", max_tokens=2, temperature=0, messages=[
+                {"role": "system", "content": "You are terse. " * 20}, {"role": "user", "content": "Hi"}])
+        assert out.usage.prompt_tokens_details.cached_tokens > 0
+        assert srv.openai.wait_idle()
+        assert httpx.get(srv.url + "/metrics", headers={"x-api-key": "not-a-key-at-all"}).status_code == 401
+
+        def read(key: str) -> dict[str, float]:
+            r = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200, r.text
+            return _samples(r.text)
+        a, b, o = read(keys["alice"]), read(keys["bob"]), read(op)
+        assert a["graftmem_prompt_tokens_total"] == 2 * out.usage.prompt_tokens == o["graftmem_prompt_tokens_total"]
+        assert a['graftmem_cached_tokens_total{source="ram"}'] == out.usage.prompt_tokens_details.cached_tokens
+        assert a['graftmem_requests_total{route="/v1/chat/completions",status="200"}'] == 2
+        assert b["graftmem_prompt_tokens_total"] == 0 and b['graftmem_cached_tokens_total{source="ram"}'] == 0
+        assert not any("chat/completions" in k or "status=\"401\"" in k for k in b)
+        assert "graftmem_verify_failures_total" not in b and "graftmem_engines" in b  # server-wide: the operator's
+        assert o['graftmem_requests_total{route="/metrics",status="401"}'] == 1
+        assert o['graftmem_requests_total{route="/v1/chat/completions",status="200"}'] == 2
+        assert o["graftmem_verify_failures_total"] == 0
+        # the operator's key opens /metrics and /v1/info, nothing else
+        ho = {"Authorization": f"Bearer {op}"}
+        assert httpx.get(srv.url + "/v1/info", headers=ho).json()["blocks"] == srv.store.stats().blocks
+        for path in ("/v1/models", "/v1/blocks", "/v1/memory/blocks"):
+            assert httpx.get(srv.url + path, headers=ho).status_code == 401, path

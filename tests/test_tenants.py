@@ -16,7 +16,8 @@ import httpx
 import openai
 import pytest
 
-from graftmem import Memory
+from graftmem import ConfigError, Memory
+from graftmem.cli import main
 from graftmem.server import AUTO_KIND, RECEIPT_HEADER, ApiKeys, api_server, hash_key
 from graftmem.store.local import Store
 
@@ -57,6 +58,22 @@ def test_the_key_file_is_hashed_and_checked(key_file, tmp_path):
         bad.write_text(text)
         with pytest.raises(Exception, match="expected|twice|no key"):
             ApiKeys.load(bad)
+
+
+def test_two_tenants_with_one_key_are_refused_at_start(tmp_path, capsys):
+    """Two tenants with the same key hash used to start silently: every request with the key was the
+    second tenant's, and the first could never log in. Refused at start, naming both tenants, not the key."""
+    same = hash_key("one-key-for-two-tenants")
+    bad = tmp_path / "keys.txt"
+    bad.write_text(f"alice {hash_key(KEYS['alice'])}\ncarol {same}\nbob {same}\n")
+    with pytest.raises(ConfigError, match="'carol' and 'bob' have the same API key") as err:
+        ApiKeys.load(bad)
+    assert same[7:] not in str(err.value) and "one-key" not in str(err.value)
+    with pytest.raises(ConfigError, match="'carol' and 'bob'"):  # built in code, not from a file
+        ApiKeys((("carol", bytes.fromhex(same[7:])), ("bob", bytes.fromhex(same[7:]))))
+    assert main(["serve", "--blocks-only", "--home", str(tmp_path / "home"), "--api-key-file", str(bad)]) == 2
+    out = capsys.readouterr()
+    assert "'carol' and 'bob' have the same API key" in out.err and same[7:] not in out.err + out.out
 
 
 def test_tenant_b_never_reaches_tenant_a_s_prefixes_or_blocks(tiny_llama, key_file, tmp_path):
@@ -105,6 +122,100 @@ def test_tenant_b_never_reaches_tenant_a_s_prefixes_or_blocks(tiny_llama, key_fi
             assert a_id in {e["id"] for e in httpx.get(url + "/v1/blocks", headers=ha).json()["blocks"]}
             n, rec = _chat(url, KEYS["alice"])  # A still gets its own prefix, from the store
             assert n > 0 and rec["source"] == "store" and rec["block_id"] in mine
+    finally:
+        store.close()
+
+
+def _tokens_seen(text: str) -> dict[str, float]:
+    """The token counters of a /metrics answer (not the request counts: reading /metrics is a request)."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(("graftmem_prompt_tokens", "graftmem_cached_tokens", "graftmem_created_tokens",
+                            "graftmem_generated_tokens", "graftmem_auto_block_bytes")):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def _same_but_id(a: httpx.Response, b: httpx.Response, ida: str, idb: str) -> None:
+    """Status and body byte-identical once each block's id (whole, 12- and 8-character forms) is masked."""
+    def mask(r: httpx.Response, bid: str) -> bytes:
+        body = r.content
+        for form in (bid, bid[:12], bid[:8]):
+            body = body.replace(form.encode(), b"<id>")
+        return body
+    assert (a.status_code, mask(a, ida)) == (b.status_code, mask(b, idb)), (a.text, b.text)
+
+
+def test_a_block_another_tenant_shared_is_no_oracle_on_a_prompt(tiny_llama, tmp_path):
+    """Issue 37: B shares blocks holding guesses of A's system message. A's prompt cache used to graft the
+    right guess and hang A's learned chain on it; B then read the hit off the global /metrics (+cached
+    tokens on each of A's calls), /v1/info's block count, and the DELETE of its block ("has 1 chained
+    child block(s)"). Now A's prompt cache never matches another tenant's shared block, /metrics and
+    /v1/info show B only its own, and B's DELETE answers are the same whether A matched or not, and
+    whether another tenant chained on its block by naming it or not."""
+    keys = tmp_path / "keys.txt"
+    three = {**KEYS, "carol": "carol-key-5555555555"}
+    keys.write_text("".join(f"{n} {hash_key(k)}\n" for n, k in three.items()))
+    store = Store(tmp_path / "home")
+    try:
+        with api_server(store, [tiny_llama], api_key=ApiKeys.load(keys), min_prefix_tokens=16, sightings=1) as srv:
+            url = srv.url
+            hb = {"Authorization": f"Bearer {KEYS['bob']}"}
+            hc = {"Authorization": f"Bearer {three['carol']}"}
+            # the text of A's first segment (its system turn as the server cuts it): what B would guess
+            _chat(url, three["carol"])
+            assert srv.openai.wait_idle() and srv.cache.flush(60)
+            root = next(b for b in store.list(kind=AUTO_KIND) if b.parent is None and b.metadata["tenant"] == "carol")
+            guesses = {}
+            for name, text in (("right", root.text), ("wrong", root.text.replace("7311", "7312")),
+                               ("hooked", root.text.replace("7311", "1234"))):
+                r = httpx.post(url + "/v1/memory/learn", headers=hb, timeout=120,
+                               json={"text": text, "name": name, "shared": True})
+                assert r.status_code == 200, r.text
+                guesses[name] = r.json()["block"]["id"]
+            assert store.get(guesses["right"]).tokens == root.tokens  # the guess is exactly A's first segment
+            # C names B's "hooked" block as the parent of its own (an explicit choice, which A never made)
+            r = httpx.post(url + "/v1/memory/learn", headers=hc, timeout=120,
+                           json={"text": " Carol's note.", "parent": guesses["hooked"]})
+            assert r.status_code == 200 and r.json()["block"]["parent"] == guesses["hooked"]
+            carols = r.json()["block"]["id"]
+
+            def bobs_view():
+                return (_tokens_seen(httpx.get(url + "/metrics", headers=hb).text),
+                        httpx.get(url + "/v1/info", headers=hb).json(),
+                        httpx.get(url + "/v1/blocks", headers=hb).json()["blocks"],
+                        httpx.get(url + "/v1/memory/blocks", headers=hb).json()["blocks"])
+            before = bobs_view()
+            got = []
+            for _ in range(2):  # A's first call learns its own prefix, the second grafts it
+                got.append(_chat(url, KEYS["alice"]))
+                assert srv.openai.wait_idle() and srv.cache.flush(60)
+            # B's side: nothing it can read moved with A's calls
+            assert bobs_view() == before
+            answers = {n: httpx.delete(url + f"/v1/memory/blocks/{bid}", headers=hb) for n, bid in guesses.items()}
+            assert answers["right"].status_code == 200 and answers["right"].json() == {"deleted": [guesses["right"]]}
+            for n in ("wrong", "hooked"):
+                _same_but_id(answers["right"], answers[n], guesses["right"], guesses[n])
+            # the chain C hung on B's block went with it, unnamed; C's other blocks did not
+            assert not store.contains(carols) and store.contains(root.id)
+            # A's side: cold first (B's right guess not grafted), then its own prefix, chained on nothing of B's
+            (n1, rec1), (n2, rec2) = got
+            assert n1 == 0 and rec1["block_id"] is None
+            alices = {b.id for b in store.list(kind=AUTO_KIND) if b.metadata.get("tenant") == "alice"}
+            assert n2 > 0 and rec2["source"] in ("ram", "store") and rec2["block_id"] in alices | {None}
+            assert all(store.get(b).parent is None or store.get(b).parent in alices for b in alices)
+            # "not yours" and "not there" answer byte for byte alike (but the id), whole id, prefix, cascade
+            ha = sorted(alices)[0]
+            missing = "0" * 63 + "1"
+            for path in ("/v1/memory/blocks/{}", "/v1/memory/blocks/{}?cascade=true", "/v1/blocks/{}",
+                         "/v1/blocks/{}/manifest"):
+                for method in ("GET", "DELETE") if path.startswith("/v1/memory") else ("GET",):
+                    _same_but_id(httpx.request(method, url + path.format(ha), headers=hb),
+                                 httpx.request(method, url + path.format(missing), headers=hb), ha, missing)
+            _same_but_id(httpx.delete(url + f"/v1/memory/blocks/{ha[:8]}", headers=hb),
+                         httpx.delete(url + f"/v1/memory/blocks/{missing[:8]}", headers=hb), ha, missing)
+            assert store.contains(ha)
     finally:
         store.close()
 

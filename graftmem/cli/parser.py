@@ -163,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--api-key-file", metavar="PATH",
                     help="one tenant per line, 'NAME sha256:<hex of the key>': each key's tenant gets its own "
                          "prompt cache, automatic blocks and receipts (docs/security.md)")
+    sp.add_argument("--metrics-key",
+                    help="the operator's key (or $GRAFTMEM_METRICS_KEY): it reads /metrics and /v1/info only, "
+                         "the whole server's; with --api-key-file a tenant's key reads its own counters")
     sp.add_argument("--shared-learned", action="store_true",
                     help="with --api-key-file: blocks a tenant learns through REST are shared with every tenant "
                          "unless it sends \"shared\": false (default: its own unless it sends \"shared\": true)")

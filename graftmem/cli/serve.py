@@ -28,7 +28,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if api_key:
             raise ConfigError("give --api-key (one shared key) or --api-key-file (a key per tenant), not both")
         api_key = ApiKeys.load(args.api_key_file)
-    config = serve_config(args, api_key=api_key, push_token=token)
+    config = serve_config(args, api_key=api_key, push_token=token,
+                          metrics_key=args.metrics_key or os.environ.get("GRAFTMEM_METRICS_KEY"))
     if config.api:
         return _serve_api(args, config)
     mem = _memory(args) if token else None  # pushes need the engine
@@ -110,13 +111,15 @@ def _announce(srv: Any, args: argparse.Namespace, config: Any, what: str = "") -
         print(line, flush=True)
 
 
-def serve_config(args: argparse.Namespace, *, api_key: Any, push_token: Optional[str]) -> Any:
+def serve_config(args: argparse.Namespace, *, api_key: Any, push_token: Optional[str],
+                 metrics_key: Optional[str] = None) -> Any:
     """``serve``'s flags as the `ServeConfig` they mean (checked there: a wrong value is a
     `ConfigError` naming the option)."""
     from .. import ServeConfig
 
     return ServeConfig(
-        host=args.host, port=args.port, api=not args.blocks_only, api_key=api_key, push_token=push_token,
+        host=args.host, port=args.port, api=not args.blocks_only, api_key=api_key, metrics_key=metrics_key,
+        push_token=push_token,
         sign_key=_sign_key(args), rederive=args.rederive, allow_unverified=args.allow_unverified,
         engines=args.engines, max_queue=args.max_queue, learn=not args.no_learn,
         min_prefix_tokens=args.min_prefix_tokens, sightings=args.sightings,

@@ -19,6 +19,14 @@ The rules (docs/security.md, "Tenants"):
   the tenant): a scope narrows what a tenant sees, it never widens it.
 * ``tenant=None`` on a server is one local trust domain (no key file): it sees every block no tenant
   owns, as before tenants. The operator's view (``operator=True``, what `Memory` uses) sees everything.
+* **Seeing is not grafting by itself** (`cache_tenant`): the prompt cache grafts, and chains what it
+  learns on, only a chain no other tenant named: the requester's own blocks (owned or shared by it)
+  and the operator's. A block another tenant shared is grafted only where the requester names it (REST
+  ``ask`` by id, ``recall``, ``learn`` with it as ``parent``): otherwise B could share guesses of A's
+  system prompt and read the hit off A's chain hanging on its block (issue 37).
+* **Deleting tells nothing of what the requester does not see** (`delete`): another tenant's block is
+  "not there" (the same 404, byte for byte); chains another tenant hung on a block the requester
+  deletes are neither counted nor named, and go with it.
 """
 
 from __future__ import annotations
@@ -26,10 +34,11 @@ from __future__ import annotations
 import hashlib
 import logging
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 from ..core.blocks import Block, Scope
 from ..core.errors import AccessDenied, BlockNotFound, ConfigError, GraftmemError
+from ..store.local import checked_id
 from . import validate as check
 
 if TYPE_CHECKING:
@@ -37,7 +46,7 @@ if TYPE_CHECKING:
     from ..store.scopes import ScopeIndex
 
 __all__ = ["Access", "TENANT_KEY", "SHARED_BY_KEY", "RESERVED_METADATA", "owner_of", "visible", "owned_parent",
-           "reserved_metadata"]
+           "reserved_metadata", "cache_tenant"]
 
 #: the metadata key naming the tenant that owns a block (automatic or learned through the server)
 TENANT_KEY = "tenant"
@@ -62,6 +71,26 @@ def visible(block: Block, tenant: Optional[str]) -> bool:
     a shared block always, an owned one only by its owner."""
     owner = owner_of(block)
     return owner is None or owner == tenant
+
+
+def named_tenant(block: Block) -> Optional[str]:
+    """The tenant a block names: its owner, or the tenant that shared it (None: the operator's)."""
+    t = owner_of(block) or block.metadata.get(SHARED_BY_KEY)
+    return t if isinstance(t, str) else None
+
+
+def cache_tenant(chain: Sequence[Block]) -> tuple[bool, Optional[str]]:
+    """Whose prompt cache may graft ``chain`` (root first) unasked, and chain what it learns on it:
+    (whether any, whose). A chain that names no tenant is the operator's: every requester's (True,
+    None); one that names one tenant (blocks it owns or shared) is that tenant's only (True, name); one
+    that names two (a tenant chained on another's shared block by naming it as ``parent``) is no prompt
+    cache's (False, None): it is grafted where its owner names it (REST ``ask``), never matched against
+    a prompt. A block another tenant shared is thus never an oracle on the requester's prompt: a match
+    would graft it, hang the requester's chain on it and count its tokens as cached."""
+    names = {t for t in map(named_tenant, chain) if t is not None}
+    if len(names) > 1:
+        return False, None
+    return True, (names.pop() if names else None)
 
 
 def owned_parent(parent: Optional[str], tenant: Optional[str]) -> Optional[str]:
@@ -133,15 +162,18 @@ class Access:
 
     def get(self, block_id: Any, scope: Optional[Scope] = None) -> Block:
         """The block ``block_id`` (id or unique prefix) if this requester sees it within ``scope``; else
-        `BlockNotFound`, exactly as for a missing block (an ambiguous prefix too: it could tell that
-        another tenant's block exists)."""
+        `BlockNotFound`, exactly as for a missing block. A prefix is resolved among the blocks this
+        requester sees (one that is ambiguous only with another tenant's block would tell that it exists)."""
         check.text("block id", block_id)
+        block: Optional[Block] = None
         try:
-            block: Optional[Block] = self.store.get(block_id)
-        except ConfigError:
-            if self.operator:
-                raise
-            block = None
+            if self.operator or checked_id(block_id):
+                block = self.store.get(block_id)
+            else:
+                hits = [b for b in self.store.list() if b.id.startswith(block_id) and self.sees(b)]
+                if len(hits) > 1:
+                    raise ConfigError(f"block id prefix {block_id!r} is ambiguous: give more characters")
+                block = hits[0] if hits else None
         except BlockNotFound:
             block = None
         allow = self.allow(scope)
@@ -157,22 +189,55 @@ class Access:
             return self.sees(block)
         return owner_of(block) == self.tenant or block.metadata.get(SHARED_BY_KEY) == self.tenant
 
-    def deletable(self, block_id: Any, scope: Optional[Scope] = None, cascade: bool = False) -> Block:
-        """The block to delete (`get`), refused with `AccessDenied` when this requester may see but not
-        delete it or one of the descendants a cascade would take (a block shared with every tenant)."""
-        block = self.get(block_id, scope)
-        todo, seen = [block.id], 0
-        while todo and seen < 100_000:
-            b = self.store.get(todo.pop())
-            seen += 1
-            if not self.may_delete(b):
-                raise (BlockNotFound(f"block {block.short_id} has descendants this key may not delete")
-                       if not self.sees(b) else
-                       AccessDenied(f"block {b.short_id} ({b.name!r}) is shared with every tenant: only the "
-                                    "tenant that shared it, or the operator (`graftmem delete`), deletes it"))
-            if cascade:
-                todo += self.store.children(b.id)
-        return block
+    def delete(self, block_id: Any, scope: Optional[Scope] = None,
+               cascade: bool = False) -> tuple[str, list[str], list[str]]:
+        """Delete the block ``block_id`` (`get`: another tenant's is not there) for this requester: (its id,
+        every id deleted, the deleted ids it sees). What the requester does not see is neither counted,
+        named nor checked: chains another tenant hung on the block (by naming it as ``parent``) go with
+        it, so the answer is the same whether they exist or not (their owner chose to depend on a block
+        it does not control). Without ``cascade`` a block with children the requester sees is refused,
+        naming those; with it, each descendant it sees must be its to delete. `AccessDenied`: a visible
+        block this requester may not delete (shared with every tenant by another, or the operator's)."""
+        for _ in range(3):
+            block = self.get(block_id, scope)
+            if not self.may_delete(block):
+                raise self._not_yours(block)
+            hidden: list[str] = []  # children it does not see: their chains go with the block, unnamed
+            seen, kids_seen = {block.id}, []
+            todo, walked = [block.id], 0
+            while todo and walked < 100_000:
+                for kid in map(self.store.get, self.store.children(todo.pop())):
+                    walked += 1
+                    if not self.sees(kid):
+                        hidden.append(kid.id)
+                    elif not cascade:
+                        kids_seen.append(kid)
+                    elif not self.may_delete(kid):
+                        raise self._not_yours(kid)
+                    else:
+                        seen.add(kid.id)
+                        todo.append(kid.id)
+                if not cascade:
+                    break
+            if kids_seen:
+                raise ConfigError(f"block {block.short_id} has {len(kids_seen)} chained child block(s) "
+                                  f"({', '.join(b.short_id for b in kids_seen)}) whose states are rebuilt from "
+                                  "its bytes; delete them first or pass cascade=true to delete them too")
+            try:
+                if cascade:
+                    gone = self.store.delete(block.id, cascade=True)
+                else:
+                    gone = [g for kid in hidden for g in self.store.delete(kid, cascade=True)]
+                    gone += self.store.delete(block.id)
+            except (BlockNotFound, ConfigError):  # chained on or deleted meanwhile: look again
+                continue
+            return block.id, gone, [g for g in gone if g in seen]
+        raise ConfigError(f"block {block_id[:64]!r} kept changing while it was deleted: try again")
+
+    @staticmethod
+    def _not_yours(block: Block) -> AccessDenied:
+        return AccessDenied(f"block {block.short_id} ({block.name!r}) is shared with every tenant: only the tenant "
+                            "that shared it, or the operator (`graftmem delete`), deletes it")
 
     def owns(self, shared: bool) -> tuple[Optional[str], Optional[str]]:
         """(owner, sharer) of a block this requester learns: an unshared block is its tenant's (salted id,

@@ -49,14 +49,17 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
 
 
 def build_app(routes: list[BaseRoute], *, api_key: "str | ApiKeys | None" = None,
-              push_token: Optional[str] = None, metrics: Optional[Metrics] = None) -> Starlette:
+              push_token: Optional[str] = None, metrics: Optional[Metrics] = None,
+              metrics_key: Optional[str] = None) -> Starlette:
     """One app over ``routes``; every request needs ``api_key`` (one key, or the tenants' keys) when one
-    is given (``/health`` excepted). With ``metrics``, its ``/health`` and ``/metrics`` are served and
-    every request is counted, refused ones too (its middleware runs outside the key's)."""
+    is given (``/health`` excepted; ``metrics_key`` opens ``/metrics`` and ``/v1/info``). With ``metrics``,
+    its ``/health`` and ``/metrics`` are served and every request is counted, refused ones too (its
+    middleware runs outside the key's)."""
     for name in _FIRST_REQUEST_IMPORTS:  # private names of anyio: a version without them changes nothing
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
-    middleware = [Middleware(ApiKeyMiddleware, api_key=api_key, push_token=push_token)] if api_key else []
+    middleware = [Middleware(ApiKeyMiddleware, api_key=api_key, push_token=push_token,
+                             metrics_key=metrics_key)] if api_key else []
     if metrics is not None:
         routes = routes + metrics.endpoints()
         metrics.routes = routes

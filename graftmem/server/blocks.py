@@ -2,7 +2,8 @@
 
 Routes (Starlette, served by uvicorn; bound to 127.0.0.1 unless told otherwise)::
 
-    GET  /v1/info                     version, block count, whether pushes are accepted
+    GET  /v1/info                     version, block count and bytes (with tenants: what the key sees),
+                                      whether pushes are accepted
     GET  /v1/blocks[?kind=K]          listing: a BundleManifest (ids, sizes, digests, fingerprints),
                                       signed in the X-Graftmem-Signature header when a key is given
     GET  /v1/blocks/<id>/manifest     one block's manifest (text, tokens, fingerprint)
@@ -56,7 +57,7 @@ from ..store.protocol import BlockStore
 from .http import HTTPError, Limits, body_length, guarded, public_message
 from .metrics import Metrics
 from ..memory.access import Access
-from .tenants import ApiKeys, tenant_of
+from .tenants import ApiKeys, check_metrics_key, tenant_of
 
 if TYPE_CHECKING:
     from .runner import ServerThread
@@ -130,8 +131,16 @@ class BlockRoutes:
 
     # ------------------------------------------------------------------ GET
     async def info(self, request: Request) -> Response:
-        st = self.store.stats()
-        return JSONResponse({"graftmem": __version__, "api": 1, "blocks": st.blocks, "bytes": st.bytes_on_disk,
+        """Version, blocks and bytes: the store's (no tenants, the operator's key); with tenants, the blocks
+        this key sees and their state bytes (the store's totals moved with every other tenant's learning)."""
+        tenant = tenant_of(request.scope)
+        if tenant is None:
+            st = self.store.stats()
+            blocks, size = st.blocks, st.bytes_on_disk
+        else:
+            seen = await anyio.to_thread.run_sync(Access(self.store, tenant).list)
+            blocks, size = len(seen), sum(b.state_size for b in seen)
+        return JSONResponse({"graftmem": __version__, "api": 1, "blocks": blocks, "bytes": size,
                              "push": self.push_token is not None, "signed": self.sign_key is not None})
 
     async def blocks(self, request: Request) -> Response:
@@ -300,7 +309,8 @@ class BlockServer:
     (``Memory.serve(rederive=True)`` re-derives each one). ``api_key`` guards every route.
     Use as a context manager, or `start()` (background thread) / `serve_forever()`.
     ``extra`` adds routes (the OpenAI-compatible ones of `OpenAIRoutes`, ...); ``metrics`` adds
-    ``/health`` and ``/metrics`` (`graftmem.server.metrics`). ``runner``: a socket bound earlier
+    ``/health`` and ``/metrics`` (`graftmem.server.metrics`); ``metrics_key`` (the operator's) opens
+    ``/metrics`` and ``/v1/info`` only, with the whole server's view. ``runner``: a socket bound earlier
     (`graftmem.server.service.bind`), serving its loading gate until this server starts on it
     (``host`` and ``port`` are then the runner's).
     """
@@ -312,12 +322,13 @@ class BlockServer:
                  check: Optional[BlockCheck] = None, api_key: "str | ApiKeys | None" = None,
                  limits: Optional[Limits] = None, routes: type[BlockRoutes] = BlockRoutes,
                  extra: Optional[list[BaseRoute]] = None, metrics: Optional[Metrics] = None,
-                 runner: "Optional[ServerThread]" = None) -> None:
+                 runner: "Optional[ServerThread]" = None, metrics_key: Optional[str] = None) -> None:
         from .app import Gate, build_app
         from .runner import ServerThread
 
         if isinstance(api_key, str) and len(api_key) < 8:
             raise ConfigError("the API key is too short: use at least 8 characters")
+        check_metrics_key(api_key, metrics_key)
         self._owns_store = isinstance(store, (str, os.PathLike))  # a path: opened here (a FleetStore is a store too)
         self.store = Store(store) if self._owns_store else store
         #: called by `close()` after the socket stopped (the API server drops the cells it kept in RAM)
@@ -326,7 +337,7 @@ class BlockServer:
             self.routes = routes(self.store, push_token=push_token, fingerprint=fingerprint, policy=policy,
                                  sign_key=sign_key, max_push_bytes=max_push_bytes, check=check, limits=limits)
             self.app = build_app(self.routes.routes() + list(extra or []), api_key=api_key,
-                                 push_token=push_token, metrics=metrics)
+                                 push_token=push_token, metrics=metrics, metrics_key=metrics_key)
             if runner is not None and not (isinstance(runner.app, Gate) and runner.app.loading):
                 raise ConfigError("a runner given to a server must be one bound by bind() and not opened yet")
             self._server = runner if runner is not None else ServerThread(self.app, host=host, port=port,

@@ -20,7 +20,7 @@ from ..memory import validate as check
 from ..share.trust import SigningKey
 from .http import Limits
 from .responses import DEFAULT_TTL
-from .tenants import ApiKeys
+from .tenants import ApiKeys, check_metrics_key
 
 __all__ = ["ServeConfig"]
 
@@ -37,7 +37,9 @@ class ServeConfig:
 
     * ``host`` / ``port``: where to listen (loopback and a free port by default);
     * ``api_key``: one key (one trust domain) or `ApiKeys` (a tenant per key, ``serve --api-key-file``);
-      ``push_token``: accept pushed bundles with it; ``sign_key``: sign listings;
+      ``metrics_key``: the operator's key, which reads ``/metrics`` and ``/v1/info`` only, the whole
+      server's (with tenants, a tenant's key reads its own counters); ``push_token``: accept pushed
+      bundles with it; ``sign_key``: sign listings;
     * ``rederive``: re-prefill each pushed block no trusted key signed, refusing it unless the state is
       equal (``False`` lands them ``unverified``); ``allow_unverified``: graft such blocks anyway;
     * ``engines``: engine contexts (requests decoded at once; `Memory.serve` opens the extra ones and
@@ -56,6 +58,7 @@ class ServeConfig:
     port: int = 0
     api: bool = False
     api_key: Union[str, ApiKeys, None] = None
+    metrics_key: Optional[str] = None
     push_token: Optional[str] = None
     sign_key: Optional[SigningKey] = None
     rederive: bool = True
@@ -82,6 +85,8 @@ class ServeConfig:
             check.text("api_key", self.api_key)
             if len(self.api_key) < 8:
                 raise check._error("api_key", "api_key is too short: use at least 8 characters")
+        check.text("metrics_key", self.metrics_key, optional=True)
+        check_metrics_key(self.api_key, self.metrics_key)
         check.text("push_token", self.push_token, optional=True)
         check.instance("sign_key", self.sign_key, SigningKey)
         for name in ("rederive", "allow_unverified", "learn", "warm", "shared_learned"):

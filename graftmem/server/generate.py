@@ -45,10 +45,10 @@ from ..core.decoding import AnswerText, Sampling, decode
 from ..core.engine import logits_sha256
 from ..core.errors import GraftmemError
 from ..core.grammar_limits import DEFAULT_GRAMMAR_LIMITS, GrammarLimits
+from ..memory.access import cache_tenant
 from ..memory.verbs import MemoryVerbs, first_untrusted, weakest_provenance
 from ..store.chain import chain_of
 from .prefix import AUTO_KIND, prefix_keys, segment_ends
-from .tenants import owner_of
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -233,6 +233,8 @@ def warm_engines(desks: Sequence[MemoryVerbs], cache: "PrefixCache", *, allow_un
         except GraftmemError as exc:
             cache.refuse(leaf.id, str(exc))
             continue
+        if not cache_tenant(chain)[0]:  # no prompt's (`prefix_keys`): nothing would find its cells
+            continue
         bad = first_untrusted(chain)
         if bad is not None and not allow_unverified:
             log.info("serve: warm start skips block %s: %s is %s (no consent)", leaf.short_id, bad.short_id,
@@ -255,7 +257,7 @@ def warm_engines(desks: Sequence[MemoryVerbs], cache: "PrefixCache", *, allow_un
                 engine.prefill([int(block.tokens[-1])])  # the chain's last token again
                 engine.trim(block.pos_end)
                 segs = [c.tokens for c in chain]
-                owner = next((o for o in map(owner_of, chain) if o is not None), None)  # its tenant's keys
+                owner = cache_tenant(chain)[1]  # the keys it is indexed under (`PrefixCache.refresh`)
                 engine.kept = Kept(tuple(prefix_keys(segs, owner)), tuple(segment_ends(segs)), block.id,
                                    bad.provenance or "unverified" if bad is not None else None)
 

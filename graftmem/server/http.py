@@ -38,9 +38,11 @@ from .tenants import TENANT_STATE, ApiKeys
 
 #: paths the API key does not guard: the health probe (`graftmem.server.metrics`)
 PUBLIC_PATHS = frozenset({"/health"})
+#: the only paths the operator's metrics key opens (`ApiKeyMiddleware`): counters and store totals
+OPERATOR_PATHS = frozenset({"/metrics", "/v1/info"})
 
 __all__ = ["HTTPError", "Limits", "error_response", "sse", "public_message", "read_body", "body_length",
-           "ApiKeyMiddleware", "is_block_path", "is_anthropic_path", "anthropic_error", "PUBLIC_PATHS", "bearer", "guarded", "json_object", "json_depth", "client_gone",
+           "ApiKeyMiddleware", "is_block_path", "is_anthropic_path", "anthropic_error", "PUBLIC_PATHS", "OPERATOR_PATHS", "bearer", "guarded", "json_object", "json_depth", "client_gone",
            "off_loop", "OFF_LOOP_BYTES"]
 
 log = logging.getLogger("graftmem")
@@ -185,10 +187,13 @@ class ApiKeyMiddleware:
     """Every request (but ``/health``) needs ``Authorization: Bearer <key>`` (or ``X-Api-Key``), compared in constant time
     (`graftmem.server.tenants.ApiKeys`); the key's tenant goes into the request's scope state, where the
     routes read it (`tenant_of`): the server derives who is asking, the request never says. The block
-    push routes also accept their push token there, since a push sends that instead."""
+    push routes also accept their push token there, since a push sends that instead. The operator's
+    ``metrics_key`` (``serve --metrics-key``) opens `OPERATOR_PATHS` only, with no tenant: the whole
+    server's counters and totals, never a block nor a model."""
 
-    def __init__(self, app: ASGIApp, api_key: "str | ApiKeys", push_token: Optional[str] = None) -> None:
-        self.app, self.push_token = app, push_token
+    def __init__(self, app: ASGIApp, api_key: "str | ApiKeys", push_token: Optional[str] = None,
+                 metrics_key: Optional[str] = None) -> None:
+        self.app, self.push_token, self.metrics_key = app, push_token, metrics_key
         self.keys = api_key if isinstance(api_key, ApiKeys) else ApiKeys.single(api_key)
 
     def _ok(self, scope: Scope) -> bool:
@@ -200,6 +205,12 @@ class ApiKeyMiddleware:
             if ok:
                 state = scope.setdefault("state", {})
                 state[TENANT_STATE] = tenant
+                return True
+        if self.metrics_key and scope["path"] in OPERATOR_PATHS:
+            given = bearer(headers) or headers.get("x-api-key", "")
+            if given and hmac.compare_digest(given.encode("utf-8", "surrogatepass"),
+                                             self.metrics_key.encode("utf-8", "surrogatepass")):
+                scope.setdefault("state", {})[TENANT_STATE] = None  # no tenant: the whole server's view
                 return True
         if self.push_token and scope["path"] in ("/v1/push", "/v1/bundles"):
             given = bearer(headers)

@@ -13,6 +13,14 @@ starts them at zero, which Prometheus' ``rate()`` handles.
 Requests are counted by an ASGI middleware outside the API key's, so refused requests (401) are
 counted too; the route label is the route's path template (``/v1/blocks/{block_id}``) or ``other``
 for a path no route serves, so a client cannot grow the label set by sending random paths.
+
+With tenants (``serve --api-key-file``) every counter is kept per tenant and a tenant's key reads its
+own only (requests, tokens, seconds, its automatic blocks' bytes) plus the load gauges (queue depth,
+busy engines: a busy server shows as latency anyway). Server-wide counts (every tenant's, refused
+requests, blocks refused, deferred writes) go to the operator's key (``serve --metrics-key``), which
+reads ``/metrics`` and ``/v1/info`` and nothing else. Why: a global ``graftmem_cached_tokens_total``
+moved by 36 on each of tenant A's calls told tenant B that A's prompt had matched a block B shared
+(issue 37). Without tenants (no key, or one ``--api-key``) every key reads the whole server's, as before.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .http import PUBLIC_PATHS
 from .prefix import AUTO_KIND
+from .tenants import owner_of, tenant_of
 
 if TYPE_CHECKING:
     from ..store.protocol import BlockStore
@@ -64,14 +73,10 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-class Metrics:
-    """The server's counters and gauges. Counters are updated from the event loop and from request
-    workers, so one lock guards them; gauges are read when scraped (nothing to keep in step)."""
+class _Counts:
+    """The counters of one tenant (None: requests without one: no tenants, refused, ``/health``)."""
 
-    def __init__(self, pool: Optional["EnginePool"] = None, store: Optional["BlockStore"] = None,
-                 cache: Optional["PrefixCache"] = None) -> None:
-        self.pool, self.store, self.cache = pool, store, cache
-        self._lock = threading.Lock()
+    def __init__(self) -> None:
         self.requests: Counter[tuple[str, int]] = Counter()
         self.prompt_tokens = 0
         self.cached_tokens: Counter[str] = Counter()  #: by source: ram, store, bucket
@@ -80,7 +85,40 @@ class Metrics:
         self.restore_seconds: Counter[str] = Counter()  #: by source: ram, store, bucket
         self.prefill_seconds: Counter[str] = Counter()  #: by source of the restored prefix (none: cold)
         self.decode_seconds = 0.0
+
+    def add(self, other: "_Counts") -> None:
+        self.requests.update(other.requests)
+        self.cached_tokens.update(other.cached_tokens)
+        self.restore_seconds.update(other.restore_seconds)
+        self.prefill_seconds.update(other.prefill_seconds)
+        self.prompt_tokens += other.prompt_tokens
+        self.created_tokens += other.created_tokens
+        self.generated_tokens += other.generated_tokens
+        self.decode_seconds += other.decode_seconds
+
+
+#: `Metrics.render`'s view of the whole server (every tenant's counters and the server-wide ones)
+WHOLE = "\0whole"
+
+
+class Metrics:
+    """The server's counters and gauges. Counters are updated from the event loop and from request
+    workers, so one lock guards them; gauges are read when scraped (nothing to keep in step). Each
+    tenant's counters are kept apart (`render` shows a tenant its own)."""
+
+    def __init__(self, pool: Optional["EnginePool"] = None, store: Optional["BlockStore"] = None,
+                 cache: Optional["PrefixCache"] = None) -> None:
+        self.pool, self.store, self.cache = pool, store, cache
+        self._lock = threading.Lock()
+        self._by: dict[Optional[str], _Counts] = {}
         self.routes: list[BaseRoute] = []  #: set by `build_app`: the templates requests are labelled by
+
+    def _of(self, tenant: Optional[str]) -> _Counts:
+        """``tenant``'s counters (the caller holds the lock)."""
+        c = self._by.get(tenant)
+        if c is None:
+            c = self._by[tenant] = _Counts()
+        return c
 
     # ------------------------------------------------------------------ recording
     def route_of(self, scope: Scope) -> str:
@@ -92,40 +130,48 @@ class Metrics:
                     return route.path
         return "other"
 
-    def request(self, route: str, status: int) -> None:
+    def request(self, route: str, status: int, tenant: Optional[str] = None) -> None:
         with self._lock:
-            self.requests[(route, status)] += 1
+            self._of(tenant).requests[(route, status)] += 1
 
-    def served(self, result: "Result") -> None:
-        """One answered request's tokens (called once per request that decoded, streamed or not)."""
+    def served(self, result: "Result", tenant: Optional[str] = None) -> None:
+        """One answered request's tokens (called once per request that decoded, streamed or not), counted
+        for ``tenant``, the requester."""
         r = result.receipt
         source = source_of(result)
         with self._lock:
-            self.prompt_tokens += result.prompt_tokens
-            self.generated_tokens += len(result.tokens)
-            self.created_tokens += result.created_tokens
+            c = self._of(tenant)
+            c.prompt_tokens += result.prompt_tokens
+            c.generated_tokens += len(result.tokens)
+            c.created_tokens += result.created_tokens
             if result.cached_tokens:
-                self.cached_tokens[source] += result.cached_tokens
+                c.cached_tokens[source] += result.cached_tokens
             if r.source:
-                self.restore_seconds[source] += r.restore_ms / 1e3
-            self.prefill_seconds[source if r.source else "none"] += r.prefill_ms / 1e3
-            self.decode_seconds += r.decode_ms / 1e3
+                c.restore_seconds[source] += r.restore_ms / 1e3
+            c.prefill_seconds[source if r.source else "none"] += r.prefill_ms / 1e3
+            c.decode_seconds += r.decode_ms / 1e3
 
     # ------------------------------------------------------------------ exposition
-    def auto_block_bytes(self) -> Optional[int]:
-        """State bytes of the automatic prefix blocks in the store (what ``max_auto_bytes`` bounds)."""
+    def auto_block_bytes(self, tenant: Optional[str] = WHOLE) -> Optional[int]:
+        """State bytes of the automatic prefix blocks in the store (what ``max_auto_bytes`` bounds):
+        ``tenant``'s (None: those no tenant owns), or every block's (`WHOLE`)."""
         if self.store is None:
             return None
-        return sum(b.state_size for b in self.store.list(kind=AUTO_KIND))
+        return sum(b.state_size for b in self.store.list(kind=AUTO_KIND) if tenant == WHOLE or owner_of(b) == tenant)
 
-    def render(self, auto_bytes: Optional[int] = None) -> str:
-        """The Prometheus text format of every metric."""
+    def render(self, auto_bytes: Optional[int] = None, tenant: Optional[str] = WHOLE) -> str:
+        """The Prometheus text format of every metric: the whole server's (`WHOLE`), or ``tenant``'s
+        view (its own counters and the load gauges; None: the requests without a tenant)."""
+        whole = tenant == WHOLE
         with self._lock:
-            requests = sorted(self.requests.items())
-            prompt, generated, created = self.prompt_tokens, self.generated_tokens, self.created_tokens
-            cached = dict(self.cached_tokens)
-            restore, prefill = dict(self.restore_seconds), dict(self.prefill_seconds)
-            decode = self.decode_seconds
+            c = _Counts()
+            for who, counts in self._by.items():
+                if whole or who == tenant:
+                    c.add(counts)
+        requests = sorted(c.requests.items())
+        prompt, generated, created = c.prompt_tokens, c.generated_tokens, c.created_tokens
+        cached, restore, prefill, decode = dict(c.cached_tokens), dict(c.restore_seconds), dict(c.prefill_seconds), \
+            c.decode_seconds
         lines: list[str] = []
 
         def metric(name: str, kind: str, doc: str, samples: Sequence[tuple[str, Any]]) -> None:
@@ -153,7 +199,7 @@ class Metrics:
                "Seconds spent prefilling prompt tokens, by source of the restored prefix (none: served cold).",
                [(f'{{source="{_label(s)}"}}', round(prefill.get(s, 0.0), 6)) for s in sorted({"none", *sources, *prefill})])
         metric("graftmem_decode_seconds_total", "counter", "Seconds spent generating tokens.", [("", round(decode, 6))])
-        if self.cache is not None:
+        if self.cache is not None and whole:  # server-wide: any tenant's blocks and learning
             metric("graftmem_verify_failures_total", "counter",
                    "Stored blocks refused because a check failed (digest, fingerprint, llama.cpp refusing the bytes); "
                    "the request was served cold.", [("", self.cache.refusals)])
@@ -178,9 +224,11 @@ class Metrics:
         return JSONResponse({"status": "ok"})
 
     async def metrics(self, request: Request) -> Response:
+        # a tenant reads its own counters; no tenant (no keys, one shared key, the operator's key): all
+        view = WHOLE if tenant_of(request.scope) is None else tenant_of(request.scope)
         # the store's listing reads its index: off the event loop
-        auto = await anyio.to_thread.run_sync(self.auto_block_bytes)
-        return Response(self.render(auto), media_type=None, headers={"Content-Type": CONTENT_TYPE})
+        auto = await anyio.to_thread.run_sync(self.auto_block_bytes, view)
+        return Response(self.render(auto, view), media_type=None, headers={"Content-Type": CONTENT_TYPE})
 
 
 class MetricsMiddleware:
@@ -203,5 +251,5 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, sending)
         finally:
-            self.metrics.request(self.metrics.route_of(scope), status[0])
+            self.metrics.request(self.metrics.route_of(scope), status[0], tenant_of(scope))
 

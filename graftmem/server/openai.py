@@ -158,8 +158,9 @@ class OpenAIRoutes:
         #: the model's own template renders every chat request (None: the hand-written ``fmt``)
         self.template = request_template(engine, chat_template)
         self.created = int(time.time())
-        #: called on the event loop with each request's result (the server's metrics count its tokens)
-        self.on_result: list[Callable[[Result], None]] = []
+        #: called on the event loop with each request's result and tenant (the server's metrics count its
+        #: tokens, for that tenant)
+        self.on_result: list[Callable[[Result, Optional[str]], None]] = []
 
     def routes(self) -> list[BaseRoute]:
         home = str(self.store.home)
@@ -456,7 +457,7 @@ class OpenAIRoutes:
             self.pool.release(engine)  # first: a client that has its answer finds the engine free
             if result is not None:
                 for hook in self.on_result:
-                    hook(result)
+                    hook(result, job.tenant)
             if not done.done():
                 if exc is not None:
                     done.set_exception(exc)

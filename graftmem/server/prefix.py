@@ -54,7 +54,7 @@ from ..core.blocks import PROVENANCE_LOCAL, Block, Fingerprint, block_id_for
 from ..core.format import paced, state_digest
 from ..core.errors import ConfigError, GraftmemError
 from ..memory.router import AUTO_KIND
-from ..memory.access import owned_parent, owner_of
+from ..memory.access import cache_tenant, owned_parent, owner_of
 from ..memory.verbs import first_untrusted
 from ..store.chain import chain_of, full_state, make_delta
 from ..store.local import incompatibility
@@ -82,9 +82,11 @@ WRITER_MAX_WAIT = 5.0
 
 def prefix_keys(segments: Sequence[Sequence[int]], tenant: Optional[str] = None) -> list[bytes]:
     """``keys[k]`` is the key of the first ``k + 1`` segments (each hashed with its length). ``tenant``
-    salts every key: one tenant's automatic prefixes are found only under its own keys
-    (`graftmem.server.tenants`); None is the shared space (the operator's and shared blocks, a server without
-    tenants). A block a tenant learned through REST is indexed under its tenant's keys like its automatic ones."""
+    salts every key: one tenant's prefixes are found only under its own keys (`graftmem.server.tenants`);
+    None is the shared space (the operator's blocks, every block of a server without tenants). A chain
+    is indexed under the keys of the one tenant it names (`graftmem.memory.access.cache_tenant`: blocks
+    that tenant owns, learned or automatic, or shared), so a block another tenant shared never answers
+    a prompt: sharing guesses of a tenant's system prompt would tell which one it sent."""
     h = hashlib.sha256(b"graftmem-prefix-v1")
     if tenant is not None:
         h.update(b"\0tenant\0" + tenant.encode("utf-8") + b"\0")
@@ -171,8 +173,9 @@ class PrefixCache:
                 except GraftmemError as exc:
                     log.warning("prefix cache: block %s left out: %s", b.short_id, exc)
                     continue
-                owner = next((o for o in map(owner_of, chain) if o is not None), None)
-                index[prefix_keys([c.tokens for c in chain], owner)[-1]] = b.id
+                found, who = cache_tenant(chain)  # a chain naming two tenants is no prompt's
+                if found:
+                    index[prefix_keys([c.tokens for c in chain], who)[-1]] = b.id
             self._index, self._version = index, now
 
     def _same_threads(self, block: Block) -> bool:
@@ -194,8 +197,8 @@ class PrefixCache:
         ``allow_unverified`` (the caller's consent, `graftmem.memory.verbs`): such a state may not be
         its text's, and a forged system prompt would answer every client.
 
-        ``tenant``: the requester (``keys``, if given, are its salted keys); its own automatic prefixes
-        (and learned) prefixes and the shared ones are found, never another tenant's."""
+        ``tenant``: the requester (``keys``, if given, are its salted keys); its own prefixes (automatic,
+        learned, or shared by it) and the operator's are found, never one another tenant owns or shared."""
         self.refresh()
         keys = (prefix_keys(segments, tenant) if keys is None else keys)[:len(segments) - 1]
         shared = prefix_keys(segments[:len(keys)]) if tenant is not None else keys

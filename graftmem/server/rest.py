@@ -184,14 +184,15 @@ class MemoryRoutes:
 
     async def delete(self, request: Request) -> Response:
         """Delete a block this tenant owns (a shared one: only the tenant that shared it; 403 otherwise),
-        within the scope if one is given; its scope rows go with it."""
+        within the scope if one is given; its scope rows go with it. Another tenant's block is a 404 like
+        a missing one, and the answer never names nor counts another tenant's blocks (`Access.delete`)."""
         cascade = request.query_params.get("cascade", "").lower() in ("1", "true", "yes")
         access = self.access(request)
-        bid = access.deletable(request.path_params["bid"], _scope(request.query_params), cascade).id
-        gone = self.store.delete(bid, cascade=cascade)
+        bid, gone, shown = await anyio.to_thread.run_sync(
+            lambda: access.delete(request.path_params["bid"], _scope(request.query_params), cascade))
         self.router.removed(gone)
         access.forget(gone, cascade_from=bid)
-        return JSONResponse({"deleted": gone})
+        return JSONResponse({"deleted": shown})
 
     async def learn(self, request: Request) -> Response:
         """``Memory.learn``: the same checks (`graftmem.memory.validate`: ``name: 5``, ``kind: ""``, a lone

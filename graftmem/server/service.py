@@ -121,7 +121,7 @@ def api_server(store: "BlockStore", engines: Sequence["Engine"], config: Optiona
     metrics = Metrics(pool, store, cache)
     oa.on_result.append(metrics.served)
     srv = BlockServer(store, host=host, port=cfg.port, push_token=cfg.push_token, fingerprint=engines[0].fingerprint,
-                      sign_key=cfg.sign_key, check=check, api_key=keys, limits=limits,
+                      sign_key=cfg.sign_key, check=check, api_key=keys, metrics_key=cfg.metrics_key, limits=limits,
                       extra=oa.routes() + responses.routes() + AnthropicRoutes(oa).routes() + EmbeddingRoutes(oa).routes()
                       + rest.routes(),
                       metrics=metrics, runner=runner)
@@ -158,4 +158,5 @@ def block_server(store: "BlockStore | str | os.PathLike[str]", config: Optional[
     reads without an engine (learning, engines, warm start) are ignored: `api_server` takes them."""
     cfg = ServeConfig.of(config, **options)
     return BlockServer(store, host=cfg.host, port=cfg.port, push_token=cfg.push_token, fingerprint=fingerprint,
-                       sign_key=cfg.sign_key, check=check, api_key=cfg.api_key, limits=cfg.limits)
+                       sign_key=cfg.sign_key, check=check, api_key=cfg.api_key, metrics_key=cfg.metrics_key,
+                       limits=cfg.limits)

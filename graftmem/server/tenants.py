@@ -20,7 +20,9 @@ give the keys away)::
 
 (``printf %s "$KEY" | sha256sum`` gives the hex). A request's key is hashed and compared with every
 entry in constant time (`hmac.compare_digest`, no early exit), so timing does not tell which prefix of a
-key matched. Without keys the server is one local trust domain: every client is the same tenant
+key matched. Two tenants with the same hash are refused at start, naming both (the first of them could
+never log in: every request with that key would be the other's). The operator's ``serve --metrics-key``
+is none of these keys (`check_metrics_key`): it reads the whole server's ``/metrics`` and ``/v1/info``. Without keys the server is one local trust domain: every client is the same tenant
 (``None``), and ``graftmem serve`` says so at start-up (and warns when it listens beyond loopback).
 """
 
@@ -36,7 +38,7 @@ from typing import Any, Optional
 from ..core.errors import ConfigError
 from ..memory.access import owner_of, visible
 
-__all__ = ["ApiKeys", "hash_key", "tenant_of", "visible", "owner_of", "TENANT_STATE"]
+__all__ = ["ApiKeys", "hash_key", "tenant_of", "visible", "owner_of", "TENANT_STATE", "check_metrics_key"]
 
 #: where the tenant of a request is kept in its ASGI scope's ``state``
 TENANT_STATE = "graftmem.tenant"
@@ -57,6 +59,16 @@ class ApiKeys:
     entries: tuple[tuple[str, bytes], ...]
     #: whether the keys name tenants (a key file) or are one shared key (``--api-key``: one trust domain)
     named: bool = True
+
+    def __post_init__(self) -> None:
+        # two tenants with one key: every request with it would be the last one's (`tenant()` keeps the
+        # last match), and the first could never log in; refused at start, naming both, never the key
+        first: dict[bytes, str] = {}
+        for name, digest in self.entries:
+            if digest in first:
+                raise ConfigError(f"tenants {first[digest]!r} and {name!r} have the same API key (the same "
+                                  "sha256 in the key file): give each tenant its own key")
+            first[digest] = name
 
     @classmethod
     def single(cls, key: str) -> "ApiKeys":
@@ -100,6 +112,24 @@ class ApiKeys:
             if hmac.compare_digest(digest, want):  # no early exit: the time does not depend on which
                 found, who = True, name
         return found, who
+
+
+def check_metrics_key(api_key: "str | ApiKeys | None", metrics_key: Optional[str]) -> None:
+    """The operator's metrics key (``serve --metrics-key``) is at least 8 characters, guards something (a
+    server without keys serves ``/metrics`` to anyone) and is nobody's API key (that key would read both
+    its tenant's and the whole server's counters, depending on nothing but the path). `ConfigError`."""
+    if metrics_key is None:
+        return
+    if not isinstance(metrics_key, str) or len(metrics_key) < 8:
+        raise ConfigError("the metrics key is too short: use at least 8 characters")
+    if api_key is None:
+        raise ConfigError("a metrics key needs API keys (--api-key or --api-key-file): without them /metrics "
+                          "is open to every client")
+    keys = ApiKeys.single(api_key) if isinstance(api_key, str) else api_key
+    ok, who = keys.tenant(metrics_key)
+    if ok:
+        raise ConfigError("the metrics key is also " + (f"tenant {who!r}'s API key" if who else "the API key")
+                          + ": give the operator a key of its own")
 
 
 def tenant_of(scope: Any) -> Optional[str]:
