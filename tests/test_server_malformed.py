@@ -142,3 +142,73 @@ def test_a_full_disk_at_the_scope_write_leaves_no_block(tiny_llama, tmp_path):
                 assert {x.id for x in m.get_all()} == owned, f"a block stored without its scope at {leave}"
                 m.reset()
     assert outcomes["stored"] and outcomes["refused"], outcomes
+
+
+# --------------------------------------------------------------------------- ids, kwargs, bounds (issue 37)
+BAD = {"surrogate": f"resp_{SURROGATE}", "long": "x" * 100_000, "number": 5, "list": ["x"]}
+USER = {"type": "message", "role": "user", "content": "hi"}
+#: (field, the request holding the bad value v, the status per kind of bad value); every other kind: 400
+ID_FIELDS = [
+    ("previous_response_id", lambda v: ("/v1/responses", {"input": "hi", "max_output_tokens": 1,
+                                                         "previous_response_id": v}), {}),
+    ("input[0].id", lambda v: ("/v1/responses", {"input": [{**USER, "id": v}], "max_output_tokens": 1}), {}),
+    ("input[1].call_id", lambda v: ("/v1/responses", {"max_output_tokens": 1, "input": [
+        USER, {"type": "function_call", "call_id": v, "name": "f", "arguments": "{}"}]}), {}),
+    ("input[1].call_id", lambda v: ("/v1/responses", {"max_output_tokens": 1, "input": [
+        USER, {"type": "function_call_output", "call_id": v, "output": "ok"}]}), {}),
+    ("id", lambda v: ("/v1/memory/ask", {"id": v, "question": "q"}), {"long": 404}),
+    ("parent", lambda v: ("/v1/memory/learn", {"text": "a manual", "parent": v}), {"long": 404}),
+    # a scope id is any text (up to the 4 Mi characters of every text, `graftmem.memory.validate`)
+    ("user_id", lambda v: ("/v1/memory/search", {"query": "q", "user_id": v}), {"long": 200}),
+]
+
+
+@pytest.mark.parametrize("field,build,status", ID_FIELDS, ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(ID_FIELDS)])
+@pytest.mark.parametrize("kind", sorted(BAD))
+def test_an_id_field_refuses_what_is_no_id(srv, field, build, status, kind):
+    """Every id a Responses or memory request names, given a lone surrogate (``"resp_\\ud800"`` as
+    ``previous_response_id`` was a 500: the 404 quoting it could not be encoded; as an input item's id or
+    call id too, when the stored response was written), 100,000 characters, a number or a list: a 400
+    naming the field, or the 404 of an unknown id; never a 500."""
+    path, body = build(BAD[kind])
+    r = _post(srv, path, body)
+    want = status.get(kind, 400)
+    assert r.status_code == want, (r.status_code, r.text[:300])
+    if want == 400 and path == "/v1/responses" or kind == "surrogate":
+        assert r.json()["error"]["param"] == field, r.text[:300]
+
+
+def test_an_id_in_the_path_or_query_refuses_what_is_no_id(srv):
+    """Ids in the paths and queries of the Responses and block routes (a URL cannot carry a lone
+    surrogate: its escapes decode to U+FFFD): too long is a 400 naming it, else the 404 of an unknown id."""
+    rid = _post(srv, "/v1/responses", {"input": "hi", "max_output_tokens": 1}).json()["id"]
+    long = "r" * 1000
+    for method, path, status, param in [
+            ("GET", f"/v1/responses/{long}", 400, "response_id"),
+            ("DELETE", f"/v1/responses/{long}", 400, "response_id"),
+            ("GET", f"/v1/responses/{long}/input_items", 400, "response_id"),
+            ("GET", f"/v1/responses/{rid}/input_items?after={long}", 400, "after"),
+            ("GET", "/v1/responses/resp_%ED%A0%80", 404, None),
+            ("GET", f"/v1/responses/{rid}/input_items?after=%ED%A0%80", 200, None),
+            ("GET", f"/v1/memory/blocks/{long}", 404, None), ("DELETE", f"/v1/memory/blocks/{long}", 404, None),
+            ("GET", f"/v1/blocks/{long}", 404, None), ("GET", f"/v1/blocks/{long}/manifest", 404, None)]:
+        r = httpx.request(method, srv.url + path, timeout=60)
+        assert r.status_code == status, (method, path[:60], r.status_code, r.text[:300])
+        if param is not None:
+            assert r.json()["error"]["param"] == param
+
+
+def test_deeply_nested_tool_call_arguments_of_an_earlier_turn_are_text(srv):
+    """A client's earlier assistant message whose call ``arguments`` is a JSON string nesting 3,000 lists
+    (a RecursionError, a 500, when the prompt was rendered): rendered as the string it is, at the chat and
+    Responses doors."""
+    deep = "[" * 3000 + "]" * 3000
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}
+    r = _post(srv, "/v1/chat/completions", {**CHAT, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]})
+    assert r.status_code == 200, r.text[:300]
+    r = _post(srv, "/v1/responses", {"max_output_tokens": 1, "store": False, "input": [
+        USER, {"type": "function_call", "call_id": "c1", "name": "f", "arguments": deep},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"}]})
+    assert r.status_code == 200, r.text[:300]

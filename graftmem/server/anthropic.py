@@ -44,6 +44,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
+from ..core import jsontext
 from .http import HTTPError, anthropic_error, guarded, sse
 from .openai import RECEIPT_HEADER, OpenAIRoutes, job_events
 from .tools import ToolSpec, ToolStream
@@ -314,8 +315,8 @@ class AnthropicRoutes:
     # ------------------------------------------------------------------ formatting
     @staticmethod
     def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
-        try:
-            args = json.loads(call["function"]["arguments"] or "{}")
+        try:  # arguments the model wrote as a JSON string may nest too deep to decode: then not an object
+            args = jsontext.loads(call["function"]["arguments"] or "{}")
         except ValueError:
             args = {}
         return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],

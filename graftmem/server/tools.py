@@ -31,7 +31,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from ..core import toolcalls
+from ..core import jsontext, toolcalls
 from ..core.toolcalls import ToolCallFormat
 from .http import HTTPError
 
@@ -138,9 +138,9 @@ def call_parts(call: Any, i: int, j: int) -> tuple[str, Any]:
     args = fn.get("arguments", "{}")
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
+            args = jsontext.loads(args) if args.strip() else {}
         except ValueError:
-            pass  # kept as the string the client sent
+            pass  # kept as the string the client sent (also when nested too deep to decode)
     return fn["name"], args
 
 
@@ -170,8 +170,8 @@ def parse_calls(text: str, spec: Optional[ToolSpec]) -> tuple[Optional[str], lis
     calls = []
     for m in _CALL_RE.finditer(text):
         try:
-            obj = json.loads(m.group(1))
-        except ValueError:
+            obj = jsontext.loads(m.group(1))
+        except ValueError:  # not JSON, or nested too deep (100,000 brackets are text, not a RecursionError)
             continue
         if not isinstance(obj, dict) or obj.get("name") not in spec.names:
             continue
