@@ -77,7 +77,15 @@ class Limits:
     #: at most 1,000 (`graftmem.server.runner.default_max_connections`)
     max_connections: Optional[int] = None
     #: the JSON nesting a request body may have (deeper is a 400 before it is parsed)
-    max_json_depth: int = 64
+    max_json_depth: int = jsontext.MAX_DEPTH
+    #: the messages a chat request may hold, at every door (chat completions, /v1/responses' input items
+    #: and the conversation they re-render, /v1/messages), checked before anything renders or tokenizes
+    #: them; the engine's ``n_ctx`` lowers it (every message takes at least a token of the context). The
+    #: cuts between turns are found by rendering each prefix of the conversation: 100,000 tiny messages
+    #: once burned minutes of CPU before their 400 (`graftmem.server.chat.bound_messages`)
+    max_messages: int = 4096
+    #: the content parts (text parts, Anthropic content blocks) and tool calls one message may hold
+    max_message_parts: int = 1024
 
 
 class HTTPError(Exception):

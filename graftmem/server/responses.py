@@ -61,7 +61,7 @@ from .http import HTTPError, guarded, off_loop, sse
 from .openai import RECEIPT_HEADER, OpenAIRoutes, job_events
 from .prefix import Match
 from .tenants import owner_of, tenant_of
-from .tools import ToolSpec, ToolStream
+from .tools import MAX_TOOLS, ToolSpec, ToolStream
 
 if TYPE_CHECKING:
     from ..core.blocks import Block
@@ -195,6 +195,8 @@ def _chat_tools(tools: Any) -> Optional[list[dict[str, Any]]]:
         return None
     if not isinstance(tools, list):
         raise _bad("tools", "tools must be a list", "invalid_value")
+    if len(tools) > MAX_TOOLS:
+        raise _bad("tools", f"tools holds {len(tools)} tools, over the limit of {MAX_TOOLS}", "invalid_value")
     out = []
     for i, t in enumerate(tools):
         kind = t.get("type") if isinstance(t, dict) else None
@@ -492,6 +494,7 @@ class ResponsesRoutes:
             raise _bad("instructions", "instructions must be a string on this server", "invalid_value")
         if body.get("input") is None:
             raise _bad("input", "input is required", "missing_required_parameter")
+        self.oa.bound(body["input"], "input")  # first: rendering is quadratic in the messages
         chat = to_chat(body)
         new = turn = items_to_messages(body["input"])  # ``turn``: this request's own messages, as stored
         if not new:
