@@ -149,3 +149,62 @@ def test_tiny_builder_reads_a_vocab_as_gguf_reader_does():
         expect = ref.fields[key].contents()
         assert vtype == ref.fields[key].types[0]
         assert (np.asarray(value).tolist() if hasattr(value, "tolist") else value) == expect, key
+
+
+def _call_text(fmt: tc.ToolCallFormat, value: str, name: str = "f") -> str:
+    """A call of ``name`` whose one argument ``x`` is ``value`` (JSON text; Gemma 4's own syntax for
+    gemma4), in ``fmt``'s call syntax as its forced-call grammar writes it (`tc.call_grammar`'s tables)."""
+    if fmt.name in tc._JSON_CALLS:
+        opener, closer, key_name, key_args, listed, _ = tc._JSON_CALLS[fmt.name]
+        args = f'{{"x": {value}}}'
+        obj = f'{{"{name}": {args}}}' if not key_name else f'{{"{key_name}": "{name}", "{key_args}": {args}}}'
+        return opener + (f"[{obj}]" if listed else obj) + closer
+    if fmt.name in tc._NAMED_CALLS:
+        opener, before, between, after, closer = tc._NAMED_CALLS[fmt.name]
+        return opener + before + name + between + f'{{"x": {value}}}' + after + closer
+    if fmt.name in tc._XML_CALLS:
+        head, after_name, k_head, k_after, k_tail, tail = tc._XML_CALLS[fmt.name]
+        return head + name + after_name + k_head + "x" + k_after + value + k_tail + tail
+    assert fmt.name == "gemma4", f"no call syntax known for {fmt.name}: add it here"
+    return f"<|tool_call>call:{name}{{x:{value}}}<tool_call|>"
+
+
+DEEP = 100_000
+
+
+@pytest.mark.parametrize("family", sorted(tc.FORMATS))
+def test_deeply_nested_json_in_a_call_never_raises(family):
+    """A call whose argument nests 100,000 lists deep (a model's answer, or a hostile client's earlier
+    assistant message) raised RecursionError out of every family's parser: now the nesting is text (no
+    call; in the XML families, whose values fall back to text, the value is that text), through the
+    whole-answer parser, the server's `parse_calls` and the stream's hold-back, and what comes out encodes."""
+    from graftmem.core import jsontext
+    from graftmem.server.tools import ToolSpec, ToolStream, parse_calls
+
+    fmt = tc.FORMATS[family]
+    shallow = tc.parse(_call_text(fmt, "[[1]]"), fmt, ["f"])
+    assert len(shallow.calls) == 1, (family, shallow)  # the text is a call in this family's syntax
+    spec = ToolSpec(({"name": "f"},), parse=True, fmt=fmt)
+    deep = _call_text(fmt, "[" * DEEP + "]" * DEEP)
+    for text in (deep, deep[:len(deep) // 2], "Sure.\n" + deep):  # whole, cut off mid-answer, after prose
+        parsed = tc.parse(text, fmt, ["f"])
+        content, calls = parse_calls(text, spec)
+        stream = ToolStream(fmt)
+        streamed = "".join(stream.feed(text[i:i + 4096]) for i in range(0, len(text), 4096))
+        streamed += stream.rest(text, calls)
+        assert streamed in ("", text) or text.startswith(streamed)
+        for call in parsed.calls + calls:  # arguments decoded no deeper than the bound, so they encode again
+            assert jsontext.json_depth(call["function"]["arguments"]) <= jsontext.MAX_DEPTH
+            json.dumps(jsontext.loads(call["function"]["arguments"]))
+        if family not in tc._XML_CALLS:
+            assert parsed.calls == [] and calls == [] and content == text, family
+
+
+def test_deeply_nested_call_arguments_read_back_as_an_empty_input():
+    """Arguments a model wrote as a JSON string nesting 100,000 lists (Hermes keeps such a string as the
+    arguments): Anthropic's ``tool_use`` block takes them as no object, never a RecursionError."""
+    from graftmem.server.anthropic import AnthropicRoutes
+
+    text = '<tool_call>{"name": "f", "arguments": ' + json.dumps("[" * DEEP + "]" * DEEP) + "}</tool_call>"
+    call = tc.parse(text, tc.HERMES, ["f"]).calls[0]
+    assert AnthropicRoutes._tool_use(call)["input"] == {}

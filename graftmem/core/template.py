@@ -34,7 +34,7 @@ from .errors import ConfigError
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["ChatTemplate", "TemplateError", "load_template", "model_template", "today"]
+__all__ = ["ChatTemplate", "TemplateError", "load_template", "model_template", "reserved_kwargs", "today"]
 
 log = logging.getLogger("graftmem")
 
@@ -46,6 +46,19 @@ MAX_RENDER_CHARS = 4 << 20
 
 class TemplateError(ConfigError):
     """A chat template failed to render (its own ``raise_exception`` or a jinja error)."""
+
+
+#: The names a render sets itself (`ChatTemplate.render`'s arguments and what it puts in the context).
+_RENDER_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token",
+                           "strftime_now", "now", "self"})
+
+
+def reserved_kwargs() -> frozenset[str]:
+    """The names a render's ``kwargs`` (a request's ``chat_template_kwargs``) may not take: the render's own
+    (``messages``, ``tools``, ``add_generation_prompt``, ``bos_token``, ...) and the environment's globals
+    (``raise_exception``, ``namespace``, ``range``, ...). One of them would replace the conversation, the BOS
+    text or a helper the template calls (or collide with the render's arguments: a ``TypeError``, a 500)."""
+    return _RENDER_NAMES | frozenset(_envs()[0].globals)
 
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: Optional[int] = None,
@@ -203,7 +216,10 @@ class ChatTemplate:
                now: Optional[_dt.datetime] = None, **kwargs: Any) -> str:
         """The template's text for ``messages``; ``kwargs`` are ``chat_template_kwargs`` such as
         ``enable_thinking`` or ``reasoning_effort``; ``now`` pins ``strftime_now`` for this render
-        (else the template's ``now``, else the clock). BOS is dropped where the vocabulary adds it."""
+        (else the template's ``now``, else the clock). BOS is dropped where the vocabulary adds it. A
+        ``kwargs`` name the render sets itself (`reserved_kwargs`) is a `TemplateError`."""
+        if clash := sorted(reserved_kwargs() & kwargs.keys()):
+            raise TemplateError(f"chat template kwargs {', '.join(clash)} are set by the render itself")
         msgs = [dict(m) for m in messages]
         if msgs and msgs[0].get("role") == "system" and not self.supports_system:
             # as llama.cpp does for templates that refuse a system role (Gemma 2): its text opens the

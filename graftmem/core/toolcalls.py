@@ -19,7 +19,11 @@ gemma4     ``<|tool_call>call:NAME{key:<|"|>text<|"|>,n:1}<tool_call|>``
 
 Reasoning (``<think>...</think>``, DeepSeek R1 / Qwen3 / GLM, and harmony's analysis channel) becomes
 ``reasoning_content``. Only calls naming a tool of the request are kept; a span that does not parse
-stays text, so a model's malformed call is shown, never dropped.
+stays text, so a model's malformed call is shown, never dropped. Every parser reads JSON through
+`_loads` / `_json_prefix` (`graftmem.core.jsontext`: nested deeper than 64 levels is not JSON), so an
+answer of 100,000 nested brackets is text, never a ``RecursionError``, and a call's arguments can always
+be encoded again; a family whose argument values fall back to text (the XML ones) keeps such a value as
+its text.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
 
 if TYPE_CHECKING:
     from .grammar_limits import GrammarLimits
+
+from . import jsontext
 
 __all__ = ["ToolCallFormat", "Parsed", "FORMATS", "FORCEABLE", "tool_format", "parse", "call_id", "split_reasoning",
            "call_grammar"]
@@ -132,10 +138,15 @@ def _call(name: str, args: Any, style: str) -> dict[str, Any]:
 
 
 def _json_prefix(text: str) -> tuple[Any, int]:
-    """The JSON value at the start of ``text`` (after whitespace) and where it ends."""
-    dec = json.JSONDecoder()
-    i = len(text) - len(text.lstrip())
-    return dec.raw_decode(text, i)
+    """The JSON value at the start of ``text`` (after whitespace) and where it ends; a ``ValueError`` when
+    there is none (or it nests too deep: `graftmem.core.jsontext`)."""
+    return jsontext.load_prefix(text)
+
+
+def _loads(text: str) -> Any:
+    """``text`` as JSON, or a ``ValueError`` (not JSON, or nested too deep: `graftmem.core.jsontext`): how
+    every parser here reads a call's JSON."""
+    return jsontext.loads(text)
 
 
 _THINK = re.compile(r"^\s*(?:<think>)?(.*?)</think>\s*", re.S)
@@ -183,7 +194,7 @@ def _hermes(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, None]:
     calls = []
     for m in _HERMES_RE.finditer(text):
         try:
-            obj = json.loads(m.group(1))
+            obj = _loads(m.group(1))
         except ValueError:
             return text, [], None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -203,13 +214,13 @@ def _qwen_xml(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, None
         body = m.group(2).strip()
         if body.startswith("{"):  # Functionary v3.1: <function=NAME>{json}</function>
             try:
-                args = json.loads(body)
+                args = _loads(body)
             except ValueError:
                 return text, [], None
         for p in _XML_PARAM.finditer(m.group(2)):
             raw = p.group(2)
             try:
-                args[p.group(1).strip()] = json.loads(raw)
+                args[p.group(1).strip()] = _loads(raw)
             except ValueError:
                 args[p.group(1).strip()] = raw
         calls.append(_call(m.group(1).strip(), args, fmt.id_style))
@@ -288,7 +299,7 @@ def _harmony(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, Optio
         channel, body = m.group(2), m.group(4)
         if name:
             try:
-                args = json.loads(body)
+                args = _loads(body)
             except ValueError:
                 return text, [], None
             calls.append(_call(name, args, fmt.id_style))
@@ -314,7 +325,7 @@ def _deepseek(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, None
     for m in _DS_CALL.finditer(text, j):
         name, raw = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
         try:
-            args = json.loads(raw)
+            args = _loads(raw)
         except ValueError:
             return text, [], None
         calls.append(_call(name.strip(), args, fmt.id_style))
@@ -326,25 +337,28 @@ def _deepseek(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, None
 _G4_CALL = re.compile(r"<\|tool_call>call:([A-Za-z0-9_.\-]+)\{")
 
 
-def _gemma_value(s: str, i: int) -> tuple[Any, int]:
+def _gemma_value(s: str, i: int, depth: int = 0) -> tuple[Any, int]:
     """One value of Gemma 4's call syntax at ``s[i]``: ``<|"|>text<|"|>``, ``{k:v,...}``, ``[v,...]``,
-    or a bare number / true / false / null."""
+    or a bare number / true / false / null; nested deeper than JSON may be (`jsontext.MAX_DEPTH`), a
+    ``ValueError``, as `_loads` refuses such JSON."""
     q = '<|"|>'
     if s.startswith(q, i):
         end = s.index(q, i + len(q))
         return s[i + len(q):end], end + len(q)
+    if s[i] in "{[" and depth >= jsontext.MAX_DEPTH:
+        raise jsontext.TooDeep(f"a value nested more than {jsontext.MAX_DEPTH} levels deep")
     if s[i] == "{":
         obj: dict[str, Any] = {}
         i += 1
         while s[i] != "}":
             if s.startswith(q, i):
-                key, i = _gemma_value(s, i)
+                key, i = _gemma_value(s, i, depth + 1)
             else:
                 j = s.index(":", i)
                 key, i = s[i:j], j
             if s[i] != ":":
                 raise ValueError("expected ':'")
-            obj[str(key)], i = _gemma_value(s, i + 1)
+            obj[str(key)], i = _gemma_value(s, i + 1, depth + 1)
             if s[i] == ",":
                 i += 1
         return obj, i + 1
@@ -352,7 +366,7 @@ def _gemma_value(s: str, i: int) -> tuple[Any, int]:
         arr = []
         i += 1
         while s[i] != "]":
-            v, i = _gemma_value(s, i)
+            v, i = _gemma_value(s, i, depth + 1)
             arr.append(v)
             if s[i] == ",":
                 i += 1
@@ -361,7 +375,7 @@ def _gemma_value(s: str, i: int) -> tuple[Any, int]:
     if not m:
         raise ValueError("empty value")
     raw = m.group(0).strip()
-    return json.loads(raw) if raw in ("true", "false", "null") or re.fullmatch(r"-?\d+(\.\d+)?([eE][-+]?\d+)?", raw) \
+    return _loads(raw) if raw in ("true", "false", "null") or re.fullmatch(r"-?\d+(\.\d+)?([eE][-+]?\d+)?", raw) \
         else raw, m.end()
 
 
@@ -388,7 +402,7 @@ def _gemma4(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, None]:
 
 def _value(raw: str) -> Any:
     try:
-        return json.loads(raw)
+        return _loads(raw)
     except ValueError:
         return raw
 
@@ -448,7 +462,7 @@ def _regex_calls(rx: "re.Pattern[str]", json_args: bool, strip: str):
         for m in rx.finditer(text):
             if json_args:
                 try:
-                    args = json.loads(m.group(2))
+                    args = _loads(m.group(2))
                 except ValueError:
                     return text, [], None
             else:

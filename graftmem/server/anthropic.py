@@ -44,9 +44,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
+from ..core import jsontext
 from .http import HTTPError, anthropic_error, guarded, sse
 from .openai import RECEIPT_HEADER, OpenAIRoutes, job_events
-from .tools import ToolSpec, ToolStream
+from .tools import MAX_TOOLS, ToolSpec, ToolStream
 
 if TYPE_CHECKING:
     from .generate import Job, Result
@@ -230,8 +231,8 @@ def to_chat(body: dict[str, Any], *, count_only: bool = False, marks: Optional[l
             out["stop"] = stops
     tools = body.get("tools")
     if tools is not None:
-        if not isinstance(tools, list):
-            raise HTTPError(400, "tools must be a list of tools")
+        if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+            raise HTTPError(400, f"tools must be a list of up to {MAX_TOOLS} tools")
         fns = []
         for i, t in enumerate(tools):
             if not isinstance(t, dict) or t.get("type") not in (None, "custom") or not isinstance(t.get("name"), str):
@@ -275,6 +276,7 @@ class AnthropicRoutes:
 
     async def count_tokens(self, request: Request) -> Response:
         body = await self.oa._parse(request)
+        self.oa.bound(body.get("messages"))  # before translating: the chat door's limits, on the blocks too
         job, _ = await self.oa.chat_job(request, to_chat(body, count_only=True))
         return JSONResponse({"input_tokens": sum(len(s) for s in job.segments)})
 
@@ -284,6 +286,7 @@ class AnthropicRoutes:
         if not isinstance(stream, bool):
             raise HTTPError(400, "stream must be a boolean")
         marks: list[int] = []
+        self.oa.bound(body.get("messages"))  # before translating: the chat door's limits, on the blocks too
         job, tools = await self.oa.chat_job(request, to_chat(body, marks=marks), marks)
         mid = "msg_" + uuid.uuid4().hex[:24]
         if not stream:
@@ -314,8 +317,8 @@ class AnthropicRoutes:
     # ------------------------------------------------------------------ formatting
     @staticmethod
     def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
-        try:
-            args = json.loads(call["function"]["arguments"] or "{}")
+        try:  # arguments the model wrote as a JSON string may nest too deep to decode: then not an object
+            args = jsontext.loads(call["function"]["arguments"] or "{}")
         except ValueError:
             args = {}
         return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],

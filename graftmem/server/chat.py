@@ -22,12 +22,13 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import re
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Callable, Collection, Optional, Sequence
 
 from ..core.prompt import ChatFormat, has_special_text, seam_before, tokenize_literal
-from ..core.template import ChatTemplate, TemplateError, today
+from ..core.template import ChatTemplate, TemplateError, reserved_kwargs, today
 from .http import HTTPError
 from .tools import ToolSpec, call_parts, render_calls, render_tool_result, tools_prompt
 
@@ -35,10 +36,78 @@ if TYPE_CHECKING:
     from ..core.engine import Engine
 
 __all__ = ["turn_cut", "answer_text", "continuation_segments", "literal_spans", "message_text", "render_segments", "template_messages", "template_segments", "tokenize_segments",
-           "chunk_prompt", "CHUNK_TOKENS", "TokenCache"]
+           "chunk_prompt", "CHUNK_TOKENS", "TokenCache", "bound_messages", "template_kwargs", "MAX_TEMPLATE_KWARGS",
+           "MAX_TEMPLATE_KWARGS_BYTES"]
 
 #: A raw prompt (``/v1/completions``) is cut into segments of about this many tokens.
 CHUNK_TOKENS = 256
+
+
+def bound_messages(messages: Any, max_messages: int, max_parts: int, *, param: str = "messages",
+                   why: str = "") -> None:
+    """A 400 naming ``param`` and the limit when a request holds more than ``max_messages`` messages (or
+    input items), or one of them more than ``max_parts`` content parts or tool calls: checked first, in
+    time linear in the number of messages, before anything renders or tokenizes them. Why first: the cuts
+    between turns are found by rendering each prefix of the conversation (`template_segments`: quadratic in
+    the messages), so 4,000 messages saying "hi" took 34 s to reach the context's 400, and 100,000 had no
+    answer after 600 s. ``why`` says where the limit comes from. What is not a list is left to the renderer's checks."""
+    if not isinstance(messages, list):
+        return
+    if len(messages) > max_messages:
+        raise HTTPError(400, f"{param} holds {len(messages)} messages, over this server's limit of {max_messages}"
+                        f"{why}", param=param, code="too_many_messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            continue
+        for key in ("content", "tool_calls", "output"):
+            parts = m.get(key)
+            if isinstance(parts, list) and len(parts) > max_parts:
+                raise HTTPError(400, f"{param}[{i}].{key} holds {len(parts)} entries, over this server's limit of "
+                                f"{max_parts} per message", param=f"{param}[{i}].{key}", code="too_many_parts")
+
+
+#: ``chat_template_kwargs`` may hold at most this many names...
+MAX_TEMPLATE_KWARGS = 32
+#: ...and this many bytes of JSON in all (``enable_thinking``, ``reasoning_effort``: a few bytes each).
+MAX_TEMPLATE_KWARGS_BYTES = 64 << 10
+
+_KWARG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
+def template_kwargs(raw: Any, param: str = "chat_template_kwargs") -> dict[str, Any]:
+    """A request's ``chat_template_kwargs``, checked before the render sees them (400 naming
+    ``chat_template_kwargs.<key>``): an object of at most `MAX_TEMPLATE_KWARGS` names, each an identifier the
+    template can read and none the render sets itself (`graftmem.core.template.reserved_kwargs`:
+    ``messages`` replaced the conversation, ``tools`` / ``add_generation_prompt`` collided with the
+    render's arguments, a 500), each value JSON (strings, numbers, booleans, null, lists, objects), at most
+    `MAX_TEMPLATE_KWARGS_BYTES` in all."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise HTTPError(400, f"{param} must be an object such as {{\"enable_thinking\": false}}", param=param,
+                        code="invalid_value")
+    if len(raw) > MAX_TEMPLATE_KWARGS:
+        raise HTTPError(400, f"{param} holds {len(raw)} names, over the limit of {MAX_TEMPLATE_KWARGS}", param=param,
+                        code="invalid_value")
+    reserved = reserved_kwargs()
+    size = 0
+    for key, value in raw.items():
+        at = f"{param}.{str(key)[:64]}"
+        if not isinstance(key, str) or not _KWARG_NAME.fullmatch(key):
+            raise HTTPError(400, f"{at}: a template variable's name is letters, digits and _ (up to 64, not "
+                            "starting with a digit)", param=at, code="invalid_value")
+        if key in reserved:
+            raise HTTPError(400, f"{at}: {key!r} is set by the render itself (it may not be one of "
+                            f"{', '.join(sorted(reserved))})", param=at, code="invalid_value")
+        try:
+            size += len(json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8"))
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise HTTPError(400, f"{at} must be JSON (strings, numbers, booleans, null, lists, objects; no NaN, "
+                            f"no lone surrogates): {exc}", param=at, code="invalid_value") from None
+        if size > MAX_TEMPLATE_KWARGS_BYTES:
+            raise HTTPError(400, f"{param} is over {MAX_TEMPLATE_KWARGS_BYTES} bytes of JSON", param=param,
+                            code="invalid_value")
+    return dict(raw)
 
 
 def turn_cut(roles: Sequence[Any], k: int, marks: Collection[int] = ()) -> bool:

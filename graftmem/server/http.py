@@ -27,11 +27,11 @@ from typing import Any, Awaitable, Callable, Optional, TypeVar
 
 import anyio
 import anyio.to_thread
-import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..core import jsontext
 from ..core.errors import ConfigError, UnverifiedBlock
 from ..core.grammar_limits import DEFAULT_GRAMMAR_LIMITS, GrammarLimits
 from .tenants import TENANT_STATE, ApiKeys
@@ -80,7 +80,15 @@ class Limits:
     #: at most 1,000 (`graftmem.server.runner.default_max_connections`)
     max_connections: Optional[int] = None
     #: the JSON nesting a request body may have (deeper is a 400 before it is parsed)
-    max_json_depth: int = 64
+    max_json_depth: int = jsontext.MAX_DEPTH
+    #: the messages a chat request may hold, at every door (chat completions, /v1/responses' input items
+    #: and the conversation they re-render, /v1/messages), checked before anything renders or tokenizes
+    #: them; the engine's ``n_ctx`` lowers it (every message takes at least a token of the context). The
+    #: cuts between turns are found by rendering each prefix of the conversation: 100,000 tiny messages
+    #: once burned minutes of CPU before their 400 (`graftmem.server.chat.bound_messages`)
+    max_messages: int = 4096
+    #: the content parts (text parts, Anthropic content blocks) and tool calls one message may hold
+    max_message_parts: int = 1024
     #: what a ``response_format`` schema or a forced tool call's schemas may cost once made a grammar
     #: (repetitions, enum sizes, properties, the grammar's size and nesting; `graftmem.core.grammar_limits`)
     grammar: GrammarLimits = DEFAULT_GRAMMAR_LIMITS
@@ -131,6 +139,11 @@ def error_response(path: str, err: HTTPError, *, close: bool = False) -> Respons
     """``err`` in the shape the client of ``path`` expects (graftmem's for blocks, Anthropic's for
     ``/v1/messages``, OpenAI's otherwise)."""
     headers = dict(err.headers)
+    # a message quoting what the client sent may hold a lone surrogate, which the JSON body (UTF-8) cannot
+    # carry: escaped, the refusal is still sent (it was a 500)
+    err.message = err.message.encode("utf-8", "backslashreplace").decode("utf-8")
+    if err.param is not None:
+        err.param = err.param.encode("utf-8", "backslashreplace").decode("utf-8")
     if close:
         headers["Connection"] = "close"
     if is_block_path(path):
@@ -253,33 +266,49 @@ def guarded(handler: Handler, home: Optional[str] = None) -> Handler:
     return run
 
 
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-_NOT_BRACKET = bytes(c for c in range(256) if c not in b"[]{}")
+def json_depth(raw: bytes, limit: int = jsontext.MAX_DEPTH) -> int:
+    """The deepest nesting of ``[`` / ``{`` in a JSON text, read without parsing (`graftmem.core.jsontext`,
+    the one reading of it): 100,000 nested lists made the parser raise RecursionError, a 500."""
+    return jsontext.json_depth(raw, limit=limit)
 
 
-def json_depth(raw: bytes) -> int:
-    """The deepest nesting of ``[`` / ``{`` in a JSON text (brackets inside strings not counted; up to 64
-    the count of openings stands in for it, an upper bound), read without parsing: 100,000 nested lists made the parser raise RecursionError, a 500."""
-    n_open = raw.count(b"[") + raw.count(b"{")
-    if n_open <= 64:  # the usual body: no more openings than the limit, so no deeper (a few ms for 8 MB)
-        return n_open
-    arr = np.frombuffer(raw, dtype=np.uint8)
-    at = np.flatnonzero((arr == 0x5B) | (arr == 0x7B) | (arr == 0x5D) | (arr == 0x7D))
-    naive = int(np.cumsum(np.where((arr[at] == 0x5B) | (arr[at] == 0x7B), 1, -1)).max())
-    if naive <= 64:  # brackets inside strings only ever add to it: shallow either way
-        return naive
-    brackets = _JSON_STRING.sub(b'""', raw).translate(None, _NOT_BRACKET)
-    if not brackets:
-        return 0
-    arr = np.frombuffer(brackets, dtype=np.uint8)
-    steps = np.where((arr == 0x5B) | (arr == 0x7B), 1, -1)
-    return int(np.cumsum(steps).max())
+#: A ``\\uD800``..``\\uDFFF`` escape: the only way a lone surrogate gets into a parsed body.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(data: Any) -> Optional[str]:
+    """The path (``input[0].call_id``) of the first string (or key) of ``data`` that UTF-8 cannot encode."""
+    todo: list[tuple[str, Any]] = [("", data)]
+    while todo:
+        path, v = todo.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(v, dict):
+            fields = []
+            for k, x in v.items():
+                at = f"{path}.{k}" if path else k
+                try:
+                    k.encode("utf-8")
+                except UnicodeEncodeError:
+                    return at.encode("utf-8", "backslashreplace").decode("utf-8")
+                fields.append((at, x))
+            todo.extend(reversed(fields))
+        elif isinstance(v, list):
+            todo.extend((f"{path}[{i}]", x) for i, x in reversed(list(enumerate(v))))
+    return None
 
 
 def json_object(raw: bytes, max_depth: int = 64) -> dict[str, Any]:
     """The body as a JSON object; anything else (not JSON, nested deeper than ``max_depth``, not an
-    object) is a 400."""
-    if json_depth(raw) > max_depth:
+    object, a string holding a lone surrogate) is a 400.
+
+    Lone surrogates (``"\\ud800"``) are refused here, for every field of every route, naming the field:
+    they are valid JSON but no text, and every place that writes one back out in UTF-8 failed with a 500
+    (the 404 quoting an unknown ``previous_response_id``, a stored response's input item ids)."""
+    if json_depth(raw, max_depth) > max_depth:
         raise HTTPError(400, f"the request body nests JSON deeper than {max_depth} levels", code="invalid_json")
     try:
         data = json.loads(raw)
@@ -287,6 +316,9 @@ def json_object(raw: bytes, max_depth: int = 64) -> dict[str, Any]:
         raise HTTPError(400, f"the request body is not JSON: {exc}", code="invalid_json") from exc
     if not isinstance(data, dict):
         raise HTTPError(400, "the request body must be a JSON object", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(raw) and (where := _lone_surrogate(data)) is not None:
+        raise HTTPError(400, f"{where} is not text UTF-8 can encode: it holds a lone surrogate (\\ud800 to "
+                        "\\udfff without its pair); fix the text's decoding", param=where, code="invalid_value")
     return data
 
 

@@ -53,8 +53,8 @@ from ..memory import validate as check
 from ..memory.router import DEFAULT_MIN_SCORE, LEX_WEIGHT
 from ..memory.verbs import MemoryVerbs
 from ..store.chain import chain_of
-from .chat import (TokenCache, answer_text, chunk_prompt, literal_spans, render_segments, template_segments,
-                   tokenize_segments)
+from .chat import (TokenCache, answer_text, bound_messages, chunk_prompt, literal_spans, render_segments,
+                   template_kwargs, template_segments, tokenize_segments)
 from .generate import Job, Result, check_fits, run_job
 from .http import HTTPError, Limits, client_gone, guarded, json_object, off_loop, public_message, read_body, sse
 from .pool import EnginePool
@@ -289,13 +289,12 @@ class OpenAIRoutes:
         if self.fmt is None and self.template is None:
             raise HTTPError(400, f"model {self.model_id!r} has no chat template graftmem knows; use "
                             "/v1/completions", code="unsupported_model")
+        self.bound(body.get("messages"))  # first: rendering is quadratic in the messages
         tools = self.tool_spec(body)
         self._check_schemas(body, tools)  # a grammar bomb is refused before its request is rendered
         notes: Optional[list[str]] = None
         literal = None
-        kwargs = body.get("chat_template_kwargs") or {}
-        if not isinstance(kwargs, dict):
-            raise HTTPError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
+        kwargs = template_kwargs(body.get("chat_template_kwargs"))
         fmt, template = self.fmt, self.template
 
         ends: list[int] = []  # per message: the prompt's characters up to its end (for ``marks``)
@@ -361,6 +360,16 @@ class OpenAIRoutes:
             raise HTTPError(400, f"{what} took longer than this server's {timeout:g} s budget (the request is "
                             "too costly: its template, messages or schema); it was stopped",
                             param=param, code="render_timeout") from None
+
+    def bound(self, messages: Any, param: str = "messages") -> None:
+        """The request's count of messages (or input items) and of parts per message within this server's
+        limits (`Limits.max_messages`, lowered to the engine's ``n_ctx``: every message takes at least a
+        token; `Limits.max_message_parts`): every chat door calls it before translating or rendering."""
+        limit, why = self.limits.max_messages, " (Limits.max_messages)"
+        if self.engine0.n_ctx < limit:
+            limit, why = self.engine0.n_ctx, (f" (the model's context is {self.engine0.n_ctx} tokens and every "
+                                              "message takes at least one)")
+        bound_messages(messages, limit, self.limits.max_message_parts, param=param, why=why)
 
     def tool_spec(self, body: dict[str, Any]) -> Optional[ToolSpec]:
         """The request's tools (``tools`` / ``tool_choice`` in the chat shape), in the call grammar the

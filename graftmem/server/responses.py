@@ -61,7 +61,7 @@ from .http import HTTPError, guarded, sse
 from .openai import RECEIPT_HEADER, OpenAIRoutes, job_events
 from .prefix import Match
 from .tenants import owner_of, tenant_of
-from .tools import ToolSpec, ToolStream
+from .tools import MAX_TOOLS, ToolSpec, ToolStream
 
 if TYPE_CHECKING:
     from ..core.blocks import Block
@@ -85,6 +85,27 @@ _SUPPORTED = ("input", "instructions", "tools", "tool_choice", "max_output_token
 
 def _bad(field: str, why: str, code: str = "unsupported_parameter") -> HTTPError:
     return HTTPError(400, f"{field}: {why}", param=field, code=code)
+
+
+#: The longest id a request may name (a response, an item, a call): the ids this server makes are under
+#: 64 characters, other servers' call ids about 30.
+MAX_ID_CHARS = 256
+
+
+def _id(field: str, value: Any) -> str:
+    """An id a request names, checked before it is looked up, stored or echoed: a string UTF-8 can encode (a
+    lone surrogate in ``previous_response_id`` was a 500: the 404 naming it could not be encoded), of at
+    most `MAX_ID_CHARS` characters; else a 400 naming ``field``."""
+    if not isinstance(value, str) or not value:
+        raise _bad(field, f"must be a non-empty string, got {type(value).__name__}", "invalid_value")
+    if len(value) > MAX_ID_CHARS:
+        raise _bad(field, f"is {len(value)} characters, over the {MAX_ID_CHARS}-character limit of an id",
+                   "invalid_value")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _bad(field, "is not text UTF-8 can encode (a lone surrogate?)", "invalid_value") from None
+    return value
 
 
 def _not_found(rid: str, param: Optional[str] = None) -> HTTPError:
@@ -127,6 +148,8 @@ def items_to_messages(items: Any, where: str = "input") -> list[dict[str, Any]]:
         if not isinstance(it, dict):
             raise _bad(at, "an input item must be an object", "invalid_value")
         kind = it.get("type", "message" if "role" in it else None)
+        if it.get("id") is not None:  # kept with the stored input items and listed by input_items
+            _id(f"{at}.id", it["id"])
         if kind == "message":
             role = it.get("role")
             if role not in ("user", "assistant", "system", "developer"):
@@ -135,8 +158,11 @@ def items_to_messages(items: Any, where: str = "input") -> list[dict[str, Any]]:
             out.append({"role": "system" if role == "developer" else role,
                         "content": _text_parts(it.get("content"), f"{at}.content")})
         elif kind == "function_call":
-            if not all(isinstance(it.get(k), str) for k in ("call_id", "name", "arguments")):
-                raise _bad(at, "a function_call item needs string call_id, name and arguments", "invalid_value")
+            for k in ("call_id", "name", "arguments"):
+                if not isinstance(it.get(k), str):
+                    raise _bad(f"{at}.{k}", "a function_call item needs string call_id, name and arguments",
+                               "invalid_value")
+            _id(f"{at}.call_id", it["call_id"])
             call = {"id": it["call_id"], "type": "function",
                     "function": {"name": it["name"], "arguments": it["arguments"]}}
             if out and out[-1]["role"] == "assistant":
@@ -146,6 +172,7 @@ def items_to_messages(items: Any, where: str = "input") -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             if not isinstance(it.get("call_id"), str):
                 raise _bad(f"{at}.call_id", "a function_call_output item needs a string call_id", "invalid_value")
+            _id(f"{at}.call_id", it["call_id"])
             output = it.get("output")
             text = output if isinstance(output, str) else _text_parts(output, f"{at}.output")
             out.append({"role": "tool", "tool_call_id": it["call_id"], "content": text})
@@ -168,6 +195,8 @@ def _chat_tools(tools: Any) -> Optional[list[dict[str, Any]]]:
         return None
     if not isinstance(tools, list):
         raise _bad("tools", "tools must be a list", "invalid_value")
+    if len(tools) > MAX_TOOLS:
+        raise _bad("tools", f"tools holds {len(tools)} tools, over the limit of {MAX_TOOLS}", "invalid_value")
     out = []
     for i, t in enumerate(tools):
         kind = t.get("type") if isinstance(t, dict) else None
@@ -413,7 +442,7 @@ class ResponsesRoutes:
 
     # ------------------------------------------------------------------ stored
     async def _find(self, request: Request, param: Optional[str] = None) -> tuple["Block", dict]:
-        rid = request.path_params["rid"]
+        rid = _id("response_id", request.path_params["rid"])
         found = await asyncio.to_thread(self.stored.find, rid, tenant_of(request.scope))
         if found is None:
             raise _not_found(rid, param)
@@ -438,6 +467,7 @@ class ResponsesRoutes:
             items.reverse()
         after = request.query_params.get("after")
         if after:
+            _id("after", after)
             ids = [it.get("id") for it in items]
             items = items[ids.index(after) + 1:] if after in ids else []
         try:
@@ -464,6 +494,7 @@ class ResponsesRoutes:
             raise _bad("instructions", "instructions must be a string on this server", "invalid_value")
         if body.get("input") is None:
             raise _bad("input", "input is required", "missing_required_parameter")
+        self.oa.bound(body["input"], "input")  # first: rendering is quadratic in the messages
         chat = to_chat(body)
         new = turn = items_to_messages(body["input"])  # ``turn``: this request's own messages, as stored
         if not new:
@@ -473,8 +504,7 @@ class ResponsesRoutes:
         rid = "resp_" + uuid.uuid4().hex
         info: dict[str, Any] = {}
         if prev_id is not None:
-            if not isinstance(prev_id, str):
-                raise _bad("previous_response_id", "previous_response_id must be a string", "invalid_value")
+            _id("previous_response_id", prev_id)
             found = await asyncio.to_thread(self.stored.find, prev_id, tenant)
             if found is None:
                 raise _not_found(prev_id, "previous_response_id")

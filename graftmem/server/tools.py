@@ -31,14 +31,16 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from ..core import toolcalls
+from ..core import jsontext, toolcalls
 from ..core.toolcalls import ToolCallFormat
 from .http import HTTPError
 
-__all__ = ["ToolSpec", "CALL_OPEN", "CALL_CLOSE", "parse_tools", "tools_prompt", "render_calls",
+__all__ = ["ToolSpec", "CALL_OPEN", "CALL_CLOSE", "MAX_TOOLS", "parse_tools", "tools_prompt", "render_calls",
            "render_tool_result", "parse_calls", "ToolStream", "ThinkStream"]
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+#: The tools one request may offer (OpenAI's own limit); every door checks it before converting them.
+MAX_TOOLS = 128
 _CALL_RE = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.S)
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
@@ -78,8 +80,8 @@ def parse_tools(body: dict[str, Any]) -> Optional[ToolSpec]:
         if choice not in (None, "none", "auto"):
             raise HTTPError(400, "tool_choice needs tools", param="tool_choice")
         return None
-    if not isinstance(tools, list) or len(tools) > 128:
-        raise HTTPError(400, "tools must be a list of up to 128 function tools", param="tools")
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise HTTPError(400, f"tools must be a list of up to {MAX_TOOLS} function tools", param="tools")
     functions = []
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
@@ -138,9 +140,9 @@ def call_parts(call: Any, i: int, j: int) -> tuple[str, Any]:
     args = fn.get("arguments", "{}")
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
+            args = jsontext.loads(args) if args.strip() else {}
         except ValueError:
-            pass  # kept as the string the client sent
+            pass  # kept as the string the client sent (also when nested too deep to decode)
     return fn["name"], args
 
 
@@ -170,8 +172,8 @@ def parse_calls(text: str, spec: Optional[ToolSpec]) -> tuple[Optional[str], lis
     calls = []
     for m in _CALL_RE.finditer(text):
         try:
-            obj = json.loads(m.group(1))
-        except ValueError:
+            obj = jsontext.loads(m.group(1))
+        except ValueError:  # not JSON, or nested too deep (100,000 brackets are text, not a RecursionError)
             continue
         if not isinstance(obj, dict) or obj.get("name") not in spec.names:
             continue
