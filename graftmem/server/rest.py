@@ -128,7 +128,7 @@ class MemoryRoutes:
         return run
 
     async def _body(self, request: Request) -> dict[str, Any]:
-        raw = await read_body(request, self.limits.max_body_bytes, self.limits.body_timeout)
+        raw = await read_body(request, self.limits.max_body_bytes, self.limits.body_timeout, self.limits)
         return await off_loop(len(raw), json_object, raw, self.limits.max_json_depth)
 
     async def _on_engine(self, fn: Callable[["Engine"], T], request: Optional[Request] = None,
