@@ -60,10 +60,11 @@ def test_serve_flags_become_one_config():
     assert blocks_only.api is False and blocks_only.port == 8765 and blocks_only.limits is None
     limited = serve_config(build_parser().parse_args([
         "serve", "--max-connections", "40", "--max-connections-per-client", "5", "--min-body-rate", "100",
-        "--body-grace", "2", "--write-timeout", "3"]),
+        "--body-grace", "2", "--write-timeout", "3", "--max-embedding-inputs", "7", "--max-embedding-chars", "900"]),
         api_key=None, push_token=None)
     assert limited.limits == Limits(max_connections=40, max_connections_per_client=5, min_body_rate=100,
-                                    body_grace=2.0, write_timeout=3.0)
+                                    body_grace=2.0, write_timeout=3.0, max_embedding_inputs=7,
+                                    max_embedding_chars=900)
     with pytest.raises(ConfigError) as err:  # checked where the config is made, before any model loads
         serve_config(build_parser().parse_args(["serve", "--engines", "0"]), api_key=None, push_token=None)
     assert err.value.param == "engines"

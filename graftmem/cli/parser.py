@@ -203,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds a body may fall behind --min-body-rate")
     sp.add_argument("--write-timeout", type=_seconds, default=30.0, metavar="SECONDS",
                     help="close a connection whose client reads nothing of its answer for this long")
+    sp.add_argument("--max-embedding-inputs", type=_positive, default=2048, metavar="N",
+                    help="texts one /v1/embeddings request may embed")
+    sp.add_argument("--max-embedding-chars", type=_positive, default=256 << 10, metavar="N",
+                    help="characters of all the texts of one /v1/embeddings request together")
     sp.add_argument("--push-token", help="accept pushes with this token (or $GRAFTMEM_PUSH_TOKEN)")
     sp.add_argument("--sign", metavar="KEY", help="sign listings with this private key")
     sp.add_argument("--rederive", action=argparse.BooleanOptionalAction, default=True,

@@ -117,7 +117,8 @@ def serve_config(args: argparse.Namespace, *, api_key: Any, push_token: Optional
     from ..server import Limits
 
     limits = Limits(max_connections=args.max_connections, max_connections_per_client=args.max_connections_per_client,
-                    min_body_rate=args.min_body_rate, body_grace=args.body_grace, write_timeout=args.write_timeout)
+                    min_body_rate=args.min_body_rate, body_grace=args.body_grace, write_timeout=args.write_timeout,
+                    max_embedding_inputs=args.max_embedding_inputs, max_embedding_chars=args.max_embedding_chars)
     return ServeConfig(
         host=args.host, port=args.port, api=not args.blocks_only, api_key=api_key, push_token=push_token,
         sign_key=_sign_key(args), rederive=args.rederive, allow_unverified=args.allow_unverified,

@@ -91,6 +91,12 @@ class Limits:
     max_connections_per_client: Optional[int] = None
     #: the JSON nesting a request body may have (deeper is a 400 before it is parsed)
     max_json_depth: int = 64
+    #: texts one ``/v1/embeddings`` request may embed (OpenAI's own limit is 2,048)
+    max_embedding_inputs: int = 2048
+    #: characters of all the texts of one ``/v1/embeddings`` request together: 2,048 long texts cost 108
+    #: CPU-seconds; 256 Ki characters are at most about 256 texts of the embedder's full 256 word pieces,
+    #: about 10 s of one core (`graftmem.server.embeddings`)
+    max_embedding_chars: int = 256 << 10
 
     def body_lag(self, elapsed: float, got: int) -> float:
         """Seconds a body is behind ``min_body_rate``: ``elapsed`` seconds after it began with ``got``
