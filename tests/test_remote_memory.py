@@ -18,6 +18,7 @@ from graftmem.api import RemoteJSON
 from graftmem.cli import main
 from graftmem.cli.parser import build_parser
 from graftmem.cli.serve import serve_config
+from graftmem.server import Limits
 from graftmem.core.engine import threads_per_engine
 
 KEY = "remote-test-key-1"
@@ -56,7 +57,14 @@ def test_serve_flags_become_one_config():
                               sightings=3, max_auto_bytes=5 << 20, auto_storage="delta", warm=False,
                               shared_learned=True, responses_ttl=60.0)
     blocks_only = serve_config(build_parser().parse_args(["serve", "--blocks-only"]), api_key=None, push_token=None)
-    assert blocks_only.api is False and blocks_only.port == 8765
+    assert blocks_only.api is False and blocks_only.port == 8765 and blocks_only.limits is None
+    limited = serve_config(build_parser().parse_args([
+        "serve", "--max-connections", "40", "--max-connections-per-client", "5", "--min-body-rate", "100",
+        "--body-grace", "2", "--write-timeout", "3", "--max-embedding-inputs", "7", "--max-embedding-chars", "900"]),
+        api_key=None, push_token=None)
+    assert limited.limits == Limits(max_connections=40, max_connections_per_client=5, min_body_rate=100,
+                                    body_grace=2.0, write_timeout=3.0, max_embedding_inputs=7,
+                                    max_embedding_chars=900)
     with pytest.raises(ConfigError) as err:  # checked where the config is made, before any model loads
         serve_config(build_parser().parse_args(["serve", "--engines", "0"]), api_key=None, push_token=None)
     assert err.value.param == "engines"

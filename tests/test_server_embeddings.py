@@ -3,12 +3,18 @@ embedder's vectors, batched, in both encodings the client uses."""
 
 from __future__ import annotations
 
+import json
+import socket
+import threading
+import time
+
+import httpx
 import numpy as np
 import openai
 import pytest
 
 from graftmem.memory.router import Router
-from graftmem.server import api_server
+from graftmem.server import Limits, api_server
 from graftmem.store.local import Store
 
 
@@ -48,3 +54,88 @@ def test_a_server_without_a_router_says_so(smol, tmp_path):
         with pytest.raises(openai.BadRequestError) as exc:
             c.embeddings.create(model="any", input="hello")
         assert exc.value.code == "embeddings_unavailable"
+
+
+class _HeldEmbedder:
+    """The packaged MiniLM, counting the texts it embeds; its first text waits (bounded) until the test
+    lets it go, so the test can act while an embeddings request provably holds its engine."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.model_id = inner, inner.model_id
+        self.texts = 0
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def embed_batch(self, texts):
+        self.texts += len(texts)
+        if not self.entered.is_set():
+            self.entered.set()
+            self.release.wait(30)
+        return self.inner.embed_batch(texts)
+
+    def count_tokens(self, texts):
+        return self.inner.count_tokens(texts)
+
+
+def _post_raw(url: str, body: dict) -> socket.socket:
+    host, port = url[len("http://"):].split(":")
+    raw = json.dumps(body).encode()
+    s = socket.create_connection((host, int(port)), timeout=30)
+    s.sendall(f"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+    return s
+
+
+def test_embeddings_are_bounded_per_request(smol, minilm, tmp_path):
+    """Too many texts, or too many characters in all, is a 400 naming ``input`` and the limit, before
+    anything is embedded."""
+    store = Store(tmp_path / "home")
+    held = _HeldEmbedder(minilm)
+    held.entered.set()  # nothing to hold here
+    limits = Limits(max_embedding_inputs=3, max_embedding_chars=100)
+    try:
+        with api_server(store, [smol], router=lambda: Router(held, store), limits=limits) as srv:
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+            for texts, limit in ((["a", "b", "c", "d"], "1 to 3"), (["x" * 60, "y" * 60], "100 characters")):
+                with pytest.raises(openai.BadRequestError) as exc:
+                    c.embeddings.create(model="any", input=texts)
+                assert exc.value.param == "input" and limit in exc.value.message, exc.value.message
+            assert held.texts == 0
+            assert len(c.embeddings.create(model="any", input=["a", "b", "c"]).data) == 3  # at the limit
+    finally:
+        store.close()
+
+
+def test_embeddings_wait_in_the_engines_queue_and_stop_when_the_client_leaves(smol, minilm, tmp_path):
+    """An embeddings request holds an engine as a chat request does: with the one engine busy embedding
+    and no room to wait, a chat request and a second embeddings request get 429. A client that leaves
+    mid-request stops the work at its next text (it used to embed all of them for nobody). Fails so with
+    the embedding run beside the pool (``anyio.to_thread``) and without the ``cancel`` check."""
+    store = Store(tmp_path / "home")
+    held = _HeldEmbedder(minilm)
+    n = 400
+    try:
+        with api_server(store, [smol], router=lambda: Router(held, store), max_queue=0, learn=False) as srv:
+            s = _post_raw(srv.url, {"model": "any", "input": [f"text number {i}" for i in range(n)]})
+            try:
+                assert held.entered.wait(120), "the embeddings request never started"
+                assert srv.pool.in_use == 1  # it holds the engine
+                busy = httpx.post(srv.url + "/v1/embeddings", json={"model": "any", "input": "hi"}, timeout=30)
+                assert busy.status_code == 429 and busy.json()["error"]["code"] == "queue_full", busy.text
+                chat = httpx.post(srv.url + "/v1/chat/completions", timeout=30, json={
+                    "model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]})
+                assert chat.status_code == 429
+            finally:
+                s.close()  # the client leaves while its first text is held
+            deadline = time.monotonic() + 30
+            while srv.runner.connection_counts()["open"] and time.monotonic() < deadline:  # the server saw it
+                time.sleep(0.01)
+            held.release.set()
+            deadline = time.monotonic() + 60
+            while srv.pool.in_use and time.monotonic() < deadline:  # bounded wait for the engine back
+                time.sleep(0.02)
+            assert srv.pool.in_use == 0
+            assert held.texts < n, "the request embedded every text for a client that had left"
+            r = httpx.post(srv.url + "/v1/embeddings", json={"model": "any", "input": "hi"}, timeout=60)
+            assert r.status_code == 200  # the engine serves the next client
+    finally:
+        store.close()

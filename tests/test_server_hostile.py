@@ -23,6 +23,7 @@ import pytest
 
 from graftmem import Memory
 from graftmem.server import api_server
+from graftmem.store.local import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -205,3 +206,140 @@ def test_an_8mb_body_does_not_stall_the_event_loop(served, chars, monkeypatch):
         finally:
             s.close()
     assert answer.startswith(b"HTTP/1.1 400") and b'"param":"prompt"' in answer, answer[:300]
+
+
+# ---------------------------------------------------------------- slow clients and the connection cap (issue 37)
+def _host_port(url: str) -> tuple[str, int]:
+    host, port = url[len("http://"):].split(":")
+    return host, int(port)
+
+
+def _slow_body(url: str, source: str = "127.0.0.1") -> socket.socket:
+    """A chat request whose body stops after a few of its announced bytes (the socket is held open)."""
+    s = socket.create_connection(_host_port(url), timeout=10, source_address=(source, 0))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 5000\r\n\r\n{\"model\"")
+    return s
+
+
+def _slow_reader(url: str, path: str, source: str = "127.0.0.1") -> socket.socket:
+    """A request for a big answer on a socket with a tiny receive window that never reads it."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window it announces
+    s.settimeout(10)
+    s.bind((source, 0))
+    s.connect(_host_port(url))
+    s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    return s
+
+
+def _until(cond, what: str, timeout: float = 30.0) -> None:
+    """Wait (bounded) until ``cond()`` holds: a condition, never a duration, orders the test."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+#: a text whose block is about 5 MB of state (SmolLM2: 23 kB per token): an answer no socket buffer holds
+_BIG = " ".join(f"Rule {i}: refunds over {i * 7} dollars need the order number and a manager." for i in range(12))
+
+
+@pytest.fixture
+def capped(smol, tmp_path):
+    """A server capped at 8 connections (one client address may hold all 8) with a 5 MB block to download."""
+    from graftmem.server import Limits
+
+    with Memory(engine=smol, home=tmp_path / "home") as m:
+        block = m.learn(_BIG, name="big")
+        limits = Limits(max_connections=8, max_connections_per_client=8)
+        with api_server(m.store, [smol], learn=False, limits=limits) as srv:
+            yield srv, block
+
+
+def test_slow_bodies_and_slow_readers_do_not_hold_the_connection_cap(capped):
+    """4 bodies trickled (stopped) under their Content-Length and 4 answers nobody reads fill the 8
+    connections with requests in flight; a normal client still gets its answer: the cap closes a stalled
+    one for it (it used to refuse the newcomer while every connection had a request in flight, 20/20
+    for 40 s). Fails so with `GuardedH11Protocol._idle_since` reduced to idle connections."""
+    srv, block = capped
+    runner = srv.runner
+    socks: list[socket.socket] = []
+    try:
+        socks += [_slow_body(srv.url) for _ in range(4)]
+        socks += [_slow_reader(srv.url, f"/v1/blocks/{block.id}") for _ in range(4)]
+        # every one has its request in flight and has stalled: a body behind the minimum rate, an answer
+        # whose writes are paused because the client does not read
+        _until(lambda: runner.connection_counts()["stalled"] == 8, f"not all stalled: {runner.connection_counts()}")
+        r = httpx.get(srv.url + "/v1/models", timeout=10)
+        assert r.status_code == 200
+        assert runner.connection_counts()["stalled"] <= 7  # one of them made room
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_an_answer_nobody_reads_is_aborted_after_the_write_timeout(smol, tmp_path, caplog):
+    """No cap pressure: a client that stops reading loses its connection after ``write_timeout`` (there
+    was no such timeout: the connection stayed, its request in flight, forever). Fails so with the
+    watchdog's abort removed (`GuardedH11Protocol._check_writes`)."""
+    from graftmem.server import Limits
+
+    caplog.set_level(logging.INFO, logger="graftmem")
+    with Memory(engine=smol, home=tmp_path / "home") as m:
+        block = m.learn(_BIG, name="big")
+        with api_server(m.store, [smol], learn=False, limits=Limits(write_timeout=0.5)) as srv:
+            s = _slow_reader(srv.url, f"/v1/blocks/{block.id}")
+            try:
+                _until(lambda: any("made no progress" in r.getMessage() for r in caplog.records),
+                       "the unread answer was never cut")
+                _until(lambda: srv.runner.connection_counts()["open"] == 0, "the unread answer kept its connection")
+            finally:
+                s.close()
+
+
+def test_a_body_slower_than_the_minimum_rate_is_a_408(smol, tmp_path):
+    """A body that falls ``body_grace`` behind ``min_body_rate`` is refused without waiting for the
+    60 s ``body_timeout``. Fails so (the client's 30 s timeout) with the rate left out of `read_body`."""
+    from graftmem.server import Limits
+
+    store = Store(tmp_path / "home")
+    try:
+        with api_server(store, [smol], learn=False, limits=Limits(min_body_rate=1000, body_grace=0.2)) as srv:
+            s = _slow_body(srv.url)
+            s.settimeout(30)
+            try:
+                reply = b""
+                while chunk := s.recv(4096):  # the server closes the connection after its answer
+                    reply += chunk
+            finally:
+                s.close()
+    finally:
+        store.close()
+    assert reply.startswith(b"HTTP/1.1 408") and b"1000 bytes/s" in reply, reply[:300]
+
+
+def test_one_client_address_holds_at_most_its_share_of_the_connections(smol, tmp_path):
+    """``max_connections_per_client``: a third connection from 127.0.0.2 (limit 2) closes that address's
+    oldest idle one, and only its own: an older idle connection of 127.0.0.3 stays and is served.
+    Fails so without the per-client limit (the first socket stays open: its recv times out, the header
+    deadline being longer)."""
+    from graftmem.server import Limits
+
+    store = Store(tmp_path / "home")
+    limits = Limits(max_connections=8, max_connections_per_client=2, header_timeout=60)
+    try:
+        with api_server(store, [smol], learn=False, limits=limits) as srv:
+            addr = _host_port(srv.url)
+            other = socket.create_connection(addr, timeout=10, source_address=("127.0.0.3", 0))
+            mine = [socket.create_connection(addr, timeout=10, source_address=("127.0.0.2", 0)) for _ in range(3)]
+            try:
+                assert mine[0].recv(1) == b""  # closed by the server to make room for the third
+                for s in (other, mine[2]):
+                    s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+                    assert s.recv(4096).startswith(b"HTTP/1.1 200")
+            finally:
+                for s in [other, *mine]:
+                    s.close()
+    finally:
+        store.close()

@@ -128,6 +128,16 @@ def _positive(value: str) -> int:
     return n
 
 
+def _seconds(value: str) -> float:
+    try:
+        n = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+    if not 0 < n < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} is not allowed: give a number of seconds above 0")
+    return n
+
+
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-from .common import _port, _positive
+from .common import _port, _positive, _seconds
 from .demo import cmd_demo
 from .doctor import cmd_doctor
 from .serve import cmd_serve
@@ -194,6 +194,22 @@ def build_parser() -> argparse.ArgumentParser:
                          "store) for every request and the warm start; without it only a request that sends "
                          "graftmem.allow_unverified gets them, and receipts name the provenance")
     sp.add_argument("--port", type=_port, default=8765, help="0 picks a free port")
+    sp.add_argument("--max-connections", type=_positive, metavar="N",
+                    help="open connections at most; past it idle or stalled ones (slow bodies, unread answers) are closed "
+                         "(default: a quarter of the process's file-descriptor limit, at most 1000)")
+    sp.add_argument("--max-connections-per-client", type=_positive, metavar="N",
+                    help="open connections one client address may hold (default: half of --max-connections; "
+                         "every local agent on 127.0.0.1 is one address)")
+    sp.add_argument("--min-body-rate", type=_positive, default=1024, metavar="BYTES_PER_S",
+                    help="a request body must arrive at this rate at least (408 once --body-grace behind it)")
+    sp.add_argument("--body-grace", type=_seconds, default=10.0, metavar="SECONDS",
+                    help="seconds a body may fall behind --min-body-rate")
+    sp.add_argument("--write-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+                    help="close a connection whose client reads nothing of its answer for this long")
+    sp.add_argument("--max-embedding-inputs", type=_positive, default=2048, metavar="N",
+                    help="texts one /v1/embeddings request may embed")
+    sp.add_argument("--max-embedding-chars", type=_positive, default=256 << 10, metavar="N",
+                    help="characters of all the texts of one /v1/embeddings request together")
     sp.add_argument("--push-token", help="accept pushes with this token (or $GRAFTMEM_PUSH_TOKEN)")
     sp.add_argument("--sign", metavar="KEY", help="sign listings with this private key")
     sp.add_argument("--rederive", action=argparse.BooleanOptionalAction, default=True,

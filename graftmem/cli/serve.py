@@ -116,7 +116,11 @@ def serve_config(args: argparse.Namespace, *, api_key: Any, push_token: Optional
     """``serve``'s flags as the `ServeConfig` they mean (checked there: a wrong value is a
     `ConfigError` naming the option)."""
     from .. import ServeConfig
+    from ..server import Limits
 
+    limits = Limits(max_connections=args.max_connections, max_connections_per_client=args.max_connections_per_client,
+                    min_body_rate=args.min_body_rate, body_grace=args.body_grace, write_timeout=args.write_timeout,
+                    max_embedding_inputs=args.max_embedding_inputs, max_embedding_chars=args.max_embedding_chars)
     return ServeConfig(
         host=args.host, port=args.port, api=not args.blocks_only, api_key=api_key, metrics_key=metrics_key,
         push_token=push_token,
@@ -125,7 +129,7 @@ def serve_config(args: argparse.Namespace, *, api_key: Any, push_token: Optional
         min_prefix_tokens=args.min_prefix_tokens, sightings=args.sightings,
         max_auto_bytes=args.max_auto_mb * (1 << 20), auto_storage=args.auto_storage, warm=not args.no_warm,
         chat_template=args.chat_template_file, shared_learned=args.shared_learned,
-        responses_ttl=args.responses_ttl)
+        responses_ttl=args.responses_ttl, limits=None if limits == Limits() else limits)
 
 
 def _endpoint_lines(url: str, api: bool) -> list[str]:

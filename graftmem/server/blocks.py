@@ -229,7 +229,7 @@ class BlockRoutes:
     async def push_bundle(self, request: Request) -> Response:
         self._authorize(request)
         length = body_length(request, self.max_push_bytes)
-        body = _StreamBody(request, length, time.monotonic() + self.limits.body_timeout)
+        body = _StreamBody(request, length, self.limits)
         who = request.client.host if request.client else "?"
         try:
             report = await anyio.to_thread.run_sync(lambda: import_stream(
@@ -248,28 +248,40 @@ class BlockRoutes:
 
 class _StreamBody:
     """A request body as a blocking file for a worker thread: at most ``n`` bytes, pulled from the event
-    loop chunk by chunk, counted as they arrive, before ``deadline`` (``time.monotonic``)."""
+    loop chunk by chunk, counted as they arrive, within ``limits.body_timeout`` and never
+    ``limits.body_grace`` seconds behind ``limits.min_body_rate`` (the rule of `read_body`; the rate counts
+    only the time spent waiting for bytes, not the worker's own time between reads, a re-derivation's)."""
 
-    def __init__(self, request: Request, n: int, deadline: float) -> None:
+    def __init__(self, request: Request, n: int, limits: Limits) -> None:
         self._it = request.stream().__aiter__()
-        self.left, self.deadline = n, deadline
+        self.left, self.limits = n, limits
+        self.deadline = time.monotonic() + limits.body_timeout
+        self.got, self.waited = 0, 0.0
         self._buf = b""
         self._eof = False
         self.error: Optional[HTTPError] = None
 
     async def _next(self) -> bytes:
-        with anyio.fail_after(max(0.0, self.deadline - time.monotonic())):
-            try:
-                return await self._it.__anext__()
-            except StopAsyncIteration:
-                return b""
+        rules = self.limits
+        t0 = time.monotonic()
+        behind = -rules.body_lag(self.waited, self.got)  # seconds of wait left before the body is behind
+        due = min(self.deadline, t0 + rules.body_grace + behind)
+        try:
+            with anyio.fail_after(max(0.0, due - t0)):
+                try:
+                    return await self._it.__anext__()
+                except StopAsyncIteration:
+                    return b""
+        finally:
+            self.waited += time.monotonic() - t0
 
     def _fill(self) -> None:
         while not self._buf and not self._eof:
             try:
                 chunk = anyio.from_thread.run(self._next)
             except TimeoutError:
-                self.error = HTTPError(408, "the pushed bundle did not arrive in time", code="timeout")
+                self.error = HTTPError(408, f"the pushed bundle did not arrive in time ({self.limits.body_timeout:.0f} s "
+                                            f"in all, {self.limits.min_body_rate} bytes/s at least)", code="timeout")
                 raise self.error from None
             if not chunk:
                 self._eof = True
@@ -279,6 +291,7 @@ class _StreamBody:
                 raise self.error
             else:
                 self.left -= len(chunk)
+                self.got += len(chunk)
                 self._buf = chunk
 
     def read(self, n: int = -1) -> bytes:
@@ -354,6 +367,11 @@ class BlockServer:
     @property
     def url(self) -> str:
         return self._server.url
+
+    @property
+    def runner(self) -> "ServerThread":
+        """The `ServerThread` that serves it (its connections: `ServerThread.connection_counts`)."""
+        return self._server
 
     def start(self) -> "BlockServer":
         self._server.start()

@@ -7,22 +7,31 @@ response's ``model`` names that embedder (its ``model_id``), whatever model the 
 router (and torch) loads on the first request that needs it, as for routed recall; a server started
 without a router answers 400 ``embeddings_unavailable``.
 
-Supported: ``input`` as a string or a list of up to `MAX_INPUTS` non-empty strings (token-id arrays
-are refused: the ids would be the chat model's, not the embedder's), ``encoding_format`` ``float`` or
+Supported: ``input`` as a string or a list of up to ``Limits.max_embedding_inputs`` (2,048) non-empty
+strings of ``Limits.max_embedding_chars`` characters in all (token-id arrays are refused: the ids would be
+the chat model's, not the embedder's), ``encoding_format`` ``float`` or
 ``base64`` (little-endian float32, what the ``openai`` package asks for by default), ``dimensions``
 only when it equals the embedder's (400 otherwise: these vectors are not truncatable), ``model`` and
 ``user`` accepted and not used. Each text is embedded on its own (see `EmbeddingRoutes.embeddings`),
 so its vector does not depend on the rest of the batch. ``usage.prompt_tokens`` counts the embedder's word pieces when the
 embedder can count them (``count_tokens``), else 0.
+
+An embeddings request is admitted as a chat request is (`EnginePool.on_engine`): it computes on an
+engine's thread while it holds that engine, waits in the same queue, and gets the same 429 when the
+queue is full; a client that goes away stops it at its next text. One request of 2,048 long texts was
+measured at about 108 CPU-seconds, computed beside the engines' work rather than queued with it, and on
+after its client had left; its characters are bounded now (one full 256-word-piece text costs about
+40 ms of one core here, so the default bounds a request to roughly 10 s).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
+import threading
 from typing import TYPE_CHECKING, Any, Optional
 
-import anyio.to_thread
 import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -30,31 +39,36 @@ from starlette.routing import BaseRoute, Route
 
 from ..memory import validate as check
 from ..memory.router import embedder_id
-from .http import HTTPError, guarded
+from .http import HTTPError, Limits, client_gone, guarded
 
 if TYPE_CHECKING:
     from .openai import OpenAIRoutes
 
-__all__ = ["EmbeddingRoutes", "MAX_INPUTS"]
+__all__ = ["EmbeddingRoutes"]
 
 log = logging.getLogger("graftmem")
 
-#: inputs one request may embed (OpenAI's own limit is 2,048)
-MAX_INPUTS = 2048
 
-
-def _inputs(body: dict[str, Any]) -> list[str]:
+def _inputs(body: dict[str, Any], limits: Limits) -> list[str]:
     raw = body.get("input")
     texts = [raw] if isinstance(raw, str) else raw
-    if not isinstance(texts, list) or not texts or len(texts) > MAX_INPUTS:
-        raise HTTPError(400, f"input must be a non-empty string or a list of 1 to {MAX_INPUTS} of them",
-                        param="input")
+    most = limits.max_embedding_inputs
+    if not isinstance(texts, list) or not texts or len(texts) > most:
+        got = f", got {len(texts)}" if isinstance(texts, list) and texts else ""
+        raise HTTPError(400, f"input must be a non-empty string or a list of 1 to {most} of them{got} (this "
+                             "server's max_embedding_inputs): send fewer texts per request", param="input")
+    chars = 0
     for i, t in enumerate(texts):
         if not isinstance(t, str):
             raise HTTPError(400, f"input[{i}] must be a string (token ids are not accepted: this embedder has "
                             "its own tokenizer)", param="input")
         if not t:
             raise HTTPError(400, f"input[{i}] is empty", param="input")
+        chars += len(t)
+        if chars > limits.max_embedding_chars:
+            raise HTTPError(400, f"input has more than {limits.max_embedding_chars} characters in all (this "
+                                 "server's max_embedding_chars): send fewer or shorter texts per request",
+                            param="input")
         check.text(f"input[{i}]", t)
     return texts
 
@@ -70,7 +84,7 @@ class EmbeddingRoutes:
 
     async def embeddings(self, request: Request) -> Response:
         body = await self.oa._parse(request)
-        texts = _inputs(body)
+        texts = _inputs(body, self.oa.limits)
         fmt = body.get("encoding_format") or "float"
         if fmt not in ("float", "base64"):
             raise HTTPError(400, "encoding_format must be 'float' or 'base64'", param="encoding_format")
@@ -78,21 +92,37 @@ class EmbeddingRoutes:
             raise HTTPError(400, "this server was started without a router: it has no embedder",
                             param="model", code="embeddings_unavailable")
         ref = self.oa.router
+        cancel = threading.Event()
 
-        def embed() -> tuple[np.ndarray, int, str]:
+        def embed(_: Any) -> Optional[tuple[np.ndarray, int, str]]:
             embedder = ref.get().embedder
             # one text per call: in a batch the packaged int8 model quantizes its activations with one
             # scale for the whole padded batch, so a text's vector would depend on its batch-mates
             # (measured: cosine moves by about 1e-2); a vector store embeds documents in batches and
             # queries alone, and both must land on the same point
-            vecs = np.concatenate([np.asarray(embedder.embed_batch([t]), dtype=np.float32).reshape(1, -1)
-                                   for t in texts])
+            rows = []
+            for t in texts:
+                if cancel.is_set():  # the client went away: nobody reads the rest
+                    log.info("serve: an embeddings request was cancelled (its client went away) after %d of "
+                             "%d text(s)", len(rows), len(texts))
+                    return None
+                rows.append(np.asarray(embedder.embed_batch([t]), dtype=np.float32).reshape(1, -1))
+            vecs = np.concatenate(rows)
             norms = np.linalg.norm(vecs, axis=1, keepdims=True)
             vecs = vecs / np.where(norms > 0, norms, 1.0)  # unit length, as OpenAI's (the Embedder contract does not promise it)
             count = getattr(embedder, "count_tokens", None)
             return vecs.astype("<f4"), int(count(texts)) if callable(count) else 0, embedder_id(embedder)
 
-        vecs, tokens, model = await anyio.to_thread.run_sync(embed)  # torch: never on the event loop
+        # torch computes on an engine's thread while the request holds that engine: queued (429 when the
+        # queue is full) with the engines' work, never beside it
+        gone = asyncio.ensure_future(client_gone(request))
+        try:
+            done = await self.oa.pool.on_engine(embed, gone, cancel)
+        finally:
+            gone.cancel()
+        if done is None:
+            return Response(status_code=499)
+        vecs, tokens, model = done
         dims: Optional[int] = body.get("dimensions")
         if dims is not None and dims != vecs.shape[1]:
             raise HTTPError(400, f"dimensions must be {vecs.shape[1]} (this embedder's) or left out, got {dims!r}",

@@ -27,7 +27,7 @@ from typing import Any, Awaitable, Callable, Optional, TypeVar
 
 import anyio
 import anyio.to_thread
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -69,6 +69,15 @@ class Limits:
 
     max_body_bytes: int = 8 << 20  #: JSON bodies (chat requests); a pushed bundle has its own limit
     body_timeout: float = 60.0  #: seconds a request body may take to arrive, in all
+    #: bytes per second a request body must arrive at, on average from its headers on (`body_lag`): a
+    #: body that falls ``body_grace`` seconds behind it is a 408, and one behind it at all is evictable
+    #: when the connections are at their cap (100 sockets trickling bodies held every slot for 60 s)
+    min_body_rate: int = 1024
+    body_grace: float = 10.0  #: seconds a body may fall behind ``min_body_rate`` before it is a 408
+    #: seconds a response's writes may make no progress (the client does not read: the server's send
+    #: buffer stays full) before its connection is aborted; it was never, and 100 such sockets held
+    #: every slot. A client that reads slower than about 2 KB/s is cut by it
+    write_timeout: float = 30.0
     keep_alive: float = 5.0  #: seconds an idle keep-alive connection stays open
     graceful_shutdown: float = 10.0  #: seconds running requests get to finish on close
     #: seconds a connection may take to send a request's headers (from its opening, or from the end of
@@ -79,6 +88,10 @@ class Limits:
     #: left nobody served); also the listen backlog. None: a quarter of the process's descriptor limit,
     #: at most 1,000 (`graftmem.server.runner.default_max_connections`)
     max_connections: Optional[int] = None
+    #: open connections one client address may hold (its own oldest idle or stalled ones are closed to
+    #: make room, as for the cap); None: half of ``max_connections``, so one address (every local agent
+    #: of a single-host deployment shares 127.0.0.1) never holds them all
+    max_connections_per_client: Optional[int] = None
     #: the JSON nesting a request body may have (deeper is a 400 before it is parsed)
     max_json_depth: int = jsontext.MAX_DEPTH
     #: the messages a chat request may hold, at every door (chat completions, /v1/responses' input items
@@ -95,6 +108,18 @@ class Limits:
     #: seconds a request's prompt may take to render, tokenize and cut into segments (in a worker
     #: thread; past it the work is stopped and the request is a 400: `graftmem.core.budget`)
     render_timeout: float = 10.0
+    #: texts one ``/v1/embeddings`` request may embed (OpenAI's own limit is 2,048)
+    max_embedding_inputs: int = 2048
+    #: characters of all the texts of one ``/v1/embeddings`` request together: 2,048 long texts cost 108
+    #: CPU-seconds; 256 Ki characters are at most about 256 texts of the embedder's full 256 word pieces,
+    #: about 10 s of one core (`graftmem.server.embeddings`)
+    max_embedding_chars: int = 256 << 10
+
+    def body_lag(self, elapsed: float, got: int) -> float:
+        """Seconds a body is behind ``min_body_rate``: ``elapsed`` seconds after it began with ``got``
+        bytes arrived (negative: ahead). One rule for the 408 (`read_body`: past ``body_grace``) and for
+        the connection cap (`graftmem.server.runner`: a body behind at all may be evicted)."""
+        return elapsed - got / max(1, self.min_body_rate)
 
 
 class HTTPError(Exception):
@@ -177,20 +202,40 @@ def body_length(request: Request, limit: int) -> int:
     return n
 
 
-async def read_body(request: Request, limit: int, timeout: float) -> bytes:
-    """The whole body (for JSON requests), counted as it streams and bounded in size and time."""
+async def read_body(request: Request, limit: int, timeout: float, limits: Optional[Limits] = None) -> bytes:
+    """The whole body (for JSON requests), counted as it streams and bounded in size and time: all of it
+    within ``timeout``, and never more than ``limits.body_grace`` seconds behind ``limits.min_body_rate``
+    (`Limits.body_lag`; a body trickled a few bytes a second used to hold its connection the whole
+    ``timeout``). A client that leaves mid-body is a 499 (nobody reads the answer)."""
+    rules = limits or Limits()
     n = body_length(request, limit)
     parts: list[bytes] = []
     got = 0
-    with anyio.move_on_after(timeout) as scope:
-        async for chunk in request.stream():
-            got += len(chunk)
-            if got > n or got > limit:
-                raise HTTPError(413, f"request body is longer than its Content-Length ({n})",
-                                name="BundleRejected", code="body_too_large")
-            parts.append(chunk)
-    if scope.cancelled_caught:
-        raise HTTPError(408, f"the request body did not arrive within {timeout:.0f} s", code="timeout")
+    start = anyio.current_time()
+    chunks = request.stream().__aiter__()
+    while True:
+        now = anyio.current_time()
+        # the next bytes are due when the body falls body_grace behind the rate, or at the total deadline
+        due = min(start + timeout, start + rules.body_grace + got / max(1, rules.min_body_rate))
+        with anyio.move_on_after(max(0.0, due - now)) as scope:
+            try:
+                chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                break
+            except ClientDisconnect:
+                raise HTTPError(499, "the client went away while sending its body",
+                                code="client_closed_request") from None
+        if scope.cancelled_caught:
+            waited = anyio.current_time() - start
+            if waited >= timeout:
+                raise HTTPError(408, f"the request body did not arrive within {timeout:.0f} s", code="timeout")
+            raise HTTPError(408, f"the request body did not arrive at {rules.min_body_rate} bytes/s or faster: "
+                                 f"{got} of {n} bytes after {waited:.0f} s", code="timeout")
+        got += len(chunk)
+        if got > n or got > limit:
+            raise HTTPError(413, f"request body is longer than its Content-Length ({n})",
+                            name="BundleRejected", code="body_too_large")
+        parts.append(chunk)
     if got != n:
         raise HTTPError(400, f"request body ended after {got} of {n} bytes", code="truncated_body")
     return b"".join(parts)

@@ -269,7 +269,7 @@ class OpenAIRoutes:
             raise HTTPError(400, f"tool_choice: {exc}", param=getattr(exc, "param", None) or "tool_choice") from exc
 
     async def _parse(self, request: Request) -> dict[str, Any]:
-        raw = await read_body(request, self.limits.max_body_bytes, self.limits.body_timeout)
+        raw = await read_body(request, self.limits.max_body_bytes, self.limits.body_timeout, self.limits)
         return await off_loop(len(raw), json_object, raw, self.limits.max_json_depth)
 
     # ------------------------------------------------------------------ endpoints

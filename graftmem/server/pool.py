@@ -181,6 +181,29 @@ class EnginePool:
                 self.release(fut.result())
             raise
 
+    async def on_engine(self, fn: Callable[["Engine"], T], gone: "Optional[asyncio.Future[None]]" = None,
+                        cancel: Optional[threading.Event] = None) -> T:
+        """``fn(engine)`` on an engine of the pool, on that engine's thread (`run`), admitted as every
+        request is (a 429 when the queue is full). With ``gone`` (done once the client went away,
+        `graftmem.server.http.client_gone`): a client that leaves while waiting gives up its place (a
+        499), one that leaves while ``fn`` runs sets ``cancel``, which ``fn`` checks to stop early."""
+        acquire = asyncio.ensure_future(self.acquire())
+        if gone is not None:
+            await asyncio.wait({acquire, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not acquire.done():
+                acquire.cancel()  # an engine handed to the leaving waiter is given back
+                raise HTTPError(499, "the client went away", code="client_closed_request")
+        engine = await acquire
+        try:
+            work = asyncio.wrap_future(self.run(engine, lambda: fn(engine)))
+            if gone is not None:
+                await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not work.done() and cancel is not None:
+                    cancel.set()
+            return await work
+        finally:
+            self.release(engine)
+
     def release(self, engine: "Engine") -> None:
         while self._waiters:
             fut = self._waiters.popleft()

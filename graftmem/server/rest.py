@@ -128,36 +128,21 @@ class MemoryRoutes:
         return run
 
     async def _body(self, request: Request) -> dict[str, Any]:
-        raw = await read_body(request, self.limits.max_body_bytes, self.limits.body_timeout)
+        raw = await read_body(request, self.limits.max_body_bytes, self.limits.body_timeout, self.limits)
         return await off_loop(len(raw), json_object, raw, self.limits.max_json_depth)
 
     async def _on_engine(self, fn: Callable[["Engine"], T], request: Optional[Request] = None,
                          cancel: Optional[threading.Event] = None) -> T:
-        """``fn(engine)`` on an engine of the pool, on that engine's thread (`EnginePool.run`). With ``request``: a client that goes
+        """``fn(engine)`` on an engine of the pool, on that engine's thread, admitted as every request is (`EnginePool.on_engine`). With ``request``: a client that goes
         away while waiting for an engine gives up its place, and one that goes away while ``fn`` runs
         sets ``cancel`` (an answer's decode stops at its next token; it used to run to ``max_tokens``)."""
         gone = asyncio.ensure_future(client_gone(request)) if request is not None else None
         try:
-            acquire = asyncio.ensure_future(self.pool.acquire())
-            if gone is not None:
-                await asyncio.wait({acquire, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if not acquire.done():
-                    acquire.cancel()
-                    raise HTTPError(499, "the client went away", code="client_closed_request")
-            engine = await acquire
-            try:
-                work = asyncio.wrap_future(self.pool.run(engine, lambda: fn(engine)))  # the engine's own thread
-                if gone is not None:
-                    await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-                    if not work.done() and cancel is not None:
-                        cancel.set()
-                result = await work
-                if getattr(result, "finish_reason", None) == "cancelled":
-                    log.info("serve: a request was cancelled (its client went away) after %d token(s)",
-                             len(getattr(result, "tokens", [])))
-                return result
-            finally:
-                self.pool.release(engine)
+            result = await self.pool.on_engine(fn, gone, cancel)
+            if getattr(result, "finish_reason", None) == "cancelled":
+                log.info("serve: a request was cancelled (its client went away) after %d token(s)",
+                         len(getattr(result, "tokens", [])))
+            return result
         finally:
             if gone is not None:
                 gone.cancel()
