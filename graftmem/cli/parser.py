@@ -210,6 +210,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="texts one /v1/embeddings request may embed")
     sp.add_argument("--max-embedding-chars", type=_positive, default=256 << 10, metavar="N",
                     help="characters of all the texts of one /v1/embeddings request together")
+    sp.add_argument("--render-timeout", type=_seconds, default=10.0, metavar="SECONDS",
+                    help="seconds a request's prompt may take to render and tokenize (and its schema to become a "
+                         "grammar); past it the work is stopped and the request is a 400")
+    sp.add_argument("--max-messages", type=_positive, default=4096, metavar="N",
+                    help="messages one chat request may hold (lowered to the model's context)")
+    sp.add_argument("--max-schema-repeat", type=_positive, default=500, metavar="N",
+                    help="the largest minLength/maxLength/minItems/maxItems or pattern {m,n} a response_format or "
+                         "forced tool schema may ask for (a grammar unrolls each)")
+    sp.add_argument("--max-enum-values", type=_positive, default=1000, metavar="N",
+                    help="enum/const values one response_format or forced tool schema may hold")
     sp.add_argument("--push-token", help="accept pushes with this token (or $GRAFTMEM_PUSH_TOKEN)")
     sp.add_argument("--sign", metavar="KEY", help="sign listings with this private key")
     sp.add_argument("--rederive", action=argparse.BooleanOptionalAction, default=True,
