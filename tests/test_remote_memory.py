@@ -65,6 +65,12 @@ def test_serve_flags_become_one_config():
     assert limited.limits == Limits(max_connections=40, max_connections_per_client=5, min_body_rate=100,
                                     body_grace=2.0, write_timeout=3.0, max_embedding_inputs=7,
                                     max_embedding_chars=900)
+    bounded = serve_config(build_parser().parse_args([
+        "serve", "--render-timeout", "2.5", "--max-messages", "64", "--max-schema-repeat", "40",
+        "--max-enum-values", "9"]), api_key=None, push_token=None)
+    assert bounded.limits is not None and bounded.limits.render_timeout == 2.5 and bounded.limits.max_messages == 64
+    assert (bounded.limits.grammar.max_repeat, bounded.limits.grammar.max_enum_values) == (40, 9)
+    assert bounded.limits.grammar.max_gbnf_depth == Limits().grammar.max_gbnf_depth  # the others stay the defaults
     with pytest.raises(ConfigError) as err:  # checked where the config is made, before any model loads
         serve_config(build_parser().parse_args(["serve", "--engines", "0"]), api_key=None, push_token=None)
     assert err.value.param == "engines"

@@ -118,14 +118,13 @@ def serve_config(args: argparse.Namespace, *, api_key: Any, push_token: Optional
     import dataclasses
 
     from .. import ServeConfig
-    from ..core.grammar_limits import DEFAULT_GRAMMAR_LIMITS
     from ..server import Limits
 
     limits = Limits(max_connections=args.max_connections, max_connections_per_client=args.max_connections_per_client,
                     min_body_rate=args.min_body_rate, body_grace=args.body_grace, write_timeout=args.write_timeout,
                     max_embedding_inputs=args.max_embedding_inputs, max_embedding_chars=args.max_embedding_chars,
                     render_timeout=args.render_timeout, max_messages=args.max_messages,
-                    grammar=dataclasses.replace(DEFAULT_GRAMMAR_LIMITS, max_repeat=args.max_schema_repeat,
+                    grammar=dataclasses.replace(Limits().grammar, max_repeat=args.max_schema_repeat,
                                                 max_enum_values=args.max_enum_values))
     return ServeConfig(
         host=args.host, port=args.port, api=not args.blocks_only, api_key=api_key, metrics_key=metrics_key,
