@@ -7,7 +7,7 @@ import pytest
 import graftmem
 from graftmem import (BlockNotFound, ClosedError, ConfigError, EngineConfig, Memory, ModelNotFound,
                       resolve_model)
-from graftmem.core.blocks import block_id_for
+from graftmem.core.identity import block_id_for
 
 
 def test_all_is_sorted_and_importable():

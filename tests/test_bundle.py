@@ -24,7 +24,7 @@ import pytest
 
 from graftmem import (BlockCorrupted, BundleRejected, IncompatibleBlock, Memory, UntrustedBundle,
                       BlockNotFound)
-from graftmem.core.blocks import block_id_for
+from graftmem.core.identity import block_id_for
 from graftmem.core.errors import UnverifiedBlock
 from graftmem.share.admission import foreign_store
 from graftmem.share.bundle import import_bundle

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from graftmem import BlockCorrupted, BlockNotFound, ConfigError
-from graftmem.core.blocks import block_id_for
+from graftmem.core.identity import block_id_for
 from graftmem.store.chain import full_state, full_tokens, segments
 from graftmem.core.engine import logits_sha256
 from graftmem.core import statefmt as sf

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from graftmem import Memory
-from graftmem.core.blocks import block_id_for
+from graftmem.core.identity import block_id_for
 from graftmem.server import api_server
 
 SURROGATE = "\ud800"

@@ -661,18 +661,20 @@ class Memory:
 
     def pull(self, url: str, block_ids: Optional[list[str]] = None, *, kind: Optional[str] = None,
              incompatible: str = "refuse", policy: Optional[TrustPolicy] = None,
-             rederive: bool = True, progress: bool = False) -> TransferReport:
+             rederive: bool = True, progress: bool = False, api_key: Optional[str] = None) -> TransferReport:
         """Copy blocks from a ``graftmem serve`` at ``url``: checked as they arrive, resumable;
         provenance as for `import_bundle()` (a listing signed by a trusted key: ``signed``; else
-        re-derived here by default, or ``unverified`` with ``rederive=False``)."""
+        re-derived here by default, or ``unverified`` with ``rederive=False``). ``api_key``: the
+        server's key, if it has one (with tenants: that tenant's blocks and the shared ones)."""
         self._check()
         _text("url", url)
         _ids("block_ids", block_ids)
         _text("kind", kind, optional=True)
         self._transfer_args(incompatible, policy, rederive, progress)
+        _text("api_key", api_key, optional=True)
         return pull(self._store, url, block_ids, fingerprint=self.fingerprint, kind=kind,
                     incompatible=incompatible, policy=policy, progress=progress,  # type: ignore[arg-type]
-                    check=self.vetting(rederive=rederive, progress=progress))
+                    check=self.vetting(rederive=rederive, progress=progress), api_key=api_key)
 
     def push(self, url: str, block_ids: Optional[list[str]] = None, *, token: str,
              kind: Optional[str] = None, sign_key: Optional[SigningKey] = None,

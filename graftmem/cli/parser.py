@@ -229,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("url")
     sp.add_argument("ids", nargs="*", help="block ids or prefixes (default: all)")
     sp.add_argument("--kind")
+    sp.add_argument("--api-key", help="the server's API key, if it has one (or $GRAFTMEM_API_KEY); with "
+                    "tenants: that tenant's blocks and the shared ones")
     trust_args(sp)
     sp = add("push", cmd_push, "send blocks to a graftmem server that accepts pushes")
     sp.add_argument("url")

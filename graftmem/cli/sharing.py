@@ -64,7 +64,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
     policy = _policy(args)
     with _memory(args) as mem:
         rep = mem.pull(args.url, args.ids or None, kind=args.kind, incompatible=args.incompatible,
-                       policy=policy, rederive=args.rederive, progress=not args.json)
+                       policy=policy, rederive=args.rederive, progress=not args.json,
+                       api_key=args.api_key or os.environ.get("GRAFTMEM_API_KEY") or None)
     _out(args, rep, _transfer_text("pulled from", rep))
     return 0
 

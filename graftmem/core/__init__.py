@@ -3,7 +3,8 @@ no HTTP, no routing. ``graftmem.core.engine`` is the only module of the package 
 
 Public for advanced use (benches, custom pipelines): [`Engine`][graftmem.Engine] (load, tokenize, prefill, capture,
 restore, logits, [`Engine.session()`][graftmem.Engine.session]), `decode()` and [`Sampling`][graftmem.Sampling] (the one decode loop),
-`logits_sha256()` (the exactness currency), the block and fingerprint models, `state_digest()`
+`logits_sha256()` (the exactness currency), the block and fingerprint models, a block's identity
+(`block_id_for`, `check_block_id`, `incompatibility`: `graftmem.core.identity`), `state_digest()`
 and the error tree (also re-exported by `graftmem`).
 """
 
@@ -19,7 +20,8 @@ from .version import __version__
 # type checkers, the docs and tests/test_architecture.py read.
 if TYPE_CHECKING:
     from .blocks import (FORMAT_VERSION, Block, EngineConfig, Exactness, Fingerprint, HistoryEvent, Recall, Receipt,
-                         SampleResult, Scope, SearchHit, StoreStats, VerificationRecord, VerifyReport, block_id_for)
+                         SampleResult, Scope, SearchHit, StoreStats, VerificationRecord, VerifyReport)
+    from .identity import Salts, block_id_for, check_block_id, content_id, incompatibility, salts_of
     from .decoding import Decoded, Sampling, decode
     from .engine import (Engine, Grammar, KernelVerdict, json_grammar, logits_sha256, probe_kernels, system_report,
                          threads_per_engine, usable_cores)
@@ -46,7 +48,12 @@ _LAZY: dict[str, tuple[str, str]] = {
     "StoreStats": (".blocks", "StoreStats"),
     "VerificationRecord": (".blocks", "VerificationRecord"),
     "VerifyReport": (".blocks", "VerifyReport"),
-    "block_id_for": (".blocks", "block_id_for"),
+    "block_id_for": (".identity", "block_id_for"),
+    "Salts": (".identity", "Salts"),
+    "salts_of": (".identity", "salts_of"),
+    "content_id": (".identity", "content_id"),
+    "check_block_id": (".identity", "check_block_id"),
+    "incompatibility": (".identity", "incompatibility"),
     "Decoded": (".decoding", "Decoded"),
     "Sampling": (".decoding", "Sampling"),
     "decode": (".decoding", "decode"),
@@ -92,7 +99,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = sorted([
     "FORMAT_VERSION", "Block", "HistoryEvent", "Scope", "EngineConfig", "Exactness", "Fingerprint", "Recall", "Receipt", "SampleResult",
-    "SearchHit", "StoreStats", "VerificationRecord", "VerifyReport", "block_id_for", "Decoded", "Sampling",
+    "SearchHit", "StoreStats", "VerificationRecord", "VerifyReport", "block_id_for", "Salts", "salts_of", "content_id", "check_block_id",
+    "incompatibility", "Decoded", "Sampling",
     "decode", "Engine", "logits_sha256", "system_report", "probe_kernels", "KernelVerdict", "Grammar", "json_grammar", "usable_cores", "threads_per_engine", "state_digest", "DEFAULT_MODEL", "MODELS",
     "resolve_model", "progress_bar", "join_states", "needs_placing", "place_cells_into", "CHATML", "FORMATS", "GEMMA", "ChatFormat", "detect_format", "split_ids",
     "request_template", "ChatTemplate", "TemplateError", "load_template", "model_template",

@@ -1,8 +1,9 @@
 """Typed data: engine configuration, fingerprints, block manifests and results. Pure, no I/O.
 
 A block's identity lives inside its id (the LMCache lesson): the id is a hash of the engine
-fingerprint's identity digest and the token ids, so the same text learned twice under the same engine
-is one block, and the same text under another engine is another block.
+fingerprint's identity digest, the parent id, the token ids and the block's salts, made and checked in
+one place (`graftmem.core.identity`), so the same text learned twice under the same engine is one
+block, and the same text under another engine is another block.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import os
 from datetime import datetime, timezone
 from typing import Any, ClassVar, Literal, Mapping, Optional
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import ConfigError
@@ -21,7 +21,7 @@ from .errors import ConfigError
 __all__ = [
     "FORMAT_VERSION", "KVType", "EngineConfig", "Fingerprint", "Exactness", "Block",
     "VerificationRecord", "Receipt", "Recall", "SampleResult", "VerifyReport", "StoreStats",
-    "block_id_for", "SearchHit", "Scope", "HistoryEvent", "Provenance", "PROVENANCE_LOCAL",
+    "SearchHit", "Scope", "HistoryEvent", "Provenance", "PROVENANCE_LOCAL",
     "PROVENANCE_REDERIVED", "PROVENANCE_UNVERIFIED", "provenance_is_trusted",
     "MANUAL_KIND", "PAGE_KIND", "AUTO_KIND", "SOLUTION_KIND", "UNROUTED_KINDS",
 ]
@@ -173,20 +173,6 @@ class Exactness(_Strict):
     exact: bool
     reason: str
     probe_tokens: int = 0
-
-
-def block_id_for(fingerprint: Fingerprint, tokens: list[int] | np.ndarray, parent: str | None = None,
-                 one_token_threads: int | None = None) -> str:
-    """Content address of a block: SHA-256 over fingerprint identity, parent id and token ids; for a state
-    whose cells include one-token calls, their thread count too (`graftmem.Engine.one_token_calls`: each
-    count computes its own bytes, so each gets its own block). Ids of every other block are unchanged."""
-    if one_token_threads is not None:
-        parent = f"{parent or ''}|one-token-threads={one_token_threads}"
-    h = hashlib.sha256()
-    h.update(fingerprint.digest().encode())
-    h.update(b"\0" + (parent or "").encode() + b"\0")
-    h.update(np.asarray(tokens, dtype="<i4").tobytes())
-    return h.hexdigest()
 
 
 #: Where a block's state came from, as THIS store knows it (local knowledge, never in the block file):

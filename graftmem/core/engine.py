@@ -733,7 +733,7 @@ class Engine:
         """What a block of the cells up to ``end`` (default: all) records of their one-token calls, when
         they have any whose bytes depend on the thread count (`one_token_calls_split`): ``{"threads":
         n_threads, "from": position}``; None when they have none. A block carrying it is refused by an
-        engine whose one-token calls run on another number of threads (`graftmem.store.local.incompatibility`)."""
+        engine whose one-token calls run on another number of threads (`graftmem.core.identity.incompatibility`)."""
         end = self._n_past if end is None else end
         if self._one_token_from is None or self._one_token_from >= end:
             return None

@@ -9,7 +9,7 @@ readable by every key (issue 24). Every door now asks an `Access`.
 The rules (docs/security.md, "Tenants"):
 
 * **Ownership is in the block**, as for automatic blocks: a block a tenant learned through the server
-  carries ``metadata["tenant"]`` and its id is salted with the tenant (`owned_parent`), so two tenants
+  carries ``metadata["tenant"]`` and its id is salted with the tenant (`graftmem.core.identity`), so two tenants
   learning the same text get two blocks: neither finds, reads, routes to, deletes nor even detects the
   other's (a shared id would answer "not new" and skip the prefill: an oracle for a guessed text).
 * **Shared blocks** have no owner: the operator's (learned with the SDK or the CLI into the home, imported,
@@ -31,12 +31,12 @@ The rules (docs/security.md, "Tenants"):
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 from ..core.blocks import Block, Scope
+from ..core.identity import SALTS_KEY, TENANT_KEY
 from ..core.errors import AccessDenied, BlockNotFound, ConfigError, GraftmemError
 from ..store.local import checked_id
 from . import validate as check
@@ -45,15 +45,14 @@ if TYPE_CHECKING:
     from ..store.protocol import BlockStore
     from ..store.scopes import ScopeIndex
 
-__all__ = ["Access", "TENANT_KEY", "SHARED_BY_KEY", "RESERVED_METADATA", "owner_of", "visible", "owned_parent",
+__all__ = ["Access", "TENANT_KEY", "SHARED_BY_KEY", "RESERVED_METADATA", "owner_of", "visible",
            "reserved_metadata", "cache_tenant"]
 
-#: the metadata key naming the tenant that owns a block (automatic or learned through the server)
-TENANT_KEY = "tenant"
 #: the metadata key naming the tenant that learned a shared block (it may delete it)
 SHARED_BY_KEY = "shared_by"
-#: metadata keys a caller may not set: the server derives them from the API key, never from a request
-RESERVED_METADATA = (TENANT_KEY, SHARED_BY_KEY)
+#: metadata keys a caller may not set: the server derives them from the API key, never from a request,
+#: and the record of a block's id salts (`graftmem.core.identity`), which only the maker writes
+RESERVED_METADATA = (TENANT_KEY, SHARED_BY_KEY, SALTS_KEY)
 
 log = logging.getLogger("graftmem")
 
@@ -93,19 +92,13 @@ def cache_tenant(chain: Sequence[Block]) -> tuple[bool, Optional[str]]:
     return True, (names.pop() if names else None)
 
 
-def owned_parent(parent: Optional[str], tenant: Optional[str]) -> Optional[str]:
-    """What a block's id is computed over in place of its parent id (`block_id_for`): the tenant is mixed
-    in, so that a tenant's block of a text never has the id of another tenant's (or the shared) block of
-    the same text. ``tenant=None``: the parent id itself (a shared block's content id)."""
-    if tenant is None:
-        return parent
-    return f"{parent or ''}|tenant:{hashlib.sha256(tenant.encode('utf-8')).hexdigest()}"
-
-
 def reserved_metadata(metadata: Optional[Mapping[str, Any]]) -> None:
-    """A caller's metadata may not claim an owner or a sharer: `ConfigError` naming the key."""
+    """A caller's metadata may not claim an owner or a sharer, nor the salts of an id: `ConfigError` naming the key."""
     for k in RESERVED_METADATA:
         if metadata is not None and k in metadata:
+            if k == SALTS_KEY:
+                raise ConfigError(f"metadata key {k!r} is reserved: it records what went into a block's id, "
+                                  "and only graftmem writes it")
             raise ConfigError(f"metadata key {k!r} is reserved: the server derives a block's tenant from the "
                               "API key (learn with shared=true to share it)")
 

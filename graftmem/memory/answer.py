@@ -17,7 +17,7 @@ from ..core.decoding import GREEDY, AnswerText, Sampling, decode
 from ..core.engine import Engine, logits_sha256
 from ..core.errors import ConfigError
 from ..store.chain import load_state
-from ..store.local import incompatibility
+from ..core.identity import incompatibility
 
 if TYPE_CHECKING:
     from ..store.protocol import BlockStore

@@ -12,14 +12,13 @@ import hashlib
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
-from ..core.blocks import PROVENANCE_LOCAL, Block, block_id_for
+from ..core.blocks import PROVENANCE_LOCAL, Block
 from ..core.errors import ConfigError, UnverifiedBlock
 from ..core.format import state_digest
 from ..core.progress import progress_bar
 from ..core.prompt import FORMATS, detect_format
+from ..core.identity import NO_SALTS, SALTS_KEY, TENANT_KEY, Salts, block_id_for, check_block_id, incompatibility
 from ..store.chain import capture_child
-from ..store.local import incompatibility
-from .access import TENANT_KEY, owned_parent
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -84,10 +83,13 @@ def learned_again(store: "BlockStore", block: Block, metadata: Optional[Mapping[
 
 def prefill_and_store(engine: "Engine", store: "BlockStore", *, block_id: str, tokens: Sequence[int], text: str,
                       name: str, kind: str, metadata: Mapping[str, Any], parent: Optional[Block] = None,
-                      progress: Optional[Callable[[int], None]] = None, replace: bool = False) -> Block:
+                      progress: Optional[Callable[[int], None]] = None, replace: bool = False,
+                      salts: Salts = NO_SALTS) -> Block:
     """Prefill ``tokens`` in a clean context (after grafting ``parent``, stored then as a delta), capture
     the state and put the block in ``store`` as ``local``; returns the stored block. ``replace``
-    overwrites a block of the same id (an ``unverified`` one: this engine's own state replaces it)."""
+    overwrites a block of the same id (an ``unverified`` one: this engine's own state replaces it).
+    ``salts``: what ``block_id`` was salted with (`block_id_for`), recorded in the metadata; a block whose
+    id is not the content address of what it records is never written."""
     with engine.session():
         if parent is not None:
             state, fields = capture_child(store, engine, parent, list(tokens), progress=progress)
@@ -98,7 +100,9 @@ def prefill_and_store(engine: "Engine", store: "BlockStore", *, block_id: str, t
         calls = engine.one_token_calls()  # thread-count-dependent cells (a one-token chunk): recorded
         block = Block(id=block_id, name=name, kind=kind, text=text, tokens=list(tokens), n_tokens=len(tokens),
                       fingerprint=engine.fingerprint,
-                      metadata={**metadata, **({"one_token_calls": calls} if calls else {})}, **fields)
+                      metadata=salts.stamp({**metadata, **({"one_token_calls": calls} if calls else {})}),
+                      **fields)
+        check_block_id(block)
         stored = store.put(block, state, replace=replace, provenance=PROVENANCE_LOCAL, labels_trusted=True)
     log.info("learned block %s (%d tokens, %d state bytes)", stored.short_id, len(tokens), len(state))
     return stored
@@ -113,11 +117,18 @@ def learn(engine: "Engine", store: "BlockStore", text: str, *, name: Optional[st
     (a new block, or new labels on a block learned before), which tells the caller to re-route it.
 
     ``owner``: the tenant the block belongs to (`graftmem.memory.access`): its name goes into the
-    metadata and is mixed into the id, so another tenant's block of the same text is another block.
+    metadata and is mixed into the id, so another tenant's block of the same text is another block. A
+    ``tenant`` in ``metadata`` (the operator naming an owner through the SDK) is the owner too: an
+    owner is always in the id (`graftmem.core.identity`).
     ``may_relabel(existing)``: whether this caller may change the labels of a block already stored (a
     tenant may not relabel a block shared by the operator or another tenant); if not, it is returned as is."""
     if not text:
         raise ConfigError("cannot learn an empty text")
+    if metadata is not None and SALTS_KEY in metadata:
+        raise ConfigError(f"metadata key {SALTS_KEY!r} is reserved: it records what went into a block's id, "
+                          "and only graftmem writes it")
+    if owner is None and metadata is not None and isinstance(metadata.get(TENANT_KEY), str):
+        owner = metadata[TENANT_KEY]
     if chat or when_to_use is not None:
         text, name, metadata = prepare_labels(engine, text, name, metadata, when_to_use, chat)
     pblock = None
@@ -143,10 +154,8 @@ def learn(engine: "Engine", store: "BlockStore", text: str, *, name: Optional[st
     # count (`Engine.one_token_calls`): engines with other thread counts learn other blocks
     one_token = engine.ends_with_one_token_call(len(tokens)) or \
         (pblock is not None and pblock.one_token_from is not None)
-    bid = block_id_for(engine.fingerprint, tokens, owned_parent(pblock.id if pblock is not None else None, owner),
-                       engine.n_threads if one_token else None)
-    if owner is not None:
-        metadata = {**(metadata or {}), TENANT_KEY: owner}
+    salts = Salts(tenant=owner, one_token_threads=engine.n_threads if one_token else None)
+    bid = block_id_for(engine.fingerprint, tokens, pblock.id if pblock is not None else None, salts)
     replace = False
     if store.contains(bid):
         existing = store.get(bid)
@@ -164,7 +173,8 @@ def learn(engine: "Engine", store: "BlockStore", text: str, *, name: Optional[st
     try:
         stored = prefill_and_store(engine, store, block_id=bid, tokens=tokens, text=text,
                                    name=name or default_name(text), kind=kind, metadata=metadata or {},
-                                   parent=pblock, progress=bar.update if bar else None, replace=replace)
+                                   parent=pblock, progress=bar.update if bar else None, replace=replace,
+                                   salts=salts)
     finally:
         if bar:
             bar.close()

@@ -19,8 +19,9 @@ from pydantic import BaseModel, ConfigDict
 from ..core.blocks import Block
 from ..core.errors import BlockCorrupted, ConfigError
 from ..core.format import state_digest
-from ..store.chain import full_state, segments
-from ..store.local import incompatibility, read_block_file
+from ..store.chain import calls_of, full_state, segments
+from ..core.identity import check_block_id, incompatibility
+from ..store.local import read_block_file
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -50,10 +51,14 @@ class RederiveReport(BaseModel):
 
 def compare_rederived(engine: "Engine", block: Block, stored: memoryview,
                        segs: Optional[list[list[int]]] = None) -> RederiveReport:
-    """Prefill ``block.tokens`` (or, for a chain, each of ``segs`` in its own call) in a clean context
-    and compare the captured state with ``stored``."""
+    """Prefill ``block.tokens`` (in the calls it records, `calls_of`; for a chain, each of ``segs`` in its
+    own call) in a clean context and compare the captured state with ``stored``. A block whose id is not
+    its content address (`graftmem.core.identity.check_block_id`) is
+    [`BlockCorrupted`][graftmem.BlockCorrupted] before any prefill."""
     t0 = time.perf_counter()
     eng = engine
+    # a state proven for tokens under a forged id would answer, in this store, for whatever text owns that id
+    check_block_id(block)
     if segs is None and (block.parent is not None or block.pos_start != 0):
         raise ConfigError(f"block {block.short_id} continues block {str(block.parent)[:12]}: it cannot "
                           "be re-derived alone; re-derive it from a store that holds its chain")
@@ -61,7 +66,7 @@ def compare_rederived(engine: "Engine", block: Block, stored: memoryview,
     if err is not None:
         raise err
     with eng.session():
-        for seg in (segs if segs is not None else [block.tokens]):
+        for seg in (segs if segs is not None else calls_of(block)):
             eng.prefill(seg)
         derived = eng.capture()
         a = np.frombuffer(stored, dtype=np.uint8)

@@ -50,14 +50,14 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
-from ..core.blocks import PROVENANCE_LOCAL, Block, Fingerprint, block_id_for
+from ..core.blocks import PROVENANCE_LOCAL, Block, Fingerprint
+from ..core.identity import Salts, block_id_for, check_block_id, incompatibility
 from ..core.format import paced, state_digest
 from ..core.errors import ConfigError, GraftmemError
 from ..memory.router import AUTO_KIND
-from ..memory.access import cache_tenant, owned_parent, owner_of
+from ..memory.access import cache_tenant, owner_of
 from ..memory.verbs import first_untrusted
 from ..store.chain import chain_of, full_state, make_delta
-from ..store.local import incompatibility
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -286,7 +286,7 @@ class PrefixCache:
     def store_captured(self, engine: "Engine", segments: Sequence[Sequence[int]], texts: Sequence[str],
                        first: int, states: Sequence[bytes], start: Optional[Match],
                        tenant: Optional[str] = None, *, metadata: Optional[dict[str, Any]] = None,
-                       salt: Optional[str] = None, evict: bool = True,
+                       response: Optional[str] = None, evict: bool = True,
                        calls: Sequence[Optional[dict[str, int]]] = ()) -> Optional[Block]:
         """Store segments ``first .. first + len(states) - 1`` of a served request as a chain, from the
         states the request captured after prefilling each of them (no second prefill: learning costs
@@ -298,10 +298,12 @@ class PrefixCache:
 
         ``tenant`` owns what is stored: its name is in each block's metadata, mixed into each block's id
         (two tenants sending the same prompt get two blocks: neither can read, delete or evict the
-        other's) and into its index key. ``metadata`` is added to each block's, and ``salt`` mixed into each
-        id (a stored response's block is its own, `graftmem.server.responses`, even when another response
-        generated the same tokens). ``calls[j]``: what state ``j``'s cells record of their one-token calls
-        (`Engine.one_token_calls`, taken when the state was captured), if any."""
+        other's) and into its index key. ``metadata`` is added to each block's, and ``response`` (the id of
+        the stored response in ``metadata["response"]``) mixed into each id (a stored response's block is
+        its own, `graftmem.server.responses`, even when another response generated the same tokens).
+        ``calls[j]``: what state ``j``'s cells record of their one-token calls (`Engine.one_token_calls`,
+        taken when the state was captured), if any. Every salt goes through `block_id_for` and is recorded
+        in the block (`graftmem.core.identity`), so the block leaves this store as it is."""
         parent = start.block if start is not None and first > 0 else None
         pfull: Optional[bytes] = full_state(self.store, parent, fingerprint=self.fingerprint) \
             if parent is not None and self.auto_storage == "delta" else None
@@ -309,11 +311,9 @@ class PrefixCache:
         try:
             for i in range(first, first + len(states)):
                 tokens = list(segments[i])
-                salted = owned_parent(parent.id if parent is not None else None, tenant)
-                if salt is not None:
-                    salted = f"{salted or ''}|{salt}"
                 own = calls[i - first] if i - first < len(calls) else None  # its one-token calls, if any
-                bid = block_id_for(self.fingerprint, tokens, salted, own["threads"] if own else None)
+                salts = Salts(tenant=tenant, response=response, one_token_threads=own["threads"] if own else None)
+                bid = block_id_for(self.fingerprint, tokens, parent.id if parent is not None else None, salts)
                 full: Optional[bytes] = None  # ``states`` may cut it on demand: only when it is needed
                 if self.store.contains(bid):
                     block = self.store.get(bid)
@@ -333,10 +333,10 @@ class PrefixCache:
                                       state_digest=digest if delta is None else state_digest(data))
                     block = Block(id=bid, name=f"auto: {' '.join(texts[i].split())[:40]}", kind=AUTO_KIND,
                                   text=texts[i], tokens=tokens, n_tokens=len(tokens), fingerprint=self.fingerprint,
-                                  metadata={"segment": i, **({"tenant": tenant} if tenant is not None else {}),
-                                            **(metadata or {}),
-                                            **({"one_token_calls": own} if own else {})},
+                                  metadata=salts.stamp({"segment": i, **(metadata or {}),
+                                                        **({"one_token_calls": own} if own else {})}),
                                   **fields)
+                    check_block_id(block)
                     block = self.store.put(block, memoryview(data), provenance=PROVENANCE_LOCAL,
                                            labels_trusted=True)
                 with self._lock:

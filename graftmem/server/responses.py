@@ -55,7 +55,7 @@ from ..core.errors import GraftmemError
 from ..core.toolcalls import split_reasoning
 from ..core.blocks import AUTO_KIND
 from ..memory.verbs import first_untrusted
-from ..store.chain import chain_of
+from ..store.chain import CALLS_KEY, chain_of
 from .chat import continuation_segments
 from .http import HTTPError, guarded, sse
 from .openai import RECEIPT_HEADER, OpenAIRoutes, job_events
@@ -371,8 +371,8 @@ class ResponseStore:
         parts = [*job.segments[:n], end.tokens]
         block = self.cache.store_captured(None, parts, [*job.texts[:n], end.text], n,  # type: ignore[arg-type]
                                           [end.state], end.parent, job.tenant,
-                                          metadata={"response": record, "calls": end.calls},
-                                          salt="response:" + record["id"], calls=[end.one_token])
+                                          metadata={"response": record, CALLS_KEY: end.calls},
+                                          response=record["id"], calls=[end.one_token])
         with self._lock:
             self._version = None
         return block

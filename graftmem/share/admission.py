@@ -40,9 +40,10 @@ from ..core.blocks import PROVENANCE_REDERIVED, PROVENANCE_UNVERIFIED, Block, Fi
 from ..core.errors import BlockCorrupted, BundleRejected, ConfigError, IncompatibleBlock, StoreError, StoreFull
 from ..core.format import state_digest
 from ..core.progress import progress_bar
-from ..store.chain import MAX_DEPTH, full_state, segments
+from ..store.chain import MAX_DEPTH, calls_of, chain_of, full_state, segments
 from ..store.home import Home
-from ..store.local import TEMP_MAX_AGE, Store, fsync_path, incompatibility, pid_alive, read_block_file
+from ..core.identity import incompatibility
+from ..store.local import TEMP_MAX_AGE, Store, fsync_path, pid_alive, read_block_file
 from ..store.protocol import BlockStore
 from .manifest import BundleEntry
 from .trust import TrustResult
@@ -305,20 +306,23 @@ class Admission:
         need = {b.parent for b, _ in mine if b.parent in staged}
         fulls: dict[str, bytes] = {}
         segs_of: dict[str, list[list[int]]] = {}
+        depth_of: dict[str, int] = {}  # blocks in the chain (its segments are its prefill calls: more)
         for b, p in mine:
             _, view = read_block_file(p, lambda n: memoryview(bytearray(n)), expect_id=b.id)
             if b.parent is None:
                 full: bytes | memoryview = view
-                segs = [list(b.tokens)]
+                segs, depth = calls_of(b), 1
             else:
                 if b.parent in staged:
-                    pfull, psegs = fulls[b.parent], segs_of[b.parent]
+                    pfull, psegs, pdepth = fulls[b.parent], segs_of[b.parent], depth_of[b.parent]
                 else:
                     parent = self.store.get(b.parent)
                     pfull, psegs = full_state(self.store, parent), segments(self.store, parent)
-                if len(psegs) >= MAX_DEPTH:
+                    pdepth = len(chain_of(self.store, parent))
+                depth = pdepth + 1
+                if pdepth >= MAX_DEPTH:
                     raise BundleRejected(f"{self.where}: block {b.short_id} is chained more than {MAX_DEPTH} deep")
-                segs = psegs + [list(b.tokens)]
+                segs = psegs + calls_of(b)
                 if b.storage == "full":
                     full = view
                 else:
@@ -334,7 +338,7 @@ class Admission:
                         raise BlockCorrupted(f"{self.where}: block {b.short_id}: rebuilt state digest "
                                              "mismatch", path=str(p))
             if b.id in need:
-                fulls[b.id], segs_of[b.id] = bytes(full), segs
+                fulls[b.id], segs_of[b.id], depth_of[b.id] = bytes(full), segs, depth
             yield b, p, memoryview(full), segs
 
     def vet(self, arrived: list[tuple[Block, Path]], trust: Optional[TrustResult]) -> list[tuple[Block, Path]]:

@@ -58,8 +58,9 @@ def _raise_for(resp: httpx.Response, what: str) -> None:
     raise _errors.from_response(resp.status_code, body, what)
 
 
-def _client(timeout: float) -> httpx.Client:
-    return httpx.Client(timeout=httpx.Timeout(timeout), follow_redirects=False)
+def _client(timeout: float, api_key: Optional[str] = None) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    return httpx.Client(timeout=httpx.Timeout(timeout), follow_redirects=False, headers=headers)
 
 
 def fetch_listing(client: httpx.Client, url: str, policy: TrustPolicy,
@@ -184,17 +185,19 @@ def pull(store: BlockStore, url: str, block_ids: Optional[Iterable[str]] = None,
          fingerprint: Fingerprint, kind: Optional[str] = None, policy: Optional[TrustPolicy] = None,
          incompatible: Incompatible = "refuse", progress: bool = False, timeout: float = 60.0,
          max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
-         check: Optional[BlockCheck] = None) -> TransferReport:
+         check: Optional[BlockCheck] = None, api_key: Optional[str] = None) -> TransferReport:
     """Copy blocks (by id or prefix; default all, or all of ``kind``) from a ``graftmem serve`` at
     ``url`` into ``store``. Every byte is checked as it arrives; nothing enters the store until all
     selected blocks have arrived and checked; an interrupted pull resumes where it stopped.
-    ``check(block, path)`` runs on each new compatible block before anything is moved in."""
+    ``check(block, path)`` runs on each new compatible block before anything is moved in.
+    ``api_key``: the server's key (``serve --api-key`` / ``--api-key-file``): with tenants, the blocks
+    of that key's tenant and the shared ones are listed, never another tenant's."""
     t0 = time.perf_counter()
     url = _base(url)
     admission = Admission(store, fingerprint, where=url, incompatible=incompatible,
                           max_entry_bytes=max_entry_bytes, check=check)
     policy = policy if policy is not None else TrustPolicy.load(store.home)
-    with _client(timeout) as client:
+    with _client(timeout, api_key) as client:
         man, signer, trusted = fetch_listing(client, url, policy)
         entries = man.blocks
         if block_ids is not None:

@@ -17,9 +17,10 @@ from typing import Callable, Iterable, Literal, Optional
 import blake3
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..core.blocks import FORMAT_VERSION, Block, Fingerprint, block_id_for
+from ..core.blocks import FORMAT_VERSION, Block, Fingerprint
 from ..core.errors import BlockCorrupted, BlockNotFound, StoreError
 from ..core.format import HEADER, TRAILER_LEN, parse_header, parse_manifest
+from ..core.identity import id_problem
 from ..core.version import __version__
 from ..store.protocol import BlockStore
 
@@ -116,7 +117,7 @@ class BlockChecker:
 
     ``feed`` the bytes as they arrive (from a tar member, a socket, a file being exported); ``finish``
     then checks the trailer over header+manifest, the state digest, the content id (recomputed from
-    fingerprint and tokens) and, if an `BundleEntry` was announced, that every announced field
+    fingerprint, parent, tokens and the block's recorded salts: `graftmem.core.identity`) and, if an `BundleEntry` was announced, that every announced field
     matches. Header inconsistencies (wrong magic, wrong size) are raised on the first 64 bytes, before
     the rest is read.
     """
@@ -175,9 +176,9 @@ class BlockChecker:
                                 expected=block.state_digest, actual=actual)
         if block.state_size != self._slen or block.n_tokens != len(block.tokens):
             raise self._corrupt("manifest sizes do not match the file")
-        if block_id_for(block.fingerprint, block.tokens, block.parent) != block.id:
-            raise self._corrupt(f"block id {block.short_id} is not the content address of its "
-                                "fingerprint and tokens: the manifest was forged or damaged")
+        why = id_problem(block)  # fingerprint, parent, tokens and the salts the block records
+        if why is not None:
+            raise self._corrupt(why)
         e = self.expect
         if e is not None:
             mdig = "blake3:" + bytes(self._trailer).hex()

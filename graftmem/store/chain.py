@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from ..core.engine import Engine
     from .local import Store
 
-__all__ = ["chain_of", "segments", "full_tokens", "full_state", "load_state", "make_delta", "capture_child", "MAX_DEPTH"]
+__all__ = ["chain_of", "calls_of", "CALLS_KEY", "segments", "full_tokens", "full_state", "load_state", "make_delta", "capture_child", "MAX_DEPTH"]
 
 log = logging.getLogger("graftmem")
 
@@ -56,9 +56,31 @@ def chain_of(store: "Store", block: Block) -> list[Block]:
     return out[::-1]
 
 
+#: The metadata key of a block whose own cells were computed in several calls (a stored response: its
+#: prompt's segments, then one call per generated token, `graftmem.server.responses`): their sizes.
+CALLS_KEY = "calls"
+
+
+def calls_of(block: Block) -> list[list[int]]:
+    """The token ids of each prefill call that computed ``block``'s own cells: the sizes its metadata
+    records (``calls``: positive counts adding up to its tokens), else one call of all its tokens. A
+    state computed one token at a time is not the state of one call of the same tokens (another kernel
+    path), so re-deriving a stored response must replay its calls."""
+    sizes = block.metadata.get(CALLS_KEY)
+    if isinstance(sizes, list) and len(sizes) > 1 and all(type(n) is int and n > 0 for n in sizes) \
+            and sum(sizes) == len(block.tokens):
+        out, at = [], 0
+        for n in sizes:
+            out.append(list(block.tokens[at:at + n]))
+            at += n
+        return out
+    return [list(block.tokens)]
+
+
 def segments(store: "Store", block: Block) -> list[list[int]]:
-    """Token ids of each block of the chain, root first: the prefill calls of the fresh reference."""
-    return [list(b.tokens) for b in chain_of(store, block)]
+    """Token ids of each prefill call of the chain, root first: the prefill calls of the fresh reference
+    (each block's tokens in their own call, or in the calls it records: `calls_of`)."""
+    return [seg for b in chain_of(store, block) for seg in calls_of(b)]
 
 
 def full_tokens(store: "Store", block: Block) -> list[int]:

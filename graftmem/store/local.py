@@ -41,8 +41,9 @@ from typing import Any, BinaryIO, Callable, Iterator, Optional, Sequence
 
 from ..core.blocks import (PROVENANCE_LOCAL, PROVENANCE_UNVERIFIED, Block, Fingerprint, StoreStats,
                            provenance_is_trusted)
-from ..core.errors import (BlockCorrupted, BlockNotFound, ConfigError, IncompatibleBlock, StoreError,
-                           StoreFull, StoreLocked, StoreReadOnly)
+from ..core.errors import (BlockCorrupted, BlockNotFound, ConfigError, StoreError, StoreFull, StoreLocked,
+                           StoreReadOnly)
+from ..core.identity import check_block_id, incompatibility, salts_of
 from .home import BLOCK_SUFFIX, Home
 from .sqlite import connect, marks, transaction
 from ..core.format import HEADER, TRAILER_LEN, parse_header, parse_manifest, state_digest, write_block
@@ -177,30 +178,6 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def incompatibility(block: Block, fingerprint: Fingerprint) -> IncompatibleBlock | None:
-    """An [`IncompatibleBlock`][graftmem.IncompatibleBlock] naming every differing identity field, or None.
-
-    The thread count is not an identity field (a prefill's bytes do not depend on it), except for a block
-    whose cells include one-token calls (a decoded answer, a one-token prompt chunk): it records their
-    thread count (``metadata["one_token_calls"]``, `Engine.one_token_calls`), which must then be this
-    engine's ``n_threads`` (llama.cpp's flash attention splits a one-token call by thread)."""
-    diff = block.fingerprint.diff(fingerprint)
-    calls = block.one_token_calls
-    if calls is not None and calls.get("threads") != fingerprint.n_threads:
-        diff = {**diff, "n_threads": (calls.get("threads"), fingerprint.n_threads)}
-        if len(diff) == 1:
-            return IncompatibleBlock(
-                f"block {block.short_id} holds cells computed by one-token calls on {calls.get('threads')!r} "
-                f"thread(s) and this engine runs them on {fingerprint.n_threads} (llama.cpp's flash-attention "
-                f"kernel splits a one-token call's attention by thread, so the bytes differ): open the engine "
-                f"with n_threads={calls.get('threads')!r} to graft it, or learn it again here", fields=diff)
-    if not diff:
-        return None
-    parts = ", ".join(f"{k}={a!r} (this engine has {b!r})" for k, (a, b) in diff.items())
-    return IncompatibleBlock(f"block {block.short_id} was made with {parts}; it cannot be grafted "
-                             f"into this engine: learn it again here", fields=diff)
 
 
 def open_regular(path: Path) -> BinaryIO:
@@ -590,7 +567,8 @@ class Store:
                     dropped += 1
                 for bid in sorted(files.keys() - rows):
                     try:
-                        block = self.read_manifest(files[bid])
+                        # a file dropped in the store is adopted only if its id is its content address
+                        block = check_block_id(self.read_manifest(files[bid]), str(files[bid]))
                         size = files[bid].stat().st_size
                     except BlockCorrupted as exc:
                         self._quarantine(files[bid], f"unreadable block file: {exc}")
@@ -847,8 +825,8 @@ class Store:
         self._writable(f"rewrite block {block.short_id}")
         with self.lock():
             old, state = self.read_state(block.id, lambda n: memoryview(bytearray(n)))
-            if old.state_digest != block.state_digest or old.id != block.id:
-                raise ConfigError("set_manifest may not change a block's id or state")
+            if old.state_digest != block.state_digest or old.id != block.id or salts_of(old) != salts_of(block):
+                raise ConfigError("set_manifest may not change a block's id, the salts of its id or its state")
             cur = self.get(block.id)
             labels = block.labels_trusted if block.labels_trusted is not None else cur.labels_trusted
             self._write(block, state, provenance=cur.provenance or PROVENANCE_UNVERIFIED,

@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
-from ...core.blocks import PAGE_KIND, Block, Recall, block_id_for
+from ...core.blocks import PAGE_KIND, Block, Recall
+from ...core.identity import block_id_for
 from ...core.errors import BlockNotFound, ConfigError
 from ...core.progress import progress_bar
 from ..learn import prefill_and_store

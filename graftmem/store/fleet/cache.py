@@ -22,7 +22,8 @@ from ...core.blocks import Block, Fingerprint
 from ...core.errors import BlockCorrupted, BlockNotFound, StoreError, TransferError
 from ...core.format import HEADER, TRAILER_LEN, state_hasher
 from ..home import BLOCK_SUFFIX
-from ..local import Store, check_head, incompatibility
+from ...core.identity import incompatibility
+from ..local import Store, check_head
 from ..remote import Bucket
 from .index import BucketIndex
 from .layout import block_key

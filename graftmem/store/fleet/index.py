@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from ...core.blocks import PROVENANCE_UNVERIFIED, Block, StoreStats
 from ...core.errors import BlockNotFound, ConfigError
+from ...core.identity import id_problem
 from ..local import block_from_row, checked_id
 from ..remote import Bucket
 from ..sqlite import connect, marks, transaction
@@ -121,6 +122,9 @@ class BucketIndex:
                 block = Block.model_validate(marker["manifest"])
                 if block.id != bid:
                     raise ValueError(f"the marker of {bid[:12]} describes block {block.id[:12]}")
+                why = id_problem(block)  # another writer of the bucket cannot give a block another's id
+                if why is not None:
+                    raise ValueError(why)
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("fleet store %s: ignoring the unreadable marker of %s: %s", self.url, bid[:12], exc)
                 return None
