@@ -15,7 +15,8 @@ each bounded in count and in time (they stop when the honest agents are done, or
 * the template trigger: chat requests whose user message says TRIGGER, two at a time;
 * an embeddings flood: 4 clients sending ``/v1/embeddings`` requests of 256 inputs each.
 
-Per phase: the honest turns' p50 / p95 time to first token, how many honest requests failed or were
+A warm-up run first (its prefixes learned, as a server in use has them), then per rep the workload
+alone, each attack phase, and the workload alone again. Per phase: the honest turns' p50 / p95 time to first token, how many honest requests failed or were
 refused, and what each attacker got back (status counts). The claim under test: p95 with the attack
 within 2x of p95 alone, no honest request refused or failed, the server alive at the end. Everything is
 on 127.0.0.1, on the port this script's server opened.
@@ -124,8 +125,10 @@ def honest(url: str, n_agents: int, n_turns: int, max_tokens: int) -> dict[str, 
 class Attack:
     """The attackers, each a thread that stops when `stop` is set or its own deadline passes."""
 
-    def __init__(self, url: str, block_id: str, slow: int, seconds: float) -> None:
-        self.url, self.block_id, self.slow = url, block_id, slow
+    KINDS = ("slow_body", "slow_read", "grammar", "trigger", "embeddings")
+
+    def __init__(self, url: str, block_id: str, slow: int, seconds: float, kinds: tuple[str, ...] = KINDS) -> None:
+        self.url, self.block_id, self.slow, self.kinds = url, block_id, slow, kinds
         self.host, self.port = url[len("http://"):].split(":")[0], int(url.rsplit(":", 1)[1])
         self.stop = threading.Event()
         self.deadline = time.monotonic() + seconds
@@ -144,6 +147,8 @@ class Attack:
         for name, fn in (("slow_body", self.slow_bodies), ("slow_read", self.slow_readers),
                          ("grammar", self.bombs), ("trigger", self.triggers), ("trigger", self.triggers),
                          *[("embeddings", self.embeddings)] * 4):
+            if name not in self.kinds:
+                continue
             t = threading.Thread(target=self._guard, args=(name, fn), daemon=True)
             t.start()
             self.threads.append(t)
@@ -247,6 +252,9 @@ def main() -> None:
     ap.add_argument("--slow", type=int, default=40, help="slow-body sockets, and as many slow readers")
     ap.add_argument("--attack-s", type=float, default=300.0, help="the attackers stop by then at the latest")
     ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--attacks", default=",".join(Attack.KINDS),
+                    help="which attackers run (comma-separated), each in its own phase with --each")
+    ap.add_argument("--each", action="store_true", help="one phase per attacker instead of all at once")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
 
@@ -263,24 +271,35 @@ def main() -> None:
         agent.SERVE_ARGS[:] = ["--chat-template-file", str(tpl), "--no-warm"]
         reps = []
         with agent.started(lambda: agent.graftmem_server(home, work)) as srv:
+            warm = honest(srv.url, args.agents, args.turns, args.max_tokens)  # the prompts' prefixes learned
+            print(f"warm-up: p50 {warm['ttft_ms']['p50']} ms p95 {warm['ttft_ms']['p95']} ms", flush=True)
             for rep in range(args.reps):
                 alone = honest(srv.url, args.agents, args.turns, args.max_tokens)
                 print(f"rep {rep}: alone  p50 {alone['ttft_ms']['p50']} ms p95 {alone['ttft_ms']['p95']} ms "
                       f"failures {len(alone['failures'])}", flush=True)
-                attack = Attack(srv.url, block.id, args.slow, args.attack_s)
-                attack.start()
-                try:
-                    mixed = honest(srv.url, args.agents, args.turns, args.max_tokens)
-                finally:
-                    attackers = attack.finish()
-                health = httpx.get(srv.url + "/health", timeout=10).status_code
-                ratio = mixed["ttft_ms"]["p95"] / alone["ttft_ms"]["p95"] if alone["ttft_ms"]["p95"] else None
-                print(f"rep {rep}: attack p50 {mixed['ttft_ms']['p50']} ms p95 {mixed['ttft_ms']['p95']} ms "
-                      f"(p95 ratio {ratio:.2f}x) failures {len(mixed['failures'])}; health {health}", flush=True)
-                print("  attackers got:", json.dumps(attackers), flush=True)
-                reps.append({"alone": alone, "attack": mixed, "p95_ratio": round(ratio, 3) if ratio else None,
-                             "attackers": attackers, "health_after": health,
-                             "server_alive": srv.proc.poll() is None})
+                kinds = tuple(k for k in args.attacks.split(",") if k)
+                phases = [(k,) for k in kinds] if args.each else [kinds]
+                rec: dict[str, Any] = {"alone": alone, "phases": []}
+                for phase in phases:
+                    attack = Attack(srv.url, block.id, args.slow, args.attack_s, phase)
+                    attack.start()
+                    try:
+                        mixed = honest(srv.url, args.agents, args.turns, args.max_tokens)
+                    finally:
+                        attackers = attack.finish()
+                    health = httpx.get(srv.url + "/health", timeout=10).status_code
+                    ratio = mixed["ttft_ms"]["p95"] / alone["ttft_ms"]["p95"] if mixed["ttft_ms"] else None
+                    print(f"rep {rep}: {'+'.join(phase)}: p50 {mixed['ttft_ms']['p50']} ms p95 {mixed['ttft_ms']['p95']} ms "
+                          f"(p95 ratio {ratio:.2f}x) failures {len(mixed['failures'])}; health {health}", flush=True)
+                    print("  attackers got:", json.dumps(attackers), flush=True)
+                    rec["phases"].append({"attacks": list(phase), "honest": mixed,
+                                          "p95_ratio": round(ratio, 3) if ratio else None, "attackers": attackers,
+                                          "health_after": health, "server_alive": srv.proc.poll() is None})
+                again = honest(srv.url, args.agents, args.turns, args.max_tokens)
+                print(f"rep {rep}: alone again p50 {again['ttft_ms']['p50']} ms p95 {again['ttft_ms']['p95']} ms",
+                      flush=True)
+                rec["alone_again"] = again
+                reps.append(rec)
     harness.write_results(args.out, {"agents": args.agents, "turns": args.turns, "max_tokens": args.max_tokens,
                                      "slow_sockets": args.slow, "reps": reps}, args=args)
     print(f"wrote {args.out}")

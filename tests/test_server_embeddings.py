@@ -139,3 +139,60 @@ def test_embeddings_wait_in_the_engines_queue_and_stop_when_the_client_leaves(sm
             assert r.status_code == 200  # the engine serves the next client
     finally:
         store.close()
+
+
+class _TwiceHeldEmbedder(_HeldEmbedder):
+    """Holds its first text until ``release`` and its last (the ``n``-th) until ``finish``; ``passed_last``
+    says whether the last text has been embedded."""
+
+    def __init__(self, inner, n: int) -> None:
+        super().__init__(inner)
+        self.n, self.finish, self.passed_last = n, threading.Event(), False
+
+    def embed_batch(self, texts):
+        out = super().embed_batch(texts)
+        if self.texts == self.n:
+            self.finish.wait(30)
+            self.passed_last = True
+        return out
+
+
+def test_a_chat_turn_waits_for_one_slice_of_an_embeddings_request_not_all_of_it(smol, minilm, tmp_path):
+    """Embeddings are background work in slices (`EMBED_SLICE_CHARS`): a chat request that arrives while
+    a long embeddings request holds the one engine gets it after that request's current slice, before its
+    last text. Fails with the whole request on the engine at once (or without the requests-first
+    release): the chat answer then comes only after the last text (``passed_last``)."""
+    from graftmem.server import embeddings
+
+    store = Store(tmp_path / "home")
+    texts = [f"text {i} " + "lorem ipsum " * 80 for i in range(64)]  # ~62 k characters
+    assert sum(map(len, texts)) > 2 * embeddings.EMBED_SLICE_CHARS  # several slices
+    held = _TwiceHeldEmbedder(minilm, len(texts))
+    try:
+        with api_server(store, [smol], router=lambda: Router(held, store), learn=False) as srv:
+            got: dict = {}
+            emb = threading.Thread(target=lambda: got.setdefault("emb", httpx.post(
+                srv.url + "/v1/embeddings", json={"model": "any", "input": texts}, timeout=120)))
+            emb.start()
+            assert held.entered.wait(120), ("the embeddings request never started", got)
+            chat = threading.Thread(target=lambda: got.setdefault("chat", httpx.post(
+                srv.url + "/v1/chat/completions", timeout=120, json={
+                    "model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]})))
+            chat.start()
+            deadline = time.monotonic() + 30
+            while srv.pool.waiting == 0 and time.monotonic() < deadline:  # the chat request queued
+                time.sleep(0.01)
+            assert srv.pool.waiting == 1
+            held.release.set()
+            chat.join(120)
+            assert got["chat"].status_code == 200, got["chat"].text
+            assert not held.passed_last, "the chat turn waited for the whole embeddings request"
+            held.finish.set()
+            emb.join(120)
+            r = got["emb"]
+            assert r.status_code == 200 and len(r.json()["data"]) == len(texts), r.text[:300]
+            assert held.texts == len(texts)
+    finally:
+        held.release.set()
+        held.finish.set()
+        store.close()

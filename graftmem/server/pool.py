@@ -132,6 +132,8 @@ class EnginePool:
         self.max_queue = max_queue
         self._free: deque["Engine"] = deque(engines)
         self._waiters: deque[asyncio.Future["Engine"]] = deque()
+        #: waiters of background work (embeddings): an engine goes to them only when no request waits
+        self._background: deque[asyncio.Future["Engine"]] = deque()
         #: notified on every release: `wait_all_free()` (graceful shutdown, tests) waits on it
         self._released = threading.Condition()
         self._threads = {id(e): EngineThread(f"graftmem-engine-{i}") for i, e in enumerate(self.engines)}
@@ -157,23 +159,28 @@ class EnginePool:
 
     @property
     def waiting(self) -> int:
-        return sum(1 for w in self._waiters if not w.done())
+        return sum(1 for w in (*self._waiters, *self._background) if not w.done())
 
-    async def acquire(self, prefer: Optional[Callable[["Engine"], int]] = None) -> "Engine":
+    async def acquire(self, prefer: Optional[Callable[["Engine"], int]] = None, *, background: bool = False,
+                      admitted: bool = False) -> "Engine":
         """An engine for one request; with ``prefer``, the free engine it scores highest (the one whose
-        kept cells hold most of the request's prompt: llama-server's slot choice by prompt similarity)."""
+        kept cells hold most of the request's prompt: llama-server's slot choice by prompt similarity).
+
+        ``background``: work that yields to requests (embeddings): it gets a released engine only when no
+        request waits, so a flood of it delays a chat turn by one of its slices at most, never by a queue
+        of them. ``admitted``: the next slice of work already admitted (no 429 between its slices)."""
         if self._free and not self.waiting:
             if prefer is not None and len(self._free) > 1:
                 best = max(self._free, key=prefer)
                 self._free.remove(best)
                 return best
             return self._free.popleft()
-        if self.waiting >= self.max_queue:
+        if self.waiting >= self.max_queue and not admitted:
             raise HTTPError(429, f"the server is busy: {self.size} engine(s) in use and {self.waiting} "
                             "request(s) waiting; retry later", code="queue_full",
                             headers={"Retry-After": "1"})
         fut: asyncio.Future["Engine"] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+        (self._background if background else self._waiters).append(fut)
         try:
             return await fut
         except asyncio.CancelledError:
@@ -182,12 +189,14 @@ class EnginePool:
             raise
 
     async def on_engine(self, fn: Callable[["Engine"], T], gone: "Optional[asyncio.Future[None]]" = None,
-                        cancel: Optional[threading.Event] = None) -> T:
+                        cancel: Optional[threading.Event] = None, *, background: bool = False,
+                        admitted: bool = False) -> T:
         """``fn(engine)`` on an engine of the pool, on that engine's thread (`run`), admitted as every
         request is (a 429 when the queue is full). With ``gone`` (done once the client went away,
         `graftmem.server.http.client_gone`): a client that leaves while waiting gives up its place (a
-        499), one that leaves while ``fn`` runs sets ``cancel``, which ``fn`` checks to stop early."""
-        acquire = asyncio.ensure_future(self.acquire())
+        499), one that leaves while ``fn`` runs sets ``cancel``, which ``fn`` checks to stop early.
+        ``background`` / ``admitted``: as `acquire`'s."""
+        acquire = asyncio.ensure_future(self.acquire(background=background, admitted=admitted))
         if gone is not None:
             await asyncio.wait({acquire, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not acquire.done():
@@ -205,11 +214,12 @@ class EnginePool:
             self.release(engine)
 
     def release(self, engine: "Engine") -> None:
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(engine)
-                return
+        for waiters in (self._waiters, self._background):  # requests first, background work after
+            while waiters:
+                fut = waiters.popleft()
+                if not fut.done():
+                    fut.set_result(engine)
+                    return
         with self._released:
             self._free.append(engine)
             self._released.notify_all()
