@@ -292,9 +292,15 @@ class Arch:
     kv: tuple          #: ((key, value), ...): ints are u32, floats f32, lists u32 arrays
     vocab: str
     template: str
-    memory: str        #: "attention", "swa" (interleaved sliding windows), "recurrent" or "hybrid"
+    memory: str        #: "attention", "window" (interleaved sliding windows), "recurrent" or "hybrid"
     note: str = ""
 
+
+#: Every architecture speaks Llama 3.1's tokenizer and chat template: the body is what differs between
+#: them (the state, the graft), and the server's chat segmentation needs a template whose turns meet at
+#: special tokens, which these tiny vocab + template pairs give (the template families are covered by
+#: `FAMILIES`).
+_VOCAB, _TEMPLATE = "llama-bpe", "meta-llama-Llama-3.1-8B-Instruct"
 
 _BASE = (("context_length", 8192), ("embedding_length", 64), ("attention.layer_norm_rms_epsilon", 1e-6),
          ("rope.freq_base", 10000.0))
@@ -304,38 +310,38 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
         ("block_count", 2), ("feed_forward_length", 128), ("attention.head_count", 4),
         ("attention.head_count_kv", 2), ("attention.key_length", 16), ("attention.value_length", 16),
         ("expert_count", 4), ("expert_used_count", 2), ("expert_feed_forward_length", 32)),
-        "qwen2", "Qwen-Qwen3-0.6B", "attention", "Qwen3-MoE: mixture of experts, Q/K norms, GQA"),
+        _VOCAB, _TEMPLATE, "attention", "Qwen3-MoE: mixture of experts, Q/K norms, GQA"),
     Arch("qwen35", "qwen35", _BASE + (
         ("block_count", 4), ("feed_forward_length", 128), ("attention.head_count", 4),
         ("attention.head_count_kv", 2), ("attention.key_length", 16), ("attention.value_length", 16),
         ("rope.dimension_count", 16), ("rope.dimension_sections", [3, 3, 2, 0]), ("ssm.conv_kernel", 4),
         ("ssm.inner_size", 64), ("ssm.state_size", 16), ("ssm.time_step_rank", 4), ("ssm.group_count", 2),
         ("full_attention_interval", 4)),
-        "qwen35", "Qwen3.5-4B", "hybrid", "Qwen 3.5: 3 gated-delta-net layers per attention layer"),
+        _VOCAB, _TEMPLATE, "hybrid", "Qwen 3.5: 3 gated-delta-net layers per attention layer"),
     Arch("granitehybrid", "granitehybrid", _BASE + (
         ("block_count", 4), ("feed_forward_length", 128), ("attention.head_count", 4),
         ("attention.head_count_kv", [0, 2, 0, 2]), ("ssm.conv_kernel", 4), ("ssm.inner_size", 128),
         ("ssm.state_size", 16), ("ssm.time_step_rank", 8), ("ssm.group_count", 1)),
-        "gpt-2", "ibm-granite-granite-4.0", "hybrid", "Granite 4 (H): Mamba-2 layers + attention layers"),
+        _VOCAB, _TEMPLATE, "hybrid", "Granite 4 (H): Mamba-2 layers + attention layers"),
     Arch("nemotron_h", "nemotron_h", _BASE + (
         ("block_count", 4), ("attention.layer_norm_epsilon", 1e-5), ("feed_forward_length", [0, 0, 128, 0]),
         ("attention.head_count", 4), ("attention.head_count_kv", [0, 2, 0, 0]), ("ssm.conv_kernel", 4),
         ("ssm.inner_size", 128), ("ssm.state_size", 16), ("ssm.time_step_rank", 8), ("ssm.group_count", 1)),
-        "llama-bpe", "NVIDIA-Nemotron-Nano-v2", "hybrid", "Nemotron-H: Mamba-2, attention and MLP layers"),
+        _VOCAB, _TEMPLATE, "hybrid", "Nemotron-H: Mamba-2, attention and MLP layers"),
     Arch("mamba2", "mamba2", _BASE + (
         ("block_count", 2), ("ssm.conv_kernel", 4), ("ssm.inner_size", 128), ("ssm.state_size", 16),
         ("ssm.time_step_rank", 8), ("ssm.group_count", 1)),
-        "gpt-neox", "ibm-granite-granite-4.0", "recurrent", "Mamba-2: recurrent layers only, no attention"),
+        _VOCAB, _TEMPLATE, "recurrent", "Mamba-2: recurrent layers only, no attention"),
     Arch("lfm2", "lfm2", _BASE + (
         ("block_count", 4), ("feed_forward_length", 128), ("attention.head_count", 4),
         ("attention.head_count_kv", [0, 2, 0, 2]), ("shortconv.l_cache", 3)),
-        "qwen2", "LFM2.5-Instruct", "hybrid", "LFM2: short-convolution layers + attention layers"),
+        _VOCAB, _TEMPLATE, "hybrid", "LFM2: short-convolution layers + attention layers"),
     Arch("gpt-oss", "gpt-oss", _BASE + (
         ("block_count", 4), ("feed_forward_length", 32), ("attention.head_count", 4),
         ("attention.head_count_kv", 2), ("attention.key_length", 16), ("attention.value_length", 16),
         ("attention.sliding_window", 128), ("expert_count", 4), ("expert_used_count", 2),
         ("expert_feed_forward_length", 32)),
-        "llama-bpe", "openai-gpt-oss-120b", "swa",
+        _VOCAB, _TEMPLATE, "window",
         "GPT-OSS: mixture of experts, attention sinks, sliding window (128) on every other layer"),
     Arch("deepseek2", "deepseek2", _BASE + (
         ("block_count", 2), ("leading_dense_block_count", 1), ("feed_forward_length", 128),
@@ -345,7 +351,7 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
         ("expert_count", 4), ("expert_used_count", 2), ("expert_shared_count", 1),
         ("expert_feed_forward_length", 32), ("expert_gating_func", 2), ("expert_weights_norm", True),
         ("expert_weights_scale", 1.0)),
-        "deepseek-llm", "deepseek-ai-DeepSeek-V3.1", "attention",
+        _VOCAB, _TEMPLATE, "attention",
         "DeepSeek 2/3: latent attention (MLA: the cache holds a 48-wide latent, no V), shared + routed experts"),
 )}
 
@@ -434,7 +440,7 @@ def _tensor_shapes(kv_only: Path) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _init(name: str, shape: tuple[int, ...], rng) -> "np.ndarray":  # type: ignore[name-defined]  # noqa: F821
+def _init(name: str, shape: tuple[int, ...], rng):  # -> numpy array
     """Seeded weights that keep a random model finite: norms 1, Mamba's A negative (a decaying state),
     D 1, the router's bias 0, the dt bias -1, everything else N(0, 0.1) (llama.cpp's test uses 0.1)."""
     import numpy as np
