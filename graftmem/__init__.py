@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from .core.errors import (AccessDenied, BlockCorrupted, BlockNotFound, BlockRejected, BundleRejected,
                               ClosedError, ConfigError, EngineError, GraftmemError, IncompatibleBlock,
                               ModelNotFound, StoreError, StoreFull, StoreLocked, StoreReadOnly, TransferError,
-                              UnverifiedBlock, UntrustedBundle)
+                              UnsupportedFeature, UnverifiedBlock, UntrustedBundle)
     from .core.models import MODELS, resolve_model
     from .memory import (Attempt, CallableVerifier, Candidate, DocumentAnswer, DocumentReport, Embedder, ExactMatch,
                          Flywheel, Gate, GateReport, PageInfo, PassageHit, ProgramRun, ProgramVerifier, RederiveReport,
@@ -74,6 +74,7 @@ _LAZY: dict[str, str] = {
     "StoreLocked": ".core.errors",
     "StoreReadOnly": ".core.errors",
     "TransferError": ".core.errors",
+    "UnsupportedFeature": ".core.errors",
     "UnverifiedBlock": ".core.errors",
     "UntrustedBundle": ".core.errors",
     "MODELS": ".core.models",
@@ -193,6 +194,7 @@ __all__ = [
     "TransferError",
     "TransferReport",
     "TrustPolicy",
+    "UnsupportedFeature",
     "UntrustedBundle",
     "UnverifiedBlock",
     "Verdict",

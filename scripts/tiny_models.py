@@ -22,8 +22,22 @@ fetches from PyPI like any package. This script:
 The weights are noise: the models babble. They load, tokenize, prefill, graft and decode exactly
 like the real family's models do, which is all the tests ask of them.
 
+Architectures (`ARCHS`, `build_arch()`): the same recipe for the model *bodies* people run, not
+only llama: a gated-delta-net hybrid (Qwen 3.5), Mamba-2 (pure and in the Granite 4 / Nemotron-H
+hybrids), LFM2's short convolutions, GPT-OSS (mixture of experts + alternating sliding windows),
+DeepSeek 2's latent attention (MLA) and Qwen3-MoE. Each recipe is the hyper-parameters its
+``load_arch_hparams`` reads in the pinned llama.cpp (``src/models/<arch>.cpp``; the key set follows
+``tests/test-llama-archs.cpp``, llama.cpp's own random-weight test), shrunk to n_embd 64 and 2-4
+layers. The tensor list and shapes are asked of llama.cpp itself rather than copied by hand:
+``llama_model_init_from_user`` builds the model from the key-value section alone and calls back once
+per tensor its loader creates (every optional one too); the optional quantization scales, biases and
+rope factors are left out, a tensor the loader then reports missing is added back, and the file is
+written with gguf-py's writer and loaded from disk before it is kept. That runs in a child process
+(it swaps llama.cpp's log callback to read the loader's errors, and a bad recipe may crash).
+
 Usage: ``python scripts/tiny_models.py [FAMILY ...]`` prints one ``family path`` line each
-(``--list`` prints the families). Tests import `build()`.
+(``--list`` prints the families, ``--arch NAME ...`` builds architectures). Tests import `build()`
+and `build_arch()`.
 """
 
 from __future__ import annotations
@@ -43,7 +57,8 @@ SDIST_FILE = "llama_cpp_python-0.3.36.tar.gz"
 _VENDOR = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
 RECIPE = 1  #: bump when the body below changes: it is part of every cache key
 
-__all__ = ["Family", "FAMILIES", "build", "copy_tokenizer", "sdist_dir", "templates_dir", "vocab_path"]
+__all__ = ["Arch", "ARCHS", "Family", "FAMILIES", "build", "build_arch", "copy_tokenizer", "sdist_dir",
+           "templates_dir", "vocab_path"]
 
 
 @dataclass(frozen=True)
@@ -263,14 +278,270 @@ def build(family: str | Family, *, template: Optional[Path] = None, n_embd: int 
     return out
 
 
+# ---------------------------------------------------------------------------------------------- architectures
+ARCH_RECIPE = 1  #: bump when the architecture builder changes: part of every architecture's cache key
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One tiny model of a real llama.cpp architecture: its hyper-parameters (GGUF keys without the
+    ``<arch>.`` prefix), a vendored vocab and template, and what its per-sequence state holds."""
+
+    name: str
+    arch: str          #: ``general.architecture`` (llama.cpp's LLM_ARCH name)
+    kv: tuple          #: ((key, value), ...): ints are u32, floats f32, lists u32 arrays
+    vocab: str
+    template: str
+    memory: str        #: "attention", "window" (interleaved sliding windows), "recurrent" or "hybrid"
+    note: str = ""
+
+
+#: Every architecture speaks Llama 3.1's tokenizer and chat template: the body is what differs between
+#: them (the state, the graft), and the server's chat segmentation needs a template whose turns meet at
+#: special tokens, which these tiny vocab + template pairs give (the template families are covered by
+#: `FAMILIES`).
+_VOCAB, _TEMPLATE = "llama-bpe", "meta-llama-Llama-3.1-8B-Instruct"
+
+_BASE = (("context_length", 8192), ("embedding_length", 64), ("attention.layer_norm_rms_epsilon", 1e-6),
+         ("rope.freq_base", 10000.0))
+
+ARCHS: dict[str, Arch] = {a.name: a for a in (
+    Arch("qwen3moe", "qwen3moe", _BASE + (
+        ("block_count", 2), ("feed_forward_length", 128), ("attention.head_count", 4),
+        ("attention.head_count_kv", 2), ("attention.key_length", 16), ("attention.value_length", 16),
+        ("expert_count", 4), ("expert_used_count", 2), ("expert_feed_forward_length", 32)),
+        _VOCAB, _TEMPLATE, "attention", "Qwen3-MoE: mixture of experts, Q/K norms, GQA"),
+    Arch("qwen35", "qwen35", _BASE + (
+        ("block_count", 4), ("feed_forward_length", 128), ("attention.head_count", 4),
+        ("attention.head_count_kv", 2), ("attention.key_length", 16), ("attention.value_length", 16),
+        ("rope.dimension_count", 16), ("rope.dimension_sections", [3, 3, 2, 0]), ("ssm.conv_kernel", 4),
+        ("ssm.inner_size", 64), ("ssm.state_size", 16), ("ssm.time_step_rank", 4), ("ssm.group_count", 2),
+        ("full_attention_interval", 4)),
+        _VOCAB, _TEMPLATE, "hybrid", "Qwen 3.5: 3 gated-delta-net layers per attention layer"),
+    Arch("granitehybrid", "granitehybrid", _BASE + (
+        ("block_count", 4), ("feed_forward_length", 128), ("attention.head_count", 4),
+        ("attention.head_count_kv", [0, 2, 0, 2]), ("ssm.conv_kernel", 4), ("ssm.inner_size", 128),
+        ("ssm.state_size", 16), ("ssm.time_step_rank", 8), ("ssm.group_count", 1)),
+        _VOCAB, _TEMPLATE, "hybrid", "Granite 4 (H): Mamba-2 layers + attention layers"),
+    Arch("nemotron_h", "nemotron_h", _BASE + (
+        ("block_count", 4), ("attention.layer_norm_epsilon", 1e-5), ("feed_forward_length", [0, 0, 128, 0]),
+        ("attention.head_count", 4), ("attention.head_count_kv", [0, 2, 0, 0]), ("ssm.conv_kernel", 4),
+        ("ssm.inner_size", 128), ("ssm.state_size", 16), ("ssm.time_step_rank", 8), ("ssm.group_count", 1)),
+        _VOCAB, _TEMPLATE, "hybrid", "Nemotron-H: Mamba-2, attention and MLP layers"),
+    Arch("mamba2", "mamba2", _BASE + (
+        ("block_count", 2), ("ssm.conv_kernel", 4), ("ssm.inner_size", 128), ("ssm.state_size", 16),
+        ("ssm.time_step_rank", 8), ("ssm.group_count", 1)),
+        _VOCAB, _TEMPLATE, "recurrent", "Mamba-2: recurrent layers only, no attention"),
+    Arch("lfm2", "lfm2", _BASE + (
+        ("block_count", 4), ("feed_forward_length", 128), ("attention.head_count", 4),
+        ("attention.head_count_kv", [0, 2, 0, 2]), ("shortconv.l_cache", 3)),
+        _VOCAB, _TEMPLATE, "hybrid", "LFM2: short-convolution layers + attention layers"),
+    Arch("gpt-oss", "gpt-oss", _BASE + (
+        ("block_count", 4), ("feed_forward_length", 32), ("attention.head_count", 4),
+        ("attention.head_count_kv", 2), ("attention.key_length", 16), ("attention.value_length", 16),
+        ("attention.sliding_window", 128), ("expert_count", 4), ("expert_used_count", 2),
+        ("expert_feed_forward_length", 32)),
+        _VOCAB, _TEMPLATE, "window",
+        "GPT-OSS: mixture of experts, attention sinks, sliding window (128) on every other layer"),
+    Arch("deepseek2", "deepseek2", _BASE + (
+        ("block_count", 2), ("leading_dense_block_count", 1), ("feed_forward_length", 128),
+        ("attention.head_count", 2), ("attention.head_count_kv", 1), ("attention.key_length", 48),
+        ("attention.value_length", 32), ("attention.key_length_mla", 32), ("attention.value_length_mla", 16),
+        ("rope.dimension_count", 16), ("attention.q_lora_rank", 32), ("attention.kv_lora_rank", 32),
+        ("expert_count", 4), ("expert_used_count", 2), ("expert_shared_count", 1),
+        ("expert_feed_forward_length", 32), ("expert_gating_func", 2), ("expert_weights_norm", True),
+        ("expert_weights_scale", 1.0)),
+        _VOCAB, _TEMPLATE, "attention",
+        "DeepSeek 2/3: latent attention (MLA: the cache holds a 48-wide latent, no V), shared + routed experts"),
+)}
+
+
+def build_arch(arch: str | Arch, *, seed: int = 0) -> Path:
+    """The path of the tiny GGUF of architecture ``arch`` (a name of `ARCHS` or an `Arch`), built if
+    absent (in a child process, see the module doc). Keyed by every input, like `build()`."""
+    a = ARCHS[arch] if isinstance(arch, str) else arch
+    vocab = vocab_path(a.vocab)
+    tpl = templates_dir() / f"{a.template}.jinja"
+    blob = f"{ARCH_RECIPE}|{a.arch}|{a.kv!r}|{_sha(vocab)}|{_sha(tpl)}|{seed}"
+    key = hashlib.sha256(blob.encode()).hexdigest()[:16]
+    out = cache_root() / "tiny" / f"arch-{a.name}-{key}.gguf"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
+    env = {**os.environ, "GRAFTMEM_MODEL_CACHE": str(cache_root())}
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--write-arch", a.name, str(tmp)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    if proc.returncode != 0 or not tmp.exists():
+        tmp.unlink(missing_ok=True)
+        tail = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        raise RuntimeError(f"llama.cpp could not build a {a.arch} model: {tail}")
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+    return out
+
+
+def _write_kv(w, a: Arch) -> None:
+    gguf = _gguf()
+    w.add_name(f"graftmem tiny {a.name}")
+    for k, v in a.kv:
+        key = f"{a.arch}.{k}"
+        if isinstance(v, bool):
+            w.add_bool(key, v)
+        elif isinstance(v, int):
+            w.add_uint32(key, v)
+        elif isinstance(v, float):
+            w.add_float32(key, v)
+        elif isinstance(v, list):
+            w.add_array(key, v)
+        else:
+            raise TypeError(f"{a.name}: {k}={v!r}")
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    copy_tokenizer(w, read_kv(vocab_path(a.vocab)), templates_dir() / f"{a.template}.jinja")
+
+
+def _tensor_shapes(kv_only: Path) -> dict[str, tuple[int, ...]]:
+    """``{name: ggml ne}`` of every tensor llama.cpp's loader creates for the key-value section of
+    ``kv_only`` (``llama_model_init_from_user``: no file tensors, every optional tensor created)."""
+    import ctypes
+
+    import llama_cpp
+    from llama_cpp import llama_cpp as C
+
+    base = Path(getattr(C, "_base_path", Path(llama_cpp.__file__).parent / "lib"))
+    G = ctypes.CDLL(str(base / "libggml-base.so"))
+
+    class InitParams(ctypes.Structure):  # gguf.h: struct gguf_init_params
+        _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
+
+    G.gguf_init_from_file.restype = ctypes.c_void_p
+    G.gguf_init_from_file.argtypes = [ctypes.c_char_p, InitParams]
+    G.gguf_free.argtypes = [ctypes.c_void_p]
+    G.ggml_get_name.restype = ctypes.c_char_p
+    G.ggml_get_name.argtypes = [ctypes.c_void_p]
+    G.ggml_n_dims.restype = ctypes.c_int
+    G.ggml_n_dims.argtypes = [ctypes.c_void_p]
+    meta = G.gguf_init_from_file(str(kv_only).encode(), InitParams(True, None))
+    if not meta:
+        raise RuntimeError(f"ggml could not read {kv_only}")
+    out: dict[str, tuple[int, ...]] = {}
+
+    @C.llama_model_set_tensor_data_t
+    def record(t: int, _ud: int) -> None:
+        ne = (ctypes.c_int64 * 4).from_address(t + 16)  # ggml.h: struct ggml_tensor {type; buffer; ne[4]; ...}
+        out[G.ggml_get_name(t).decode()] = tuple(int(x) for x in ne[:G.ggml_n_dims(t)])
+
+    model = C.llama_model_init_from_user(meta, record, None, C.llama_model_default_params())
+    G.gguf_free(meta)
+    if not model:
+        raise RuntimeError("llama.cpp refused the hyper-parameters (see its log above)")
+    C.llama_model_free(model)
+    return out
+
+
+def _init(name: str, shape: tuple[int, ...], rng):  # -> numpy array
+    """Seeded weights that keep a random model finite: norms 1, Mamba's A negative (a decaying state),
+    D 1, the router's bias 0, the dt bias -1, everything else N(0, 0.1) (llama.cpp's test uses 0.1)."""
+    import numpy as np
+
+    base = name.rsplit(".", 1)[0] if name.endswith((".weight", ".bias")) else name
+    last = base.split(".")[-1]
+    if "norm" in last or last == "ssm_d":
+        return np.ones(shape, np.float32)
+    if last == "ssm_a":
+        return -np.abs(rng.standard_normal(shape, dtype=np.float32)) - 0.5
+    if last == "exp_probs_b" or (name.endswith(".bias") and last != "ssm_dt"):
+        return np.zeros(shape, np.float32)
+    if name.endswith(".bias"):
+        return np.full(shape, -1.0, np.float32)
+    return rng.standard_normal(shape, dtype=np.float32) * 0.1
+
+
+def _write_arch(a: Arch, out: Path) -> None:
+    """The child's work (``--write-arch``): shapes from llama.cpp, then write, load, add what the loader
+    says is missing, until it loads (bounded)."""
+    import ctypes
+    import re
+
+    import numpy as np
+    from llama_cpp import llama_cpp as C
+
+    gguf = _gguf()
+    kv_only = out.with_name(out.name + ".kv")
+    w = gguf.GGUFWriter(str(kv_only), a.arch)
+    _write_kv(w, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    C.llama_backend_init()
+    shapes = _tensor_shapes(kv_only)
+    kv_only.unlink()
+    log: list[str] = []
+
+    @C.llama_log_callback
+    def collect(_level: int, text: bytes, _ud: int) -> None:
+        log.append(text.decode("utf-8", "replace"))
+
+    C.llama_log_set(collect, ctypes.c_void_p(0))
+
+    def optional(n: str) -> bool:  # quantization scales, projection biases, rope factors: not needed
+        return n.endswith((".scale", ".input_scale")) or n.startswith("rope_freqs") or \
+            (n.endswith(".bias") and ".ssm_" not in n)
+
+    keep = [n for n in shapes if not optional(n)]
+    per_layer = re.compile(r"^blk\.\d+\.")
+    for _ in range(16):
+        rng = np.random.default_rng(0)
+        w = gguf.GGUFWriter(str(out), a.arch)
+        _write_kv(w, a)
+        for n in keep:
+            data = _init(n, tuple(reversed(shapes[n])), rng)  # gguf-py takes numpy shapes: ne reversed
+            if n in ("token_embd.weight", "output.weight"):
+                data = (data * 5).astype(np.float16)  # the vocab-sized matrices: half the file
+            w.add_tensor(n, data)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        log.clear()
+        model = C.llama_model_load_from_file(str(out).encode(), C.llama_model_default_params())
+        if model:
+            C.llama_model_free(model)
+            return
+        text = "".join(log)
+        m = re.search(r"missing tensor '([^']+)'", text) or re.search(r"tensor '([^']+)' not found", text)
+        if m is None or m.group(1) not in shapes:
+            errors = [ln for ln in text.splitlines() if "error" in ln.lower()]
+            raise SystemExit(f"llama.cpp refused the {a.arch} model: {errors[-1] if errors else text[-300:]}")
+        tail = per_layer.sub("", m.group(1))  # one layer misses it: every layer that has it needs it
+        keep += [n for n in shapes if n not in keep and (n == m.group(1) or (
+            per_layer.match(n) and per_layer.match(m.group(1)) and per_layer.sub("", n) == tail))]
+    raise SystemExit(f"{a.arch}: still missing tensors after 16 tries")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("families", nargs="*", help=f"default: all of {', '.join(FAMILIES)}")
-    ap.add_argument("--list", action="store_true", help="list the families and exit")
+    ap.add_argument("--list", action="store_true", help="list the families and architectures, and exit")
+    ap.add_argument("--arch", action="store_true", help=f"build architectures instead: {', '.join(ARCHS)}")
+    ap.add_argument("--write-arch", nargs=2, metavar=("NAME", "OUT"), help=argparse.SUPPRESS)  # the child
     args = ap.parse_args(argv)
+    if args.write_arch:
+        _write_arch(ARCHS[args.write_arch[0]], Path(args.write_arch[1]))
+        return 0
     if args.list:
         for f in FAMILIES.values():
             sys.stdout.write(f"{f.name:10} vocab={f.vocab:10} template={f.template}  {f.note}\n")
+        for a in ARCHS.values():
+            sys.stdout.write(f"{a.name:13} arch={a.arch:13} memory={a.memory:9} {a.note}\n")
+        return 0
+    if args.arch:
+        for name in args.families or list(ARCHS):
+            if name not in ARCHS:
+                ap.error(f"unknown architecture {name!r}; known: {', '.join(ARCHS)}")
+            sys.stdout.write(f"{name} {build_arch(name)}\n")
         return 0
     for name in args.families or list(FAMILIES):
         if name not in FAMILIES:

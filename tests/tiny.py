@@ -39,3 +39,8 @@ TALL = {"n_embd": 64, "n_layer": 128}
 
 def tall_path() -> Path:
     return tiny_models().build("llama31", **TALL)
+
+
+def arch_path(name: str) -> Path:
+    """The tiny GGUF of a real llama.cpp architecture (`scripts/tiny_models.py` `ARCHS`)."""
+    return tiny_models().build_arch(name)

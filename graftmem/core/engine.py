@@ -43,6 +43,7 @@ from pydantic import BaseModel, ConfigDict
 from .blocks import EXTRA_BUFTS_ENV, FORMAT_VERSION, EngineConfig, Exactness, Fingerprint
 from .errors import ClosedError, ConfigError, EngineError
 from .grammar_limits import DEFAULT_GRAMMAR_LIMITS, GrammarLimits, check_gbnf, check_schema
+from .memkind import MemoryKind
 from .models import model_cache_dir, resolve_model
 
 __all__ = ["Engine", "Grammar", "json_grammar", "json_rules", "logits_sha256", "system_report", "KernelVerdict", "probe_kernels",
@@ -608,6 +609,10 @@ class Engine:
         self.n_vocab = C.llama_vocab_n_tokens(self._vocab)
         self.n_ctx = C.llama_n_ctx(self._ctx)
         self.n_swa = C.llama_model_n_swa(self._model)
+        #: what this model's per-sequence memory is (attention, window, recurrent, hybrid) and so which
+        #: features can be exact on it (`graftmem.core.memkind`); a function of the model file, which the
+        #: fingerprint pins by its SHA-256
+        self.memory = self._memory_kind()
         self._batch = C.llama_batch_init(self.config.n_batch, 0, 1)
         self._has_batch = True
         self._buf = bytearray()
@@ -630,6 +635,22 @@ class Engine:
         self.exactness = self._static_exactness()
         if self.exactness.exact and self.config.probe:
             self.exactness = self._probe_once()
+
+    def _memory_kind(self) -> MemoryKind:
+        """The memory kind, from llama.cpp's own answers (recurrent, hybrid, sliding window) and the GGUF's
+        architecture name; latent attention (MLA) from its ``<arch>.attention.kv_lora_rank`` key."""
+        meta = self.metadata()
+        arch = meta.get("general.architecture", "unknown")
+        if C.llama_model_is_hybrid(self._model):
+            kind = "hybrid"
+        elif C.llama_model_is_recurrent(self._model):
+            kind = "recurrent"
+        elif self.n_swa > 0:
+            kind = "window"
+        else:
+            kind = "attention"
+        return MemoryKind(arch=arch, kind=kind, n_swa=int(self.n_swa),  # type: ignore[arg-type]
+                          latent=f"{arch}.attention.kv_lora_rank" in meta)
 
     def _choose_extra_bufts(self, model_sha256: str) -> bool:
         """Resolve `EngineConfig.extra_bufts` and guard the first decode (see `kernel_verdict`).
@@ -929,9 +950,17 @@ class Engine:
                 self._one_token_from = max(0, self._one_token_from + delta)
 
     def trim(self, n_keep: int) -> None:
-        """Drop the cells at positions >= n_keep (what a query added), keeping the prefix intact."""
+        """Drop the cells at positions >= n_keep (what a query added), keeping the prefix intact.
+
+        On a model whose memory cannot be trimmed (recurrent layers: `MemoryKind.trims`), a trim that
+        would drop cells raises `UnsupportedFeature` before anything changes; one that drops nothing
+        (``n_keep >= n_past``) is allowed: the state already is the prefix's."""
         with self._lock:
             self._check()
+            if n_keep < self._n_past and not self.memory.trims:
+                raise self.memory.refusal(
+                    "trimming the cells back to a shorter prefix",
+                    f"Graft a block captured at position {n_keep} instead, or prefill from empty.")
             self.kept = None
             if not C.llama_memory_seq_rm(C.llama_get_memory(self._ctx), 0, n_keep, -1):
                 raise EngineError(f"could not trim sequence 0 to {n_keep} positions")

@@ -4,6 +4,7 @@
 
     GraftmemError                      catch-all for anything graftmem raises on purpose
     ├── ConfigError                    a wrong argument or setting: fix the call
+    │   └── UnsupportedFeature         this model's architecture cannot do that exactly: use what it names
     ├── ModelNotFound                  the GGUF is not installed: run the install command in the message
     ├── EngineError                    llama.cpp refused an operation (decode failed, context full, ...)
     ├── ClosedError                    the Memory/Engine was used after close()
@@ -50,6 +51,7 @@ __all__ = [
     "StoreLocked",
     "StoreReadOnly",
     "TransferError",
+    "UnsupportedFeature",
     "UntrustedBundle",
     "UnverifiedBlock",
     "from_response",
@@ -62,6 +64,16 @@ class GraftmemError(Exception):
 
 class ConfigError(GraftmemError, ValueError):
     """An argument or setting is invalid; the message names it and the allowed values."""
+
+
+class UnsupportedFeature(ConfigError):
+    """A feature cannot be exact on this model's architecture (trimming a recurrent state back to a
+    shorter prefix, ...); raised before any work. The message names the architecture, the feature and
+    what works instead; ``arch`` and ``feature`` carry the first two (`graftmem.core.memkind`)."""
+
+    def __init__(self, message: str, *, arch: str = "", feature: str = "") -> None:
+        super().__init__(message)
+        self.arch, self.feature = arch, feature
 
 
 class ModelNotFound(GraftmemError):

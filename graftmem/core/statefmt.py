@@ -4,55 +4,92 @@ Why this exists: a chained block (text B learned on top of block A) holds, in a 
 cell of A again. Storing only B's new cells plus a reference to A saves that repeated prefix on
 disk; at restore the full state is rebuilt from A's bytes and B's delta, byte for byte.
 
-The layout parsed here is what ``llama_kv_cache::state_write`` writes for ONE sequence
+The layout parsed here is what llama.cpp's memory modules write for ONE sequence
 (``llama_state_seq_get_data``, vendored llama.cpp of llama-cpp-python 0.3.36), all integers
 little-endian. A state starts with ``u32 magic (0xaf143cd8), i32 seq_id`` (written by
-``llama_context::state_seq_get_data``) and then holds one *section* per KV cache: a dense model has one cache; an iSWA model
-(Gemma 3) writes its full-attention cache and then its sliding-window cache, back to back::
+``llama_context::state_seq_get_data``) and then holds one *section* per memory module, in the order
+the model's memory writes them. This module is the one place that knows them, per memory kind:
+
+* **attention** (``llama_kv_cache``: a dense model, an MoE, DeepSeek's latent attention): one KV section;
+* **sliding window** (``llama_kv_cache_iswa``: Gemma 3, GPT-OSS): the full-attention KV section, then
+  the sliding-window one, which holds only the cells its last position still sees;
+* **recurrent** (``llama_memory_recurrent``: Mamba, Mamba-2): one recurrent section;
+* **hybrid** (``llama_memory_hybrid``: Qwen 3.5 / Qwen3-Next, Granite 4, Nemotron-H, LFM2): the KV
+  section of the attention layers, then the recurrent section of the other layers.
+
+A KV section (`Section`)::
 
     u32 n_stream                                  (1: a context with n_seq_max = 1)
     u32 cell_count
-    cell_count x meta: i32 pos, u32 n_seq_id (=1), i32 seq_id   (no cell "ext": no M-RoPE / PLE)
+    cell_count x meta: i32 pos, u32 n_seq_id (=1), [ext: i32 x, i32 y, i32 tok], i32 seq_id
+                                                  (ext records only on M-RoPE / PLE models: Qwen 3.5)
     u32 v_trans, u32 n_layer
     n_layer x K: i32 type, u64 row_size, cell_count * row_size bytes       (row = one cell)
     V, if v_trans == 0: n_layer x (i32 type, u64 row_size, cell_count * row_size bytes)
     V, if v_trans == 1: n_layer x (i32 type, u32 el_size, u32 n_embd,
                                    n_embd x (cell_count * el_size bytes))  (column = one cell)
+    (no V at all with latent attention, MLA: the K row is the compressed latent V is read out of)
 
-Cells are written in cell-index order, and the sliding-window cache writes only the cells its last
-position still sees. Both facts matter for splitting: a child's full state is, per section, a
-*suffix* of the parent's cells (all of them for full attention, the ones still in the window for
-SWA) followed by the child's new cells. `split()` checks that this decomposition holds on the
-positions before returning a delta, and the caller must check ``merge(parent, delta) == full``
-on the real bytes before trusting it (``Memory.learn`` does, and stores the full state otherwise).
+A recurrent section (`RecurrentSection`): the state AFTER the last position, one cell::
+
+    u32 cell_count                                (1)
+    cell_count x meta: i32 pos (the last position), u32 n_seq_id (=0: written for one sequence)
+    u32 s_trans (=0), u32 n_layer                 (every layer of the model, recurrent or not)
+    k x R: i32 type, u64 row_size, cell_count * row_size bytes   (the convolution window)
+    k x S: i32 type, u64 row_size, cell_count * row_size bytes   (the SSM / delta-net state; LFM2's
+                                                                  short convolutions: row_size 0)
+
+The headers do not say which optional parts follow (cell ext records, V, how many of the ``n_layer``
+layers are recurrent), so `parse_state()` tries each reading of a section and keeps the one under
+which the whole buffer parses exactly, section after section to its end; a recurrent section is
+always the last one (tests/test_architectures.py parses llama.cpp's own bytes of every kind).
+
+Cells of a KV section are written in cell-index order, and the sliding-window cache writes only the
+cells its last position still sees. Both facts matter for splitting: a child's full state is, per KV
+section, a *suffix* of the parent's cells (all of them for full attention, the ones still in the window
+for SWA) followed by the child's new cells; a recurrent section is *replaced* by the child's (the
+state after the child's last token, into which the parent's only fed). `split()` checks that this
+decomposition holds on the positions before returning a delta, and the caller must check
+``merge(parent, delta) == full`` on the real bytes before trusting it (``Memory.learn`` does, and
+stores the full state otherwise).
+
+What no recurrent state allows: `cut()` to a shorter prefix (the state of an earlier position was
+overwritten by the later tokens) and `join()`; both raise `StateLayoutError` naming the recurrent
+section.
 
 Layouts this parser refuses (it raises `StateLayoutError`, and the caller stores the full
-state): several streams, cells shared by several sequences, cell "ext" records (M-RoPE / PLE
-models), layers without V, trailing bytes, and anything that does not add up to the buffer length.
+state): several streams, cells shared by several sequences, a transposed recurrent state, a PLE
+history row, trailing bytes, and anything that does not add up to the buffer length.
 
 The delta encoding (ours, versioned by its magic)::
 
     8s  b"GMDELTA1"
     u32 n_sections
-    n_sections x u32 n_keep      cells kept from the END of the parent's section, in order
-    the child's new cells, encoded as a llama per-sequence state (the same sections, fewer cells)
+    n_sections x u32 n_keep      cells kept from the END of the parent's section, in order (0 for a
+                                 recurrent section: the child's replaces it)
+    the child's new cells, encoded as a llama per-sequence state (the same sections, fewer cells; a
+    recurrent section whole)
 """
 
 from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["StateLayoutError", "Section", "parse_state", "encode_state", "split", "merge",
+__all__ = ["StateLayoutError", "Section", "RecurrentSection", "parse_state", "layout", "encode_state", "split", "merge",
            "DELTA_MAGIC", "delta_sizes", "place_cells", "place_cells_into", "needs_placing", "join",
            "cut", "cuttable"]
 
 DELTA_MAGIC = b"GMDELTA1"
 _IO_MAGIC = 0xAF143CD8  # llama-context.cpp: io_magic
 _META = np.dtype([("pos", "<i4"), ("n_seq_id", "<u4"), ("seq_id", "<i4")])  # 12 bytes per cell
+#: a cell with an ext record (M-RoPE's 2-D position, PLE's token id): 24 bytes
+_META_EXT = np.dtype([("pos", "<i4"), ("n_seq_id", "<u4"), ("x", "<i4"), ("y", "<i4"), ("tok", "<i4"),
+                      ("seq_id", "<i4")])
+_RMETA = np.dtype([("pos", "<i4"), ("n_seq_id", "<u4")])  # a recurrent cell written for one sequence
 
 
 class StateLayoutError(ValueError):
@@ -79,6 +116,8 @@ class Section:
     k: list[_Layer] = field(default_factory=list)
     v: list[_Layer] = field(default_factory=list)
 
+    kind = "kv"
+
     @property
     def n_cells(self) -> int:
         return int(self.meta.shape[0])
@@ -87,12 +126,38 @@ class Section:
     def positions(self) -> np.ndarray:
         return self.meta["pos"]
 
+    @property
+    def ext(self) -> bool:
+        """Whether the cells carry ext records (M-RoPE / PLE models)."""
+        return self.meta.dtype == _META_EXT
+
     def take(self, sl: slice) -> "Section":
         """The cells ``sl`` (a slice over cell order) of this section."""
         return Section(meta=self.meta[sl], v_trans=self.v_trans,
                        k=[_Layer(l.type, l.unit, l.data[sl]) for l in self.k],
                        v=[_Layer(l.type, l.unit, l.data[:, sl] if self.v_trans else l.data[sl], l.n_embd)
                           for l in self.v])
+
+
+@dataclass
+class RecurrentSection:
+    """A recurrent memory's state for one sequence: the cell of its last position and, per recurrent
+    layer, the R (convolution window) and S (SSM / delta-net state) rows of that cell. It is the state
+    AFTER that position and nothing of earlier ones: it cannot be cut to a shorter prefix."""
+
+    meta: np.ndarray  # structured _RMETA array (one cell for one sequence)
+    n_layer: int      # the header's layer count: every layer of the model, recurrent or not
+    r: list[_Layer] = field(default_factory=list)
+    s: list[_Layer] = field(default_factory=list)
+    kind = "recurrent"
+
+    @property
+    def n_cells(self) -> int:
+        return int(self.meta.shape[0])
+
+    @property
+    def positions(self) -> np.ndarray:
+        return self.meta["pos"]
 
 
 class _Reader:
@@ -112,16 +177,18 @@ class _Reader:
         return s.unpack(self.take(s.size).tobytes())
 
 
-def _parse_section(r: _Reader) -> Optional[Section]:
+def _parse_kv(r: _Reader, ext: bool, has_v: bool) -> Section:
+    """One KV section, read as having cell ext records (``ext``) and V layers after the K ones (``has_v``)."""
     (n_stream,) = r.unpack("<I")
     if n_stream != 1:
         raise StateLayoutError(f"{n_stream} streams: only single-stream caches are split")
     (cells,) = r.unpack("<I")
+    dt = _META_EXT if ext else _META
     if cells == 0:
-        return Section(meta=np.zeros(0, dtype=_META))
-    meta = r.take(cells * _META.itemsize).view(_META)
+        return Section(meta=np.zeros(0, dtype=dt))
+    meta = r.take(cells * dt.itemsize).view(dt)
     if np.any(meta["n_seq_id"] != 1) or np.any(meta["seq_id"] != 0):
-        raise StateLayoutError("cells with several sequences or cell ext records: not split")
+        raise StateLayoutError("cells with several sequences (or cell ext records read as such): not split")
     if cells > 1 and np.any(np.diff(meta["pos"]) <= 0):
         raise StateLayoutError("cell positions are not strictly increasing in cell order")
     v_trans, n_layer = r.unpack("<II")
@@ -130,10 +197,14 @@ def _parse_section(r: _Reader) -> Optional[Section]:
     sec = Section(meta=meta, v_trans=bool(v_trans))
     for _ in range(n_layer):
         ktype, row = r.unpack("<iQ")
+        if not 0 <= ktype < 256 or row == 0:
+            raise StateLayoutError(f"implausible K layer (type {ktype}, row {row} bytes)")
         sec.k.append(_Layer(ktype, row, r.take(cells * row).reshape(cells, row)))
-    for _ in range(n_layer):  # every layer has V in the models this is used with (checked by length)
+    for _ in range(n_layer if has_v else 0):  # latent attention (MLA) caches have no V
         if not v_trans:
             vtype, row = r.unpack("<iQ")
+            if not 0 <= vtype < 256 or row == 0:
+                raise StateLayoutError(f"implausible V layer (type {vtype}, row {row} bytes)")
             sec.v.append(_Layer(vtype, row, r.take(cells * row).reshape(cells, row)))
         else:
             vtype, el, n_embd = r.unpack("<iII")
@@ -142,8 +213,60 @@ def _parse_section(r: _Reader) -> Optional[Section]:
     return sec
 
 
-def parse_state(buf: memoryview | bytes) -> list[Section]:
-    """Every section of a per-sequence state, as zero-copy views into ``buf``.
+def _parse_recurrent(r: _Reader) -> RecurrentSection:
+    """A recurrent section; it runs to the end of the buffer (a model's memory writes it last)."""
+    (cells,) = r.unpack("<I")
+    if cells > 1:
+        raise StateLayoutError(f"a recurrent section of {cells} cells: one sequence holds one")
+    meta = r.take(cells * _RMETA.itemsize).view(_RMETA)
+    if np.any(meta["n_seq_id"] != 0):
+        raise StateLayoutError("a recurrent cell written for several sequences")
+    s_trans, n_layer = r.unpack("<II")
+    if s_trans != 0 or not 0 < n_layer < 4096:
+        raise StateLayoutError(f"implausible recurrent section (s_trans={s_trans}, n_layer={n_layer})")
+    rows: list[_Layer] = []
+    while r.off < r.arr.size:
+        t, row = r.unpack("<iQ")
+        if not 0 <= t < 256 or len(rows) >= 2 * n_layer:  # S rows of 0 bytes: LFM2's convolutions keep R only
+            raise StateLayoutError(f"implausible recurrent layer (type {t}, row {row} bytes): a PLE "
+                                   "history row or another layout")
+        rows.append(_Layer(t, row, r.take(cells * row).reshape(cells, row)))
+    k = len(rows) // 2
+    if not rows or len(rows) % 2 or len({l.unit for l in rows[:k]}) != 1 or len({l.unit for l in rows[k:]}) != 1:
+        raise StateLayoutError("the recurrent layers are not R rows then S rows of one size each")
+    return RecurrentSection(meta=meta, n_layer=n_layer, r=rows[:k], s=rows[k:])
+
+
+#: The readings of a KV section tried, most common first: plain with V, latent (no V), with ext records.
+_KV_READINGS = ((False, True), (False, False), (True, True), (True, False))
+
+
+def _parse_from(buf: np.ndarray, off: int, depth: int) -> list["Section | RecurrentSection"]:
+    """The sections of ``buf[off:]``, each read in the first way under which the rest parses too."""
+    if depth >= 8:
+        raise StateLayoutError("more than 8 cache sections")
+    first: Optional[StateLayoutError] = None
+    for ext, has_v in _KV_READINGS:
+        r = _Reader(buf)
+        r.off = off
+        try:
+            sec = _parse_kv(r, ext, has_v)
+            return [sec] + (_parse_from(buf, r.off, depth + 1) if r.off < buf.size else [])
+        except StateLayoutError as exc:
+            first = first or exc
+    r = _Reader(buf)
+    r.off = off
+    try:
+        return [_parse_recurrent(r)]
+    except StateLayoutError:
+        pass
+    assert first is not None
+    raise first
+
+
+def parse_state(buf: memoryview | bytes) -> list["Section | RecurrentSection"]:
+    """Every section of a per-sequence state, as zero-copy views into ``buf``: a `Section` per KV
+    cache, a `RecurrentSection` for a recurrent memory (the module doc says which models write which).
 
     Raises `StateLayoutError` unless the whole buffer parses exactly (no trailing bytes).
     """
@@ -151,19 +274,31 @@ def parse_state(buf: memoryview | bytes) -> list[Section]:
     magic, seq_id = r.unpack("<Ii")
     if magic != _IO_MAGIC or seq_id != 0:
         raise StateLayoutError(f"not a sequence-0 state (magic {magic:#x}, seq_id {seq_id})")
-    out: list[Section] = []
-    while r.off < r.arr.size:
-        sec = _parse_section(r)
-        assert sec is not None
-        out.append(sec)
-        if len(out) > 8:
-            raise StateLayoutError("more than 8 cache sections")
-    if not out:
+    if r.off >= r.arr.size:
         raise StateLayoutError("empty state")
+    return _parse_from(r.arr, r.off, 0)
+
+
+def layout(buf: memoryview | bytes) -> list[str]:
+    """What each section of a state is, for logs, docs and tests: ``"kv"`` (``"kv+ext"`` with cell ext
+    records, ``"kv-latent"`` without V) or ``"recurrent"``: Gemma 3 writes ``["kv", "kv"]``, Qwen 3.5
+    ``["kv+ext", "recurrent"]``, DeepSeek 2 ``["kv-latent"]``, Mamba-2 ``["recurrent"]``."""
+    out = []
+    for s in parse_state(buf):
+        if isinstance(s, RecurrentSection):
+            out.append("recurrent")
+        else:
+            out.append("kv" + ("+ext" if s.ext else "") + ("-latent" if s.n_cells and s.k and not s.v else ""))
     return out
 
 
-def _section_parts(sec: Section) -> list[bytes | np.ndarray]:
+def _section_parts(sec: "Section | RecurrentSection") -> list[bytes | np.ndarray]:
+    if isinstance(sec, RecurrentSection):
+        rparts: list[bytes | np.ndarray] = [struct.pack("<I", sec.n_cells), sec.meta,
+                                            struct.pack("<II", 0, sec.n_layer)]
+        for l in sec.r + sec.s:
+            rparts += [struct.pack("<iQ", l.type, l.unit), l.data]
+        return rparts
     parts: list[bytes | np.ndarray] = [struct.pack("<II", 1, sec.n_cells)]
     if sec.n_cells == 0:
         return parts
@@ -243,7 +378,7 @@ def _write(parts: list, out: Optional[memoryview]) -> bytes | memoryview:
     return dst.tobytes() if out is None else out
 
 
-def encode_state(sections: list[Section]) -> bytes:
+def encode_state(sections: "Sequence[Section | RecurrentSection]") -> bytes:
     """The llama.cpp per-sequence state bytes of ``sections`` (inverse of `parse_state()`)."""
     return bytes(_write([struct.pack("<Ii", _IO_MAGIC, 0)] + [p for s in sections for p in _section_parts(s)], None))
 
@@ -257,8 +392,15 @@ def split(parent: memoryview | bytes, full: memoryview | bytes, parent_end: int)
     if len(ps) != len(fs):
         raise StateLayoutError(f"parent has {len(ps)} cache sections, the full state {len(fs)}")
     keeps: list[int] = []
-    news: list[Section] = []
+    news: list[Section | RecurrentSection] = []
     for p, f in zip(ps, fs):
+        if isinstance(p, RecurrentSection) or isinstance(f, RecurrentSection):
+            _same_recurrent(p, f)
+            if f.n_cells and int(f.positions[0]) < parent_end - 1:
+                raise StateLayoutError("the full state's recurrent cell is older than the parent's end")
+            keeps.append(0)  # replaced whole: the state after the child's last token
+            news.append(f)
+            continue
         fpos = f.positions
         n_old = int(np.searchsorted(fpos, parent_end)) if f.n_cells else 0
         if n_old > p.n_cells or (n_old and not np.array_equal(fpos[:n_old], p.positions[p.n_cells - n_old:])):
@@ -269,7 +411,15 @@ def split(parent: memoryview | bytes, full: memoryview | bytes, parent_end: int)
     return head + encode_state(news)
 
 
-def _parse_delta(delta: memoryview | bytes) -> tuple[list[int], list[Section]]:
+def _same_recurrent(a: "Section | RecurrentSection", b: "Section | RecurrentSection") -> None:
+    """Raise unless ``a`` and ``b`` are recurrent sections of the same layers (types and row sizes)."""
+    if not (isinstance(a, RecurrentSection) and isinstance(b, RecurrentSection)):
+        raise StateLayoutError("a recurrent section stands against a KV section")
+    if a.n_layer != b.n_layer or [(l.type, l.unit) for l in a.r + a.s] != [(l.type, l.unit) for l in b.r + b.s]:
+        raise StateLayoutError("recurrent sections of different layers")
+
+
+def _parse_delta(delta: memoryview | bytes) -> tuple[list[int], list["Section | RecurrentSection"]]:
     d = bytes(delta[:12])
     if d[:8] != DELTA_MAGIC:
         raise StateLayoutError("not a graftmem state delta (bad magic)")
@@ -290,6 +440,12 @@ def _merged_parts(parent: memoryview | bytes, delta: memoryview | bytes) -> list
         raise StateLayoutError(f"parent has {len(ps)} sections, the delta {len(news)}")
     parts: list[bytes | np.ndarray] = [struct.pack("<Ii", _IO_MAGIC, 0)]
     for p, k, nsec in zip(ps, keeps, news):
+        if isinstance(p, RecurrentSection) or isinstance(nsec, RecurrentSection):
+            _same_recurrent(p, nsec)
+            if k:
+                raise StateLayoutError("a delta cannot keep cells of a recurrent section")
+            parts += _section_parts(nsec)
+            continue
         if k > p.n_cells:
             raise StateLayoutError(f"delta keeps {k} cells of a parent section holding {p.n_cells}")
         parts += _section_parts(_concat(p.take(slice(p.n_cells - k, None)), nsec))
@@ -332,7 +488,7 @@ def place_cells(state: memoryview | bytes, n_positions: int) -> Optional[bytes]:
 
 def needs_placing(state: memoryview | bytes) -> bool:
     """Whether `place_cells()` would change ``state`` (a section does not start at position 0)."""
-    return any(s.n_cells and int(s.positions[0]) != 0 for s in parse_state(state))
+    return any(isinstance(s, Section) and s.n_cells and int(s.positions[0]) != 0 for s in parse_state(state))
 
 
 def place_cells_into(state: memoryview | bytes, n_positions: int, out: Callable[[int], memoryview]) -> memoryview:
@@ -348,15 +504,17 @@ def place_cells_into(state: memoryview | bytes, n_positions: int, out: Callable[
     return view
 
 
-def _placed_parts(secs: list[Section], n_positions: int) -> Optional[list]:
-    if all(s.n_cells == 0 or int(s.positions[0]) == 0 for s in secs):
+def _placed_parts(secs: "list[Section | RecurrentSection]", n_positions: int) -> Optional[list]:
+    if all(isinstance(s, RecurrentSection) or s.n_cells == 0 or int(s.positions[0]) == 0 for s in secs):
         return None
     parts: list = [struct.pack("<Ii", _IO_MAGIC, 0)]
     for s in secs:
         first = int(s.positions[0]) if s.n_cells else 0
-        if first == 0:
+        if isinstance(s, RecurrentSection) or first == 0:  # a recurrent cell is the last position's
             parts += _section_parts(s)
             continue
+        if s.ext:
+            raise StateLayoutError("a trimmed window section with cell ext records: no placeholder ext is known")
         if int(s.positions[-1]) != n_positions - 1 or s.n_cells != n_positions - first:
             raise StateLayoutError("a trimmed section is not the contiguous tail of the positions")
         meta = np.zeros(first, dtype=_META)
@@ -383,15 +541,24 @@ def join(first: memoryview | bytes, second: memoryview | bytes) -> bytes:
     a, b = parse_state(first), parse_state(second)
     if len(a) != len(b):
         raise StateLayoutError(f"{len(a)} sections cannot be joined with {len(b)}")
+    if any(isinstance(x, RecurrentSection) for x in a + b):
+        raise StateLayoutError("a recurrent state cannot be joined: it is the state after one position, "
+                               "not cells to concatenate")
     for x, y in zip(a, b):
         if x.n_cells and y.n_cells and int(y.positions[0]) <= int(x.positions[-1]):
             raise StateLayoutError("the second state's positions must follow the first's")
-    return encode_state([_concat(x, y) for x, y in zip(a, b)])
+    return encode_state([_concat(x, y) for x, y in zip(a, b)])  # type: ignore[arg-type]
 
 
-def cuttable(sections: list[Section]) -> int:
+def cuttable(sections: "list[Section | RecurrentSection]") -> int:
     """How many positions every section of a parsed state holds from position 0, contiguously, in cell
-    order (the ``n`` of a state that `cut()` can shorten); raises `StateLayoutError` otherwise."""
+    order (the ``n`` of a state that `cut()` can shorten); raises `StateLayoutError` otherwise, and for
+    a state with a recurrent section (which holds only the state after its last position, ``n - 1``:
+    nothing shorter can be cut out of it, see `cut`)."""
+    if any(isinstance(s, RecurrentSection) for s in sections):
+        raise StateLayoutError("a recurrent (or hybrid) state holds only the state after its last position: "
+                               "the state of a shorter prefix cannot be cut out of it; capture it at that "
+                               "prefix's end instead")
     n = -1
     for s in sections:
         pos = s.positions
@@ -418,12 +585,15 @@ def cut(state: memoryview | bytes | bytearray, n_tokens: int) -> bytearray:
     Where it is impossible: a sliding-window section writes only the cells its LAST position still
     sees (``llama_kv_cache::state_write`` skips SWA-masked cells), so the capture of a sequence longer
     than the window lacks the cells ``n_tokens - window .. `` that a shorter prefix's state holds. Such
-    a state raises `StateLayoutError` (`cuttable()`): capture at the prefix's end instead."""
+    a state raises `StateLayoutError` (`cuttable()`): capture at the prefix's end instead. So does any
+    state with a recurrent section (Mamba, the hybrids): its recurrent state was overwritten by every
+    token after ``n_tokens``."""
     secs = parse_state(state)
     n = cuttable(secs)
     if not 0 < n_tokens <= n:
         raise StateLayoutError(f"cannot cut {n_tokens} positions out of a state of {n}")
-    parts = [struct.pack("<Ii", _IO_MAGIC, 0)] + [p for s in secs for p in _section_parts(s.take(slice(0, n_tokens)))]
+    parts = [struct.pack("<Ii", _IO_MAGIC, 0)] + [p for s in secs if isinstance(s, Section)
+                                                   for p in _section_parts(s.take(slice(0, n_tokens)))]
     out = bytearray(_size(parts))  # written once (encode_state's bytes would copy it again)
     _write(parts, memoryview(out))
     return out

@@ -15,6 +15,9 @@ samples of a 90-token block re-prefilled took 47 s of one core, trimmed about a 
 nothing that trim does not. Trim checks itself on every run: the floor's second sample compares the
 trimmed prefix's logits with those of a full re-prefill, so a trim that left other cells shows in the
 floor, and in the samples too (the graft restores the stored state, which such cells would not hold).
+On a model with recurrent layers (Mamba-2, the Qwen 3.5 / Granite 4 / LFM2 hybrids) nothing can be
+trimmed (`graftmem.core.memkind`): ``"auto"`` re-prefills there, and an explicit ``"trim"`` is refused
+(`UnsupportedFeature`) before any work.
 The **floor** is fresh-vs-fresh on the first samples: if it were not SHA-equal the engine would be
 nondeterministic and no graft could be called exact. **Cross-process** runs the graft in a new Python
 process on the same store and compares its SHA-256s with the fresh ones computed here.
@@ -93,8 +96,11 @@ def verify_block(engine: "Engine", store: "BlockStore", block_id: str, *, sample
     qtoks = [eng.tokenize(q, add_special=False) for q in queries]
     if fresh not in ("auto", "reprefill", "trim"):
         raise ConfigError(f"fresh must be 'auto', 'reprefill' or 'trim', got {fresh!r}")
+    if fresh == "trim" and not eng.memory.trims:
+        raise eng.memory.refusal("verify(fresh='trim'): trimming the fresh prefix after each sample",
+                                 "Use fresh='reprefill' (or 'auto', which re-prefills on this model).")
     if fresh == "auto":
-        fresh = "trim"
+        fresh = "trim" if eng.memory.trims else "reprefill"
     rows: list[SampleResult] = []
     fresh_logits: list[np.ndarray] = []
     floor_eq = 0

@@ -606,7 +606,8 @@ class Flywheel:
     # ------------------------------------------------------------------ the model alone
     def _ask_model(self, problem: str, g: Gate, budget: int) -> tuple[GateReport, list[tuple[Optional[str], int]]]:
         """``g.samples`` answers of the model without any block: one prefill, then per sample trim
-        back to the prompt and decode from its logits (greedy first, then seeded temperature)."""
+        back to the prompt (restore its state, on a model with recurrent layers) and decode from its
+        logits (greedy first, then seeded temperature)."""
         eng = self.mem.engine
         t0 = time.perf_counter()
         text = self.fmt.continuation(f"{problem}\n{self.answer_hint}" if self.answer_hint else problem)
@@ -617,11 +618,16 @@ class Flywheel:
         with eng.session():
             eng.prefill(ptok)
             first = eng.logits()
+            # a memory that cannot be trimmed (recurrent layers) is rewound by restoring the prompt's state
+            prompt_state = None if eng.memory.trims or g.samples < 2 else eng.capture_copy()
+            calls = eng.one_token_calls()
             for i in range(g.samples):
                 n_max = min(g.max_tokens, budget - total)
                 if n_max < 1:
                     break
-                if i:
+                if i and prompt_state is not None:
+                    eng.restore(memoryview(prompt_state), len(ptok), calls["from"] if calls else None)
+                elif i:
                     eng.trim(len(ptok))
                 rng = np.random.default_rng([g.seed, i])
                 dec = decode(eng, n_max, first_logits=first, rng=rng,

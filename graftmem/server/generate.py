@@ -7,9 +7,11 @@ decided before the prefill (`PrefixCache.learn_target`); its states are the cell
 anyway, those it kept from the previous request included: on a model without a sliding window, one
 copy of the engine's cells after the answer, each learned segment's state cut out of it on the
 writer's thread (`graftmem.core.statefmt.cut`, byte-equal to a fresh capture: tests/test_state_cut.py);
-on a sliding-window model (whose state past the window cannot be cut), a copy at each learned
-segment's end: the kept cells are trimmed to the first one and captured there. The writer cuts,
-hashes and writes after the engine is released (`PrefixCache.store_later`).
+on a sliding-window model (whose state past the window cannot be cut) and on a model with recurrent
+layers (whose state holds only its last position: `graftmem.core.memkind`), a copy at each learned
+segment's end, taken during the prefill this request runs anyway: the kept cells are trimmed to the
+first one and captured there. The writer cuts, hashes and writes after the engine is released
+(`PrefixCache.store_later`).
 
 This is the engine side of the OpenAI-compatible routes; it runs in a worker thread and speaks to the
 event loop only through ``emit`` (text deltas, then the result). Cache on or off, the prompt is
@@ -23,7 +25,10 @@ leaves its prompt's cells in its engine (`Kept` describes them: the prompt's seg
 the next request on that engine keeps the longest run of whole segments it shares with them, trims
 the rest (the previous answer too) and prefills from there. Segment for segment the kept cells are
 the cells a fresh prefill of the same calls computes, so, as for a graft at a segment boundary, the
-answer's bytes do not change; only the time does. A stored block is grafted instead when it holds
+answer's bytes do not change; only the time does. A model with recurrent layers cannot trim (its state
+is the one after the last cell): there the kept cells are reused only when they end exactly where the
+shared segments do (a warm start's graft, a stored response's end continued by the next turn), and
+otherwise the request grafts the stored prefix instead. A stored block is grafted instead when it holds
 more of the prompt, or when the request must learn a prefix that has to continue a stored chain.
 """
 
@@ -183,10 +188,13 @@ def kept_segments(engine: "Engine", keys: Sequence[bytes], allow_unverified: boo
     if not isinstance(kept, Kept) or (kept.untrusted is not None and not allow_unverified):
         return 0
     if kept.first is not None and len(kept.keys) == len(keys) and kept.keys[-1] == keys[-1]:
-        return len(keys)  # the whole prompt, with its first logits (`Kept.first`)
-    n = min(len(kept.keys), len(keys) - 1)
-    while n > 0 and kept.keys[n - 1] != keys[n - 1]:  # a key covers every segment before it too
-        n -= 1
+        n = len(keys)  # the whole prompt, with its first logits (`Kept.first`)
+    else:
+        n = min(len(kept.keys), len(keys) - 1)
+        while n > 0 and kept.keys[n - 1] != keys[n - 1]:  # a key covers every segment before it too
+            n -= 1
+    if n and not engine.memory.trims and kept.ends[n - 1] != engine.n_past:
+        return 0  # recurrent layers: only cells that END there are that prefix's state (no trim)
     return n
 
 
@@ -253,9 +261,11 @@ def warm_engines(desks: Sequence[MemoryVerbs], cache: "PrefixCache", *, allow_un
                 desk.graft(block, allow_unverified=allow_unverified, chain=chain)
                 # one throwaway token after the grafted cells, then trimmed away: the first decode over a
                 # context this long sizes llama.cpp's compute buffers and faults their pages in (measured:
-                # a restarted server's first request prefilled its 4 tokens in 70-93 ms, later ones in 55)
-                engine.prefill([int(block.tokens[-1])])  # the chain's last token again
-                engine.trim(block.pos_end)
+                # a restarted server's first request prefilled its 4 tokens in 70-93 ms, later ones in 55);
+                # not on a memory that cannot trim (recurrent layers): the graft alone is kept there
+                if engine.memory.trims:
+                    engine.prefill([int(block.tokens[-1])])  # the chain's last token again
+                    engine.trim(block.pos_end)
                 segs = [c.tokens for c in chain]
                 owner = cache_tenant(chain)[1]  # the keys it is indexed under (`PrefixCache.refresh`)
                 engine.kept = Kept(tuple(prefix_keys(segs, owner)), tuple(segment_ends(segs)), block.id,
@@ -312,8 +322,9 @@ def cuts_states(engine: "Engine") -> bool:
     each learned segment's state cut out of it (`graftmem.core.statefmt.cut`): on a model without a
     sliding window, where every section of the state holds every position from 0. A sliding-window
     model's capture lacks the cells a shorter prefix's window holds once the sequence passes the
-    window, so there the states are captured at each learned segment's end, during the prefill."""
-    return engine.n_swa == 0
+    window, and a recurrent layer's state holds only the last position (`graftmem.core.memkind`), so
+    there the states are captured at each learned segment's end, during the prefill."""
+    return engine.memory.cuts
 
 
 class PrefixStates(Sequence[bytes]):
@@ -397,6 +408,8 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
         cut_later = learn_k > 0 and cuts_states(engine)
         if learn_k > m and not cut_later:  # what is learned continues the stored chain at m: keep no more
             in_ram = min(in_ram, m + 1)    # than its first segment, captured right after the trim below
+        if in_ram and not engine.memory.trims and ends[in_ram - 1] != engine.n_past:
+            in_ram = 0  # recurrent layers cannot be trimmed back: graft the stored prefix instead
         restored, first_seg, block_id, source = 0, 0, None, None
         phases: dict[str, float] = {}  #: where a graft's time went (read, check, a bucket's fetch, ...)
         untrusted: Optional[str] = None  #: provenance of an unverified state in the cells, if any
