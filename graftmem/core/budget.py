@@ -18,9 +18,19 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Callable, TypeVar
+import time
+from typing import Callable, Optional, TypeVar
 
-__all__ = ["Overrun", "within"]
+__all__ = ["Overrun", "within", "deadline"]
+
+_local = threading.local()
+
+
+def deadline() -> Optional[float]:
+    """When (``time.monotonic()``) the budget of the `within` this thread runs in ends; None outside one.
+    Work that waits outside Python (a pipe to a render process: `graftmem.core.renderpool`) waits no
+    longer than this, since an interrupt cannot land while a C call blocks."""
+    return getattr(_local, "deadline", None)
 
 T = TypeVar("T")
 
@@ -30,7 +40,8 @@ class Overrun(Exception):
 
 
 def within(seconds: float, fn: Callable[[], T]) -> T:
-    """``fn()`` in this thread, interrupted with `Overrun` if it runs longer than ``seconds``.
+    """``fn()`` in this thread, interrupted with `Overrun` if it runs longer than ``seconds`` (`deadline`
+    tells work inside it when that is).
 
     The interrupt can only land while ``fn`` runs: the timer fires under a lock that the end of ``fn``
     takes too, and an interrupt already fired is waited for here before returning, so it never
@@ -53,6 +64,8 @@ def within(seconds: float, fn: Callable[[], T]) -> T:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(Stop))
 
     message = f"the work took longer than its {seconds:g} s budget and was stopped"
+    outer = deadline()
+    _local.deadline = time.monotonic() + seconds if outer is None else min(outer, time.monotonic() + seconds)
     timer = threading.Timer(seconds, fire)
     timer.daemon = True
     timer.start()
@@ -61,6 +74,7 @@ def within(seconds: float, fn: Callable[[], T]) -> T:
             result = fn()
         finally:
             timer.cancel()
+            _local.deadline = outer
             with lock:
                 state["done"] = True
             while state["fired"] and not state["landed"]:

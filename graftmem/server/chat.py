@@ -34,6 +34,7 @@ from .tools import ToolSpec, call_parts, render_calls, render_tool_result, tools
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
+    from ..core.renderpool import RenderPool
 
 __all__ = ["turn_cut", "answer_text", "continuation_segments", "literal_spans", "message_text", "render_segments", "template_messages", "template_segments", "tokenize_segments",
            "chunk_prompt", "CHUNK_TOKENS", "TokenCache", "bound_messages", "template_kwargs", "MAX_TEMPLATE_KWARGS",
@@ -291,7 +292,9 @@ class _Renders:
         self._lock = threading.Lock()
 
     def render(self, tpl: ChatTemplate, msgs: list[dict[str, Any]], tools: Any, kw: dict[str, Any],
-               gen: bool) -> str:
+               gen: bool, pool: Optional["RenderPool"] = None) -> str:
+        """The render, from the cache or made now: in ``pool``'s processes when given (the server's:
+        `graftmem.core.renderpool`), else in this thread."""
         key = hashlib.sha256(json.dumps([tpl.digest, tpl.bos_token, tpl.eos_token, tpl.strip_bos, msgs, tools,
                                          kw, gen], sort_keys=True, default=str).encode()).hexdigest()
         with self._lock:
@@ -299,7 +302,10 @@ class _Renders:
             if text is not None:
                 self._texts.move_to_end(key)
                 return text
-        text = tpl.render(msgs, add_generation_prompt=gen, tools=tools, **kw)
+        if pool is not None:
+            text = pool.render(tpl, msgs, add_generation_prompt=gen, tools=tools, **kw)
+        else:
+            text = tpl.render(msgs, add_generation_prompt=gen, tools=tools, **kw)
         with self._lock:
             if key not in self._texts and len(text) <= self.max_chars:
                 self._texts[key] = text
@@ -349,7 +355,7 @@ Spans = list[tuple[int, int]]
 def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools: Optional[ToolSpec] = None,
                       kwargs: Optional[dict[str, Any]] = None, ends: Optional[list[int]] = None,
                       marks: Collection[int] = (), joined: Optional[list[bool]] = None,
-                      ) -> tuple[list[str], list[str], list[Spans]]:
+                      pool: Optional["RenderPool"] = None) -> tuple[list[str], list[str], list[Spans]]:
     """A request rendered by the model's own template, cut after the messages where `turn_cut` says
     (and after each prefix in ``marks``) where the template allows it, and why it did not where it
     does not.
@@ -370,7 +376,8 @@ def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools:
     render up to that message accounts for (where ``render(messages[:k])`` stops agreeing with the
     whole): an Anthropic ``cache_control`` breakpoint on message k is the last cut at or before it.
     ``joined``, when given, receives whether the generation header joined the last turn (`_header_cuts`:
-    the last segment is then its last token) rather than being a segment of its own.
+    the last segment is then its last token) rather than being a segment of its own. ``pool``: where the
+    template runs (the server's render processes, `graftmem.core.renderpool`; None: this thread).
     """
     msgs = template_messages(messages)
     kw = {**dict(kwargs or {}), "now": _DAYS.day(tpl, msgs)}
@@ -384,7 +391,7 @@ def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools:
             else:
                 msgs.insert(0, {"role": "system", "content": tools_prompt(tools)})
     try:
-        full = _RENDERS.render(tpl, msgs, tool_list, kw, True)
+        full = _RENDERS.render(tpl, msgs, tool_list, kw, True, pool)
     except TemplateError as exc:
         raise HTTPError(400, f"the model's chat template refused these messages: {exc}", param="messages",
                         code="template_error") from exc
@@ -398,7 +405,7 @@ def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools:
     shifted = {k + len(msgs) - len(messages) for k in marks}  # a system message of tools put first
     for k in range(1, len(msgs) + 1):
         try:
-            part = _RENDERS.render(tpl, msgs[:k], tool_list, kw, False)
+            part = _RENDERS.render(tpl, msgs[:k], tool_list, kw, False, pool)
         except TemplateError as exc:
             notes.append(f"messages[:{k}] do not render on their own ({exc}): no cut after message {k - 1}")
             agreed.append(agreed[-1])
@@ -418,12 +425,12 @@ def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools:
     def header_end(k: int, c: int) -> Optional[int]:
         if msgs[k].get("role") != "assistant":
             return None
-        head = _RENDERS.render(tpl, msgs[:k], tool_list, kw, True)
+        head = _RENDERS.render(tpl, msgs[:k], tool_list, kw, True, pool)
         return len(head) if full.startswith(head) else None
 
     def probe() -> str:
         try:
-            return _RENDERS.render(tpl, [*msgs, {"role": "assistant", "content": _PROBE}], tool_list, kw, False)
+            return _RENDERS.render(tpl, [*msgs, {"role": "assistant", "content": _PROBE}], tool_list, kw, False, pool)
         except TemplateError:
             return ""
 
@@ -624,7 +631,8 @@ _SENTINEL = "GRAFTMEMTURNEND7f3a"
 def continuation_segments(engine: "Engine", tpl: Optional[ChatTemplate], fmt: Optional[ChatFormat],
                           system: Optional[str], messages: list[dict[str, Any]], tools: Optional[ToolSpec] = None,
                           kwargs: Optional[dict[str, Any]] = None,
-                          cache: Optional[TokenCache] = None) -> tuple[list[str], list[list[int]]]:
+                          cache: Optional[TokenCache] = None,
+                          pool: Optional["RenderPool"] = None) -> tuple[list[str], list[list[int]]]:
     """What follows an assistant answer whose tokens are already in the cells, up to the next
     assistant header: the end of that turn as the template puts it after an assistant message (its
     end-of-turn token(s)), then ``messages`` (the new turn: user text, tool results) and the
@@ -639,7 +647,7 @@ def continuation_segments(engine: "Engine", tpl: Optional[ChatTemplate], fmt: Op
     msgs: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
     msgs += [{"role": "user", "content": "."}, {"role": "assistant", "content": _SENTINEL}, *messages]
     if tpl is not None:
-        texts, _, literal = template_segments(engine, tpl, msgs, tools, kwargs)
+        texts, _, literal = template_segments(engine, tpl, msgs, tools, kwargs, pool=pool)
     else:
         assert fmt is not None
         untrusted: list[Spans] = []

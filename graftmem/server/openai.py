@@ -44,6 +44,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from ..core.budget import Overrun, within
+from ..core.renderpool import RenderPool
 from ..core.decoding import Sampling
 from ..core.errors import ConfigError, GraftmemError
 from ..core.grammar_limits import check_schema
@@ -139,7 +140,7 @@ class OpenAIRoutes:
     def __init__(self, pool: EnginePool, store: "BlockStore", cache: Optional["PrefixCache"], *,
                  model_id: Optional[str] = None, limits: Optional[Limits] = None,
                  router: Optional[RouterRef] = None, allow_unverified: bool = False,
-                 chat_template: Optional[str] = None) -> None:
+                 chat_template: Optional[str] = None, render_workers: int = 4) -> None:
         self.pool, self.store, self.cache = pool, store, cache
         #: every graft of a request goes through its engine's verbs (consent, provenance stamp)
         self.desks = {id(e): MemoryVerbs(e, store) for e in pool.engines}
@@ -157,6 +158,9 @@ class OpenAIRoutes:
         self.fmt = detect_format(engine)
         #: the model's own template renders every chat request (None: the hand-written ``fmt``)
         self.template = request_template(engine, chat_template)
+        #: the processes the template renders requests in (`graftmem.core.renderpool`: a template that
+        #: loops is killed at the render budget without holding this process's GIL); None: no template
+        self.renders = RenderPool(max_workers=render_workers) if self.template is not None and render_workers else None
         self.created = int(time.time())
         #: called on the event loop with each request's result and tenant (the server's metrics count its
         #: tokens, for that tenant)
@@ -305,7 +309,7 @@ class OpenAIRoutes:
             _check_contents(body.get("messages"))  # before anything tokenizes them (a lone surrogate was a 500)
             if template is not None:  # the model's own template (graftmem.core.template)
                 texts, notes, literal = template_segments(self.engine0, template, body.get("messages"), tools,
-                                                          kwargs, ends, marks, joined)
+                                                          kwargs, ends, marks, joined, pool=self.renders)
             else:
                 assert fmt is not None
                 untrusted: list[Any] = []

@@ -570,7 +570,7 @@ class ResponsesRoutes:
         def build() -> tuple[list[Any], list[str], list[list[int]]]:
             chain = chain_of(oa.store, block)
             texts, segs = continuation_segments(oa.engine0, oa.template, oa.fmt, system, new, tools,
-                                                cache=oa.tokens)
+                                                cache=oa.tokens, pool=oa.renders)
             return chain, texts, segs
 
         chain, texts, segs = await oa.budgeted(build)

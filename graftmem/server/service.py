@@ -144,6 +144,8 @@ def api_server(store: "BlockStore", engines: Sequence["Engine"], config: Optiona
                 pass
         rest.close()
         pool.close()  # the engines' threads end (nothing runs on them any more)
+        if oa.renders is not None:
+            oa.renders.close()  # the render processes end
 
     srv.on_close.append(forget)
     return srv
