@@ -218,3 +218,30 @@ def test_a_template_cannot_allocate_gigabytes_in_one_call(expr):
         ChatTemplate("{{ " + expr + " }}").render([{"role": "user", "content": "hi"}])
     assert ChatTemplate('{{ "ab" * 3 }}{{ 2 ** 10 }}{{ "%05d" % 3 }}{{ "a"|center(5) }}').render([]) == \
         "ababab102400003  a  "
+
+
+def test_the_budget_interrupts_python_work_but_not_a_shielded_block():
+    """`within` stops a loop that calls nothing (what a looping template is); a `shielded` block (the
+    render pool killing its process) runs to its end and the interrupt due meanwhile is raised there."""
+    from graftmem.core.budget import Overrun, deadline, shielded, within
+
+    def spin() -> None:
+        while True:
+            pass
+
+    with pytest.raises(Overrun):
+        within(0.2, spin)
+    done = []
+
+    def guarded() -> None:
+        with shielded():
+            end = time.monotonic() + 0.6  # past the 0.2 s budget
+            while time.monotonic() < end:
+                pass
+            done.append(deadline() is not None)
+        done.append("after")  # never reached: the interrupt is raised where the block ends
+
+    with pytest.raises(Overrun):
+        within(0.2, guarded)
+    assert done == [True]
+    assert within(5, lambda: 42) == 42 and deadline() is None

@@ -16,12 +16,13 @@ string operation) is not interrupted until the call returns: the template sandbo
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 import time
-from typing import Callable, Optional, TypeVar
+from typing import Callable, Iterator, Optional, TypeVar
 
-__all__ = ["Overrun", "within", "deadline"]
+__all__ = ["Overrun", "within", "deadline", "shielded"]
 
 _local = threading.local()
 
@@ -49,7 +50,7 @@ def within(seconds: float, fn: Callable[[], T]) -> T:
     caught the interrupt and carried on is refused all the same: its result is not trusted."""
     tid = threading.get_ident()
     lock = threading.Lock()
-    state = {"done": False, "fired": False, "landed": False}
+    state = {"done": False, "fired": False, "landed": False, "shield": 0, "missed": False, "lock": lock}
 
     class Stop(Overrun):
         def __init__(self, *args: object) -> None:  # runs where the interrupt lands
@@ -60,11 +61,15 @@ def within(seconds: float, fn: Callable[[], T]) -> T:
         with lock:
             if state["done"]:
                 return
+            if state["shield"]:  # in a `shielded` block: raised where it ends
+                state["missed"] = True
+                return
             state["fired"] = True
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(Stop))
 
     message = f"the work took longer than its {seconds:g} s budget and was stopped"
-    outer = deadline()
+    outer, outer_state = deadline(), getattr(_local, "state", None)
+    _local.state = state
     _local.deadline = time.monotonic() + seconds if outer is None else min(outer, time.monotonic() + seconds)
     timer = threading.Timer(seconds, fire)
     timer.daemon = True
@@ -74,7 +79,7 @@ def within(seconds: float, fn: Callable[[], T]) -> T:
             result = fn()
         finally:
             timer.cancel()
-            _local.deadline = outer
+            _local.deadline, _local.state = outer, outer_state
             with lock:
                 state["done"] = True
             while state["fired"] and not state["landed"]:
@@ -84,3 +89,25 @@ def within(seconds: float, fn: Callable[[], T]) -> T:
     if state["landed"]:  # interrupted, but the work caught the exception and returned
         raise Overrun(message)
     return result
+
+
+@contextlib.contextmanager
+def shielded() -> Iterator[None]:
+    """A block the budget's interrupt does not land in (cleanup that must finish: killing a render
+    process and counting it); an interrupt due meanwhile is raised where the block ends. The block must
+    bound its own waits by `deadline`."""
+    state = getattr(_local, "state", None)
+    if state is None:
+        yield
+        return
+    with state["lock"]:
+        state["shield"] += 1
+    try:
+        yield
+    finally:
+        with state["lock"]:
+            state["shield"] -= 1
+            late = state["shield"] == 0 and state["missed"]
+            state["missed"] = state["missed"] and not late
+        if late:
+            raise Overrun("the work took longer than its budget and was stopped")

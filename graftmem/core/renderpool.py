@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Optional
 
-from .budget import Overrun, deadline
+from .budget import Overrun, deadline, shielded
 from .template import ChatTemplate, TemplateError
 
 __all__ = ["RenderPool"]
@@ -37,7 +37,16 @@ log = logging.getLogger("graftmem")
 
 
 def _serve(conn: Connection) -> None:
-    """A worker's loop: ``(template fields, messages, kwargs)`` in, ``(True, text)`` or ``(False, message)`` out."""
+    """A worker's loop: ``(template fields, messages, kwargs)`` in, ``(True, text)`` or ``(False, message)`` out.
+
+    At the lowest CPU priority (nice 19): a render is a fraction of a millisecond, but a template that
+    loops runs until its budget, and beside the engines' threads (llama.cpp's threads meet at spinning
+    barriers) one more busy process on the cores slowed every honest request ~20x (`bench/hostile.py`)."""
+    if hasattr(os, "nice"):
+        try:
+            os.nice(19)
+        except OSError:  # a platform that refuses: the budget still bounds the render
+            pass
     templates: dict[tuple, ChatTemplate] = {}
     while True:
         try:
@@ -166,30 +175,24 @@ class RenderPool:
         """``tpl.render(msgs, **kwargs)`` in a worker, within the calling thread's budget (`budget.deadline`:
         past it the worker is killed and `Overrun` raised; no budget: no limit)."""
         until = deadline()
-        w = self._take(until)
-        with self._cond:
-            self._busy[w.pid] = w
-        key = (tpl.source, tpl.name, tpl.bos_token, tpl.eos_token, tpl.strip_bos, tpl.now)
-        try:
-            w.conn.send((key, msgs, kwargs))
-            left = None if until is None else max(0.0, until - time.monotonic())
-            if not w.conn.poll(left):
-                self.killed += 1
-                self._drop(w)
-                log.warning("serve: a chat-template render ran past its budget: its process was killed")
-                raise Overrun("the render took longer than its budget and its process was killed")
-            ok, value = w.conn.recv()
-        except (EOFError, OSError, BrokenPipeError) as exc:
-            self._drop(w)
-            raise TemplateError(f"the render process of chat template {tpl.name!r} died ({exc!r})") from None
-        except BaseException as exc:
-            if not w.conn.closed:
-                self._drop(w)  # interrupted mid-exchange (the budget's own interrupt): its answer would be
-                if isinstance(exc, Overrun):  # read by the next render, and it may be looping still
+        with shielded():  # the budget is enforced here, by the poll: no interrupt lands mid-exchange
+            w = self._take(until)
+            with self._cond:
+                self._busy[w.pid] = w
+            key = (tpl.source, tpl.name, tpl.bos_token, tpl.eos_token, tpl.strip_bos, tpl.now)
+            try:
+                w.conn.send((key, msgs, kwargs))
+                left = None if until is None else max(0.0, until - time.monotonic())
+                if not w.conn.poll(left):
                     self.killed += 1
-                    log.warning("serve: a chat-template render ran past its budget: its process was killed")
-            raise
-        self._give(w)
+                    log.warning("serve: a chat-template render ran past its budget: its process is killed")
+                    self._drop(w)
+                    raise Overrun("the render took longer than its budget and its process was killed")
+                ok, value = w.conn.recv()
+            except (EOFError, OSError) as exc:
+                self._drop(w)
+                raise TemplateError(f"the render process of chat template {tpl.name!r} died ({exc!r})") from None
+            self._give(w)
         if not ok:
             raise TemplateError(value)
         return value

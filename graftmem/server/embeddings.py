@@ -35,6 +35,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any, Optional
 
+import anyio.to_thread
 import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -135,6 +136,9 @@ class EmbeddingRoutes:
         # queue is full) with the engines' work, never beside it; in slices of `EMBED_SLICE_CHARS` that
         # yield to any request waiting (background work): an embeddings flood once held the one engine
         # for seconds per request and made honest chat turns wait behind a queue of them
+        # the router (torch, MiniLM) loads on the first request that needs it: not on the engine's turn,
+        # which chat requests would wait out (the first embeddings request held the one engine ~10 s)
+        await anyio.to_thread.run_sync(ref.get)
         gone = asyncio.ensure_future(client_gone(request))
         try:
             ok = True
