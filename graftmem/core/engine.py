@@ -802,7 +802,7 @@ class Engine:
         return bool(C.llama_vocab_is_eog(self._vocab, token))
 
     def grammar(self, gbnf: str, root: str = "root", limits: GrammarLimits = DEFAULT_GRAMMAR_LIMITS) -> Grammar:
-        """A [`Grammar`][graftmem.core.engine.Grammar] over this engine's vocabulary, for `decode(grammar=)`;
+        """A [`Grammar`][graftmem.core.Grammar] over this engine's vocabulary, for `decode(grammar=)`;
         a grammar over ``limits`` (its size, its nesting) is a `ConfigError` before llama.cpp parses it."""
         return Grammar(self, gbnf, root, limits)
 
