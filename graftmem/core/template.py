@@ -140,7 +140,7 @@ def _bounded(cls: Any) -> Any:
                 raise SecurityError(f"the template asks for an operation over {MAX_TEMPLATE_SIZE} items")
             return super().call_binop(context, operator, left, right)
 
-        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
             if _too_big(*args, *kwargs.values()):
                 raise SecurityError(f"the template passes a number over {MAX_TEMPLATE_SIZE} to {__obj!r:.60}")
             return super().call(__context, __obj, *args, **kwargs)

@@ -83,7 +83,11 @@ class Gate(_Strict):
     Defaults from a sweep on SmolLM2-135M (bench/flywheel.py, docs/flywheel.md): at T=0.8 the model
     disagrees with itself even on "2 + 2"; at T=0.5 with 5 samples and 3 agreeing, easy problems pass
     and most multi-digit ones do not. A confident but wrong answer costs nothing but tokens: the
-    verifier rejects it and the block is used after all."""
+    verifier rejects it and the block is used after all.
+
+    Frozen: `Flywheel`'s default is one shared instance."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     samples: int = Field(5, ge=1, le=32)
     temperature: float = Field(0.5, gt=0.0)

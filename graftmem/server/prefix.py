@@ -39,6 +39,7 @@ by this process, else learned.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -432,9 +433,9 @@ class PrefixCache:
             try:
                 self._wait_for_quiet()
                 deadline = time.monotonic() + self.writer_max_wait
-                with paced(lambda: self._quiet_until(deadline)):  # and between chunks of each file
+                with paced(functools.partial(self._quiet_until, deadline)):  # and between chunks of each file
                     self.store_captured(engine, segments, texts, first, states, start, tenant, calls=calls)
-            except Exception:  # noqa: BLE001 - a failed store loses a cache entry, never the server
+            except Exception:  # a failed store loses a cache entry, never the server (logged with its traceback)
                 log.exception("prefix cache: storing a learned prefix failed")
             finally:
                 with self._lock:

@@ -367,7 +367,7 @@ class Router:
                 terms = raw.split("\n") if ids else []
                 blob = z["faiss"]
                 index = _faiss().deserialize_index(blob) if blob.size else None
-        except Exception as exc:  # a damaged cache is rebuilt from the store, never trusted
+        except Exception as exc:  # noqa: BLE001 - a damaged cache is rebuilt from the store, never trusted
             log.warning("routing index %s is unreadable (%s); rebuilding it from the store", self.path, exc)
             return
         n = index.ntotal if index is not None else 0
