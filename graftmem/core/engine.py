@@ -497,7 +497,7 @@ def _converter(LG: Any) -> type:
     the grammar instead of only by luck."""
     from .intrange import int_range, integer_bounds
 
-    class Converter(LG.SchemaConverter):  # type: ignore[misc,name-defined]
+    class Converter(LG.SchemaConverter):
         def visit(self, schema: Any, name: str) -> str:
             if isinstance(schema, dict) and schema.get("type") == "integer" and "$ref" not in schema:
                 lo, hi = integer_bounds(schema)

@@ -121,7 +121,7 @@ def _bounded(cls: Any) -> Any:
     `MAX_TEMPLATE_SIZE`: ``"x" * 10**9``, ``2 ** 10**9``, ``"%0999999999d" % 1``, ``s.ljust(10**9)``."""
     from jinja2.exceptions import SecurityError
 
-    class Bounded(cls):  # type: ignore[misc,valid-type]
+    class Bounded(cls):
         intercepted_binops = frozenset(["*", "**", "%"])
 
         def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
