@@ -379,7 +379,7 @@ class Flywheel:
 
         def done(source: str, att: Optional[Attempt], **kw: Any) -> Solution:
             sol = Solution(problem=problem, key=key, answer=att.answer if att and att.verified else None,
-                           verified=bool(att and att.verified), source=source,  # type: ignore[arg-type]
+                           verified=bool(att and att.verified), source=source,
                            method=att.method if att and att.verified else None,
                            tokens_decoded=ledger["tokens"], wall_s=time.perf_counter() - t0,
                            attempts=attempts, **kw)
@@ -387,6 +387,7 @@ class Flywheel:
                      sol.verified, sol.tokens_decoded)
             return sol
 
+        att: Optional[Attempt]  # each step's attempt; a transfer may find none
         # 1. exact lookup of a recurring problem
         cached = self.lookup(problem)
         if cached is not None:

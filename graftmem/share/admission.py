@@ -132,7 +132,7 @@ def foreign_store(store: BlockStore, fp_digest: str) -> Store:
     return Store(store.layout.foreign(fp_digest), lock_timeout=store.lock_timeout)
 
 
-def disk_error(store: Store, exc: OSError, doing: str) -> StoreError:
+def disk_error(store: BlockStore, exc: OSError, doing: str) -> StoreError:
     """Our error for an OSError while staging or moving in (nothing reached the store)."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return StoreFull(f"disk full while {doing} into {store.home}; nothing was imported: free "

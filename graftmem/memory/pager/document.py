@@ -126,7 +126,7 @@ def learn_document(engine: "Engine", store: "BlockStore", index: PageIndex, sour
     """Cut a document into pages that fit the window, store each page as a block and index its passages."""
     text = read_source(source)
     if name is None and isinstance(source, (os.PathLike, str)) and text is not source:
-        name = Path(source).name  # type: ignore[arg-type]
+        name = Path(source).name
     plan = plan_document(engine, text, window=window, overlap=overlap, document=document, name=name)
     return learn_pages(engine, store, index, plan, progress=progress)
 
