@@ -255,7 +255,7 @@ class Admission:
 
     # ------------------------------------------------------------------ 2. after every byte checked
     def _parent_of(self, b: Block, staged: Mapping[str, Block]) -> Block:
-        if b.parent in staged:
+        if b.parent is not None and b.parent in staged:
             return staged[b.parent]
         try:
             return self.store.get(b.parent)  # type: ignore[arg-type]
