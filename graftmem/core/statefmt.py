@@ -96,7 +96,7 @@ class Section:
 
 
 class _Reader:
-    def __init__(self, buf: memoryview | bytes | bytearray) -> None:
+    def __init__(self, buf: memoryview | bytes) -> None:
         self.arr = np.frombuffer(buf, dtype=np.uint8)
         self.off = 0
 
@@ -142,7 +142,7 @@ def _parse_section(r: _Reader) -> Optional[Section]:
     return sec
 
 
-def parse_state(buf: memoryview | bytes | bytearray) -> list[Section]:
+def parse_state(buf: memoryview | bytes) -> list[Section]:
     """Every section of a per-sequence state, as zero-copy views into ``buf``.
 
     Raises `StateLayoutError` unless the whole buffer parses exactly (no trailing bytes).

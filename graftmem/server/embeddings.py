@@ -100,14 +100,14 @@ class EmbeddingRoutes:
             # scale for the whole padded batch, so a text's vector would depend on its batch-mates
             # (measured: cosine moves by about 1e-2); a vector store embeds documents in batches and
             # queries alone, and both must land on the same point
-            rows = []
+            rows: list[np.ndarray] = []
             for t in texts:
                 if cancel.is_set():  # the client went away: nobody reads the rest
                     log.info("serve: an embeddings request was cancelled (its client went away) after %d of "
                              "%d text(s)", len(rows), len(texts))
                     return None
                 rows.append(np.asarray(embedder.embed_batch([t]), dtype=np.float32).reshape(1, -1))
-            vecs = np.concatenate(rows)
+            vecs: np.ndarray = np.concatenate(rows)
             norms = np.linalg.norm(vecs, axis=1, keepdims=True)
             vecs = vecs / np.where(norms > 0, norms, 1.0)  # unit length, as OpenAI's (the Embedder contract does not promise it)
             count = getattr(embedder, "count_tokens", None)

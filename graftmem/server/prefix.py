@@ -145,7 +145,7 @@ class PrefixCache:
         self._version: Optional[tuple[int, int]] = None
         #: prefixes handed to the writer (`store_later`) and not stored yet: not learned a second time
         self._pending: dict[bytes, int] = {}
-        self._writes: "queue.Queue[Optional[tuple]]" = queue.Queue(maxsize=MAX_PENDING_STORES)
+        self._writes: "queue.Queue[tuple]" = queue.Queue(maxsize=MAX_PENDING_STORES)
         self._writer: Optional[threading.Thread] = None
         self._unfinished = 0
         self._idle = threading.Condition(self._lock)
