@@ -51,7 +51,7 @@ class AnswerStream(Iterator[str]):
     def _work(self, run: Callable[[OnText], Recall]) -> None:
         try:
             self._result = run(self._on_text)
-        except BaseException as exc:  # handed to the consumer, raised there
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
             self._error = exc
         finally:
             self._queue.put(_END)

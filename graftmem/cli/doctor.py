@@ -33,7 +33,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         for b in store.list():
             try:
                 store.check_file(b.id)
-            except Exception as exc:  # report every unreadable block, keep going
+            except Exception as exc:  # noqa: BLE001 - report every unreadable block, keep going
                 bad.append(f"{b.short_id}: {exc}")
     finally:
         store.close()

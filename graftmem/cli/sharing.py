@@ -12,7 +12,7 @@ from .common import _memory, _out, _policy, _sign_key, _store, _transfer_text
 
 def cmd_upload(args: argparse.Namespace) -> int:
     from .. import ConfigError
-    from ..store import Home, Store
+    from ..store import FleetStore, Home, Store
 
     source = Path(args.source).expanduser()
     layout = Home(source)
@@ -20,7 +20,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
         raise ConfigError(f"{source} is not a graftmem store (no blocks/ or index.sqlite)")
     store = _store(args)
     try:
-        if not store.remote:
+        if not isinstance(store, FleetStore):  # upload_store is the bucket store's own verb
             raise ConfigError("upload copies a local store into a bucket: give --store s3://bucket/prefix "
                               "(or $GRAFTMEM_STORE)")
         src = Store(source)

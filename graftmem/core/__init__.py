@@ -11,7 +11,7 @@ and the error tree (also re-exported by `graftmem`).
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .errors import *  # noqa: F401,F403 - the error tree, one name per class
+from .errors import *  # noqa: F403 - the error tree, one name per class
 from .errors import __all__ as _errors_all
 from .version import __version__
 
@@ -97,11 +97,12 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = sorted([
-    "FORMAT_VERSION", "Block", "HistoryEvent", "Scope", "EngineConfig", "Exactness", "Fingerprint", "Recall", "Receipt", "SampleResult",
-    "SearchHit", "StoreStats", "VerificationRecord", "VerifyReport", "block_id_for", "Salts", "salts_of", "content_id", "check_block_id",
-    "incompatibility", "Decoded", "Sampling",
-    "decode", "Engine", "logits_sha256", "system_report", "probe_kernels", "KernelVerdict", "Grammar", "json_grammar", "usable_cores", "threads_per_engine", "state_digest", "DEFAULT_MODEL", "MODELS",
-    "resolve_model", "progress_bar", "join_states", "needs_placing", "place_cells_into", "CHATML", "FORMATS", "GEMMA", "ChatFormat", "detect_format", "split_ids",
-    "request_template", "ChatTemplate", "TemplateError", "load_template", "model_template",
-    "__version__", *_errors_all])
+__all__ = [
+    "Block", "CHATML", "ChatFormat", "ChatTemplate", "DEFAULT_MODEL", "Decoded", "Engine", "EngineConfig", "Exactness",
+    "FORMATS", "FORMAT_VERSION", "Fingerprint", "GEMMA", "Grammar", "HistoryEvent", "KernelVerdict", "MODELS", "Recall",
+    "Receipt", "Salts", "SampleResult", "Sampling", "Scope", "SearchHit", "StoreStats", "TemplateError",
+    "VerificationRecord", "VerifyReport", "__version__", "block_id_for", "check_block_id", "content_id", "decode",
+    "detect_format", "incompatibility", "join_states", "json_grammar", "load_template", "logits_sha256",
+    "model_template", "needs_placing", "place_cells_into", "probe_kernels", "progress_bar", "request_template",
+    "resolve_model", "salts_of", "split_ids", "state_digest", "system_report", "threads_per_engine", "usable_cores"]
+__all__ += _errors_all  # noqa: PLE0605 - the error tree: graftmem.core.errors.__all__, the one list of its names

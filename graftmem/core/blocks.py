@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 from datetime import datetime, timezone
-from typing import Any, ClassVar, Literal, Mapping, Optional
+from typing import Any, ClassVar, Literal, Mapping, Optional, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -54,11 +54,11 @@ ExtraBufts = Literal["off", "on", "auto"]
 EXTRA_BUFTS_ENV = "GRAFTMEM_EXTRA_BUFTS"
 
 
-def _default_extra_bufts() -> str:
+def _default_extra_bufts() -> ExtraBufts:
     value = os.environ.get(EXTRA_BUFTS_ENV, "off").strip().lower() or "off"
     if value not in ("off", "on", "auto"):
         raise ConfigError(f"{EXTRA_BUFTS_ENV}={value!r}: expected off, on or auto")
-    return value
+    return cast(ExtraBufts, value)  # one of the three: checked above
 
 
 class _Strict(BaseModel):

@@ -498,7 +498,7 @@ def _converter(LG: Any) -> type:
     the grammar instead of only by luck."""
     from .intrange import int_range, integer_bounds
 
-    class Converter(LG.SchemaConverter):  # type: ignore[misc,name-defined]
+    class Converter(LG.SchemaConverter):
         def visit(self, schema: Any, name: str) -> str:
             if isinstance(schema, dict) and schema.get("type") == "integer" and "$ref" not in schema:
                 lo, hi = integer_bounds(schema)
@@ -823,7 +823,7 @@ class Engine:
         return bool(C.llama_vocab_is_eog(self._vocab, token))
 
     def grammar(self, gbnf: str, root: str = "root", limits: GrammarLimits = DEFAULT_GRAMMAR_LIMITS) -> Grammar:
-        """A [`Grammar`][graftmem.core.engine.Grammar] over this engine's vocabulary, for `decode(grammar=)`;
+        """A [`Grammar`][graftmem.core.Grammar] over this engine's vocabulary, for `decode(grammar=)`;
         a grammar over ``limits`` (its size, its nesting) is a `ConfigError` before llama.cpp parses it."""
         return Grammar(self, gbnf, root, limits)
 

@@ -185,7 +185,8 @@ def from_response(status: int, body: bytes, what: str) -> GraftmemError:
             name, msg = err, str(data.get("message", ""))
         elif isinstance(err, dict):
             msg = str(err.get("message", msg))
-            name = err.get("code") if isinstance(err.get("code"), str) else name
+            code = err.get("code")
+            name = code if isinstance(code, str) else name
             param = err.get("param") if isinstance(err.get("param"), str) else None
     cls = globals().get(name) if name in __all__ else None
     if not (isinstance(cls, type) and issubclass(cls, GraftmemError)):

@@ -156,8 +156,8 @@ def detect_format(engine: "Engine", template: "ChatTemplate | str | None" = None
     token in the vocabulary; None when nothing fits.
     """
     if template is not None:
-        tpl = template if isinstance(template, ChatTemplate) else load_template(template, engine)
-        return template_format(engine, tpl)
+        given = template if isinstance(template, ChatTemplate) else load_template(template, engine)
+        return template_format(engine, given)
     cache = getattr(engine, "_graftmem_formats", None)
     if cache is None:
         cache = {}

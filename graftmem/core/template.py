@@ -121,7 +121,7 @@ def _bounded(cls: Any) -> Any:
     `MAX_TEMPLATE_SIZE`: ``"x" * 10**9``, ``2 ** 10**9``, ``"%0999999999d" % 1``, ``s.ljust(10**9)``."""
     from jinja2.exceptions import SecurityError
 
-    class Bounded(cls):  # type: ignore[misc,valid-type]
+    class Bounded(cls):
         intercepted_binops = frozenset(["*", "**", "%"])
 
         def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
@@ -140,7 +140,7 @@ def _bounded(cls: Any) -> Any:
                 raise SecurityError(f"the template asks for an operation over {MAX_TEMPLATE_SIZE} items")
             return super().call_binop(context, operator, left, right)
 
-        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
             if _too_big(*args, *kwargs.values()):
                 raise SecurityError(f"the template passes a number over {MAX_TEMPLATE_SIZE} to {__obj!r:.60}")
             return super().call(__context, __obj, *args, **kwargs)

@@ -19,13 +19,12 @@ from .rederive import RederiveReport, compare_rederived, rederive, rederive_file
 from .router import (DEFAULT_MIN_SCORE, LEX_WEIGHT, ROUTE_WEIGHT, Embedder, Router, SentenceTransformerEmbedder,
                      normalize_task, route_text)
 
-__all__ = sorted([
-    "ask", "graft", "CallableVerifier", "Candidate", "ExactMatch", "ProgramRun", "ProgramVerifier", "Verdict",
-    "Verifier", "normalize_answer", "run_program", "graft_logits", "kl_divergence", "sample_queries",
-    "verify_block", "Attempt", "Flywheel", "Gate", "GateReport", "Solution", "SolverOutput", "extract_answer",
-    "extract_program", "literals", "substitute_literals", "prefill_and_store", "PAGE_KIND", "DEFAULT_PAGE_MIN_SCORE",
-    "DocumentAnswer", "DocumentPlan", "DocumentReport", "PageIndex", "PageInfo", "PassageHit", "learn_pages",
-    "plan_document", "read_source", "recall_document", "answer_graft_way", "answer_text_way",
-    "continuation_for", "other_engines_hint", "RederiveReport", "compare_rederived", "rederive", "rederive_file",
-    "DEFAULT_MIN_SCORE", "LEX_WEIGHT", "ROUTE_WEIGHT", "Embedder", "Router", "SentenceTransformerEmbedder",
-    "normalize_task", "route_text"])
+__all__ = [
+    "Attempt", "CallableVerifier", "Candidate", "DEFAULT_MIN_SCORE", "DEFAULT_PAGE_MIN_SCORE", "DocumentAnswer",
+    "DocumentPlan", "DocumentReport", "Embedder", "ExactMatch", "Flywheel", "Gate", "GateReport", "LEX_WEIGHT",
+    "PAGE_KIND", "PageIndex", "PageInfo", "PassageHit", "ProgramRun", "ProgramVerifier", "ROUTE_WEIGHT",
+    "RederiveReport", "Router", "SentenceTransformerEmbedder", "Solution", "SolverOutput", "Verdict", "Verifier",
+    "answer_graft_way", "answer_text_way", "ask", "compare_rederived", "continuation_for", "extract_answer",
+    "extract_program", "graft", "graft_logits", "kl_divergence", "learn_pages", "literals", "normalize_answer",
+    "normalize_task", "other_engines_hint", "plan_document", "prefill_and_store", "read_source", "recall_document",
+    "rederive", "rederive_file", "route_text", "run_program", "sample_queries", "substitute_literals", "verify_block"]

@@ -31,6 +31,7 @@ The rules (docs/security.md, "Tenants"):
 
 from __future__ import annotations
 
+import builtins
 import logging
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
@@ -183,7 +184,7 @@ class Access:
         return owner_of(block) == self.tenant or block.metadata.get(SHARED_BY_KEY) == self.tenant
 
     def delete(self, block_id: Any, scope: Optional[Scope] = None,
-               cascade: bool = False) -> tuple[str, list[str], list[str]]:
+               cascade: bool = False) -> tuple[str, builtins.list[str], builtins.list[str]]:
         """Delete the block ``block_id`` (`get`: another tenant's is not there) for this requester: (its id,
         every id deleted, the deleted ids it sees). What the requester does not see is neither counted,
         named nor checked: chains another tenant hung on the block (by naming it as ``parent``) go with
@@ -266,7 +267,7 @@ class Access:
                                 block.short_id, exc)
             raise
 
-    def forget(self, block_ids: "list[str]", cascade_from: Optional[str] = None) -> None:
+    def forget(self, block_ids: "builtins.list[str]", cascade_from: Optional[str] = None) -> None:
         """Drop every scope row of deleted blocks (a later learn of the same text starts unscoped) and
         record their deletion in the history."""
         if self._scopes is None:

@@ -355,7 +355,7 @@ class CallableVerifier:
         if not callable(fn):
             raise ConfigError("CallableVerifier needs a callable fn(problem, candidate) -> bool")
         self.fn = fn
-        self.name = name or getattr(fn, "__name__", "callable")
+        self.name: str = name or str(getattr(fn, "__name__", "callable"))
         self.timeout_s = timeout_s
 
     def check(self, problem: str, candidate: Candidate) -> Verdict:

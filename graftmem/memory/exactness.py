@@ -125,11 +125,11 @@ def verify_block(engine: "Engine", store: "BlockStore", block_id: str, *, sample
                 prefill_fresh()
                 eng.prefill(q)
                 floor_eq += logits_sha256(eng.logits()) == logits_sha256(lf)
-        for i, (q, lf) in enumerate(zip(queries, fresh_logits)):
+        for i, (query, lf) in enumerate(zip(queries, fresh_logits)):
             lg = graft_logits(eng, store, block.id, qtoks[i])
             sf, sg = logits_sha256(lf), logits_sha256(lg)
             rows.append(SampleResult(
-                query=q, n_query_tokens=len(qtoks[i]), graft_sha256=sg, fresh_sha256=sf,
+                query=query, n_query_tokens=len(qtoks[i]), graft_sha256=sg, fresh_sha256=sf,
                 sha_equal=sf == sg, kl=kl_divergence(lf, lg),
                 argmax_equal=int(np.argmax(lf)) == int(np.argmax(lg))))
     xproc = None

@@ -83,7 +83,11 @@ class Gate(_Strict):
     Defaults from a sweep on SmolLM2-135M (bench/flywheel.py, docs/flywheel.md): at T=0.8 the model
     disagrees with itself even on "2 + 2"; at T=0.5 with 5 samples and 3 agreeing, easy problems pass
     and most multi-digit ones do not. A confident but wrong answer costs nothing but tokens: the
-    verifier rejects it and the block is used after all."""
+    verifier rejects it and the block is used after all.
+
+    Frozen: `Flywheel`'s default is one shared instance."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     samples: int = Field(5, ge=1, le=32)
     temperature: float = Field(0.5, gt=0.0)
@@ -375,7 +379,7 @@ class Flywheel:
 
         def done(source: str, att: Optional[Attempt], **kw: Any) -> Solution:
             sol = Solution(problem=problem, key=key, answer=att.answer if att and att.verified else None,
-                           verified=bool(att and att.verified), source=source,  # type: ignore[arg-type]
+                           verified=bool(att and att.verified), source=source,
                            method=att.method if att and att.verified else None,
                            tokens_decoded=ledger["tokens"], wall_s=time.perf_counter() - t0,
                            attempts=attempts, **kw)
@@ -383,6 +387,7 @@ class Flywheel:
                      sol.verified, sol.tokens_decoded)
             return sol
 
+        att: Optional[Attempt]  # each step's attempt; a transfer may find none
         # 1. exact lookup of a recurring problem
         cached = self.lookup(problem)
         if cached is not None:

@@ -127,11 +127,12 @@ class Lexicon:
         assert self._postings is not None and self._norm is not None
         total = 0.0
         for t in terms:
-            ids, tfs = self._postings.get(t, (None, None))
-            df = 0 if ids is None else len(ids)
+            posting = self._postings.get(t)
+            df = 0 if posting is None else len(posting[0])
             idf = math.log(1.0 + (n - df + 0.5) / (df + 0.5))
             total += idf
-            if ids is not None:
+            if posting is not None:
+                ids, tfs = posting
                 # BM25's saturating tf with length normalization, scaled so that one occurrence in an
                 # entry of average length counts 1 (capped there): coverage is a share of the words
                 out[ids] += idf * np.minimum(1.0, tfs * (K1 + 1.0) / (tfs + self._norm[ids]))

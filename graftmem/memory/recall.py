@@ -202,6 +202,7 @@ def recall(engine: "Engine", store: "BlockStore", router: "Router", task: str, *
         if top is None or top[1] < threshold:
             log.info("recall: no block above min_score %.2f (best %s)", threshold, top)
             return _no_match(engine, store, top, threshold, route_ms)
+        best = top
         try:
             block = store.get(top[0])
             if admit is not None:
@@ -216,5 +217,5 @@ def recall(engine: "Engine", store: "BlockStore", router: "Router", task: str, *
             router.remove([top[0]])
     runner = hits[1] if len(hits) > 1 else None
     receipt = r.receipt.model_copy(update={"route_ms": route_ms})
-    return r.model_copy(update={"receipt": receipt, "score": top[1], "runner_up": runner[0] if runner else None,
+    return r.model_copy(update={"receipt": receipt, "score": best[1], "runner_up": runner[0] if runner else None,
                                 "runner_up_score": runner[1] if runner else None})

@@ -362,7 +362,7 @@ class AnthropicRoutes:
                                                       "delta": {"type": "text_delta", "text": piece}})
 
         try:
-            await asyncio.wait({started, done}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((started, done), return_when=asyncio.FIRST_COMPLETED)
             read, created = started.result() if started.done() else (0, 0)
             yield _sse("message_start", {"type": "message_start", "message": {
                 "id": mid, "type": "message", "role": "assistant", "model": self.oa.model_id, "content": [],

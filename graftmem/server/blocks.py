@@ -342,8 +342,11 @@ class BlockServer:
         if isinstance(api_key, str) and len(api_key) < 8:
             raise ConfigError("the API key is too short: use at least 8 characters")
         check_metrics_key(api_key, metrics_key)
-        self._owns_store = isinstance(store, (str, os.PathLike))  # a path: opened here (a FleetStore is a store too)
-        self.store = Store(store) if self._owns_store else store
+        self.store: BlockStore
+        if isinstance(store, (str, os.PathLike)):  # a path: opened here (a FleetStore is a store too)
+            self._owns_store, self.store = True, Store(store)
+        else:
+            self._owns_store, self.store = False, store
         #: called by `close()` after the socket stopped (the API server drops the cells it kept in RAM)
         self.on_close: list[Callable[[], None]] = []
         try:

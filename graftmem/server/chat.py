@@ -153,7 +153,7 @@ def message_text(msg: Any, i: int) -> tuple[str, str]:
     return role, content
 
 
-def render_segments(fmt: ChatFormat, messages: Sequence[Any], tools: Optional[ToolSpec] = None,
+def render_segments(fmt: ChatFormat, messages: Any, tools: Optional[ToolSpec] = None,
                     untrusted: Optional[list[Spans]] = None, ends: Optional[list[int]] = None,
                     marks: Collection[int] = (), engine: Optional["Engine"] = None,
                     joined: Optional[list[bool]] = None) -> list[str]:

@@ -149,10 +149,10 @@ class EmbeddingRoutes:
                     break
         finally:
             gone.cancel()
-        done = None
+        done: Optional[tuple[np.ndarray, int, str]] = None
         if ok:
             embedder = ref.get().embedder
-            vecs = np.concatenate(rows)
+            vecs: np.ndarray = np.concatenate(rows)
             norms = np.linalg.norm(vecs, axis=1, keepdims=True)
             vecs = vecs / np.where(norms > 0, norms, 1.0)  # unit length, as OpenAI's (the Embedder contract does not promise it)
             count = getattr(embedder, "count_tokens", None)

@@ -83,7 +83,7 @@ class Job:
     logprobs: bool = False
     top_logprobs: int = 0
     use_cache: bool = True
-    emit: Optional[Callable[[str, Any], None]] = None
+    emit: Optional[Callable[[str, Any], object]] = None
     cancel: threading.Event = field(default_factory=threading.Event)
     extra: Optional[dict[str, Any]] = None  #: added to the receipt (what routing chose)
     learn_tail: int = 2  #: final segments never learned (see `PrefixCache.learn_target`)
@@ -93,7 +93,7 @@ class Job:
     #: called in the worker once the prompt's start is restored and before its prefill, with the tokens
     #: restored (grafted or kept in RAM) and the tokens this request will write to new blocks (a stream's
     #: first event reports them: Anthropic's ``message_start``)
-    on_start: Optional[Callable[[int, int], None]] = None
+    on_start: Optional[Callable[[int, int], object]] = None
     #: the client's consent to graft blocks nothing here vouches for (``graftmem.allow_unverified``)
     allow_unverified: bool = False
     #: who asks (from the API key, `graftmem.server.tenants`): salts the prompt's keys, owns what it learns
@@ -338,7 +338,7 @@ class PrefixStates(Sequence[bytes]):
     def __len__(self) -> int:
         return len(self.ends)
 
-    def __getitem__(self, i):  # type: ignore[override]
+    def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         return statefmt.cut(self.whole, self.ends[i])
@@ -378,7 +378,7 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
         caching = False  # a continued prompt is not learned as a prefix: its response chain is what stays
         keep = can_keep(engine)
     else:
-        match = cache.lookup(segs, keys, allow_unverified=consent, tenant=job.tenant) if caching else None
+        match = cache.lookup(segs, keys, allow_unverified=consent, tenant=job.tenant) if caching and cache is not None else None
     answer = AnswerText(engine.piece, job.stops)  # final text only: no half character, no partial stop
     entries: list[dict[str, Any]] = []
     pending: list[dict[str, Any]] = []  # logprob entries not streamed yet
@@ -402,7 +402,7 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
     with engine.session(resume=keep, keep=keep), (cache.computing() if cache is not None else nullcontext()):
         t0 = time.perf_counter()
         # the prefix to learn is decided before the prefill, so its states are captured on the way
-        learn_k = cache.learn_target(segs, job.learn_tail, keys, job.tenant, job.marks) if caching else 0
+        learn_k = cache.learn_target(segs, job.learn_tail, keys, job.tenant, job.marks) if caching and cache is not None else 0
         m = match.n_segments if match is not None else 0
         in_ram = kept_segments(engine, keys, consent) if keep else 0
         cut_later = learn_k > 0 and cuts_states(engine)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
+from collections import Counter, defaultdict
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import anyio.to_thread
@@ -82,15 +82,17 @@ class _Counts:
         self.cached_tokens: Counter[str] = Counter()  #: by source: ram, store, bucket
         self.created_tokens = 0
         self.generated_tokens = 0
-        self.restore_seconds: Counter[str] = Counter()  #: by source: ram, store, bucket
-        self.prefill_seconds: Counter[str] = Counter()  #: by source of the restored prefix (none: cold)
+        # seconds are floats: a Counter is typed (and meant) for int counts
+        self.restore_seconds: defaultdict[str, float] = defaultdict(float)  #: by source: ram, store, bucket
+        self.prefill_seconds: defaultdict[str, float] = defaultdict(float)  #: by source of the restored prefix (none: cold)
         self.decode_seconds = 0.0
 
     def add(self, other: "_Counts") -> None:
         self.requests.update(other.requests)
         self.cached_tokens.update(other.cached_tokens)
-        self.restore_seconds.update(other.restore_seconds)
-        self.prefill_seconds.update(other.prefill_seconds)
+        for mine, theirs in ((self.restore_seconds, other.restore_seconds), (self.prefill_seconds, other.prefill_seconds)):
+            for source, seconds in theirs.items():
+                mine[source] += seconds
         self.prompt_tokens += other.prompt_tokens
         self.created_tokens += other.created_tokens
         self.generated_tokens += other.generated_tokens

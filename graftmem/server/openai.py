@@ -96,7 +96,7 @@ async def job_events(events: "asyncio.Queue[tuple[str, Any]]",
     Every streaming door (chat completions, Anthropic Messages) reads its job through this one loop."""
     while True:
         get = asyncio.ensure_future(events.get())
-        finished, _ = await asyncio.wait({get, done}, return_when=asyncio.FIRST_COMPLETED)
+        finished, _ = await asyncio.wait((get, done), return_when=asyncio.FIRST_COMPLETED)
         if get in finished:
             kind, payload = get.result()
             yield kind, payload
@@ -561,7 +561,7 @@ class OpenAIRoutes:
     async def _result(self, gone: "asyncio.Future[None]", job: Job,
                       loop: asyncio.AbstractEventLoop) -> Optional[Result]:
         acquire = asyncio.ensure_future(self.pool.acquire(job.prefer))
-        await asyncio.wait({acquire, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((acquire, gone), return_when=asyncio.FIRST_COMPLETED)
         if not acquire.done():
             acquire.cancel()  # the pool hands back an engine given to a waiter that left
             return None
@@ -578,7 +578,7 @@ class OpenAIRoutes:
         self._start(engine, job, loop, done)
         done.add_done_callback(_log_late_failure)
         try:
-            await asyncio.wait({answered, done, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((answered, done, gone), return_when=asyncio.FIRST_COMPLETED)
             if not (answered.done() or done.done()):
                 job.cancel.set()  # the decode loop sees it at its next token and frees the engine
                 return None
@@ -636,7 +636,7 @@ class OpenAIRoutes:
                                      "finish_reason": None})
                     if tail and held is None:
                         yield chunk({"index": 0, "delta": {"content": tail}, "logprobs": None, "finish_reason": None})
-                    elif tail:
+                    elif tail and held is not None:
                         held.feed(tail)
                     if "</think>" in final_text:
                         final_text = split_reasoning(final_text)[1]

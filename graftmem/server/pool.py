@@ -96,16 +96,17 @@ def pool_engines(first: "Engine", n: int) -> list["Engine"]:
     engines = [first]
     try:
         engines += [first.sibling() for _ in range(n - 1)]
-        sized = first.config.n_threads is None
+        configured = first.config.n_threads
+        sized = configured is None
         batch = threads_per_engine(n, cores) if sized else first.n_threads_batch
         for e in engines:  # every engine's one-token calls on the first's count (the same bytes), prefill on ``batch``
             if (e.n_threads, e.n_threads_batch) != (first.n_threads, batch):
                 e.set_threads(first.n_threads, batch)
-        if sized:
+        if configured is None:
             threads = batch
             how = f"for prefill, sized to the cores (n_threads unset); {first.n_threads} for one-token calls"
         else:
-            threads = first.config.n_threads
+            threads = configured
             how = "as configured"
             if n * threads > cores:
                 log.warning("serve: %d engines x %d threads exceed the %d usable cores: concurrent decodes will "
@@ -198,7 +199,7 @@ class EnginePool:
         ``background`` / ``admitted``: as `acquire`'s."""
         acquire = asyncio.ensure_future(self.acquire(background=background, admitted=admitted))
         if gone is not None:
-            await asyncio.wait({acquire, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((acquire, gone), return_when=asyncio.FIRST_COMPLETED)
             if not acquire.done():
                 acquire.cancel()  # an engine handed to the leaving waiter is given back
                 raise HTTPError(499, "the client went away", code="client_closed_request")
@@ -206,7 +207,7 @@ class EnginePool:
         try:
             work = asyncio.wrap_future(self.run(engine, lambda: fn(engine)))
             if gone is not None:
-                await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
                 if not work.done() and cancel is not None:
                     cancel.set()
             return await work

@@ -39,6 +39,7 @@ by this process, else learned.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -144,7 +145,7 @@ class PrefixCache:
         self._version: Optional[tuple[int, int]] = None
         #: prefixes handed to the writer (`store_later`) and not stored yet: not learned a second time
         self._pending: dict[bytes, int] = {}
-        self._writes: "queue.Queue[Optional[tuple]]" = queue.Queue(maxsize=MAX_PENDING_STORES)
+        self._writes: "queue.Queue[tuple]" = queue.Queue(maxsize=MAX_PENDING_STORES)
         self._writer: Optional[threading.Thread] = None
         self._unfinished = 0
         self._idle = threading.Condition(self._lock)
@@ -432,9 +433,9 @@ class PrefixCache:
             try:
                 self._wait_for_quiet()
                 deadline = time.monotonic() + self.writer_max_wait
-                with paced(lambda: self._quiet_until(deadline)):  # and between chunks of each file
+                with paced(functools.partial(self._quiet_until, deadline)):  # and between chunks of each file
                     self.store_captured(engine, segments, texts, first, states, start, tenant, calls=calls)
-            except Exception:  # noqa: BLE001 - a failed store loses a cache entry, never the server
+            except Exception:  # a failed store loses a cache entry, never the server (logged with its traceback)
                 log.exception("prefix cache: storing a learned prefix failed")
             finally:
                 with self._lock:

@@ -185,7 +185,8 @@ class MemoryRoutes:
         requester's own (another tenant's learn of the same text is another block) unless ``shared``."""
         body = await self._body(request)
         args = _fields(body, ("name", "kind", "chat", "when_to_use", "parent", "metadata"))
-        text, shared = body.get("text"), body.get("shared", self.shared_learned)
+        text: Any = body.get("text")  # JSON as sent: prepare_learn checks it
+        shared = body.get("shared", self.shared_learned)
         check.flag("shared", shared)
         scope = _scope(body)
         reserved_metadata(args.get("metadata"))
@@ -212,7 +213,8 @@ class MemoryRoutes:
 
     async def search(self, request: Request) -> Response:
         body = await self._body(request)
-        query, top_k = body.get("query"), body.get("top_k", 5)
+        query: Any = body.get("query")  # JSON as sent, checked below
+        top_k = body.get("top_k", 5)
         check.text("query", query)
         check.integer("top_k", top_k, lo=1, hi=100)
         desk = self._desk(self.pool.engines[0])
@@ -226,7 +228,7 @@ class MemoryRoutes:
         grafted, answer; the receipt names the provenance of what was grafted."""
         body = await self._body(request)
         args = _fields(body, ("max_tokens", "min_score", "stop", "allow_unverified"))
-        task = body.get("task")
+        task: Any = body.get("task")  # JSON as sent: prepare_recall checks it
         args["allow"] = self.access(request).allow(_scope(body))  # this tenant's blocks, in the scope
         self._desk(self.pool.engines[0]).prepare_recall(self._router, task, **args)  # the checks, before queueing
         router = await anyio.to_thread.run_sync(self._router)
@@ -241,7 +243,10 @@ class MemoryRoutes:
         that nothing here vouches for is refused unless ``allow_unverified``."""
         body = await self._body(request)
         args = _fields(body, ("max_tokens", "stop", "allow_unverified"))
-        bid, question, raw = body.get("id"), body.get("question"), body.get("raw", False)
+        # JSON as sent, checked below and by prepare_ask
+        bid: Any = body.get("id")
+        question: Any = body.get("question")
+        raw = body.get("raw", False)
         check.flag("raw", raw)
         check.text("question", question, empty=True)
         scope = _scope(body)

@@ -97,8 +97,8 @@ class GuardedH11Protocol(H11Protocol):
         if excess <= 0:
             return True
         now = self.loop.time()
-        since = {c: c._idle_since(now) for c in conns if c is not self and c._open()}
-        ranked = sorted((c for c, t in since.items() if t is not None), key=since.__getitem__)
+        since = {c: t for c in conns if c is not self and c._open() and (t := c._idle_since(now)) is not None}
+        ranked = sorted(since, key=since.__getitem__)
         for c in ranked[:excess]:
             c._drop()
         if len(ranked) < excess:

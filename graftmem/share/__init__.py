@@ -13,8 +13,8 @@ from .manifest import (MANIFEST_NAME, SIGNATURE_NAME, BlockChecker, BundleEntry,
                        TransferReport, listing, select)
 from .trust import PublicKey, Signature, SigningKey, TrustPolicy, TrustResult
 
-__all__ = sorted([
-    "Admission", "AdmissionPlan", "Staging", "export", "import_bundle", "import_stream", "LISTING_DOMAIN",
-    "SIGNATURE_HEADER", "fetch_listing", "pull", "push", "MANIFEST_NAME", "SIGNATURE_NAME", "BlockChecker",
-    "BundleEntry", "BundleManifest", "ExportReport", "TransferReport", "listing", "select", "PublicKey",
-    "Signature", "SigningKey", "TrustPolicy", "TrustResult"])
+__all__ = [
+    "Admission", "AdmissionPlan", "BlockChecker", "BundleEntry", "BundleManifest", "ExportReport", "LISTING_DOMAIN",
+    "MANIFEST_NAME", "PublicKey", "SIGNATURE_HEADER", "SIGNATURE_NAME", "Signature", "SigningKey", "Staging",
+    "TransferReport", "TrustPolicy", "TrustResult", "export", "fetch_listing", "import_bundle", "import_stream",
+    "listing", "pull", "push", "select"]

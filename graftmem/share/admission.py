@@ -132,7 +132,7 @@ def foreign_store(store: BlockStore, fp_digest: str) -> Store:
     return Store(store.layout.foreign(fp_digest), lock_timeout=store.lock_timeout)
 
 
-def disk_error(store: Store, exc: OSError, doing: str) -> StoreError:
+def disk_error(store: BlockStore, exc: OSError, doing: str) -> StoreError:
     """Our error for an OSError while staging or moving in (nothing reached the store)."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return StoreFull(f"disk full while {doing} into {store.home}; nothing was imported: free "
@@ -255,7 +255,7 @@ class Admission:
 
     # ------------------------------------------------------------------ 2. after every byte checked
     def _parent_of(self, b: Block, staged: Mapping[str, Block]) -> Block:
-        if b.parent in staged:
+        if b.parent is not None and b.parent in staged:
             return staged[b.parent]
         try:
             return self.store.get(b.parent)  # type: ignore[arg-type]

@@ -336,7 +336,8 @@ def import_stream(store: BlockStore, f: BinaryIO | mmap.mmap, *, where: str, fin
                 dst = stage.path / f"{bid}.gmb"
                 out = open(dst, "xb") if keep else None
                 try:
-                    def sink(mv: memoryview) -> None:
+                    # this member's checker and file, bound now (the closure runs within this iteration)
+                    def sink(mv: memoryview, checker: BlockChecker = checker, out: BinaryIO | None = out) -> None:
                         checker.feed(mv)
                         if out is not None:
                             out.write(mv)

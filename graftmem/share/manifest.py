@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from datetime import datetime, timezone
-from typing import Callable, Iterable, Literal, Optional
+from typing import Callable, Final, Iterable, Literal, Optional
 
 import blake3
 from pydantic import BaseModel, ConfigDict, Field
@@ -32,7 +32,7 @@ log = logging.getLogger("graftmem")
 
 MANIFEST_NAME = "graftmem-bundle.json"
 SIGNATURE_NAME = "graftmem-bundle.sig"
-BUNDLE_VERSION = 1
+BUNDLE_VERSION: Final = 1
 SIGN_DOMAIN = "bundle-manifest-v1"
 #: Largest bundle manifest or signature member (the manifest lists ids and digests, not texts).
 MAX_MANIFEST_BYTES = 16 << 20
@@ -136,7 +136,7 @@ class BlockChecker:
     def _corrupt(self, msg: str, **kw: str) -> BlockCorrupted:
         return BlockCorrupted(f"{self.where}: {msg}", path=self.where, **kw)
 
-    def feed(self, data: bytes | memoryview) -> None:
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
         mv = memoryview(data).cast("B")
         if self.pos + len(mv) > self.file_size:
             raise self._corrupt(f"more bytes than the announced {self.file_size}")

@@ -30,7 +30,7 @@ from ..core.format import state_digest
 from ..core import statefmt as _statefmt
 if TYPE_CHECKING:
     from ..core.engine import Engine
-    from .local import Store
+    from .protocol import BlockStore
 
 __all__ = ["chain_of", "calls_of", "CALLS_KEY", "segments", "full_tokens", "full_state", "load_state", "make_delta", "capture_child", "MAX_DEPTH"]
 
@@ -40,7 +40,7 @@ log = logging.getLogger("graftmem")
 MAX_DEPTH = 64
 
 
-def chain_of(store: "Store", block: Block) -> list[Block]:
+def chain_of(store: "BlockStore", block: Block) -> list[Block]:
     """The blocks from the root to ``block`` (inclusive), checked for consistent positions."""
     out = [block]
     while out[-1].parent is not None:
@@ -77,18 +77,18 @@ def calls_of(block: Block) -> list[list[int]]:
     return [list(block.tokens)]
 
 
-def segments(store: "Store", block: Block) -> list[list[int]]:
+def segments(store: "BlockStore", block: Block) -> list[list[int]]:
     """Token ids of each prefill call of the chain, root first: the prefill calls of the fresh reference
     (each block's tokens in their own call, or in the calls it records: `calls_of`)."""
     return [seg for b in chain_of(store, block) for seg in calls_of(b)]
 
 
-def full_tokens(store: "Store", block: Block) -> list[int]:
+def full_tokens(store: "BlockStore", block: Block) -> list[int]:
     """Every token id from position 0 to ``block.pos_end``."""
     return [t for seg in segments(store, block) for t in seg]
 
 
-def _read_full(store: "Store", block: Block, buffer: Callable[[int], memoryview],
+def _read_full(store: "BlockStore", block: Block, buffer: Callable[[int], memoryview],
                fingerprint: Optional[Fingerprint], timings: Optional[dict[str, float]] = None) -> memoryview:
     """The full state of ``block`` in ``buffer``; every stored digest on the chain checked."""
     if block.storage == "full":
@@ -118,7 +118,7 @@ def _read_full(store: "Store", block: Block, buffer: Callable[[int], memoryview]
     return out
 
 
-def full_state(store: "Store", block: Block, *, fingerprint: Optional[Fingerprint] = None) -> bytes:
+def full_state(store: "BlockStore", block: Block, *, fingerprint: Optional[Fingerprint] = None) -> bytes:
     """The per-sequence state a full capture after the chain's prefill holds (a delta rebuilt), as
     new bytes; every digest checked. This is what provenance checks compare, byte for byte."""
     if block.parent is not None:
@@ -126,7 +126,7 @@ def full_state(store: "Store", block: Block, *, fingerprint: Optional[Fingerprin
     return bytes(_read_full(store, block, lambda n: memoryview(bytearray(n)), fingerprint))
 
 
-def load_state(store: "Store", block_id: str, buffer: Callable[[int], memoryview], *,
+def load_state(store: "BlockStore", block_id: str, buffer: Callable[[int], memoryview], *,
                fingerprint: Optional[Fingerprint] = None,
                timings: Optional[dict[str, float]] = None) -> tuple[Block, memoryview]:
     """Read (and for a delta, rebuild) a block's full state into ``buffer``; check everything first.
@@ -237,7 +237,7 @@ def make_delta(parent_state: memoryview | bytes, full_state: memoryview | bytes,
     return delta
 
 
-def capture_child(store: "Store", engine: "Engine", parent: Block, tokens: list[int],
+def capture_child(store: "BlockStore", engine: "Engine", parent: Block, tokens: list[int],
                   progress: Optional[Callable[[int], None]] = None) -> tuple[memoryview | bytes, dict]:
     """Graft ``parent``, prefill ``tokens`` after it and capture; return the bytes to store and
     the manifest fields that describe them (``storage``, sizes, digests). The caller holds

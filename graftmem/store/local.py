@@ -24,9 +24,11 @@ index) where reading works and every mutation raises `StoreReadOnly`.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
 import fcntl
+import io
 import logging
 import os
 import re
@@ -180,7 +182,7 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def open_regular(path: Path) -> BinaryIO:
+def open_regular(path: Path) -> io.FileIO:
     """Open ``path`` for reading only if it is a regular file: ``O_NONBLOCK`` (a FIFO cannot hang the
     open), ``O_NOFOLLOW`` (a symlink is refused, whatever it points at), then ``fstat`` + ``S_ISREG``
     on the open descriptor (no race between the check and the read). Anything else is
@@ -349,10 +351,14 @@ class Store:
         self.reconcile()
 
     def _open_index(self) -> sqlite3.Connection:
+        def setup(db: sqlite3.Connection) -> None:
+            db.execute("PRAGMA synchronous=FULL")
+            db.executescript(_SCHEMA)
+            self._migrate(db)
+
         if not self.read_only:
             try:
-                return connect(self.layout.index, timeout=self.lock_timeout, setup=lambda db: (
-                    db.execute("PRAGMA synchronous=FULL"), db.executescript(_SCHEMA), self._migrate(db)))
+                return connect(self.layout.index, timeout=self.lock_timeout, setup=setup)
             except sqlite3.DatabaseError as exc:
                 code = (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF  # primary code of an extended one
                 if code in (_SQLITE_CORRUPT, _SQLITE_NOTADB) and not self._index_set_aside:
@@ -657,7 +663,7 @@ class Store:
         with self._tlock:
             return int(self._db.execute("PRAGMA data_version").fetchone()[0])
 
-    def routing_rows(self, *, exclude_kinds: Sequence[str] = ()) -> list[tuple[str, str, str, str | None]]:
+    def routing_rows(self, *, exclude_kinds: Sequence[str] = ()) -> builtins.list[tuple[str, str, str, str | None]]:
         """``(id, name, fingerprint digest, metadata.when_to_use)`` of every block not of ``exclude_kinds``
         that may steer routing: its provenance is not ``unverified`` and its labels were given here or
         signed by a trusted key (a foreign label could say "weather report" over the refund manual's
@@ -748,13 +754,13 @@ class Store:
         except sqlite3.Error as exc:
             raise _sql_error(exc, self.home, doing) from exc
 
-    def children(self, block_id: str) -> list[str]:
+    def children(self, block_id: str) -> builtins.list[str]:
         """Ids of the blocks chained directly on ``block_id`` (their manifest's ``parent``)."""
         with self._tlock:
             return [r[0] for r in self._db.execute(
                 "SELECT id FROM blocks WHERE json_extract(manifest, '$.parent') = ? ORDER BY id", (block_id,))]
 
-    def delete(self, block_id: str, *, cascade: bool = False) -> list[str]:
+    def delete(self, block_id: str, *, cascade: bool = False) -> builtins.list[str]:
         """Delete a block; return the ids deleted. A block that other blocks are chained on is
         refused (their states are rebuilt from its bytes) unless ``cascade=True``, which deletes
         every descendant first, deepest first, under one lock."""
@@ -772,7 +778,7 @@ class Store:
                 raise _sql_error(exc, self.home, f"deleting block {bid[:12]}") from exc
             return list(reversed(order))
 
-    def adopt(self, files: list[tuple[Block, Path]]) -> list[str]:
+    def adopt(self, files: builtins.list[tuple[Block, Path]]) -> builtins.list[str]:
         """Move already verified, fsync'ed block files (staged on this filesystem) into the store,
         all or none, under one lock; return the ids added. Each block's ``provenance`` and
         ``labels_trusted`` (set by the admission) go into its row; missing means ``unverified``.
@@ -873,11 +879,11 @@ class Store:
     # The verbs a fleet store offers to share with its other workers (`graftmem.store.BlockStore`).
     # A local store has no other workers: every block is here already, and a file or a routing row
     # made here is seen by every process on this machine through the home itself.
-    def prefetch(self, block_ids: list[str]) -> list[Future]:
+    def prefetch(self, block_ids: builtins.list[str]) -> builtins.list[Future]:
         """Nothing to bring in: every block of a local store is on this machine."""
         return []
 
-    def get_vectors(self, space: str, names: list[str]) -> dict[str, Any]:
+    def get_vectors(self, space: str, names: builtins.list[str]) -> dict[str, Any]:
         """No other worker embedded anything for this store: always empty."""
         return {}
 
@@ -887,7 +893,7 @@ class Store:
     def put_file(self, name: str, path: Path) -> None:
         """No other worker to share a file with (the page index in the home holds its rows)."""
 
-    def list_files(self, prefix: str) -> list[dict[str, Any]]:
+    def list_files(self, prefix: str) -> builtins.list[dict[str, Any]]:
         """No files shared by other workers: always empty."""
         return []
 

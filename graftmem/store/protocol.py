@@ -16,6 +16,7 @@ A third store (say, over a network file system) implements these and is usable e
 
 from __future__ import annotations
 
+import builtins
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional, Protocol, Sequence, runtime_checkable
 
@@ -78,7 +79,7 @@ class BlockStore(Protocol):
         """Every block (of ``kind``), oldest first."""
         ...
 
-    def children(self, block_id: str) -> list[str]:
+    def children(self, block_id: str) -> builtins.list[str]:
         """Ids of the blocks chained directly on ``block_id``."""
         ...
 
@@ -94,7 +95,7 @@ class BlockStore(Protocol):
         """Changes when another process or worker changed the blocks: the router's cue to re-sync."""
         ...
 
-    def routing_rows(self, *, exclude_kinds: Sequence[str] = ()) -> list[tuple[str, str, str, str | None]]:
+    def routing_rows(self, *, exclude_kinds: Sequence[str] = ()) -> builtins.list[tuple[str, str, str, str | None]]:
         """``(id, name, fingerprint digest, when_to_use)`` of the blocks that may steer routing."""
         ...
 
@@ -119,11 +120,11 @@ class BlockStore(Protocol):
         """Store a block (a block already here is returned as is unless ``replace``)."""
         ...
 
-    def delete(self, block_id: str, *, cascade: bool = False) -> list[str]:
+    def delete(self, block_id: str, *, cascade: bool = False) -> builtins.list[str]:
         """Delete a block (with ``cascade``, the blocks chained on it too); the ids deleted."""
         ...
 
-    def adopt(self, files: list[tuple[Block, Path]]) -> list[str]:
+    def adopt(self, files: builtins.list[tuple[Block, Path]]) -> builtins.list[str]:
         """Move verified, staged block files in (bundle import, pull); the ids added."""
         ...
 
@@ -136,12 +137,12 @@ class BlockStore(Protocol):
         ...
 
     # ------------------------------------------------------------------ sharing with other workers
-    def prefetch(self, block_ids: list[str]) -> list[Future]:
+    def prefetch(self, block_ids: builtins.list[str]) -> builtins.list[Future]:
         """Bring blocks likely asked next onto this machine in the background (a hint; nothing to do
         where every block is local)."""
         ...
 
-    def get_vectors(self, space: str, names: list[str]) -> dict[str, Any]:
+    def get_vectors(self, space: str, names: builtins.list[str]) -> dict[str, Any]:
         """Routing rows other workers embedded, by name (none where there are no other workers)."""
         ...
 
@@ -153,7 +154,7 @@ class BlockStore(Protocol):
         """Share a file with the other workers under a relative ``name`` (nothing to do without any)."""
         ...
 
-    def list_files(self, prefix: str) -> list[dict[str, Any]]:
+    def list_files(self, prefix: str) -> builtins.list[dict[str, Any]]:
         """The files shared under ``prefix``: ``name``, ``size`` and ``e_tag`` each."""
         ...
 

@@ -25,10 +25,13 @@ import re
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 from urllib.parse import urlparse
 
 from ..core.errors import AccessDenied, BlockNotFound, ConfigError, TransferError
+
+if TYPE_CHECKING:  # obstore's option dicts are stubs only, not importable at run time
+    from obstore.store import ClientConfig, RetryConfig, S3Config
 
 _FORBIDDEN = re.compile(r"\b403 Forbidden\b|\bstatus(?: code)?:? 403\b")
 
@@ -89,17 +92,17 @@ class Bucket:
         self.endpoint = _endpoint()
         # copy-if-not-exists as S3 does it natively: a multipart copy completed with If-None-Match: *
         # (`put_large_once`; SeaweedFS 4.48 answers 412 there too, tests/test_fleet.py)
-        config: dict[str, Any] = {"copy_if_not_exists": "multipart"}
+        config: S3Config = {"copy_if_not_exists": "multipart"}
         if self.endpoint:
             config["endpoint"] = self.endpoint
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         if region:
             config["region"] = region
-        client: dict[str, Any] = {"connect_timeout": timedelta(seconds=retry.connect_timeout),
+        client: ClientConfig = {"connect_timeout": timedelta(seconds=retry.connect_timeout),
                                   "timeout": timedelta(seconds=retry.timeout)}
         if self.endpoint and self.endpoint.startswith("http://"):
             client["allow_http"] = True
-        retry_config = {"max_retries": retry.retries, "retry_timeout": timedelta(seconds=retry.retry_timeout),
+        retry_config: RetryConfig = {"max_retries": retry.retries, "retry_timeout": timedelta(seconds=retry.retry_timeout),
                         "backoff": {"init_backoff": timedelta(seconds=retry.init_backoff),
                                     "max_backoff": timedelta(seconds=retry.max_backoff), "base": 2}}
         try:

@@ -61,8 +61,7 @@ class ScopeIndex:
         self.path = Home(root).scopes
         self._lock = threading.Lock()
         try:
-            self._db = connect(self.path, timeout=timeout, read_only=read_only,
-                               setup=lambda db: (_migrate(db), db.executescript(_SCHEMA)))
+            self._db = connect(self.path, timeout=timeout, read_only=read_only, setup=_setup)
             cols = {r[1] for r in self._db.execute("PRAGMA table_info(scopes)")}
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open the scope index {self.path}: {exc}") from exc
@@ -143,6 +142,11 @@ class ScopeIndex:
 
     def reset(self) -> None:
         self._write("DELETE FROM scopes", [()])
+
+
+def _setup(db: sqlite3.Connection) -> None:
+    _migrate(db)
+    db.executescript(_SCHEMA)
 
 
 def _migrate(db: sqlite3.Connection) -> None:

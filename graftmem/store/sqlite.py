@@ -24,7 +24,7 @@ __all__ = ["connect", "marks", "transaction"]
 
 
 def connect(path: Path | str, *, timeout: float, read_only: bool = False,
-            setup: Optional[Callable[[sqlite3.Connection], None]] = None) -> sqlite3.Connection:
+            setup: Optional[Callable[[sqlite3.Connection], object]] = None) -> sqlite3.Connection:
     """Open ``path``: read-only (``mode=ro``: nothing written, no WAL switch), else in WAL mode (readers
     never wait for a writer) followed by ``setup(db)``, the caller's schema and migrations. The
     connection is closed again if any of that fails."""

@@ -25,11 +25,12 @@ process starts with an empty cache (its first read of each block checks BLAKE3).
 
 from __future__ import annotations
 
+import io
 import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import BinaryIO, Optional
+from typing import Optional
 
 import xxhash
 
@@ -102,7 +103,7 @@ def _pread_full(fd: int, view: memoryview, offset: int) -> int:
     return got
 
 
-def read_hashed(f: BinaryIO, view: memoryview) -> tuple[int, bytes]:
+def read_hashed(f: io.FileIO, view: memoryview) -> tuple[int, bytes]:
     """Fill ``view`` from ``f`` (from its current position) and return the bytes read (short on a
     truncated file) and their xxh3-128.
 

@@ -126,7 +126,7 @@ def learn_document(engine: "Engine", store: "BlockStore", index: PageIndex, sour
     """Cut a document into pages that fit the window, store each page as a block and index its passages."""
     text = read_source(source)
     if name is None and isinstance(source, (os.PathLike, str)) and text is not source:
-        name = Path(source).name  # type: ignore[arg-type]
+        name = Path(source).name
     plan = plan_document(engine, text, window=window, overlap=overlap, document=document, name=name)
     return learn_pages(engine, store, index, plan, progress=progress)
 
@@ -156,7 +156,7 @@ def recall_document(engine: "Engine", store: "BlockStore", index: PageIndex, tas
     if hits[0].score < threshold:
         raise BlockNotFound(f"no passage matched this task: the best one (page {hits[0].page.page} of "
                             f"{hits[0].page.document}) scored {hits[0].score:.3f}, below min_score {threshold:.2f}")
-    for n, top in enumerate(hits):
+    for n, top in enumerate(hits):  # noqa: B007 - n is read after the loop: the pages before it are gone
         try:
             block = store.get(top.page.block_id)
             break

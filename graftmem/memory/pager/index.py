@@ -87,6 +87,12 @@ _PASSAGES_V1 = _SCHEMA[_SCHEMA.index("CREATE TABLE IF NOT EXISTS passages"):]
 _USER_VERSION = 1
 
 
+def _setup(db: sqlite3.Connection) -> None:
+    db.execute("PRAGMA synchronous=FULL")
+    db.executescript(_SCHEMA)
+    _migrate(db)
+
+
 def _migrate(db: sqlite3.Connection) -> None:
     if db.execute("PRAGMA user_version").fetchone()[0] >= _USER_VERSION:
         return
@@ -123,8 +129,7 @@ class PageIndex:
         self.embedder_id = embedder_id(embedder)
         self.lex_weight = float(lex_weight)
         self._lock = threading.RLock()
-        self._db = connect(self.path, timeout=60, setup=lambda db: (
-            db.execute("PRAGMA synchronous=FULL"), db.executescript(_SCHEMA), _migrate(db)))
+        self._db = connect(self.path, timeout=60, setup=_setup)
         self._router: "Router | None" = None
         self._loaded_rowid = 0
 

@@ -92,7 +92,7 @@ class SentenceTransformerEmbedder:
             from importlib.metadata import version
 
             ver = version(MINILM_PACKAGE) if path is None else "local"
-        except Exception:  # metadata missing: fall back to the weights' size
+        except Exception:  # noqa: BLE001 - metadata missing or unreadable: fall back to the weights' size
             ver = "unknown"
         size = (self.path / "model.safetensors").stat().st_size if (self.path / "model.safetensors").exists() else 0
         self._base_id = f"all-MiniLM-L6-v2/{ver}/{size}"
@@ -132,7 +132,7 @@ class SentenceTransformerEmbedder:
                                                        inplace=True)
             if any(isinstance(m, torch.nn.Linear) for m in model.modules()):
                 raise RuntimeError("some linear layers were left in float32")
-        except Exception as exc:  # an older/newer torch without it: stay exact float32, say so
+        except Exception as exc:  # noqa: BLE001 - an older/newer torch without it: stay exact float32, say so
             log.warning("MiniLM int8 quantization unavailable (%s); routing uses float32", exc)
             self.quantize = False
             self.model_id = self._base_id + "/fp32"

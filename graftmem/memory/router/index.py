@@ -197,8 +197,8 @@ class Router:
         have = shared(space, names) if shared is not None else {}
         have = {n: v for n, v, ts in zip(names, [have.get(n) for n in names], texts)
                 if v is not None and v.ndim == 2 and v.shape[0] == len(ts) and (self.dim is None or v.shape[1] == self.dim)}
-        flat = [t for n, ts in zip(names or [None] * len(texts), texts) if n not in have for t in ts]
-        vecs = np.asarray(self.embedder.embed_batch(flat), dtype=np.float32) if flat else np.zeros((0, 1))
+        flat = [t for j, ts in enumerate(texts) if not names or names[j] not in have for t in ts]
+        vecs = np.asarray(self.embedder.embed_batch(flat), dtype=np.float32) if flat else np.zeros((0, 1), dtype=np.float32)
         rows, at, new = [], 0, {}
         for j, ts in enumerate(texts):
             if names and names[j] in have:
@@ -208,7 +208,7 @@ class Router:
             at += len(ts)
             if names:
                 new[names[j]] = rows[-1]
-        if shared is not None and new:
+        if shared is not None and new and self.store is not None:
             self.store.put_vectors(space, new)
         self._add(ids, rows, [p[1] for p in parts], digests, keys)
 
@@ -367,7 +367,7 @@ class Router:
                 terms = raw.split("\n") if ids else []
                 blob = z["faiss"]
                 index = _faiss().deserialize_index(blob) if blob.size else None
-        except Exception as exc:  # a damaged cache is rebuilt from the store, never trusted
+        except Exception as exc:  # noqa: BLE001 - a damaged cache is rebuilt from the store, never trusted
             log.warning("routing index %s is unreadable (%s); rebuilding it from the store", self.path, exc)
             return
         n = index.ntotal if index is not None else 0

@@ -323,7 +323,7 @@ class ReadCache:
                 self.read_state(full, self.index.get(full), lambda n: memoryview(bytearray(n)))
                 self.wait(bid)  # done means cached
             return True
-        except Exception as exc:  # a prefetch is a hint: the graft that needs the block fetches it again
+        except Exception as exc:  # noqa: BLE001 - a prefetch is a hint: the graft that needs the block fetches it again
             log.warning("fleet store %s: prefetch of %s failed: %s", self.url, bid[:12], exc)
             return False
         finally:

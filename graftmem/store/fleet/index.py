@@ -10,6 +10,7 @@ once with one HEAD (`BucketIndex.lookup`), so an id handed over by another worke
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import json
 import logging
@@ -229,7 +230,7 @@ class BucketIndex:
             rows = self.db.execute(q, (kind,) if kind else ()).fetchall()
         return [block_from_row(*r) for r in rows]
 
-    def children(self, block_id: str) -> list[str]:
+    def children(self, block_id: str) -> builtins.list[str]:
         with self.lock:
             return [r[0] for r in self.db.execute(
                 "SELECT id FROM remote WHERE json_extract(manifest, '$.parent') = ? ORDER BY id", (block_id,))]
@@ -244,7 +245,7 @@ class BucketIndex:
                           bytes_per_token=size / toks if toks else 0.0,
                           kinds={str(k): int(v) for k, v in kinds.items()})
 
-    def routing_rows(self, *, exclude_kinds: Sequence[str] = ()) -> list[tuple[str, str, str, str | None]]:
+    def routing_rows(self, *, exclude_kinds: Sequence[str] = ()) -> builtins.list[tuple[str, str, str, str | None]]:
         self.refresh()
         with self.lock:
             return self.db.execute(
@@ -266,7 +267,7 @@ class BucketIndex:
         with self.lock, contextlib.suppress(sqlite3.Error):
             self.db.execute("DELETE FROM used WHERE id=?", (bid,))
 
-    def least_recently_used(self) -> list[str]:
+    def least_recently_used(self) -> builtins.list[str]:
         """Block ids by their last use, oldest first."""
         with self.lock:
             return [r[0] for r in self.db.execute("SELECT id FROM used ORDER BY at")]

@@ -5,6 +5,7 @@ what workers share beside the blocks (`shared`) and garbage collection (`gc`). T
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import hashlib
 import logging
@@ -169,14 +170,14 @@ class FleetStore:
     def list(self, *, kind: str | None = None) -> list[Block]:
         return self._index.list(kind=kind)
 
-    def children(self, block_id: str) -> list[str]:
+    def children(self, block_id: str) -> builtins.list[str]:
         return self._index.children(block_id)
 
     def stats(self) -> StoreStats:
         """Counts and sizes of the blocks in the bucket (from the listing; no object is read)."""
         return self._index.stats()
 
-    def routing_rows(self, *, exclude_kinds: Sequence[str] = ()) -> list[tuple[str, str, str, str | None]]:
+    def routing_rows(self, *, exclude_kinds: Sequence[str] = ()) -> builtins.list[tuple[str, str, str, str | None]]:
         """As [`Store.routing_rows()`][graftmem.Store.routing_rows], over the bucket's blocks."""
         return self._index.routing_rows(exclude_kinds=exclude_kinds)
 
@@ -230,7 +231,7 @@ class FleetStore:
         the graft that asked for them); a failed prefetch was logged and is not raised here."""
         self._reads.flush()
 
-    def prefetch(self, block_ids: list[str]) -> list[Future]:
+    def prefetch(self, block_ids: builtins.list[str]) -> builtins.list[Future]:
         """Fetch blocks into the cache in the background (two at a time), checked on arrival as any
         fetch; blocks already cached or on their way are skipped. For the pager: the pages ranked
         next for a task are likely the next ones asked. A failure is logged, never raised here."""
@@ -256,7 +257,7 @@ class FleetStore:
         self._reads.evict(keep=block.id)
         return block.model_copy(update={"provenance": provenance, "labels_trusted": labels_trusted})
 
-    def adopt(self, files: list[tuple[Block, Path]]) -> list[str]:
+    def adopt(self, files: builtins.list[tuple[Block, Path]]) -> builtins.list[str]:
         """Move verified block files (staged on the cache's file system) into the cache and upload
         them; blocks already in the bucket are skipped. Used by bundle import and pull."""
         todo = [(b, p) for b, p in files if not self.contains(b.id)]
@@ -287,13 +288,13 @@ class FleetStore:
         if self.cache.contains(cur.id):
             self.cache.set_provenance(cur.id, provenance, labels_trusted=labels)
 
-    def delete(self, block_id: str, *, cascade: bool = False) -> list[str]:
+    def delete(self, block_id: str, *, cascade: bool = False) -> builtins.list[str]:
         """Delete a block (and, with ``cascade``, the blocks chained on it) for every worker: a
         tombstone first, then the marker; the block object stays for `collect_garbage`."""
         return self._writer.delete(self.resolve(block_id), cascade=cascade)
 
     def upload_store(self, source: BlockStore, *,
-                     progress: Optional[Callable[[int, int], None]] = None) -> list[str]:
+                     progress: Optional[Callable[[int, int], None]] = None) -> builtins.list[str]:
         """Upload every block of another store (block files as they are, markers with their
         provenance) into this bucket; blocks already there are skipped. Returns the ids uploaded.
         Only public verbs of ``source`` are used (``list``, ``path_of``)."""
@@ -305,7 +306,7 @@ class FleetStore:
         return collect_garbage(self.bucket, grace=grace)
 
     # ------------------------------------------------------------------ shared beside the blocks
-    def get_vectors(self, space: str, names: list[str]) -> dict[str, Any]:
+    def get_vectors(self, space: str, names: builtins.list[str]) -> dict[str, Any]:
         """Routing rows other workers embedded (``routing/<space>/<id>-<entry key>.npy``), for the
         router (`graftmem.memory.router`); missing or unreadable ones are left out (embedded locally)."""
         return self._shared.get_vectors(space, names)
@@ -319,7 +320,7 @@ class FleetStore:
         index, so that a new worker asks a long document without re-embedding its passages."""
         self._shared.put_file(name, path)
 
-    def list_files(self, prefix: str) -> list[dict[str, Any]]:
+    def list_files(self, prefix: str) -> builtins.list[dict[str, Any]]:
         """The files shared under ``prefix`` (`put_file()` names): ``name``, ``size`` and ``e_tag`` each."""
         return self._shared.list_files(prefix)
 
