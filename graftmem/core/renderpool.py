@@ -125,7 +125,7 @@ class RenderPool:
                 self._count += 1
             try:
                 w = _Worker()
-            except Exception:  # noqa: BLE001 - a render starts its own worker later
+            except Exception:  # a render starts its own worker later
                 log.exception("serve: could not start a render worker")
                 with self._cond:
                     self._count -= 1

@@ -161,7 +161,7 @@ class RecurrentSection:
 
 
 class _Reader:
-    def __init__(self, buf: memoryview | bytes) -> None:
+    def __init__(self, buf: "memoryview | bytes | np.ndarray") -> None:
         self.arr = np.frombuffer(buf, dtype=np.uint8)
         self.off = 0
 

@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import anyio.to_thread
 import numpy as np
@@ -56,6 +57,10 @@ log = logging.getLogger("graftmem")
 #: Characters of texts one embeddings request embeds per turn on an engine (about 0.5 s of one core
 #: here) before it lets a waiting request have the engine (`EnginePool.acquire(background=True)`).
 EMBED_SLICE_CHARS = 16 << 10
+
+
+def _on_engine(embed: Callable[[list[str]], bool], chunk: list[str], _engine: Any) -> bool:
+    return embed(chunk)
 
 
 def _slices(texts: list[str], max_chars: int) -> list[list[str]]:
@@ -143,8 +148,8 @@ class EmbeddingRoutes:
         try:
             ok = True
             for i, chunk in enumerate(_slices(texts, EMBED_SLICE_CHARS)):
-                ok = await self.oa.pool.on_engine(lambda _e, c=chunk: embed(c), gone, cancel, background=True,
-                                                  admitted=i > 0)
+                ok = await self.oa.pool.on_engine(functools.partial(_on_engine, embed, chunk), gone, cancel,
+                                                  background=True, admitted=i > 0)
                 if not ok:
                     break
         finally:
