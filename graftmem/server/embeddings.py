@@ -22,7 +22,7 @@ queue is full; a client that goes away stops it at its next text. One request of
 measured at about 108 CPU-seconds, computed beside the engines' work rather than queued with it, and on
 after its client had left; its characters are bounded now (one full 256-word-piece text costs about
 40 ms of one core here, so the default bounds a request to roughly 10 s). It runs in slices of
-`EMBED_SLICE_CHARS` characters, each a turn on an engine that yields to any chat request waiting
+`EMBED_SLICE_CHARS` (4 Ki) characters, each a turn on an engine that yields to any chat request waiting
 (background work, `EnginePool.acquire`): `bench/hostile.py` measured 4 clients flooding embeddings
 beside 8 chat agents at 11.5x the agents' p95 time to first token when a request held the engine whole.
 """
@@ -54,9 +54,9 @@ __all__ = ["EmbeddingRoutes"]
 log = logging.getLogger("graftmem")
 
 
-#: Characters of texts one embeddings request embeds per turn on an engine (about 0.5 s of one core
-#: here) before it lets a waiting request have the engine (`EnginePool.acquire(background=True)`).
-EMBED_SLICE_CHARS = 16 << 10
+#: Characters of texts one embeddings request embeds per turn on an engine (a quarter of a second or
+#: so of one core here) before it lets a waiting request have the engine (`EnginePool.acquire(background=True)`).
+EMBED_SLICE_CHARS = 4 << 10
 
 
 def _on_engine(embed: Callable[[list[str]], bool], chunk: list[str], _engine: Any) -> bool:
