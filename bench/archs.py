@@ -20,12 +20,12 @@ Per architecture (tiny random-weight GGUF of the real llama.cpp body; Engine def
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from bench import harness
 from bench.harness import RESULTS, write_results
 from graftmem import Engine, Memory, UnsupportedFeature
 from graftmem.core import logits_sha256
@@ -96,7 +96,7 @@ def speed(eng: Engine, home: Path, n_tokens: int, reps: int) -> dict:
                         lg = logits_sha256(eng.logits())
                     graft.append((time.perf_counter() - t0) * 1e3)
             same.append(lc == lg)
-    c, g = statistics.median(cold), statistics.median(graft)
+    c, g = harness.summary(cold)["median"], harness.summary(graft)["median"]
     return {"block_tokens": block.n_tokens, "state_bytes": block.state_size, "cold_ms": round(c, 1),
             "graft_ms": round(g, 2), "speedup": round(c / g, 1), "logits_equal": f"{sum(same)}/{len(same)}",
             "cold_samples_ms": [round(x, 1) for x in cold], "graft_samples_ms": [round(x, 2) for x in graft]}
