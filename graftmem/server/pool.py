@@ -23,6 +23,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
@@ -123,7 +124,7 @@ def pool_engines(first: "Engine", n: int) -> list["Engine"]:
 class EnginePool:
     """``engines`` (same model and settings) shared by requests; ``max_queue`` requests may wait."""
 
-    def __init__(self, engines: Sequence["Engine"], *, max_queue: int = 16) -> None:
+    def __init__(self, engines: Sequence["Engine"], *, max_queue: int = 16, background_share: float = 0.25) -> None:
         if not engines:
             raise ValueError("an engine pool needs at least one engine")
         digests = {e.fingerprint.digest() for e in engines}
@@ -135,6 +136,11 @@ class EnginePool:
         self._waiters: deque[asyncio.Future["Engine"]] = deque()
         #: waiters of background work (embeddings): an engine goes to them only when no request waits
         self._background: deque[asyncio.Future["Engine"]] = deque()
+        #: the most of the engines' time background work takes while requests come in (`background_allowed`)
+        self.background_share = background_share
+        self._bg_next = 0.0  #: when (monotonic) the next background slice may start while requests come in
+        self._fg_seen = False  #: a request took an engine since the last background slice started
+        self._kick: Optional[asyncio.TimerHandle] = None
         #: notified on every release: `wait_all_free()` (graceful shutdown, tests) waits on it
         self._released = threading.Condition()
         self._threads = {id(e): EngineThread(f"graftmem-engine-{i}") for i, e in enumerate(self.engines)}
@@ -170,7 +176,10 @@ class EnginePool:
         ``background``: work that yields to requests (embeddings): it gets a released engine only when no
         request waits, so a flood of it delays a chat turn by one of its slices at most, never by a queue
         of them. ``admitted``: the next slice of work already admitted (no 429 between its slices)."""
-        if self._free and not self.waiting:
+        fg_waiting = any(not w.done() for w in self._waiters)
+        bg_ahead = background and any(not w.done() for w in self._background)
+        if self._free and not fg_waiting and not bg_ahead and                 (not background or self.background_allowed(time.monotonic())):
+            self._fg_seen = not background  # a request took an engine / a background slice starts
             if prefer is not None and len(self._free) > 1:
                 best = max(self._free, key=prefer)
                 self._free.remove(best)
@@ -182,6 +191,8 @@ class EnginePool:
                             headers={"Retry-After": "1"})
         fut: asyncio.Future["Engine"] = asyncio.get_running_loop().create_future()
         (self._background if background else self._waiters).append(fut)
+        if background and self._free:
+            self._wake_background()
         try:
             return await fut
         except asyncio.CancelledError:
@@ -204,6 +215,7 @@ class EnginePool:
                 acquire.cancel()  # an engine handed to the leaving waiter is given back
                 raise HTTPError(499, "the client went away", code="client_closed_request")
         engine = await acquire
+        t0 = time.monotonic()
         try:
             work = asyncio.wrap_future(self.run(engine, lambda: fn(engine)))
             if gone is not None:
@@ -212,18 +224,63 @@ class EnginePool:
                     cancel.set()
             return await work
         finally:
+            if background:
+                self.background_done(time.monotonic() - t0)
             self.release(engine)
 
-    def release(self, engine: "Engine") -> None:
-        for waiters in (self._waiters, self._background):  # requests first, background work after
-            while waiters:
-                fut = waiters.popleft()
+    def background_allowed(self, now: float) -> bool:
+        """Whether background work may start a slice now: always when no request took an engine since its
+        last slice started (the engines are otherwise idle), else once that slice's time, scaled to
+        `background_share`, has passed (a share of 0.25: a 0.2 s slice, then 0.6 s for requests).
+        Without it, background work took the engine at every instant no request happened to wait
+        (between an agent's turns) and an embeddings flood took most of it: 8 agents' p95 time to first
+        token 2.5x (`bench/hostile.py`)."""
+        return not self._fg_seen or now >= self._bg_next
+
+    def background_done(self, seconds: float) -> None:
+        """A background slice ran ``seconds``: the next one waits its share (`background_allowed`)."""
+        share = min(max(self.background_share, 0.01), 1.0)
+        self._bg_next = time.monotonic() + seconds * (1.0 / share - 1.0)
+
+    def _wake_background(self) -> None:
+        """Hand a free engine to a background waiter once `background_allowed` (a timer until then)."""
+        if self._kick is not None or not self._free or not self._background:
+            return
+        now = time.monotonic()
+        if self.background_allowed(now) and not any(not w.done() for w in self._waiters):
+            while self._background and self._free:
+                fut = self._background.popleft()
                 if not fut.done():
+                    self._fg_seen = False
+                    fut.set_result(self._free.popleft())
+                    return
+            return
+
+        def kick() -> None:
+            self._kick = None
+            self._wake_background()
+
+        self._kick = asyncio.get_running_loop().call_later(max(0.001, self._bg_next - now), kick)
+
+    def release(self, engine: "Engine") -> None:
+        while self._waiters:  # requests first
+            fut = self._waiters.popleft()
+            if not fut.done():
+                self._fg_seen = True
+                fut.set_result(engine)
+                return
+        if self._background and self.background_allowed(time.monotonic()):  # then background work, in its share
+            while self._background:
+                fut = self._background.popleft()
+                if not fut.done():
+                    self._fg_seen = False
                     fut.set_result(engine)
                     return
         with self._released:
             self._free.append(engine)
             self._released.notify_all()
+        if self._background:
+            self._wake_background()
 
     def wait_all_free(self, timeout: float = 60.0) -> bool:
         """Wait (from any thread but the event loop's) until no request holds an engine: a request's
