@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.hostile import bomb_requests
 from graftmem.core.errors import ConfigError
 from graftmem.core.grammar_limits import DEFAULT_GRAMMAR_LIMITS, check_gbnf, check_schema
 from graftmem.memory import validate as check
@@ -118,31 +119,13 @@ def server_process(tmp_path_factory):
             proc.wait(timeout=20)
 
 
-def _doors(schema: dict) -> list[tuple[str, dict]]:
-    """The five doors that build a grammar, each asked for ``schema``."""
-    msg = [{"role": "user", "content": "Hi"}]
-    fn = {"name": "f", "description": "f", "parameters": {"type": "object", "properties": {"x": schema}}}
-    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
-    return [
-        ("/v1/chat/completions", {"model": "m", "max_tokens": 4, "messages": msg, "response_format": fmt}),
-        ("/v1/chat/completions", {"model": "m", "max_tokens": 4, "messages": msg,
-                                  "tools": [{"type": "function", "function": fn}], "tool_choice": "required"}),
-        ("/v1/completions", {"model": "m", "max_tokens": 4, "prompt": "Hi", "response_format": fmt}),
-        ("/v1/responses", {"model": "m", "max_output_tokens": 4, "input": "Hi",
-                           "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}}),
-        ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": msg, "tool_choice": {"type": "any"},
-                          "tools": [{"name": "f", "description": "f", "input_schema": {
-                              "type": "object", "properties": {"x": schema}}}]}),
-    ]
-
-
 @pytest.mark.parametrize("name,schema,keyword", [b for b in BOMBS if b[0] in
                                                  ("maxLength", "maxItems", "pattern", "enum", "nested-pattern")],
                          ids=lambda v: v if isinstance(v, str) else "")
 def test_every_door_answers_a_grammar_bomb_with_a_4xx_and_the_server_lives(server_process, name, schema, keyword):
     proc, url = server_process
     with httpx.Client(base_url=url, timeout=120) as client:
-        for path, body in _doors(schema):
+        for path, body in bomb_requests(schema):  # the five doors that build a grammar
             r = client.post(path, json=body)
             assert proc.poll() is None, f"the server died on {name} through {path}"
             assert r.status_code == 400, (path, r.status_code, r.text[:300])
