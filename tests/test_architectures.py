@@ -127,9 +127,9 @@ def _ask(c: openai.OpenAI, messages, *, cache: bool = True) -> tuple[str, dict]:
     return raw.parse().choices[0].message.content, json.loads(raw.headers[RECEIPT_HEADER])
 
 
-@pytest.mark.parametrize("name", ["granitehybrid", "mamba2", "gpt-oss"])
+@pytest.mark.parametrize("name", ARCHS)
 def test_the_prompt_cache_learns_grafts_after_a_restart_and_warm_starts_exactly(engines, name, tmp_path):
-    """A hybrid (Mamba-2 + attention), a pure recurrent and a windowed MoE model: a conversation's second
+    """Every architecture (hybrids, pure recurrent, windowed MoE, latent attention): a conversation's second
     turn learns the system prompt and turn 1 (captured at each segment's end during the prefill where the
     state cannot be cut: no silent "nothing learned"), the stored system prompt is byte for byte a fresh
     prefill's, a restarted server grafts the chain with the cold request's first logits and answer, and a
@@ -163,5 +163,56 @@ def test_the_prompt_cache_learns_grafts_after_a_restart_and_warm_starts_exactly(
             text, r4 = _ask(c, t3)
             assert r4["source"] == "ram" and r4["tokens_restored"] == autos[1].pos_end, r4
             assert r4["first_logits_sha256"] == cold["first_logits_sha256"] and text == cold_text
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_a_bundle_moves_a_chain_to_another_home_rederived_and_grafts_exactly(engines, name, tmp_path):
+    """Export a block and its chained child, import them into another home with the default
+    re-derivation (every state prefilled again there and compared byte for byte), and ask there: the
+    receipt's first logits are the source's."""
+    eng = engines(name)
+    q = "\nQ: what comes first?\nA:"
+    with Memory(engine=eng, home=tmp_path / "a") as a:
+        block = a.learn(long_text(200, seed=5), name="manual")
+        child = a.learn(" Then the agent checks the ticket.", parent=block.id)
+        want = a.ask(child.id, q, max_tokens=2)
+        a.export(tmp_path / "chain.gmb", [block.id, child.id])
+    with Memory(engine=eng, home=tmp_path / "b") as b:
+        report = b.import_bundle(tmp_path / "chain.gmb")
+        assert {x.id for x in b.get_all()} >= {block.id, child.id}, report
+        assert b.get(child.id).provenance == "rederived"
+        got = b.ask(child.id, q, max_tokens=2)
+        assert got.receipt.first_logits_sha256 == want.receipt.first_logits_sha256
+        assert got.text == want.text
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_a_stored_response_continues_after_a_restart_as_it_does_in_ram(engines, name, tmp_path):
+    """A Responses turn stored as a KV chain (prompt and generated tokens), continued on the same server
+    (its cells in RAM) and, with the same input, on a restarted server on the same home (no warm start):
+    the restarted one grafts the stored chain and computes the same first logits and answer."""
+    eng = engines(name)
+    greedy = {"temperature": 0, "max_output_tokens": 3}
+    store = Store(tmp_path / "home")
+    try:
+        with api_server(store, [eng]) as srv:
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+            instructions = "You help. " + long_text(60, seed=3)
+            r1 = c.responses.create(model="m", instructions=instructions, input="Hi", **greedy)
+            follow = {"model": "m", "instructions": instructions, "input": "And then?",
+                      "previous_response_id": r1.id, **greedy}
+            in_ram = c.responses.create(**follow)
+            ra = in_ram.model_extra["graftmem"]
+            assert ra["response"]["continued"] is True
+            assert srv.openai.wait_idle()
+        with api_server(store, [eng], warm=False) as srv:  # a restart
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+            again = c.responses.create(**follow)
+            rb = again.model_extra["graftmem"]
+            assert rb["source"] == "store" and rb["response"]["chain"] == ra["response"]["chain"], rb
+            assert rb["first_logits_sha256"] == ra["first_logits_sha256"]
+            assert again.output_text == in_ram.output_text
     finally:
         store.close()
