@@ -9,9 +9,7 @@ here is bounded; everything is on 127.0.0.1 and on ports these tests opened."""
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -25,6 +23,8 @@ from bench.hostile import bomb_requests
 from graftmem.core.errors import ConfigError
 from graftmem.core.grammar_limits import DEFAULT_GRAMMAR_LIMITS, check_gbnf, check_schema
 from graftmem.memory import validate as check
+
+from .served import serve_process
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,29 +94,8 @@ def test_a_deeply_nested_grammar_is_refused_before_llama_cpp_parses_it():
 @pytest.fixture(scope="module")
 def server_process(tmp_path_factory):
     """``graftmem serve`` (SmolLM2) in its own process: a crash there is seen as a dead process."""
-    home = tmp_path_factory.mktemp("bombs")
-    env = {**os.environ, "GRAFTMEM_HOME": str(home), "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "graftmem", "serve", "--port", "0", "--no-warm", "--no-learn"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        url = None
-        for _ in range(50):  # bounded: the banner comes within a few lines
-            line = proc.stdout.readline()  # type: ignore[union-attr]
-            if not line:
-                break
-            m = re.search(r"(http://127\.0\.0\.1:\d+)", line)
-            if m:
-                url = m.group(1)
-                break
-        assert url, "the server did not start"
+    with serve_process("--no-warm", "--no-learn", home=tmp_path_factory.mktemp("bombs")) as (proc, url):
         yield proc, url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=20)
 
 
 @pytest.mark.parametrize("name,schema,keyword", [b for b in BOMBS if b[0] in

@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import resource
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,6 +22,8 @@ from graftmem import Memory
 from graftmem.server import api_server
 from graftmem.store.local import Store
 
+from .served import serve_process
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -35,22 +34,8 @@ def _limit_fds() -> None:  # in the server's child process: the limit the red te
 @pytest.fixture
 def blocks_server(tmp_path):
     """``graftmem serve --blocks-only`` (no model: only the HTTP layer) in a process with 256 fds."""
-    env = {**os.environ, "GRAFTMEM_HOME": str(tmp_path / "home"), "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "graftmem", "serve", "--blocks-only", "--port", "0"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            preexec_fn=_limit_fds)
-    try:
-        line = proc.stdout.readline()  # type: ignore[union-attr]
-        m = re.search(r"at (http://127\.0\.0\.1:\d+)", line)
-        assert m, line
-        yield m.group(1)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=20)
+    with serve_process("--blocks-only", home=tmp_path / "home", preexec_fn=_limit_fds) as (_, url):
+        yield url
 
 
 def test_idle_and_slow_header_sockets_do_not_stop_a_normal_client(blocks_server):
