@@ -107,16 +107,10 @@ class _Layer:
     n_embd: int = 0  # transposed V only
 
 
-@dataclass
-class Section:
-    """One KV cache's cells for one sequence: positions, raw meta, and per-layer K/V bytes."""
+class _Cells:
+    """What every section says of its cells, from its structured ``meta`` array (one row a cell)."""
 
-    meta: np.ndarray  # structured _META array, one per cell
-    v_trans: bool = False
-    k: list[_Layer] = field(default_factory=list)
-    v: list[_Layer] = field(default_factory=list)
-
-    kind = "kv"
+    meta: np.ndarray
 
     @property
     def n_cells(self) -> int:
@@ -125,6 +119,18 @@ class Section:
     @property
     def positions(self) -> np.ndarray:
         return self.meta["pos"]
+
+
+@dataclass
+class Section(_Cells):
+    """One KV cache's cells for one sequence: positions, raw meta, and per-layer K/V bytes."""
+
+    meta: np.ndarray  # structured _META array, one per cell
+    v_trans: bool = False
+    k: list[_Layer] = field(default_factory=list)
+    v: list[_Layer] = field(default_factory=list)
+
+    kind = "kv"
 
     @property
     def ext(self) -> bool:
@@ -140,7 +146,7 @@ class Section:
 
 
 @dataclass
-class RecurrentSection:
+class RecurrentSection(_Cells):
     """A recurrent memory's state for one sequence: the cell of its last position and, per recurrent
     layer, the R (convolution window) and S (SSM / delta-net state) rows of that cell. It is the state
     AFTER that position and nothing of earlier ones: it cannot be cut to a shorter prefix."""
@@ -150,14 +156,6 @@ class RecurrentSection:
     r: list[_Layer] = field(default_factory=list)
     s: list[_Layer] = field(default_factory=list)
     kind = "recurrent"
-
-    @property
-    def n_cells(self) -> int:
-        return int(self.meta.shape[0])
-
-    @property
-    def positions(self) -> np.ndarray:
-        return self.meta["pos"]
 
 
 class _Reader:
