@@ -11,6 +11,25 @@ VENV=${GRAFTMEM_VENV:-.venv}
 PY="$VENV/bin/python"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# Debian packages the tests drive (a real browser, a real proxy): "command:package" pairs, installed when the
+# command is missing (root and apt-get, as on the CI machine); elsewhere the tests that need them say what to install
+DEBIAN_NEEDS=(
+)
+
+debian_needs() {
+    local missing=() pair
+    for pair in "${DEBIAN_NEEDS[@]}"; do
+        command -v "${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair#*:}")
+    done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "graftmem: installing Debian packages: ${missing[*]}" >&2
+        apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    else
+        echo "graftmem: not installed (the tests that drive them will be skipped): ${missing[*]}" >&2
+    fi
+}
+
 setup() {
     local stamp="$VENV/.graftmem-installed" want
     want=$(cat pyproject.toml scripts/constraints.txt scripts/dev.sh | sha256sum | cut -c1-16)
@@ -31,7 +50,7 @@ setup() {
     "$PY" -m pip install -q --upgrade pip
     # torch first, pinned to the CPU build, so that nothing later resolves a CUDA build
     "$PY" -m pip install -q -c scripts/constraints.txt torch
-    "$PY" -m pip install -q -c scripts/constraints.txt -e ".[models,router,dev]"
+    "$PY" -m pip install -q -c scripts/constraints.txt -e ".[models,router,mcp,langgraph,agents,dev]"
     echo "$want" > "$stamp"
 }
 
@@ -40,7 +59,7 @@ shift || true
 case "$cmd" in
     setup) setup ;;
     demo) setup; exec "$VENV/bin/graftmem" demo "$@" ;;
-    test) setup
+    test) setup; debian_needs
         # one pytest-xdist worker per core (at most 4), each pinned to its core (tests/conftest.py), whole
         # files per worker (their module fixtures load once); GRAFTMEM_TEST_WORKERS=1 runs serially
         workers=${GRAFTMEM_TEST_WORKERS:-$("$PY" -c "import os; print(min(len(os.sched_getaffinity(0)), 4))")}
