@@ -377,7 +377,7 @@ def serve_check(gpu_layers: int, tmp: Path, n_words: int = 1200) -> dict[str, An
                 if len(answers) <= i:
                     answers.append(text)
                 msgs.append({"role": "assistant", "content": answers[i]})  # every session sends the same turns
-            srv.openai.wait_idle(120)  # type: ignore[attr-defined]  # learned prefixes stored before the restart
+            srv.pipeline.wait_idle(120)  # type: ignore[attr-defined]  # learned prefixes stored before the restart
         return rows
 
     first = session(True)

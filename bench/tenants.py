@@ -44,17 +44,17 @@ def main() -> None:
                     return time.monotonic() - t0, r.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
 
                 ask(keys["alice"], secret)
-                srv.openai.wait_idle()
+                srv.pipeline.wait_idle()
                 rows: dict[str, list[tuple[float, int]]] = {"A's prefix": [], "random prefix": [], "A again": []}
                 for i in range(n):
                     ask(keys["alice"], secret)  # A's cells are in the engine now
                     rows["A's prefix"].append(ask(keys[f"b{i}"], secret))
-                    srv.openai.wait_idle()
+                    srv.pipeline.wait_idle()
                     ask(keys["alice"], secret)
                     other = [{"role": "system", "content": "Alice's door code is 7311. " + prose(150, 50 + i)},
                              {"role": "user", "content": "Hi"}]
                     rows["random prefix"].append(ask(keys[f"b{n + i}"], other))
-                    srv.openai.wait_idle()
+                    srv.pipeline.wait_idle()
                     rows["A again"].append(ask(keys["alice"], secret))
         finally:
             store.close()

@@ -146,7 +146,7 @@ def test_the_prompt_cache_learns_grafts_after_a_restart_and_warm_starts_exactly(
             cold_text, cold = _ask(c, t3, cache=False)
             _ask(c, t1)
             text2, _ = _ask(c, t2)  # the cells t1 left end in its answer: reused only where they can be
-            assert srv.openai.wait_idle()
+            assert srv.pipeline.wait_idle()
             autos = sorted(store.list(kind="auto"), key=lambda b: b.metadata["segment"])
             assert [b.metadata["segment"] for b in autos] == [0, 1], autos
         with eng.session():
@@ -206,7 +206,7 @@ def test_a_stored_response_continues_after_a_restart_as_it_does_in_ram(engines, 
             in_ram = c.responses.create(**follow)
             ra = in_ram.model_extra["graftmem"]
             assert ra["response"]["continued"] is True
-            assert srv.openai.wait_idle()
+            assert srv.pipeline.wait_idle()
         with api_server(store, [eng], warm=False) as srv:  # a restart
             c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
             again = c.responses.create(**follow)

@@ -149,7 +149,7 @@ def test_a_template_that_loops_is_stopped_and_health_answers_meanwhile(smol, tmp
 
             t = threading.Thread(target=ask)
             t.start()
-            renders = srv.openai.renders
+            renders = srv.pipeline.renders
             deadline = time.monotonic() + 30
             while not renders.busy() and time.monotonic() < deadline and t.is_alive():
                 time.sleep(0.01)

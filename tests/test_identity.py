@@ -136,7 +136,7 @@ def source(tiny_llama, tmp_path_factory):
             prev = r.json()["id"]
         r = httpx.post(srv.url + "/v1/memory/learn", headers=h, timeout=120, json={"text": long_text(40, seed=24)})
         assert r.status_code == 200, r.text
-        assert srv.openai.wait_idle() and srv.cache.flush(60)
+        assert srv.pipeline.wait_idle() and srv.cache.flush(60)
         st = Store(home)
         ids = kinds_of(st, ids)
         every = sorted(b.id for b in st.list())

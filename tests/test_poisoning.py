@@ -72,7 +72,7 @@ def test_unverified_prefix_is_not_grafted_by_the_server_without_consent(tiny_lla
             c = _client(srv)
             _chat(c)
             _complete(c)
-            assert srv.openai.wait_idle()
+            assert srv.pipeline.wait_idle()
         autos = _wait_autos(store, 2)
         assert len(autos) >= 2
         for b in autos:  # what an unchecked import of the same blocks would have left
@@ -97,7 +97,7 @@ def test_unverified_prefix_is_not_grafted_by_the_server_without_consent(tiny_lla
             assert r.usage.prompt_tokens_details.cached_tokens == 0 and rec["block_id"] is None
             r, rec = _complete(c, CONSENT)
             assert r.usage.prompt_tokens_details.cached_tokens > 0 and rec["provenance"] == PROVENANCE_UNVERIFIED
-            assert srv.openai.wait_idle()
+            assert srv.pipeline.wait_idle()
         # nothing learned on top of an unverified state (its chain would carry the forged cells)
         assert all(b.provenance == PROVENANCE_UNVERIFIED for b in store.list(kind=AUTO_KIND))
 

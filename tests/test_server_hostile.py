@@ -158,7 +158,7 @@ def test_an_8mb_body_does_not_stall_the_event_loop(served, chars, monkeypatch):
     refused on its token count before it is cut into segments. The parse (8 MB) or the tokenization (4 MB)
     is held until /v1/models has answered: on the event loop, that answer could not come (fails so with
     ``OFF_LOOP_BYTES`` raised above the body's size)."""
-    from graftmem.server import openai as openai_routes
+    from graftmem.server import pipeline as openai_routes
 
     srv, _ = served
     if chars == 8_000_000:

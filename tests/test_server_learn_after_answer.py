@@ -88,7 +88,7 @@ def test_next_request_on_the_engine_does_not_wait_for_the_store_step(tiny_llama,
         assert released == [], "the second request waited for the first one's store step"
         assert second.usage.prompt_tokens_details.cached_tokens > 16  # the first request's kept cells
         gate.set()
-        assert srv.openai.wait_idle()
+        assert srv.pipeline.wait_idle()
         assert released and all(released)
         assert store.list(kind="auto")
 

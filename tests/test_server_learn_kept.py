@@ -44,7 +44,7 @@ def test_turn_two_learns_from_the_kept_cells_and_a_restart_grafts_them_exactly(m
             assert r1["tokens_restored"] == 0
             _, r2 = _ask(c, t2)  # the system prompt's second sighting: learned, from the kept cells
             assert r2["source"] == "ram" and r2["tokens_restored"] > 0, r2
-            assert srv.openai.wait_idle()
+            assert srv.pipeline.wait_idle()
             # learned: the system prompt and turn 1's user message with the header but its last token (the
             # prompt's last segment, never learned), both seen twice now
             autos = sorted(store.list(kind="auto"), key=lambda b: b.metadata["segment"])

@@ -228,7 +228,7 @@ def test_chat_template_kwargs_a_template_reads_still_work(srv):
 
 def _rendered(monkeypatch) -> list[str]:
     """What reached the renderers of the chat door (recorded, then rendered as usual)."""
-    from graftmem.server import openai as oa_mod
+    from graftmem.server import pipeline as oa_mod
 
     seen: list[str] = []
     for name in ("template_segments", "render_segments"):

@@ -40,7 +40,7 @@ def test_health_is_public_and_metrics_count_requests_and_tokens(tiny_llama, tmp_
             out = c.chat.completions.create(model="m", max_tokens=3, temperature=0, messages=[
                 {"role": "system", "content": "You are terse. " * 20}, {"role": "user", "content": "Hi"}])
         assert out.usage.prompt_tokens_details.cached_tokens > 0
-        assert srv.openai.wait_idle()  # a request's counters are added when its work ends, after the answer
+        assert srv.pipeline.wait_idle()  # a request's counters are added when its work ends, after the answer
         r = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
@@ -147,13 +147,13 @@ def test_metrics_count_written_blocks_store_grafts_and_refused_blocks(tiny_llama
         assert created > 0
         # the answer is sent before its request hands what it learned to the writer: wait for both
         # (cache.flush alone could return before the hand-over: a race this test lost once in CI)
-        assert srv.openai.wait_idle()
+        assert srv.pipeline.wait_idle()
         # served cold (and nothing kept in RAM), then from the stored block
         c.messages.create(model="m", max_tokens=2, system=system, messages=ask,
                           extra_body={"temperature": 0, "graftmem": {"cache": False}})
         read = c.messages.create(model="m", max_tokens=2, system=system, messages=ask, extra_body={"temperature": 0})
         assert read.model_extra["graftmem"]["source"] == "store"
-        assert srv.openai.wait_idle()  # a request's counters are added when its work ends, after the answer
+        assert srv.pipeline.wait_idle()  # a request's counters are added when its work ends, after the answer
         s = _samples(httpx.get(srv.url + "/metrics", headers={"x-api-key": KEY}).text)
         # the second request learns its user turn (seen twice now) on top of the stored system prompt
         assert s["graftmem_created_tokens_total"] == created + (read.usage.cache_creation_input_tokens or 0)
@@ -161,7 +161,7 @@ def test_metrics_count_written_blocks_store_grafts_and_refused_blocks(tiny_llama
         assert s['graftmem_restore_seconds_total{source="store"}'] > 0
         assert s["graftmem_verify_failures_total"] == 0
         # the block's state damaged on disk: its next graft is refused, the answer served cold
-        assert srv.openai.wait_idle()  # the user turn the read learned: the chain the next request grafts ends there
+        assert srv.pipeline.wait_idle()  # the user turn the read learned: the chain the next request grafts ends there
         blocks = srv.store.list()
         block = next(b for b in blocks if b.id not in {x.parent for x in blocks})  # the chain's leaf
         path = srv.store.path_of(block.id)
@@ -170,7 +170,7 @@ def test_metrics_count_written_blocks_store_grafts_and_refused_blocks(tiny_llama
                           extra_body={"temperature": 0, "graftmem": {"cache": False}})
         cold = c.messages.create(model="m", max_tokens=2, system=system, messages=ask, extra_body={"temperature": 0})
         assert cold.usage.cache_read_input_tokens == 0
-        assert srv.openai.wait_idle()
+        assert srv.pipeline.wait_idle()
         s = _samples(httpx.get(srv.url + "/metrics", headers={"x-api-key": KEY}).text)
         assert s["graftmem_verify_failures_total"] == 1
 
@@ -199,7 +199,7 @@ def test_with_tenants_each_key_reads_its_own_counters_and_the_operator_key_the_s
             out = c.chat.completions.create(model="m", max_tokens=2, temperature=0, messages=[
                 {"role": "system", "content": "You are terse. " * 20}, {"role": "user", "content": "Hi"}])
         assert out.usage.prompt_tokens_details.cached_tokens > 0
-        assert srv.openai.wait_idle()
+        assert srv.pipeline.wait_idle()
         assert httpx.get(srv.url + "/metrics", headers={"x-api-key": "not-a-key-at-all"}).status_code == 401
 
         def read(key: str) -> dict[str, float]:

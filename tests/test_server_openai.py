@@ -81,7 +81,7 @@ def test_grafted_prefix_is_exact_and_survives_a_restart(tiny_llama, home):
             assert cold.choices[0].logprobs.content  # tokens to compare: the model did not stop at once
             first, second = _ask(c), _ask(c)  # two sightings: learned after the second
             assert first.usage.prompt_tokens_details.cached_tokens == 0
-            assert srv.openai.wait_idle()  # the answer comes before the prefix is stored
+            assert srv.pipeline.wait_idle()  # the answer comes before the prefix is stored
             kinds = {b.kind for b in store.list()}
             assert kinds == {"auto"}, kinds
             _ask(c, OTHER)  # another prompt takes the engine's cells: the next request grafts from the store
@@ -223,7 +223,7 @@ def test_eight_concurrent_clients_get_their_own_answers(tiny_llama, home):
                 for t in threads:
                     t.join(timeout=120)
                 assert [got.get(i) for i in range(8)] == alone and any(alone)  # answers with text to compare
-                assert srv.openai.wait_idle(30)
+                assert srv.pipeline.wait_idle(30)
                 # a streamed answer's last chunk is sent just before its engine is handed back
                 assert srv.pool.wait_all_free(30), srv.pool.in_use
         finally:
@@ -244,7 +244,7 @@ def test_full_queue_is_429_and_a_disconnect_frees_the_context(smol, home):
                 c.chat.completions.create(model="m", messages=long, max_tokens=2)
             assert e.value.body["code"] == "queue_full"  # type: ignore[index]
             stream.close()  # the client goes away mid-stream
-            assert srv.openai.wait_idle(30), "the disconnected request's worker is still running"
+            assert srv.pipeline.wait_idle(30), "the disconnected request's worker is still running"
             assert srv.pool.wait_all_free(30), "the disconnected request kept its engine"
             r = c.chat.completions.create(model="m", messages=long, max_tokens=2, temperature=0)
             assert r.choices[0].finish_reason == "length"
@@ -347,7 +347,7 @@ def test_auto_blocks_are_evicted_lru_leaf_first_and_user_blocks_never(smol, home
             # segments: [system] [user, header] [assistant, user, header] [the header's last token], never learned
             _ask(c, convo("apples"), max_tokens=1)   # chained on the user's block: 2 auto blocks
             _ask(c, convo("pears"), max_tokens=1)    # a chain of its own: 3 auto blocks
-            assert srv.openai.wait_idle()  # stored after the answer
+            assert srv.pipeline.wait_idle()  # stored after the answer
             auto = {b.id: b for b in m.store.list(kind="auto")}
             assert len(auto) == 5
             apples_leaf = next(b for b in auto.values() if b.parent in auto and auto[b.parent].parent == manual.id)

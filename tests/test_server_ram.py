@@ -57,13 +57,13 @@ def test_two_engines_each_conversation_finds_its_engine(tmp_path):
                 # each turn after the previous one released its engine (a non-streamed answer is sent just
                 # before that: a client that asks again at once can find only the other engine free)
                 _, ra1 = _ask(c, "tiny-llama31", a[0])
-                assert srv.openai.wait_idle()
+                assert srv.pipeline.wait_idle()
                 _, rb1 = _ask(c, "tiny-llama31", b[0])
-                assert srv.openai.wait_idle()
+                assert srv.pipeline.wait_idle()
                 assert ra1["source"] is None and rb1["source"] is None  # nothing stored, nothing kept yet
                 # B's next turn first: the engine that served A is first in line, the one holding B is chosen
                 b2, rb2 = _ask(c, "tiny-llama31", b[1])
-                assert srv.openai.wait_idle()
+                assert srv.pipeline.wait_idle()
                 a2, ra2 = _ask(c, "tiny-llama31", a[1])
                 for r, rec, prev in ((b2, rb2, rb1), (a2, ra2, ra1)):
                     assert rec["source"] == "ram", rec

@@ -13,7 +13,7 @@ from graftmem import Memory
 from graftmem.core.engine import Engine
 from graftmem.core.prompt import CHATML, GEMMA, detect_format, format_of, template_format
 from graftmem.core.template import ChatTemplate, TemplateError, load_template, model_template
-from graftmem.server import RECEIPT_HEADER, api_server
+from graftmem.server import RECEIPT_HEADER, OpenAIRoutes, api_server
 from graftmem.server.chat import template_segments, tokenize_segments
 from graftmem.server.tools import parse_tools, tools_prompt
 from graftmem.store.local import Store
@@ -154,13 +154,13 @@ def test_server_prompt_is_the_models_template_and_grafts_exact(tiny, tmp_path):
         assert cold.status_code == 200, cold.text
         assert cold.json()["usage"]["prompt_tokens"] == len(expect)
         # the ids the server prefills are the template's, one for one
-        oa = srv.openai
+        oa = srv.pipeline
         texts, _, _ = template_segments(tiny, tpl, CONVO)
         assert [t for seg in tokenize_segments(tiny, texts) for t in seg] == expect
         assert len(texts) >= 3, texts  # cut per message: a conversation's prefix is reusable
         assert RECEIPT_HEADER in cold.headers and oa.template is not None
         first = _post(srv.url, body)
-        assert srv.openai.wait_idle()
+        assert srv.pipeline.wait_idle()
         second = _post(srv.url, body)
         assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         for r in (first, second):
@@ -189,7 +189,7 @@ def test_server_prompt_is_the_models_template_and_grafts_exact(tiny, tmp_path):
         assert bool(notes) == (tiny.family == "phi35"), notes
         # the server's answer path on a canned answer of the family, as generated ids: markers that
         # are control tokens (Gemma 4's <|tool_call>) are read from the ids, not the streamed text
-        check_answer_path(srv.openai, tiny)
+        check_answer_path(OpenAIRoutes(srv.pipeline), tiny)
 
 
 CANNED = {"llama31": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
@@ -204,8 +204,8 @@ def check_answer_path(oa, engine: Engine) -> None:
     from graftmem.server.generate import Result
 
     spec = parse_tools({"tools": TOOLS})
-    if oa.template.uses_tools:
-        spec = dataclasses.replace(spec, fmt=tool_format(oa.template.source))
+    if oa.pipe.template.uses_tools:
+        spec = dataclasses.replace(spec, fmt=tool_format(oa.pipe.template.source))
     ids = engine.tokenize(CANNED[engine.family], add_special=False)
     r = Result(text=engine.detokenize(ids), tokens=ids, logprobs=[], finish_reason="stop", prompt_tokens=1,
                cached_tokens=0, receipt={})
@@ -290,7 +290,7 @@ def test_untrusted_text_stays_text(tmp_path):
             cold = _post(srv.url, {**body, "graftmem": {"cache": False}}).json()
             assert cold["usage"]["prompt_tokens"] == len(ids)
             _post(srv.url, body)
-            assert srv.openai.wait_idle()
+            assert srv.pipeline.wait_idle()
             _post(srv.url, {**body, "graftmem": {"cache": False}})  # the cells go: the next one grafts
             second = _post(srv.url, body).json()
             assert 0 < second["usage"]["prompt_tokens_details"]["cached_tokens"] < len(ids)
@@ -302,7 +302,7 @@ def test_untrusted_text_stays_text(tmp_path):
             for _ in range(2):
                 r = _post(srv.url, {**body, "messages": longer})
                 assert r.status_code == 200
-                assert srv.openai.wait_idle()
+                assert srv.pipeline.wait_idle()
             blocks = srv.store.list()
             assert blocks and not any("Obey me" in b.text for b in blocks)
             assert all(e.tokenize(b.text, add_special=b.parent is None) == list(b.tokens) for b in blocks)

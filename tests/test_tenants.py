@@ -84,10 +84,10 @@ def test_tenant_b_never_reaches_tenant_a_s_prefixes_or_blocks(tiny_llama, key_fi
             assert httpx.get(url + "/v1/models").status_code == 401
             assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer nope-nope-nope"}).status_code == 401
             assert _chat(url, KEYS["alice"])[0] == 0
-            assert srv.openai.wait_idle()
+            assert srv.pipeline.wait_idle()
             n_a, rec_a = _chat(url, KEYS["alice"])  # A's own prefix, learned by its first request
             assert n_a > 0 and rec_a["source"] in ("ram", "store")
-            assert srv.openai.wait_idle()
+            assert srv.pipeline.wait_idle()
             mine = {b.id for b in store.list(kind=AUTO_KIND)}
             size = max(b.state_size for b in store.list(kind=AUTO_KIND))
             srv.cache.max_auto_bytes = 2 * 3 * size  # two tenants: room for about 3 prefixes each
@@ -95,7 +95,7 @@ def test_tenant_b_never_reaches_tenant_a_s_prefixes_or_blocks(tiny_llama, key_fi
             # B sends A's prompt right after A (A's cells are still in the engine): cold, no receipt of A's
             n_b, rec_b = _chat(url, KEYS["bob"])
             assert n_b == 0 and rec_b["block_id"] is None and rec_b["source"] is None
-            assert srv.openai.wait_idle()
+            assert srv.pipeline.wait_idle()
             bobs = {b.id for b in store.list(kind=AUTO_KIND)} - mine
             assert bobs and not bobs & mine  # B learned its own copy, under other ids
             hb = {"Authorization": f"Bearer {KEYS['bob']}"}
@@ -114,7 +114,7 @@ def test_tenant_b_never_reaches_tenant_a_s_prefixes_or_blocks(tiny_llama, key_fi
             # B fills its share: only B's blocks are evicted
             for i in range(6):
                 _chat(url, KEYS["bob"], _other(i))
-                assert srv.openai.wait_idle()
+                assert srv.pipeline.wait_idle()
             left = {b.id for b in store.list(kind=AUTO_KIND)}
             assert mine <= left, "B evicted A's blocks"
             assert len(left - mine) < 6  # B's own were evicted to stay in its share
@@ -165,7 +165,7 @@ def test_a_block_another_tenant_shared_is_no_oracle_on_a_prompt(tiny_llama, tmp_
             hc = {"Authorization": f"Bearer {three['carol']}"}
             # the text of A's first segment (its system turn as the server cuts it): what B would guess
             _chat(url, three["carol"])
-            assert srv.openai.wait_idle() and srv.cache.flush(60)
+            assert srv.pipeline.wait_idle() and srv.cache.flush(60)
             root = next(b for b in store.list(kind=AUTO_KIND) if b.parent is None and b.metadata["tenant"] == "carol")
             guesses = {}
             for name, text in (("right", root.text), ("wrong", root.text.replace("7311", "7312")),
@@ -190,7 +190,7 @@ def test_a_block_another_tenant_shared_is_no_oracle_on_a_prompt(tiny_llama, tmp_
             got = []
             for _ in range(2):  # A's first call learns its own prefix, the second grafts it
                 got.append(_chat(url, KEYS["alice"]))
-                assert srv.openai.wait_idle() and srv.cache.flush(60)
+                assert srv.pipeline.wait_idle() and srv.cache.flush(60)
             # B's side: nothing it can read moved with A's calls
             assert bobs_view() == before
             answers = {n: httpx.delete(url + f"/v1/memory/blocks/{bid}", headers=hb) for n, bid in guesses.items()}

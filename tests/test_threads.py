@@ -211,7 +211,7 @@ def test_a_served_prompt_s_learned_blocks_record_the_one_token_calls_in_their_ce
             msgs = [{"role": "system", "content": long_text(30, seed=3)}, {"role": "user", "content": "Hi there, my friend"},
                     {"role": "assistant", "content": "Hello, how can I help?"}, {"role": "user", "content": "Thanks"}]
             c.chat.completions.create(model="m", messages=msgs, max_tokens=1, temperature=0)
-            assert srv.openai.wait_idle()
+            assert srv.pipeline.wait_idle()
         (segments, first, n_states), = seen
         assert first == 0 and n_states >= 2
         ends = [sum(map(len, segments[:i + 1])) for i in range(len(segments))]

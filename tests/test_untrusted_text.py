@@ -44,7 +44,7 @@ def test_a_user_cannot_forge_a_chatml_turn(smol, tmp_path):
         assert any("special token" in n for n in cold["graftmem"]["template"]["notes"]), cold["graftmem"]
         for _ in range(2):
             warm = _post(srv.url, body).json()
-            assert srv.openai.wait_idle()
+            assert srv.pipeline.wait_idle()
         _post(srv.url, {**body, "graftmem": {"cache": False}})  # the kept cells go: the next one grafts
         warm = _post(srv.url, body).json()
         # the system prompt before the forged message is reused; the forged segment never becomes a block

@@ -6,12 +6,13 @@ given a store, engines and checks, never a [`Memory`][graftmem.Memory]."""
 from .blocks import BlockRoutes, BlockServer
 from .config import ServeConfig
 from .http import Limits
-from .openai import RECEIPT_HEADER, OpenAIRoutes
+from .openai import OpenAIRoutes
+from .pipeline import RECEIPT_HEADER, ChatPipeline
 from .pool import EnginePool, pool_engines
 from .prefix import AUTO_KIND, PrefixCache
 from .rest import MemoryRoutes
 from .service import api_server, bind, block_server
 from .tenants import ApiKeys, hash_key
 
-__all__ = ["AUTO_KIND", "ApiKeys", "BlockRoutes", "BlockServer", "EnginePool", "Limits", "MemoryRoutes", "OpenAIRoutes", "PrefixCache",
+__all__ = ["AUTO_KIND", "ApiKeys", "BlockRoutes", "BlockServer", "ChatPipeline", "EnginePool", "Limits", "MemoryRoutes", "OpenAIRoutes", "PrefixCache",
            "RECEIPT_HEADER", "ServeConfig", "api_server", "bind", "block_server", "hash_key", "pool_engines"]

@@ -45,8 +45,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from ..core import jsontext
-from .http import HTTPError, anthropic_error, guarded, sse
-from .openai import RECEIPT_HEADER, OpenAIRoutes, job_events
+from .http import HTTPError, anthropic_error, guarded, in_band, sse
+from .pipeline import RECEIPT_HEADER, ChatPipeline, job_events
 from .tools import MAX_TOOLS, ToolSpec, ToolStream
 
 if TYPE_CHECKING:
@@ -266,39 +266,40 @@ def _usage(prompt: int, read: int, created: int, output: int) -> dict[str, Any]:
 class AnthropicRoutes:
     """The Anthropic Messages door onto an `OpenAIRoutes`' job pipeline."""
 
-    def __init__(self, oa: OpenAIRoutes) -> None:
-        self.oa = oa
+    def __init__(self, pipe: ChatPipeline) -> None:
+        self.pipe = pipe
 
     def routes(self) -> list[BaseRoute]:
-        home = str(self.oa.store.home)
+        home = str(self.pipe.store.home)
         return [Route("/v1/messages", guarded(self.messages, home), methods=["POST"]),
                 Route("/v1/messages/count_tokens", guarded(self.count_tokens, home), methods=["POST"])]
 
     async def count_tokens(self, request: Request) -> Response:
-        body = await self.oa._parse(request)
-        self.oa.bound(body.get("messages"))  # before translating: the chat door's limits, on the blocks too
-        job, _ = await self.oa.chat_job(request, to_chat(body, count_only=True))
+        body = await self.pipe.read_json(request)
+        self.pipe.bound(body.get("messages"))  # before translating: the chat door's limits, on the blocks too
+        job = await self.pipe.chat_job(request, self.pipe.parse_chat(to_chat(body, count_only=True)))
         return JSONResponse({"input_tokens": sum(len(s) for s in job.segments)})
 
     async def messages(self, request: Request) -> Response:
-        body = await self.oa._parse(request)
+        body = await self.pipe.read_json(request)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise HTTPError(400, "stream must be a boolean")
         marks: list[int] = []
-        self.oa.bound(body.get("messages"))  # before translating: the chat door's limits, on the blocks too
-        job, tools = await self.oa.chat_job(request, to_chat(body, marks=marks), marks)
+        self.pipe.bound(body.get("messages"))  # before translating: the chat door's limits, on the blocks too
+        req = self.pipe.parse_chat(to_chat(body, marks=marks), marks)
+        job, tools = await self.pipe.chat_job(request, req), req.tools
         mid = "msg_" + uuid.uuid4().hex[:24]
         if not stream:
-            result = await self.oa.answer(request, job)
+            result = await self.pipe.answer(request, job)
             if result is None:
                 return Response(status_code=499)
-            receipt = self.oa.receipt(job, result)
-            content, calls = self.oa.split_answer(result, tools)
+            receipt = self.pipe.receipt(job, result)
+            content, calls = self.pipe.split_answer(result, tools)
             blocks: list[dict[str, Any]] = [{"type": "text", "text": content}] if content else []
             blocks += [self._tool_use(c) for c in calls]
             return JSONResponse({
-                "id": mid, "type": "message", "role": "assistant", "model": self.oa.model_id, "content": blocks,
+                "id": mid, "type": "message", "role": "assistant", "model": self.pipe.model_id, "content": blocks,
                 "stop_reason": self._stop_reason(result, calls), "stop_sequence": result.stop_sequence,
                 "usage": self._usage(result), "graftmem": receipt}, headers={RECEIPT_HEADER: json.dumps(receipt)})
         loop = asyncio.get_running_loop()
@@ -309,7 +310,7 @@ class AnthropicRoutes:
                 started.set_result((read, created))
 
         job.on_start = lambda read, created: loop.call_soon_threadsafe(start, read, created)
-        events, done = await self.oa.stream(job)  # a 429 is raised here, before the stream starts
+        events, done = await self.pipe.stream(job)  # a 429 is raised here, before the stream starts
         prompt = sum(len(s) for s in job.segments)
         return StreamingResponse(self._events(mid, prompt, job, tools, events, done, started),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -365,7 +366,7 @@ class AnthropicRoutes:
             await asyncio.wait((started, done), return_when=asyncio.FIRST_COMPLETED)
             read, created = started.result() if started.done() else (0, 0)
             yield _sse("message_start", {"type": "message_start", "message": {
-                "id": mid, "type": "message", "role": "assistant", "model": self.oa.model_id, "content": [],
+                "id": mid, "type": "message", "role": "assistant", "model": self.pipe.model_id, "content": [],
                 "stop_reason": None, "stop_sequence": None, "usage": _usage(prompt, read, created, 0)}})
             async for kind, payload in job_events(events, done):
                 if kind == "delta":
@@ -375,7 +376,7 @@ class AnthropicRoutes:
                 result: "Result" = payload
                 calls: list[dict[str, Any]] = []
                 if held is not None:
-                    content, calls = self.oa.split_answer(result, tools)
+                    content, calls = self.pipe.split_answer(result, tools)
                     if rest := held.rest(result.text, calls):
                         held = None  # what is left is plain text
                         yield text(rest)
@@ -396,14 +397,10 @@ class AnthropicRoutes:
                 yield _sse("message_delta", {"type": "message_delta",
                                              "delta": {"stop_reason": self._stop_reason(result, calls),
                                                        "stop_sequence": result.stop_sequence},
-                                             "usage": self._usage(result), "graftmem": self.oa.receipt(job, result)})
+                                             "usage": self._usage(result), "graftmem": self.pipe.receipt(job, result)})
                 yield _sse("message_stop", {"type": "message_stop"})
                 return
-        except HTTPError as exc:
-            yield _sse("error", anthropic_error(exc))
-        except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
-            log.warning("serve: a streamed /v1/messages request failed: %r", exc)
-            yield _sse("error", {"type": "error", "error": {"type": "api_error",
-                                                            "message": f"internal error ({type(exc).__name__})"}})
+        except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band, in the error map's terms
+            yield _sse("error", anthropic_error(in_band(exc, self.pipe.store.home)))
         finally:
             job.cancel.set()  # a client that went away stops the decode at the next token

@@ -47,7 +47,7 @@ from ..memory.router import embedder_id
 from .http import HTTPError, Limits, client_gone, guarded
 
 if TYPE_CHECKING:
-    from .openai import OpenAIRoutes
+    from .pipeline import ChatPipeline
 
 __all__ = ["EmbeddingRoutes"]
 
@@ -103,22 +103,22 @@ def _inputs(body: dict[str, Any], limits: Limits) -> list[str]:
 class EmbeddingRoutes:
     """``/v1/embeddings`` over the router an `OpenAIRoutes` holds (its body limits and parsing too)."""
 
-    def __init__(self, oa: "OpenAIRoutes") -> None:
-        self.oa = oa
+    def __init__(self, pipe: "ChatPipeline") -> None:
+        self.pipe = pipe
 
     def routes(self) -> list[BaseRoute]:
-        return [Route("/v1/embeddings", guarded(self.embeddings, str(self.oa.store.home)), methods=["POST"])]
+        return [Route("/v1/embeddings", guarded(self.embeddings, str(self.pipe.store.home)), methods=["POST"])]
 
     async def embeddings(self, request: Request) -> Response:
-        body = await self.oa._parse(request)
-        texts = _inputs(body, self.oa.limits)
+        body = await self.pipe.read_json(request)
+        texts = _inputs(body, self.pipe.limits)
         fmt = body.get("encoding_format") or "float"
         if fmt not in ("float", "base64"):
             raise HTTPError(400, "encoding_format must be 'float' or 'base64'", param="encoding_format")
-        if not self.oa.router.available:
+        if not self.pipe.router.available:
             raise HTTPError(400, "this server was started without a router: it has no embedder",
                             param="model", code="embeddings_unavailable")
-        ref = self.oa.router
+        ref = self.pipe.router
         cancel = threading.Event()
 
         rows: list[np.ndarray] = []
@@ -148,7 +148,7 @@ class EmbeddingRoutes:
         try:
             ok = True
             for i, chunk in enumerate(_slices(texts, EMBED_SLICE_CHARS)):
-                ok = await self.oa.pool.on_engine(functools.partial(_on_engine, embed, chunk), gone, cancel,
+                ok = await self.pipe.pool.on_engine(functools.partial(_on_engine, embed, chunk), gone, cancel,
                                                   background=True, admitted=i > 0)
                 if not ok:
                     break

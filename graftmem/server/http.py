@@ -32,7 +32,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..core import jsontext
-from ..core.errors import ConfigError, UnverifiedBlock
+from ..core.errors import (AccessDenied, BlockCorrupted, BlockNotFound, BundleRejected, ClosedError, ConfigError,
+                           EngineError, GraftmemError, IncompatibleBlock, ModelNotFound, StoreFull, StoreLocked,
+                           StoreReadOnly, TransferError, UnverifiedBlock)
 from ..core.grammar_limits import DEFAULT_GRAMMAR_LIMITS, GrammarLimits
 from .tenants import TENANT_STATE, ApiKeys
 
@@ -41,7 +43,7 @@ PUBLIC_PATHS = frozenset({"/health"})
 #: the only paths the operator's metrics key opens (`ApiKeyMiddleware`): counters and store totals
 OPERATOR_PATHS = frozenset({"/metrics", "/v1/info"})
 
-__all__ = ["HTTPError", "Limits", "error_response", "sse", "public_message", "read_body", "body_length",
+__all__ = ["HTTPError", "Limits", "error_response", "status_of", "as_http", "in_band", "sse", "public_message", "read_body", "body_length",
            "ApiKeyMiddleware", "is_block_path", "is_anthropic_path", "anthropic_error", "PUBLIC_PATHS", "OPERATOR_PATHS", "bearer", "guarded", "json_object", "json_depth", "client_gone",
            "off_loop", "OFF_LOOP_BYTES"]
 
@@ -130,6 +132,58 @@ class HTTPError(Exception):
         super().__init__(message)
         self.status, self.message, self.name = status, message, name
         self.param, self.code, self.headers = param, code, headers or {}
+
+
+#: A graftmem error's HTTP status, by what its caller does next (`graftmem.core.errors`): the one map of every
+#: door (block routes, memory REST, OpenAI, Responses, Anthropic, embeddings), most specific class first. The
+#: class travels as the error's name / ``code`` (`graftmem.core.errors.from_response` turns it back).
+_STATUS: tuple[tuple[type[GraftmemError], int], ...] = (
+    (BlockNotFound, 404),        # no such block: list the store, check the id
+    (AccessDenied, 403),         # the key's tenant may not do that
+    (StoreLocked, 503),          # another process holds the store: retry
+    (StoreReadOnly, 503),        # the server's home cannot be written: the operator's to fix
+    (StoreFull, 507),            # the server's disk is full
+    (ClosedError, 503),          # the server is shutting down
+    (ConfigError, 400),          # a wrong argument (UnsupportedFeature too): the caller's to fix
+    (IncompatibleBlock, 400),    # a block of another fingerprint: not for this server
+    (UnverifiedBlock, 400),      # consent missing: re-derive it or allow_unverified
+    (BlockCorrupted, 500),       # a stored block failed its check: the server's store is damaged
+    (BundleRejected, 422),       # a malformed or untrusted upload: nothing was written
+    (TransferError, 502),        # a transfer this server made (a fleet bucket) failed
+    (ModelNotFound, 500),
+    (EngineError, 500),          # llama.cpp refused an operation
+    (GraftmemError, 500),
+)
+
+
+def status_of(exc: GraftmemError) -> int:
+    """The HTTP status of a graftmem error (`_STATUS`)."""
+    return next(status for cls, status in _STATUS if isinstance(exc, cls))
+
+
+def as_http(exc: BaseException, home: Optional[str] = None) -> HTTPError:
+    """Any failure as the refusal a door sends: an `HTTPError` as it is; a graftmem error with its status
+    (`status_of`), its class as name and code and its ``param``; anything else a 500 that names only the
+    exception's class (the caller logs the details). Messages name no local path (`public_message`)."""
+    if isinstance(exc, HTTPError):
+        exc.message = public_message(exc.message, home)
+        return exc
+    if isinstance(exc, GraftmemError):
+        name = type(exc).__name__
+        return HTTPError(status_of(exc), public_message(str(exc), home), name=name,
+                         param=getattr(exc, "param", None), code=name,
+                         headers={"Retry-After": "1"} if isinstance(exc, StoreLocked) else None)
+    return HTTPError(500, f"internal error ({type(exc).__name__}); the server log has the details",
+                     code="internal_error")
+
+
+def in_band(exc: BaseException, home: Any = None) -> HTTPError:
+    """A failure after a stream has started (its status line is sent): `as_http`'s refusal, logged here,
+    for the door to send as its protocol's in-band error event."""
+    err = as_http(exc, None if home is None else str(home))
+    if not isinstance(exc, (HTTPError, GraftmemError)):
+        log.warning("serve: a streamed request failed: %r", exc)
+    return err
 
 
 def is_block_path(path: str) -> bool:
@@ -289,24 +343,19 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 
 def guarded(handler: Handler, home: Optional[str] = None) -> Handler:
-    """``handler`` with `HTTPError` turned into the path's error shape, and any other failure
-    into a 500 whose message names no local path (the details go to the log)."""
+    """``handler`` with every failure turned into the path's error shape (`as_http`: a graftmem error with
+    its own status and type, anything else a 500 naming no local path; the details go to the log)."""
 
     async def run(request: Request) -> Response:
         try:
             return await handler(request)
-        except HTTPError as exc:
-            exc.message = public_message(exc.message, home)
-            return error_response(request.url.path, exc, close=exc.status in (400, 408, 411, 413))
-        except (ConfigError, UnverifiedBlock) as exc:  # a verb's argument check or consent: the caller's to fix
-            return error_response(request.url.path, HTTPError(
-                400, public_message(str(exc), home), name=type(exc).__name__, param=getattr(exc, "param", None),
-                code="invalid_value" if isinstance(exc, ConfigError) else type(exc).__name__))
         except Exception as exc:  # the boundary: nothing escapes as a traceback to the client
-            log.exception("serve: %s %s failed", request.method, request.url.path)
-            return error_response(request.url.path, HTTPError(
-                500, f"internal error ({type(exc).__name__}); the server log has the details",
-                code="internal_error"))
+            err = as_http(exc, home)
+            if not isinstance(exc, (HTTPError, GraftmemError)):
+                log.exception("serve: %s %s failed", request.method, request.url.path)
+            elif err.status >= 500:
+                log.warning("serve: %s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+            return error_response(request.url.path, err, close=isinstance(exc, HTTPError) and err.status in (400, 408, 411, 413))
 
     return run
 

@@ -57,8 +57,8 @@ from ..core.blocks import AUTO_KIND
 from ..memory.verbs import first_untrusted
 from ..store.chain import CALLS_KEY, chain_of
 from .chat import continuation_segments
-from .http import HTTPError, guarded, sse
-from .openai import RECEIPT_HEADER, OpenAIRoutes, job_events
+from .http import HTTPError, guarded, in_band, sse
+from .pipeline import RECEIPT_HEADER, ChatPipeline, ChatRequest, job_events
 from .prefix import Match
 from .tenants import owner_of, tenant_of
 from .tools import MAX_TOOLS, ToolSpec, ToolStream
@@ -428,13 +428,13 @@ class ResponseStore:
 class ResponsesRoutes:
     """The Responses door onto an `OpenAIRoutes`' job pipeline, and the stored responses."""
 
-    def __init__(self, oa: OpenAIRoutes, *, ttl: Optional[float] = DEFAULT_TTL,
+    def __init__(self, pipe: ChatPipeline, *, ttl: Optional[float] = DEFAULT_TTL,
                  clock: Callable[[], float] = time.time) -> None:
-        self.oa = oa
-        self.stored = ResponseStore(oa.store, oa.cache, ttl=ttl, clock=clock)
+        self.pipe = pipe
+        self.stored = ResponseStore(pipe.store, pipe.cache, ttl=ttl, clock=clock)
 
     def routes(self) -> list[BaseRoute]:
-        home = str(self.oa.store.home)
+        home = str(self.pipe.store.home)
         return [Route("/v1/responses", guarded(self.create, home), methods=["POST"]),
                 Route("/v1/responses/{rid}", guarded(self.get, home), methods=["GET"]),
                 Route("/v1/responses/{rid}", guarded(self.delete, home), methods=["DELETE"]),
@@ -480,7 +480,7 @@ class ResponsesRoutes:
 
     # ------------------------------------------------------------------ create
     async def create(self, request: Request) -> Response:
-        body = await self.oa._parse(request)
+        body = await self.pipe.read_json(request)
         stream = body.get("stream") or False
         store = body.get("store", True)
         if not isinstance(stream, bool):
@@ -494,7 +494,7 @@ class ResponsesRoutes:
             raise _bad("instructions", "instructions must be a string on this server", "invalid_value")
         if body.get("input") is None:
             raise _bad("input", "input is required", "missing_required_parameter")
-        self.oa.bound(body["input"], "input")  # first: rendering is quadratic in the messages
+        self.pipe.bound(body["input"], "input")  # first: rendering is quadratic in the messages
         chat = to_chat(body)
         new = turn = items_to_messages(body["input"])  # ``turn``: this request's own messages, as stored
         if not new:
@@ -511,13 +511,15 @@ class ResponsesRoutes:
             block, prec = found
             same = prec.get("system") == instructions and prec.get("tools_key") == _tools_key(chat)
             if same and (chat.get("graftmem") or {}).get("cache", True) is not False:
-                job, tools = await self._continue_job(request, chat, block, instructions, new)
+                job, tools = await self._continue_job(request, self.pipe.parse_chat({**chat, "messages": new}), block,
+                                                      instructions)
                 info = {"previous_response_id": prev_id, "chain": block.id, "chain_tokens": block.pos_end,
                         "continued": True}
             else:
                 history = await asyncio.to_thread(self.stored.history, prec, tenant)
                 system = [{"role": "system", "content": instructions}] if instructions else []
-                job, tools = await self.oa.chat_job(request, {**chat, "messages": system + history + new})
+                req = self.pipe.parse_chat({**chat, "messages": system + history + new})
+                job, tools = await self.pipe.chat_job(request, req), req.tools
                 info = {"previous_response_id": prev_id, "chain": None, "continued": False,
                         "why": "instructions or tools differ from the stored response's (or graftmem.cache is "
                                "false): the conversation was re-rendered from its items"}
@@ -526,14 +528,15 @@ class ResponsesRoutes:
             if system and new[0]["role"] == "system":
                 new = [{"role": "system", "content": f"{instructions}\n\n{new[0]['content']}"}, *new[1:]]
                 system = []
-            job, tools = await self.oa.chat_job(request, {**chat, "messages": system + new})
+            req = self.pipe.parse_chat({**chat, "messages": system + new})
+            job, tools = await self.pipe.chat_job(request, req), req.tools
         job.extra = {**(job.extra or {}), "response": info} if info else job.extra
         created = int(time.time())
         obj = self._object(rid, created, body, instructions, store)
         input_items = self._input_items(rid, body["input"])
         record_base = {"id": rid, "created_at": self.stored.clock(), "input_items": input_items,
                        "previous_response_id": prev_id, "system": instructions, "tools_key": _tools_key(chat)}
-        job.capture_end = store and self.oa.cache is not None
+        job.capture_end = store and self.pipe.cache is not None
         state: dict[str, Any] = {}
 
         def on_end(result: "Result", end: Optional["EndState"]) -> None:
@@ -551,37 +554,37 @@ class ResponsesRoutes:
 
         job.on_end = on_end
         if not stream:
-            result = await self.oa.answer(request, job)
+            result = await self.pipe.answer(request, job)
             if result is None:
                 return Response(status_code=499)
             final = state.get("final") or self._complete(obj, result, tools, job)
             return JSONResponse(final, headers={RECEIPT_HEADER: json.dumps(final["graftmem"])})
-        events, done = await self.oa.stream(job)  # a 429 is raised here, before the stream starts
+        events, done = await self.pipe.stream(job)  # a 429 is raised here, before the stream starts
         return StreamingResponse(self._events(obj, job, tools, events, done, state),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def _continue_job(self, request: Request, chat: dict[str, Any], block: "Block", system: Optional[str],
-                            new: list[dict[str, Any]]) -> tuple["Job", Optional[ToolSpec]]:
+    async def _continue_job(self, request: Request, req: ChatRequest, block: "Block",
+                            system: Optional[str]) -> tuple["Job", Optional[ToolSpec]]:
         """The job of a turn that continues a stored response: its chain's blocks are the prompt's first
-        segments (grafted, or kept in RAM), the continuation (`continuation_segments`) the rest."""
-        oa = self.oa
-        tools = oa.tool_spec(chat)
+        segments (grafted, or kept in RAM), the continuation of ``req.messages`` (`continuation_segments`)
+        the rest."""
+        pipe, tools = self.pipe, req.tools
 
         def build() -> tuple[list[Any], list[str], list[list[int]]]:
-            chain = chain_of(oa.store, block)
-            texts, segs = continuation_segments(oa.engine0, oa.template, oa.fmt, system, new, tools,
-                                                cache=oa.tokens, pool=oa.renders)
+            chain = chain_of(pipe.store, block)
+            texts, segs = continuation_segments(pipe.engine0, pipe.template, pipe.fmt, system, req.messages, tools,
+                                                cache=pipe.tokens, pool=pipe.renders)
             return chain, texts, segs
 
-        chain, texts, segs = await oa.budgeted(build)
+        chain, texts, segs = await pipe.budgeted(build)
         if not segs:
             raise _bad("input", "input renders as nothing to add to the conversation", "invalid_value")
-        job = await oa._job(chat, [list(b.tokens) for b in chain] + segs, [b.text for b in chain] + texts, chat=True,
-                            tools=tools)
+        job = await pipe.job(req.options, [list(b.tokens) for b in chain] + segs, [b.text for b in chain] + texts,
+                             chat=True, tools=tools)
         job.tenant = tenant_of(request.scope)
         job.base = Match(block, len(chain), block.pos_end, tuple(chain), first_untrusted(chain))
-        if oa.cache is not None:
-            oa.cache.touch([b.id for b in chain])
+        if pipe.cache is not None:
+            pipe.cache.touch([b.id for b in chain])
         return job, tools
 
     # ------------------------------------------------------------------ formatting
@@ -590,7 +593,7 @@ class ResponsesRoutes:
         fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
         return {"id": rid, "object": "response", "created_at": created, "status": "in_progress", "error": None,
                 "incomplete_details": None, "instructions": instructions,
-                "max_output_tokens": body.get("max_output_tokens"), "model": self.oa.model_id, "output": [],
+                "max_output_tokens": body.get("max_output_tokens"), "model": self.pipe.model_id, "output": [],
                 "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
                 "previous_response_id": body.get("previous_response_id"), "reasoning": {"effort": None, "summary": None},
                 "store": store, "temperature": body.get("temperature", 1.0), "text": {"format": fmt or {"type": "text"}},
@@ -613,11 +616,11 @@ class ResponsesRoutes:
         return out
 
     def _output(self, rid: str, result: "Result", tools: Optional[ToolSpec]) -> list[dict[str, Any]]:
-        content, calls = self.oa.split_answer(result, tools)
+        content, calls = self.pipe.split_answer(result, tools)
         status = "incomplete" if result.finish_reason == "length" else "completed"
         items: list[dict[str, Any]] = []
         thought = None
-        if content and self.oa.template is not None and "</think>" in content:
+        if content and self.pipe.template is not None and "</think>" in content:
             thought, content = split_reasoning(content)
             content = content.strip() or None
         if content or not calls:
@@ -641,7 +644,7 @@ class ResponsesRoutes:
                         "input_tokens_details": {"cached_tokens": result.cached_tokens},
                         "output_tokens": len(result.tokens), "output_tokens_details": {"reasoning_tokens": 0},
                         "total_tokens": result.prompt_tokens + len(result.tokens)}
-        out["graftmem"] = self.oa.receipt(job, result)
+        out["graftmem"] = self.pipe.receipt(job, result)
         return out
 
     @staticmethod
@@ -723,10 +726,8 @@ class ResponsesRoutes:
                 kind_done = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
                 yield ev(kind_done, response=final)
                 return
-        except HTTPError as exc:
-            yield ev("error", code=exc.code, message=exc.message, param=exc.param)
-        except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
-            log.warning("serve: a streamed response failed: %r", exc)
-            yield ev("error", code="internal_error", message=f"internal error ({type(exc).__name__})", param=None)
+        except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band, in the error map's terms
+            err = in_band(exc, self.pipe.store.home)
+            yield ev("error", code=err.code, message=err.message, param=err.param)
         finally:
             job.cancel.set()

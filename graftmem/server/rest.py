@@ -39,13 +39,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from ..core.blocks import Block, Scope
-from ..core.errors import (AccessDenied, BlockNotFound, ConfigError, GraftmemError, IncompatibleBlock, StoreLocked,
-                           UnverifiedBlock)
 from ..memory import validate as check
 from ..memory.access import Access, owner_of, reserved_metadata
 from ..memory.verbs import MemoryVerbs
 from ..store.scopes import ScopeIndex
-from .http import HTTPError, Limits, client_gone, guarded, json_object, off_loop, public_message, read_body
+from .http import HTTPError, Limits, client_gone, guarded, json_object, off_loop, read_body
 from .pool import EnginePool
 from .routing import RouterRef
 from .tenants import tenant_of
@@ -105,7 +103,7 @@ class MemoryRoutes:
         return Access(self.store, tenant_of(request.scope), scopes=self.scopes)
 
     def routes(self) -> list[BaseRoute]:
-        g = lambda h: guarded(self._translated(h), self.home)  # noqa: E731
+        g = lambda h: guarded(h, self.home)  # noqa: E731  (graftmem errors: `http.status_of`, the one map)
         return [Route("/v1/memory/blocks", g(self.list), methods=["GET"]),
                 Route("/v1/memory/blocks/{bid}", g(self.get), methods=["GET"]),
                 Route("/v1/memory/blocks/{bid}", g(self.delete), methods=["DELETE"]),
@@ -113,19 +111,6 @@ class MemoryRoutes:
                 Route("/v1/memory/search", g(self.search), methods=["POST"]),
                 Route("/v1/memory/recall", g(self.recall), methods=["POST"]),
                 Route("/v1/memory/ask", g(self.ask), methods=["POST"])]
-
-    def _translated(self, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
-        """graftmem errors as HTTP statuses (the message without local paths)."""
-        async def run(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except GraftmemError as exc:
-                status = (404 if isinstance(exc, BlockNotFound) else 403 if isinstance(exc, AccessDenied)
-                          else 503 if isinstance(exc, StoreLocked)
-                          else 400 if isinstance(exc, (ConfigError, IncompatibleBlock, UnverifiedBlock)) else 500)
-                raise HTTPError(status, public_message(str(exc), self.home), name=type(exc).__name__,
-                                param=getattr(exc, "param", None), code=type(exc).__name__) from exc
-        return run
 
     async def _body(self, request: Request) -> dict[str, Any]:
         raw = await read_body(request, self.limits.max_body_bytes, self.limits.body_timeout, self.limits)

@@ -18,6 +18,7 @@ from .http import Limits
 from .config import ServeConfig
 from .metrics import Metrics
 from .openai import OpenAIRoutes
+from .pipeline import ChatPipeline
 from .pool import EnginePool
 from .prefix import PrefixCache
 from .responses import ResponsesRoutes
@@ -110,27 +111,27 @@ def api_server(store: "BlockStore", engines: Sequence["Engine"], config: Optiona
     cache = PrefixCache(store, engines[0].fingerprint, min_tokens=cfg.min_prefix_tokens, sightings=cfg.sightings,
                         learn=learn, max_auto_bytes=cfg.max_auto_bytes, auto_storage=cfg.auto_storage, tenants=tenants)
     ref = RouterRef(router)
-    oa = OpenAIRoutes(pool, store, cache, model_id=cfg.model_id, limits=limits, router=ref,
-                      allow_unverified=allow_unverified, chat_template=cfg.chat_template)
-    desks = [oa.desks[id(e)] for e in engines]
-    warmed = warm_engines(desks, cache, allow_unverified=allow_unverified, tokens=oa.tokens,
+    pipe = ChatPipeline(pool, store, cache, model_id=cfg.model_id, limits=limits, router=ref,
+                        allow_unverified=allow_unverified, chat_template=cfg.chat_template)
+    desks = [pipe.desks[id(e)] for e in engines]
+    warmed = warm_engines(desks, cache, allow_unverified=allow_unverified, tokens=pipe.tokens,
                           run=lambda e, fn: pool.run(e, fn).result()) if cfg.warm else []
-    responses = ResponsesRoutes(oa, ttl=cfg.responses_ttl)
+    responses = ResponsesRoutes(pipe, ttl=cfg.responses_ttl)
     responses.stored.sweep()  # what expired while the server was down
     rest = MemoryRoutes(pool, store, ref, limits=limits, shared_learned=cfg.shared_learned)
     metrics = Metrics(pool, store, cache)
-    oa.on_result.append(metrics.served)
+    pipe.on_result.append(metrics.served)
     srv = BlockServer(store, host=host, port=cfg.port, push_token=cfg.push_token, fingerprint=engines[0].fingerprint,
                       sign_key=cfg.sign_key, check=check, api_key=keys, metrics_key=cfg.metrics_key, limits=limits,
-                      extra=oa.routes() + responses.routes() + AnthropicRoutes(oa).routes() + EmbeddingRoutes(oa).routes()
+                      extra=OpenAIRoutes(pipe).routes() + responses.routes() + AnthropicRoutes(pipe).routes() + EmbeddingRoutes(pipe).routes()
                       + rest.routes(),
                       metrics=metrics, runner=runner)
-    srv.pool, srv.cache, srv.openai, srv.warm = pool, cache, oa, warmed  # type: ignore[attr-defined]
+    srv.pool, srv.cache, srv.pipeline, srv.warm = pool, cache, pipe, warmed  # type: ignore[attr-defined]
     srv.metrics, srv.responses, srv.config = metrics, responses, cfg  # type: ignore[attr-defined]
 
     def forget() -> None:
         # running requests finish (what they learn is stored), bounded like uvicorn's graceful shutdown
-        if not oa.wait_idle(oa.limits.graceful_shutdown):
+        if not pipe.wait_idle(pipe.limits.graceful_shutdown):
             log.warning("serve: closed with requests still running; what they learn may not be stored")
         # the prefixes they learned are written after them (a bounded backlog of local writes, which
         # a loaded machine may take longer than the requests' grace to finish): wait for those too
@@ -144,8 +145,7 @@ def api_server(store: "BlockStore", engines: Sequence["Engine"], config: Optiona
                 pass
         rest.close()
         pool.close()  # the engines' threads end (nothing runs on them any more)
-        if oa.renders is not None:
-            oa.renders.close()  # the render processes end
+        pipe.close()  # the render processes end
 
     srv.on_close.append(forget)
     return srv
