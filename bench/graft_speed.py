@@ -77,7 +77,7 @@ def bench_model(model: str, lengths: list[int], reps: int, home: Path, server_ex
     mem = Memory(model, home=home / model, config=EngineConfig(probe=False, n_ctx=N_CTX, n_batch=N_BATCH,
                                                                n_ubatch=N_UBATCH, n_threads=THREADS))
     eng = mem.engine
-    import llama_cpp  # the pickle peer only; the library itself imports llama_cpp in core/engine.py alone
+    import llama_cpp  # the pickle peer only; the library itself imports llama_cpp in core/backend.py alone
 
     pk_peer = llama_cpp.Llama(str(eng.model_path), n_ctx=eng.n_ctx, n_batch=N_BATCH, n_ubatch=N_UBATCH,
                               flash_attn=True, swa_full=True, n_threads=THREADS, verbose=False)

@@ -3,7 +3,7 @@
 For each model and each setting of `EngineConfig.extra_bufts` (off, the default, and on): the weight
 buffer types llama.cpp chose, prefill and decode speed (interleaved repetitions, medians and spreads),
 and the exactness of a graft (restore + query == fresh prefill + query, SHA-256 of the logits) at the
-given length. The "on" setting is first run in a child process (`graftmem.core.engine.kernel_verdict`):
+given length. The "on" setting is first run in a child process (`graftmem.core.kernels.kernel_verdict`):
 on a host where those kernels crash, its row says so instead of taking this script down.
 
     python -m bench.kernels [--models smollm2 gemma3-270m] [--tokens 512] [--decode 32] [--reps 3]

@@ -6,7 +6,7 @@ has to follow. The rules:
 
 * imports go downward only: core <- store <- memory <- share <- server <- api <- cli / facade;
 * no cycle between modules, whatever the layers;
-* ``llama_cpp`` is imported by ``graftmem.core.engine`` alone;
+* ``llama_cpp`` is imported by ``graftmem.core.backend`` alone;
 * the CLI, the examples and the benches use the public API only: ``graftmem`` and the layer packages'
   documented names, never a private module or an underscored name.
 """
@@ -124,7 +124,7 @@ def test_no_import_cycles():
 def test_llama_cpp_is_imported_in_one_module():
     users = sorted({module_name(p) for p in PKG.rglob("*.py")
                     for target, _ in imports_of(p) if target.split(".")[0] == "llama_cpp"})
-    assert users == ["graftmem.core.engine"]
+    assert users == ["graftmem.core.backend"]
 
 
 #: the modules whose names are public: the facade, the CLI and each layer package's documented exports

@@ -178,13 +178,14 @@ def test_a_rebuilt_library_is_probed_again(monkeypatch):
     """The cached verdicts are keyed by the library files (name, size, content digest): a rebuild that
     fixes a crash is probed again instead of being refused from the cache (what happened on the H200
     host), while a reinstall of the same files keeps them."""
-    from graftmem.core import engine as E
+    from graftmem.core import backend as B
+    from graftmem.core import kernels as K
 
-    libs = E.library_identity()
+    libs = B.library_identity()
     assert any(name.startswith("libllama") for name, _, _ in libs) and all(size > 0 for _, size, _ in libs), libs
     cfg = EngineConfig(n_ctx=512)
-    before = E._kernel_key("0" * 64, cfg, False)
-    monkeypatch.setattr(E, "_LIBS", None)  # computed again from the files: the same key
-    assert E._kernel_key("0" * 64, cfg, False) == before
-    monkeypatch.setattr(E, "_LIBS", [(n, s, "0" * 32 if n.startswith("libggml-cpu") else d) for n, s, d in libs])
-    assert E._kernel_key("0" * 64, cfg, False) != before  # one library rebuilt: other bytes
+    before = K._kernel_key("0" * 64, cfg, False)
+    monkeypatch.setattr(B, "_LIBS", None)  # computed again from the files: the same key
+    assert K._kernel_key("0" * 64, cfg, False) == before
+    monkeypatch.setattr(B, "_LIBS", [(n, s, "0" * 32 if n.startswith("libggml-cpu") else d) for n, s, d in libs])
+    assert K._kernel_key("0" * 64, cfg, False) != before  # one library rebuilt: other bytes

@@ -1,5 +1,5 @@
 """Core: what a block IS and the one engine that makes and grafts it. Pure or engine-only: no store,
-no HTTP, no routing. ``graftmem.core.engine`` is the only module of the package that imports llama_cpp.
+no HTTP, no routing. ``graftmem.core.backend`` is the only module of the package that imports llama_cpp.
 
 Public for advanced use (benches, custom pipelines): [`Engine`][graftmem.Engine] (load, tokenize, prefill, capture,
 restore, logits, [`Engine.session()`][graftmem.Engine.session]), `decode()` and [`Sampling`][graftmem.Sampling] (the one decode loop),
@@ -23,8 +23,10 @@ if TYPE_CHECKING:
                          SampleResult, Scope, SearchHit, StoreStats, VerificationRecord, VerifyReport)
     from .identity import Salts, block_id_for, check_block_id, content_id, incompatibility, salts_of
     from .decoding import Decoded, Sampling, decode
-    from .engine import (Engine, Grammar, KernelVerdict, json_grammar, logits_sha256, probe_kernels, system_report,
-                         threads_per_engine, usable_cores)
+    from .backend import system_report
+    from .engine import Engine, logits_sha256, threads_per_engine, usable_cores
+    from .grammar import Grammar, json_grammar
+    from .kernels import KernelVerdict, probe_kernels
     from .format import state_digest
     from .models import DEFAULT_MODEL, MODELS, resolve_model
     from .progress import progress_bar
@@ -61,11 +63,11 @@ _LAZY: dict[str, tuple[str, str]] = {
     "logits_sha256": (".engine", "logits_sha256"),
     "usable_cores": (".engine", "usable_cores"),
     "threads_per_engine": (".engine", "threads_per_engine"),
-    "system_report": (".engine", "system_report"),
-    "probe_kernels": (".engine", "probe_kernels"),
-    "Grammar": (".engine", "Grammar"),
-    "json_grammar": (".engine", "json_grammar"),
-    "KernelVerdict": (".engine", "KernelVerdict"),
+    "system_report": (".backend", "system_report"),
+    "probe_kernels": (".kernels", "probe_kernels"),
+    "Grammar": (".grammar", "Grammar"),
+    "json_grammar": (".grammar", "json_grammar"),
+    "KernelVerdict": (".kernels", "KernelVerdict"),
     "state_digest": (".format", "state_digest"),
     "DEFAULT_MODEL": (".models", "DEFAULT_MODEL"),
     "MODELS": (".models", "MODELS"),

@@ -1,4 +1,4 @@
-"""The only module that imports ``llama_cpp``: load, tokenize, prefill, capture, restore, logits,
+"""The engine: one llama.cpp context on a loaded model: load, tokenize, prefill, capture, restore, logits,
 fingerprint, exactness probe. Every llama.cpp failure becomes an [`EngineError`][graftmem.EngineError].
 
 Why the low-level API and not ``llama_cpp.Llama``: ``Llama`` keeps an ``n_ctx x n_vocab`` scores
@@ -13,166 +13,55 @@ drags that array along). Grafting needs exactly four primitives, used directly:
 The per-sequence state API is used rather than the whole-context one: a whole-context restore resets
 the cache head to 0 and the next tokens can land on cells that masked positions still occupy (see
 docs/exactness.md for the measurements on Gemma 3).
+
+Its neighbours, split by idea: `graftmem.core.backend` (the only importer of ``llama_cpp``: the library,
+its log, the shared weights), `graftmem.core.kernels` (the child-process kernel probe and the
+``extra_bufts`` rule), `graftmem.core.grammar` (grammar samplers and JSON-schema grammars). Their
+public names are re-exported here, so ``from graftmem.core.engine import Grammar`` keeps working.
 """
+
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import ctypes
 import hashlib
 import json
 import logging
 import os
-import re
-import signal
-import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, TypeVar
 
-import blake3
 import numpy as np
 
-import llama_cpp
-from llama_cpp import llama_cpp as C
-from pydantic import BaseModel, ConfigDict
-
-from .blocks import EXTRA_BUFTS_ENV, FORMAT_VERSION, EngineConfig, Exactness, Fingerprint
+from .backend import C, KV_TYPES, file_sha256, init_backend, library_identity, llama_build, llama_cpp_version
+from .backend import _LoadedModel as _LoadedModel  # re-exported: tests count the loaded models
+from .backend import _backend_of, _cpu_features
+from .backend import _weight_buffers as _weight_buffers  # re-exported: tests read load logs with it
+from .backend import system_report
+from .blocks import FORMAT_VERSION, EngineConfig, Exactness, Fingerprint
 from .errors import ClosedError, ConfigError, EngineError
-from .grammar_limits import DEFAULT_GRAMMAR_LIMITS, GrammarLimits, check_gbnf, check_schema
+from .grammar import Grammar, json_grammar, json_rules
+from .grammar_limits import DEFAULT_GRAMMAR_LIMITS, GrammarLimits
+from .kernels import _CHILD_ENV, _CRASH_ENV, KernelVerdict, _child_stage, _read_verdict, _keep_verdict
+from .kernels import choose_extra_bufts, kernel_verdict, probe_kernels
 from .memkind import MemoryKind
 from .models import model_cache_dir, resolve_model
 
 __all__ = ["Engine", "Grammar", "json_grammar", "json_rules", "logits_sha256", "system_report", "KernelVerdict", "probe_kernels",
-           "threads_per_engine"]
+           "kernel_verdict", "threads_per_engine", "usable_cores"]
 
 log = logging.getLogger("graftmem")
 
 _Buf = TypeVar("_Buf", memoryview, bytearray)  #: where a state capture writes
-_llama_log = logging.getLogger("graftmem.llama")
-
-_KV_TYPES = {
-    "f32": C.GGML_TYPE_F32, "f16": C.GGML_TYPE_F16, "bf16": getattr(C, "GGML_TYPE_BF16", 30),
-    "q8_0": C.GGML_TYPE_Q8_0, "q4_0": C.GGML_TYPE_Q4_0, "q4_1": C.GGML_TYPE_Q4_1,
-    "q5_0": C.GGML_TYPE_Q5_0, "q5_1": C.GGML_TYPE_Q5_1,
-}
-
-_backend_lock = threading.Lock()
-_backend_ready = False
-
-
-#: While a model loads, llama.cpp's log is also collected here (under `_load_lock`): the load log is
-#: the only place llama.cpp names the buffer types it put the weights in.
-_load_log: Optional[list[str]] = None
-_load_lock = threading.Lock()
-
-
-@C.llama_log_callback
-def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    # llama.cpp logs every tensor on load; route it to logging at DEBUG instead of stderr.
-    if _load_log is not None:
-        _load_log.append(text.decode("utf-8", "replace"))
-    if _llama_log.isEnabledFor(logging.DEBUG):
-        _llama_log.debug(text.decode("utf-8", "replace").rstrip())
-
-
-_MODEL_BUFFER = re.compile(r"(\S+)\s+model buffer size\s*=")
-
-
-def _weight_buffers(load_log: Sequence[str]) -> str:
-    """The weight buffer types named in a load log ("load_tensors: CPU_REPACK model buffer size =
-    ..."), "+"-joined and sorted; host memory, mapped or not, is "CPU"."""
-    names = {("CPU" if m.group(1) in ("CPU_Mapped", "CPU") else m.group(1))
-             for m in _MODEL_BUFFER.finditer("".join(load_log))}
-    return "+".join(sorted(names)) or "CPU"
-
-
-def _init_backend() -> None:
-    global _backend_ready
-    with _backend_lock:
-        if not _backend_ready:
-            C.llama_log_set(_log_callback, ctypes.c_void_p(0))
-            C.llama_backend_init()
-            _backend_ready = True
 
 
 def logits_sha256(logits: np.ndarray) -> str:
     """SHA-256 of float32 logits in little-endian byte order: the exactness currency."""
     return hashlib.sha256(np.ascontiguousarray(logits, dtype="<f4").tobytes()).hexdigest()
 
-
-def _file_sha256(path: Path) -> str:
-    """SHA-256 of a GGUF, memoized beside graftmem's model cache by (path, size, mtime)."""
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:32]
-    memo = model_cache_dir() / "sha256" / key
-    try:
-        cached = memo.read_text().strip()
-        if len(cached) == 64:
-            return cached
-    except OSError:
-        pass
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    digest = h.hexdigest()
-    try:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo.with_name(memo.name + f".{os.getpid()}.tmp")
-        tmp.write_text(digest)
-        os.replace(tmp, memo)
-    except OSError:  # a read-only cache only costs a re-hash next time
-        pass
-    return digest
-
-
-def _cpu_features() -> str:
-    info = C.llama_print_system_info().decode("utf-8", "replace")
-    # keep the feature flags, drop volatile parts; the string is stable for one build on one CPU
-    return " ".join(info.split())
-
-
-def _backend_devices() -> list[str]:
-    """The ggml devices this build registered ("CPU: AMD EPYC ...", "CUDA0: NVIDIA H200"), read
-    through ggml's device registry; empty where the shared library does not export it."""
-    try:
-        from llama_cpp._ggml import libggml as G
-
-        G.ggml_backend_dev_count.restype = ctypes.c_size_t
-        G.ggml_backend_dev_get.restype = ctypes.c_void_p
-        G.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-        G.ggml_backend_dev_name.restype = ctypes.c_char_p
-        G.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
-        G.ggml_backend_dev_description.restype = ctypes.c_char_p
-        G.ggml_backend_dev_description.argtypes = [ctypes.c_void_p]
-        out = []
-        for i in range(G.ggml_backend_dev_count()):
-            dev = G.ggml_backend_dev_get(i)
-            out.append(f"{G.ggml_backend_dev_name(dev).decode()}: {G.ggml_backend_dev_description(dev).decode()}")
-        return out
-    except (ImportError, AttributeError, OSError):
-        return []
-
-
-def system_report() -> dict[str, Any]:
-    """What llama.cpp sees on this machine, before any model is loaded (so it can be printed before
-    anything can crash): its CPU feature line, the devices of this build, whether it can offload."""
-    _init_backend()
-    return {"llama_cpp_version": llama_cpp.__version__,
-            "llama_build": C.llama_version().decode() if hasattr(C, "llama_version") else "unknown",
-            "system_info": _cpu_features(), "devices": _backend_devices(),
-            "gpu_offload": bool(C.llama_supports_gpu_offload())}
-
-
-def _backend_of(weight_buffers: str) -> str:
-    """"cpu", or the lower-cased name of the first non-host buffer ("cuda0", "metal") when layers
-    were offloaded."""
-    gpu = [b for b in weight_buffers.split("+") if b not in ("CPU", "CPU_REPACK", "AMX") and not b.startswith("CPU")]
-    return gpu[0].lower() if gpu else "cpu"
 
 
 def usable_cores() -> int:
@@ -194,219 +83,9 @@ def threads_per_engine(n_engines: int, cores: Optional[int] = None) -> int:
     return max(1, (cores or usable_cores()) // n_engines)
 
 
-class _LoadedModel:
-    """One ``llama_model`` (the weights), shared by every engine of this process that loads the same
-    file with the same model parameters, and freed when the last of them closes.
-
-    Why: llama.cpp's contexts only read the model, so a pool of N contexts needs the weights once,
-    not N times (``graftmem serve --engines N`` held N copies). The key is what decides the loaded
-    bytes: the file's path and SHA-256 (a file replaced on disk is loaded anew), the offloaded layers
-    and the weight buffer choice; the context settings (n_ctx, KV types, threads) stay per engine.
-    """
-
-    _open: dict[tuple[str, str, int, bool], "_LoadedModel"] = {}
-    _lock = threading.Lock()
-
-    def __init__(self, key: tuple[str, str, int, bool], ptr: Any, weight_buffers: str) -> None:
-        self.key, self.ptr, self.weight_buffers = key, ptr, weight_buffers
-        self.refs = 1
-
-    @classmethod
-    def acquire(cls, path: Path, model_sha256: str, n_gpu_layers: int, extra_bufts: bool) -> "_LoadedModel":
-        """The loaded model for this key, loading it the first time (under the lock: two engines
-        created at once load it once)."""
-        key = (str(path.resolve()), model_sha256, n_gpu_layers, extra_bufts)
-        with cls._lock:
-            loaded = cls._open.get(key)
-            if loaded is not None:
-                loaded.refs += 1
-                return loaded
-            mparams = C.llama_model_default_params()
-            # CPU unless asked: the CPU backend is the one measured exact; GPU offload is probed (docs/exactness.md)
-            mparams.n_gpu_layers = n_gpu_layers
-            # plain weight buffers unless chosen: llama.cpp's repack/AMX buffers are other kernels, and the
-            # AMX ones crashed the first decode on a Sapphire Rapids VM (docs/exactness.md)
-            mparams.use_extra_bufts = extra_bufts
-            global _load_log
-            load_log: list[str] = []
-            with _load_lock:
-                _load_log = load_log
-                try:
-                    ptr = C.llama_model_load_from_file(str(path).encode(), mparams)
-                finally:
-                    _load_log = None
-            if not ptr:
-                raise EngineError(f"llama.cpp could not load {path}")
-            loaded = cls._open[key] = cls(key, ptr, _weight_buffers(load_log))
-            return loaded
-
-    def release(self) -> None:
-        """One engine fewer on this model; the last one frees the weights."""
-        with self._lock:
-            self.refs -= 1
-            if self.refs == 0:
-                del self._open[self.key]
-                C.llama_model_free(self.ptr)
-
 
 #: The load-time probe's text and rule; a change here must change this, so cached verdicts are not reused.
 _PROBE_VERSION = 1
-
-#: Set in the child process of a kernel probe: that engine decides nothing and spawns no child.
-_CHILD_ENV = "GRAFTMEM_KERNEL_PROBE_CHILD"
-#: Fault injection for the tests of the crash path: the probe child dereferences NULL right before its
-#: first decode (a real SIGSEGV in a real child process), as the AMX kernels did on some Xeons; "on" or
-#: "off" crash only the children probing that weight-buffer choice, any other value every child.
-_CRASH_ENV = "GRAFTMEM_TEST_CRASH_PROBE_CHILD"
-_STAGE = "graftmem-probe-stage"
-_CHILD_TIMEOUT_S = 600.0
-
-
-class KernelVerdict(BaseModel):
-    """What a probe in a child process found for one weight-buffer choice on this build and CPU: whether
-    the first decode ran (a native crash there kills only the child) and whether graft == fresh."""
-
-    model_config = ConfigDict(frozen=True)
-
-    extra_bufts: bool
-    ran: bool
-    exact: bool = False
-    weight_buffers: str = ""
-    reason: str = ""
-    key: str = ""
-
-
-_LIBS: Optional[list[tuple[str, int, str]]] = None
-
-
-def library_identity() -> list[tuple[str, int, str]]:
-    """(name, size, BLAKE3 of the content) of each llama.cpp / ggml shared library this process loaded from.
-
-    Why: the verdicts this module caches on disk (a probe child's crash, the load-time exactness probe)
-    belong to the compiled libraries, and llama.cpp's version string does not change when they are
-    rebuilt with other flags. Measured on an H200 host: a CUDA build that crashed while loading was fixed
-    by a relink (bench/gpu_check.sh), and the crash cached under the old key kept being reported until
-    the cache was deleted by hand. The content, not the file times: a reinstall of the same wheel (a fresh
-    virtual environment, CI's fresh clone) keeps its verdicts (with file times, a fresh clone's suite
-    re-ran every probe: +83 s). Hashed once per process (tens of MB, milliseconds with BLAKE3's threads)."""
-    global _LIBS
-    if _LIBS is None:
-        base = Path(getattr(C, "_base_path", Path(llama_cpp.__file__).parent / "lib"))
-        out: list[tuple[str, int, str]] = []
-        try:
-            for f in sorted(base.iterdir()):
-                if f.name.startswith(("libllama", "libggml", "llama", "ggml")) and f.is_file():
-                    data = f.read_bytes()
-                    out.append((f.name, len(data), blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest()[:32]))
-        except OSError:
-            pass
-        _LIBS = out
-    return _LIBS
-
-
-def _kernel_key(model_sha256: str, config: EngineConfig, extra: bool) -> str:
-    """The verdict cache key: what decides which kernels run (build, the library files, CPU, weights,
-    buffer choice, offload, attention and KV types); n_ctx and threads do not change whether a kernel
-    crashes."""
-    info = system_report()
-    blob = json.dumps({"model": model_sha256, "version": info["llama_cpp_version"], "build": info["llama_build"],
-                       "libraries": library_identity(),
-                       "cpu": info["system_info"], "devices": info["devices"], "extra_bufts": extra,
-                       "n_gpu_layers": config.n_gpu_layers, "flash_attn": config.flash_attn,
-                       "type_k": config.type_k, "type_v": config.type_v, "swa_full": config.swa_full},
-                      sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:32]
-
-
-_V = TypeVar("_V", bound=BaseModel)
-
-
-def _read_verdict(path: Path, kind: type[_V]) -> Optional[_V]:
-    """A verdict kept in the model cache (`kernel_verdict`, `Engine._probe_once`), or None (absent, or
-    unreadable: decided again)."""
-    try:
-        return kind.model_validate_json(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _keep_verdict(path: Path, verdict: BaseModel) -> None:
-    """Write a verdict for the next process, atomically (temp file, rename); a read-only cache only
-    costs deciding it again next time."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(verdict.model_dump_json())
-        os.replace(tmp, path)
-    except OSError:
-        pass
-
-
-def kernel_verdict(model_path: Path, model_sha256: str, config: EngineConfig, extra: bool) -> KernelVerdict:
-    """The cached verdict for these kernels on this machine, probing in a child process the first time.
-
-    Why a child: a kernel that crashes (llama.cpp's AMX weight buffers segfaulted in the first
-    ``llama_decode`` on a Sapphire Rapids VM) takes the whole process down with a bare "Segmentation
-    fault". In a child, the crash becomes a verdict the caller can report with the setting to change.
-    The verdict is cached under the model cache by `_kernel_key`, so a machine pays this once per
-    build, CPU and kernel choice.
-    """
-    key = _kernel_key(model_sha256, config, extra)
-    path = model_cache_dir() / "kernel-probes" / f"{key}.json"
-    cached = _read_verdict(path, KernelVerdict)
-    if cached is not None:
-        return cached
-    child_cfg = config.model_copy(update={"extra_bufts": "on" if extra else "off", "probe": True,
-                                          "n_ctx": min(config.n_ctx, 4096), "n_threads": config.n_threads})
-    env = {**os.environ, _CHILD_ENV: "1"}
-    code = ("import json,sys;from graftmem.core.engine import _probe_child_main;"
-            "_probe_child_main(sys.argv[1],sys.argv[2])")
-    log.info("probing %s weight buffers for %s in a child process (once per build and CPU)",
-             "extra" if extra else "plain", model_path.name)
-    try:
-        proc = subprocess.run([sys.executable, "-c", code, str(model_path), child_cfg.model_dump_json()],
-                              capture_output=True, text=True, env=env, timeout=_CHILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return KernelVerdict(extra_bufts=extra, ran=False, key=key, reason=(
-            f"the probe child did not finish within {_CHILD_TIMEOUT_S:.0f} s"))  # not cached: may be load
-    if proc.returncode == 0:
-        try:
-            out = json.loads(proc.stdout.strip().splitlines()[-1])
-            verdict = KernelVerdict(extra_bufts=extra, ran=True, exact=bool(out["exact"]), key=key,
-                                    weight_buffers=str(out["weight_buffers"]), reason=str(out["reason"]))
-        except (ValueError, KeyError, IndexError):
-            return KernelVerdict(extra_bufts=extra, ran=False, key=key,
-                                 reason=f"the probe child printed no verdict: {proc.stderr[-500:]}")
-    elif proc.returncode < 0:
-        sig = signal.Signals(-proc.returncode).name if -proc.returncode in signal.valid_signals() else proc.returncode
-        stages = [ln.split()[-1] for ln in proc.stdout.splitlines() if ln.startswith(_STAGE)]
-        where = "in its first decode" if stages[-1:] == ["decode"] else "while loading the model (before any decode)"
-        verdict = KernelVerdict(extra_bufts=extra, ran=False, key=key, reason=(
-            f"llama.cpp died with {sig} {where} with "
-            f"{'extra (repacked/AMX)' if extra else 'plain'} weight buffers on this machine"))
-    else:  # a Python error in the child (a bad model, a bad config): not a kernel verdict, not cached
-        tail = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
-        return KernelVerdict(extra_bufts=extra, ran=False, key=key, reason=f"the probe child failed: {tail}")
-    _keep_verdict(path, verdict)
-    return verdict
-
-
-def probe_kernels(model: str | os.PathLike[str] | None, config: EngineConfig | Mapping[str, Any] | None = None,
-                  *, extra_bufts: bool) -> KernelVerdict:
-    """Run (or read the cached verdict of) the child-process kernel probe for a model with llama.cpp's
-    extra weight buffers on or off, without loading the model in this process: what `auto` decides on,
-    and what a bench or `doctor` can ask before choosing."""
-    cfg = EngineConfig.coerce(config)
-    _, path = resolve_model(model)
-    _init_backend()
-    return kernel_verdict(path, _file_sha256(path), cfg, extra_bufts)
-
-
-def _child_stage(stage: str) -> None:
-    """Tell the parent how far the probe child got (a line on the child's stdout, flushed before the
-    step that may crash), so a crash while loading is not reported as a crashing kernel."""
-    sys.stdout.write(f"{_STAGE} {stage}\n")
-    sys.stdout.flush()
 
 
 def _probe_child_main(model_path: str, config_json: str) -> None:
@@ -420,131 +99,6 @@ def _probe_child_main(model_path: str, config_json: str) -> None:
                                      "weight_buffers": eng.fingerprint.weight_buffers}) + "\n")
 
 
-def _setting_hint(value: str) -> str:
-    return (f"EngineConfig(extra_bufts={value!r}), graftmem --config '{{\"extra_bufts\": \"{value}\"}}' "
-            f"or {EXTRA_BUFTS_ENV}={value}")
-
-
-class Grammar:
-    """A llama.cpp grammar sampler over one engine's vocabulary: masks the tokens the grammar forbids.
-
-    Why llama.cpp's sampler: the grammar engine (GBNF, partial UTF-8, lazy triggers) is the one
-    llama-server and llama-cpp-python constrain `response_format` with; graftmem only feeds it the
-    logits of each step and tells it the token picked. It changes which token is *chosen*, never the
-    logits the model computed, so grafts stay exactly as exact (the receipts hash the raw logits).
-    Not thread-safe: one grammar per answer.
-    """
-
-    def __init__(self, engine: "Engine", gbnf: str, root: str = "root",
-                 limits: GrammarLimits = DEFAULT_GRAMMAR_LIMITS) -> None:
-        engine._check()
-        check_gbnf(gbnf, limits)  # llama.cpp's parser recurses per nested group: a deep one kills the process
-        self._smpl = C.llama_sampler_init_grammar(engine._vocab, gbnf.encode("utf-8"), root.encode())
-        if not self._smpl:
-            raise ConfigError(f"llama.cpp could not parse the grammar (root {root!r}); its log says why "
-                              f"(logger graftmem.llama at DEBUG). Grammar starts: {gbnf[:120]!r}")
-        self.gbnf = gbnf
-        self._n = engine.n_vocab
-        self._cands = np.zeros(self._n, dtype=np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")]))
-
-    def mask(self, logits: np.ndarray) -> np.ndarray:
-        """``logits`` with every token the grammar forbids here set to -inf (a new array)."""
-        c = self._cands
-        c["id"] = np.arange(self._n, dtype=np.int32)
-        c["logit"] = logits
-        c["p"] = 0.0
-        arr = C.llama_token_data_array(data=ctypes.cast(c.ctypes.data, ctypes.POINTER(C.llama_token_data)),
-                                       size=self._n, selected=-1, sorted=False)
-        C.llama_sampler_apply(self._smpl, ctypes.byref(arr))
-        out = np.full(self._n, -np.inf, dtype=np.float32)
-        kept = c[: arr.size]
-        out[kept["id"]] = kept["logit"]
-        return out
-
-    def accept(self, token: int) -> None:
-        """Advance the grammar past the token that was picked."""
-        C.llama_sampler_accept(self._smpl, int(token))
-
-    def close(self) -> None:
-        if self._smpl:
-            C.llama_sampler_free(self._smpl)
-            self._smpl = None
-
-    def __del__(self) -> None:  # a forgotten grammar must not leak its sampler
-        with contextlib.suppress(Exception):
-            self.close()
-
-
-def json_grammar(schema: Optional[Mapping[str, Any]] = None, where: str = "schema",
-                 limits: GrammarLimits = DEFAULT_GRAMMAR_LIMITS) -> str:
-    """GBNF for any JSON object (``schema=None``: OpenAI's ``json_object``) or for a JSON schema, with
-    llama.cpp's own schema converter (as llama-cpp-python ships it): the grammars llama-server uses.
-    A schema over ``limits`` is a `ConfigError` naming the keyword's path under ``where``
-    (`graftmem.core.grammar_limits`)."""
-    # an object at the top (schema None), as OpenAI's json_object mode promises
-    return json_rules(schema, "root", where, limits)
-
-
-#: A JSON string's character as llama.cpp's C++ converter (``json-schema-to-grammar.cpp``) writes it.
-_JSON_CHAR = r'[^"\\\x7F\x00-\x1F] | [\\] (["\\bfnrt] | "u" [0-9a-fA-F]{4})'
-_GBNF_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[a-zA-Z0-9-]+|.', re.S)
-
-
-@functools.lru_cache(maxsize=1)
-def _converter(LG: Any) -> type:
-    """llama-cpp-python's schema converter, plus the integer bounds it ignores (``minimum``, ``maximum``
-    and their exclusive forms: `graftmem.core.intrange`, llama.cpp's own converter's digit ranges), so a
-    structured output's ``"age": {"type": "integer", "minimum": 0, "maximum": 150}`` is kept in range by
-    the grammar instead of only by luck."""
-    from .intrange import int_range, integer_bounds
-
-    class Converter(LG.SchemaConverter):
-        def visit(self, schema: Any, name: str) -> str:
-            if isinstance(schema, dict) and schema.get("type") == "integer" and "$ref" not in schema:
-                lo, hi = integer_bounds(schema)
-                if lo is not None or hi is not None:
-                    rule = name + "-" if name in LG.RESERVED_NAMES else name or "root"
-                    return self._add_rule(rule, f"({int_range(lo, hi)}) space")
-            return super().visit(schema, name)
-
-    return Converter
-
-
-def json_rules(schema: Optional[Mapping[str, Any]], name: str, where: str = "schema",
-               limits: GrammarLimits = DEFAULT_GRAMMAR_LIMITS) -> str:
-    """GBNF rules whose rule ``name`` matches the JSON values ``schema`` accepts (None: any object),
-    for a grammar that puts JSON inside other text (a tool call between a model family's markers,
-    `graftmem.core.toolcalls.call_grammar`), as llama.cpp's ``common_grammar_builder.add_schema`` does.
-
-    Why renamed: llama.cpp's converter names the rules of ``$defs`` after their last path element,
-    so two schemas converted by one converter would share a rule named ``Item`` whatever each meant;
-    each schema gets its own converter here, and every rule of it is called ``name`` or ``name-...``,
-    so the rules of several schemas join without a clash. ``name`` is letters, digits and ``-``.
-
-    The schema is checked against ``limits`` first (`graftmem.core.grammar_limits.check_schema`; errors
-    name the keyword's path under ``where``): the converter unrolls repetitions into nested groups."""
-    from llama_cpp import llama_grammar as LG
-
-    if not re.fullmatch(r"[a-zA-Z][a-zA-Z0-9-]*", name):
-        raise ConfigError(f"a grammar rule name is letters, digits and -, got {name!r}")
-    check_schema(schema, where, limits)
-    try:
-        conv = _converter(LG)(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
-        resolved = conv.resolve_refs(json.loads(json.dumps(dict(schema if schema is not None else {"type": "object"}))), "input")
-        conv.visit(resolved, "")
-        rules: dict[str, str] = dict(conv._rules)  # the converter keeps its rules here (name -> body)
-    except Exception as exc:  # the converter raises bare errors on unsupported schema features
-        err = ConfigError(f"{where}: this JSON schema cannot be turned into a grammar: {exc!r:.300}")
-        err.param = where  # type: ignore[attr-defined]
-        raise err from exc
-    if "char" in rules:  # the Python port lets raw control characters into strings (invalid JSON that
-        rules["char"] = _JSON_CHAR  # json.loads refuses); llama.cpp's C++ converter excludes them
-    new = {old: name if old == "root" else f"{name}-{old}" for old in rules}
-
-    def rename(body: str) -> str:  # rule references only: literals and character classes stay as they are
-        return "".join(new.get(t, t) for t in _GBNF_TOKEN.findall(body))
-
-    return "\n".join(f"{new[old]} ::= {rename(body)}" for old, body in sorted(rules.items()))
 
 
 class Engine:
@@ -560,13 +114,13 @@ class Engine:
         self.model_name, self.model_path = resolve_model(model)
         if self.config.n_ubatch > self.config.n_batch:
             raise ConfigError(f"n_ubatch={self.config.n_ubatch} must not exceed n_batch={self.config.n_batch}")
-        _init_backend()
+        init_backend()
         self._lock = threading.RLock()
         self.lock = self._lock  #: hold it to run several steps (restore, prefill, logits) atomically
         self._closed = False
-        model_sha256 = _file_sha256(self.model_path)
+        model_sha256 = file_sha256(self.model_path)
         #: whether llama.cpp's extra weight buffer types are in use (see `EngineConfig.extra_bufts`)
-        self.extra_bufts = self._choose_extra_bufts(model_sha256)
+        self.extra_bufts = choose_extra_bufts(self.model_path, model_sha256, self.config)
         offload = self.config.n_gpu_layers if C.llama_supports_gpu_offload() else 0
         if self.config.n_gpu_layers and not offload:
             log.warning("n_gpu_layers=%d asked, but this llama-cpp-python build has no GPU backend: running on "
@@ -595,8 +149,8 @@ class Engine:
         cp.n_seq_max = 1
         cp.n_threads = threads
         cp.n_threads_batch = threads
-        cp.type_k = _KV_TYPES[self.config.type_k]
-        cp.type_v = _KV_TYPES[self.config.type_v]
+        cp.type_k = KV_TYPES[self.config.type_k]
+        cp.type_v = KV_TYPES[self.config.type_v]
         cp.flash_attn_type = (C.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.config.flash_attn
                               else C.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         cp.swa_full = self.config.swa_full
@@ -624,8 +178,7 @@ class Engine:
         self.kept: Optional[object] = None
         self.fingerprint = Fingerprint(
             model_sha256=model_sha256, model_name=self.model_name,
-            llama_cpp_version=llama_cpp.__version__,
-            llama_build=(C.llama_version().decode() if hasattr(C, "llama_version") else "unknown"),
+            llama_cpp_version=llama_cpp_version(), llama_build=llama_build(),
             n_ctx=self.n_ctx, n_batch=self.config.n_batch, n_ubatch=self.config.n_ubatch,
             type_k=self.config.type_k, type_v=self.config.type_v, flash_attn=self.config.flash_attn,
             swa_full=self.config.swa_full, backend=_backend_of(self.weight_buffers), cpu_features=_cpu_features(),
@@ -651,42 +204,6 @@ class Engine:
             kind = "attention"
         return MemoryKind(arch=arch, kind=kind, n_swa=int(self.n_swa),  # type: ignore[arg-type]
                           latent=f"{arch}.attention.kv_lora_rank" in meta)
-
-    def _choose_extra_bufts(self, model_sha256: str) -> bool:
-        """Resolve `EngineConfig.extra_bufts` and guard the first decode (see `kernel_verdict`).
-
-        ``off``/``on`` are taken as asked; ``auto`` is ``on`` only where a probe child showed the extra
-        buffers decode and graft exactly here. With ``probe`` on, the chosen kernels are first run in a
-        child once per machine, so a crash is reported as an EngineError naming the setting to change.
-        """
-        choice = self.config.extra_bufts
-        if os.environ.get(_CHILD_ENV) or not self.config.probe:
-            return choice == "on"
-        if choice == "auto":
-            trial = kernel_verdict(self.model_path, model_sha256, self.config, True)
-            if trial.ran and trial.exact:
-                return True
-            log.info("extra weight buffers not used: %s", trial.reason or "the probe found them inexact")
-        want = choice == "on"
-        verdict = kernel_verdict(self.model_path, model_sha256, self.config, want)
-        if not verdict.ran and verdict.reason.startswith("llama.cpp died"):
-            if "while loading" in verdict.reason:
-                fix = ("no setting of graftmem avoids a crash while loading; "
-                       + ("a llama.cpp built with CUDA whose libggml-cuda.so exports a static copy of libstdc++ "
-                          "crashes exactly here (measured with CUDA 13.0 and g++ 13.3): rebuild llama-cpp-python "
-                          "with CMAKE_ARGS=\"-DGGML_CUDA=on -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL\" "
-                          "(docs/exactness.md, GPU offload); otherwise " if C.llama_supports_gpu_offload() else "")
-                       + "check the model file (graftmem doctor --model PATH) and report its output")
-            elif want:
-                fix = f"turn them off with {_setting_hint('off')}"
-            else:
-                fix = ("no setting of graftmem avoids it; rebuild llama-cpp-python without -march=native "
-                       "(CMAKE_ARGS=\"-DGGML_NATIVE=OFF\") and report the CPU flags")
-            raise EngineError(f"{verdict.reason} (probed in a child process; verdict cached as "
-                              f"{verdict.key}): {fix}")
-        if not verdict.ran:
-            log.warning("kernel probe inconclusive (%s); loading in this process", verdict.reason)
-        return want
 
     # ----------------------------------------------------------------- sharing the model
     def sibling(self) -> "Engine":

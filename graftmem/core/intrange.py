@@ -2,7 +2,7 @@
 ``maximum`` (and their ``exclusive`` forms) on an ``integer`` mean to a grammar.
 
 Why here: the schema converter graftmem uses (llama-cpp-python's port of llama.cpp's, in
-`graftmem.core.engine.json_rules`) ignores those keywords, so a structured output with
+`graftmem.core.grammar.json_rules`) ignores those keywords, so a structured output with
 ``{"type": "integer", "minimum": 0, "maximum": 150}`` could be ``-1417092716023950`` (seen on a
 random-weight model through pydantic-ai). llama.cpp's own converter (``common/json-schema-to-grammar.cpp``,
 ``build_min_max_int``, MIT) writes the range digit by digit; this is that function, ported line for line
