@@ -19,8 +19,12 @@ between this bench and graftmem's code: it does what the server does (``graftmem
 A mode agrees when content and reasoning (outer whitespace aside) and the tool calls (names, and
 arguments as JSON values) equal llama.cpp's.
 
+Each case also carries llama.cpp's answer, recorded by ``--record``: ``--recorded`` compares with those
+(no build), and a live run reports any case where llama.cpp now answers otherwise. The harness's cold
+build took 20 minutes on a shared 2-core machine (ggml, libllama, llama-common); later runs take seconds.
+
     python -m bench.chat_parity [--cases bench/data/chat_parity_heldout.json] [--seed 0] [--only ID,...]
-                                [--out bench/results/chat_parity.json]
+                                [--recorded | --record] [--out bench/results/chat_parity.json]
 """
 
 from __future__ import annotations
