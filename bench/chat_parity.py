@@ -68,7 +68,7 @@ def graftmem_answer(template_source: str, text: str, tools: Optional[Sequence[Ma
                     chunks: Sequence[int] = (), *, control: Sequence[str] = (),
                     kwargs: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
     """graftmem's chat answer to a model output: ``{"content", "reasoning_content", "tool_calls": [{"name",
-    "arguments"}]}``, as the server builds it (``graftmem/server/openai.py``) for a model served with
+    "arguments"}]}``, as the server builds it (``graftmem/server/openai.py``: ``_final``, ``_sse``; ``pipeline.py``) for a model served with
     its own template ``template_source``, a request with ``tools`` (OpenAI's shape; None: none) and the
     default ``reasoning_format``.
 
@@ -82,12 +82,12 @@ def graftmem_answer(template_source: str, text: str, tools: Optional[Sequence[Ma
     This is the one place that calls graftmem: point it at a new parser when the server uses one."""
     tpl = ChatTemplate(source=template_source)
     spec = parse_tools({"tools": list(tools)} if tools else {})
-    if spec is not None and tpl.uses_tools:  # OpenAIServer.tool_spec
+    if spec is not None and tpl.uses_tools:  # Pipeline.tool_spec (graftmem/server/pipeline.py)
         spec = dataclasses.replace(spec, fmt=tool_format(tpl.source))
     plain = text  # Result.text: the pieces of the generated tokens, control tokens empty
     for marker in control:
         plain = plain.replace(marker, "")
-    call_text = plain if spec is None or spec.fmt.name in ("hermes", "qwen-xml") else text  # _call_text
+    call_text = plain if spec is None or spec.fmt.name in ("hermes", "qwen-xml") else text  # Pipeline._call_text
     reasoning = True  # body.get("reasoning_format", "auto") != "none"
 
     if not streamed:  # OpenAIServer._final
