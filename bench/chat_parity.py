@@ -68,9 +68,9 @@ def graftmem_answer(template_source: str, text: str, tools: Optional[Sequence[Ma
                     chunks: Sequence[int] = (), *, control: Sequence[str] = (),
                     kwargs: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
     """graftmem's chat answer to a model output: ``{"content", "reasoning_content", "tool_calls": [{"name",
-    "arguments"}]}``, as the server builds it (``graftmem/server/openai.py``: ``_final``, ``_sse``; ``pipeline.py``) for a model served with
-    its own template ``template_source``, a request with ``tools`` (OpenAI's shape; None: none) and the
-    default ``reasoning_format``.
+    "arguments"}]}``, as the server builds it (``graftmem/server/openai.py``: ``_final``, ``_sse``; the
+    steps they call in ``pipeline.py``) for a model served with its own template ``template_source``, a
+    request with ``tools`` (OpenAI's shape; None: none) and the default ``reasoning_format``.
 
     ``text``: the output with every marker written out (what llama.cpp's parser reads). ``control``: the
     markers that are control tokens in the model's vocabulary: the engine's streamed text leaves them out
