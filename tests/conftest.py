@@ -56,6 +56,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda it: rank.get(it.path.name, len(rank)))  # stable: test order inside a file kept
 
 
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The files tests kept as artifacts (``record_property("artifact", path)``: the /ui page's screenshots),
+    listed at the end of the run; under pytest-xdist too (a report's properties travel with it)."""
+    paths = [v for key in ("passed", "failed") for rep in terminalreporter.getreports(key)
+             for k, v in getattr(rep, "user_properties", ()) if k == "artifact"]
+    if paths:
+        terminalreporter.section("test artifacts")
+        for p in dict.fromkeys(paths):
+            terminalreporter.write_line(str(p))
+
+
 from graftmem import Memory  # noqa: E402
 from graftmem.core.engine import Engine  # noqa: E402
 

@@ -213,12 +213,13 @@ GRAFT_FUNCTIONS = {
     "graftmem.memory.pager.document": {"recall_document"},
     "graftmem.memory": {"ask", "graft", "answer_graft_way", "answer_text_way", "prefill_and_store",
                         "answer", "recall", "learn", "recall_document"},
+    "graftmem.memory.exactness": {"verify_block", "graft_logits", "graft_in_new_process"},
     "graftmem.store.chain": {"load_state"},
     "graftmem.store": {"load_state"},
 }
 #: a door may not restore state into an engine itself either
 ENGINE_GRAFT_CALLS = {"restore"}
-DOORS = sorted([*(PKG / "server").glob("*.py"), PKG / "api" / "memory.py"])
+DOORS = sorted([*(PKG / "server").rglob("*.py"), PKG / "api" / "memory.py"])  # server/ui/ too
 
 
 def graft_reaches(path: Path) -> list[str]:

@@ -91,6 +91,8 @@ def test_readme_install_from_a_clone_runs_the_quickstart_in_a_fresh_venv(tmp_pat
     names = info["record"]
     assert "graftmem/py.typed" in names and any(n.endswith("licenses/LICENSE") for n in names), names
     assert "graftmem/core/engine.py" in names and not any(n.startswith("tests/") for n in names)
+    # the /ui page's files ship in the package (package-data): `serve --ui` fetches nothing at run time
+    assert {f"graftmem/server/ui/static/{n}" for n in ("index.html", "ui.js", "ui.css")} <= set(names), names
 
 
 #: the installed graftmem: where it imports from, whether pip installed it editable, its RECORD

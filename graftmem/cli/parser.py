@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--shared-learned", action="store_true",
                     help="with --api-key-file: blocks a tenant learns through REST are shared with every tenant "
                          "unless it sends \"shared\": false (default: its own unless it sends \"shared\": true)")
+    sp.add_argument("--ui", action="store_true",
+                    help="serve the web page /ui: the blocks, chains, conversations, verify, router hits and "
+                         "metrics, behind the same API keys (docs/ui.md)")
     sp.add_argument("--blocks-only", action="store_true",
                     help="serve block sharing only: no model is loaded, no OpenAI API")
     sp.add_argument("--engines", type=int, default=1, help="engine contexts (requests decoded at once)")

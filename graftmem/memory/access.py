@@ -148,6 +148,11 @@ class Access:
                     and all(b.metadata.get(k) == v for k, v in want.items()))
         return allow
 
+    def scopes_of(self, block: Block) -> builtins.list[Scope]:
+        """The scopes that own ``block`` as this requester may know them: its tenant's rows only (another
+        tenant's ``user_id`` of a shared block is that tenant's business); the operator's view: every row."""
+        return self.scopes().owners(block.id, self.scope_tenant)
+
     def list(self, kind: Optional[str] = None, scope: Optional[Scope] = None,
              filters: Optional[Mapping[str, Any]] = None) -> list[Block]:
         """The blocks of ``kind`` this requester sees within ``scope`` (and ``filters``)."""

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Literal, Sequence
 
 import numpy as np
 
-from ..core.blocks import SampleResult, VerifyReport
+from ..core.blocks import SampleResult, VerificationRecord, VerifyReport
 from ..core.engine import logits_sha256
 from ..core.errors import ConfigError, EngineError
 from ..store.chain import load_state, segments
@@ -41,8 +41,10 @@ from ..store.chain import load_state, segments
 if TYPE_CHECKING:
     from ..core.engine import Engine
     from ..store.protocol import BlockStore
+    from ..store.scopes import ScopeIndex
 
-__all__ = ["sample_queries", "kl_divergence", "graft_logits", "verify_block", "graft_in_new_process"]
+__all__ = ["sample_queries", "kl_divergence", "graft_logits", "verify_block", "graft_in_new_process",
+           "record_verification"]
 
 _WORDS = ("what when where which how why explain list name give the first last step rule value "
           "code answer because therefore next then total number page line word").split()
@@ -144,6 +146,19 @@ def verify_block(engine: "Engine", store: "BlockStore", block_id: str, *, sample
         mean_kl=float(np.mean(kls)) if kls else 0.0, argmax_agree=sum(r.argmax_equal for r in rows),
         floor_sha_equal=floor_eq, floor_samples=floor_n, cross_process=xproc,
         exact_engine=eng.exactness.exact, rows=rows)
+
+
+def record_verification(store: "BlockStore", scopes: "ScopeIndex", report: VerifyReport) -> VerificationRecord:
+    """Keep what ``report`` proved: the block's manifest gets it as its ``verification`` (what listings show
+    as ``verified``) and its history a ``verified`` event. One rule for every door that verifies
+    (`Memory.verify`, the server's web page); a read-only store keeps nothing (the record is returned)."""
+    rec = VerificationRecord(samples=report.samples, sha_equal=report.sha_equal, max_kl=report.max_kl,
+                             argmax_agree=report.argmax_agree, ok=report.ok)
+    if not store.read_only:
+        block = store.get(report.block_id)
+        store.set_manifest(block.model_copy(update={"verification": rec}))
+        scopes.record(block.id, "verified", rec.model_dump())
+    return rec
 
 
 def graft_in_new_process(engine: "Engine", store: "BlockStore", block_id: str, queries: list[str]) -> list[str]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
-from ..core.blocks import Block, Recall, SearchHit
+from ..core.blocks import Block, Recall, SearchHit, VerifyReport
 from ..core.decoding import Sampling, check_stops
 from ..core.errors import ConfigError, UnverifiedBlock
 from . import validate as check
@@ -31,6 +31,7 @@ from .access import SHARED_BY_KEY
 from .answer import OnText
 from .answer import ask as ask_block
 from .answer import graft as graft_block
+from .exactness import verify_block
 from .learn import learn as learn_text
 from .pager import recall_document as recall_pages
 from .recall import continuation_for
@@ -126,6 +127,15 @@ class MemoryVerbs:
         inside an ``Engine.session()``. Returns the end position (`graftmem.memory.answer.graft`)."""
         self.consent(block, allow_unverified, chain)
         return graft_block(self._engine, self._store, block, timings)
+
+    def verify(self, block_id: str, *, samples: int = 50, cross_process: bool = True,
+               allow_unverified: bool = False) -> VerifyReport:
+        """Prove graft == fresh prefill of a block on ``samples`` queries (`graftmem.memory.exactness`),
+        after the consent of a graft: a verification grafts the block's bytes, so a block nothing here
+        vouches for is refused unless allowed (`Memory.verify`, the operator's, allows it)."""
+        block = self._store.get(block_id)
+        self.consent(block, allow_unverified)
+        return verify_block(self._engine, self._store, block.id, samples=samples, cross_process=cross_process)
 
     # ------------------------------------------------------------------ verbs
     def learn(self, text: str, **kw: Any) -> tuple[Block, bool]:

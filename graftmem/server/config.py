@@ -51,7 +51,9 @@ class ServeConfig:
     * ``chat_template``: a Jinja file that renders chat requests instead of the GGUF's template;
     * ``shared_learned``: with tenants, blocks learned through REST are shared by default;
     * ``responses_ttl``: seconds a stored ``/v1/responses`` response is kept (None: until evicted);
-    * ``model_id``: the name ``/v1/models`` reports (default: the model's); ``limits``: bounds per request.
+    * ``model_id``: the name ``/v1/models`` reports (default: the model's); ``limits``: bounds per request;
+    * ``ui``: serve the web page ``/ui`` (`graftmem.server.ui`: what the memory holds, behind the same keys);
+      off unless asked for, and only with ``api`` (the page reads the memory's REST routes).
     """
 
     host: str = "127.0.0.1"
@@ -76,6 +78,7 @@ class ServeConfig:
     responses_ttl: Optional[float] = DEFAULT_TTL
     model_id: Optional[str] = None
     limits: Optional[Limits] = None
+    ui: bool = False
 
     def __post_init__(self) -> None:
         check.text("host", self.host)
@@ -107,6 +110,10 @@ class ServeConfig:
                                                     f"until evicted), got {ttl!r:.40}")
         check.text("model_id", self.model_id, optional=True)
         check.instance("limits", self.limits, Limits)
+        check.flag("ui", self.ui)
+        if self.ui and not self.api:
+            raise check._error("ui", "ui=True needs api=True: the page reads the memory's REST routes "
+                                     "(graftmem serve --ui without --blocks-only)")
 
     @classmethod
     def of(cls, config: Optional["ServeConfig"] = None, /, **overrides: Any) -> "ServeConfig":

@@ -38,13 +38,15 @@ from ..core.errors import (AccessDenied, BlockCorrupted, BlockNotFound, BundleRe
 from ..core.grammar_limits import DEFAULT_GRAMMAR_LIMITS, GrammarLimits
 from .tenants import TENANT_STATE, ApiKeys
 
-#: paths the API key does not guard: the health probe (`graftmem.server.metrics`)
-PUBLIC_PATHS = frozenset({"/health"})
+#: paths the API key does not guard: the health probe (`graftmem.server.metrics`), and the web page's
+#: markup and code (`graftmem.server.ui`: no data in them; the page asks for the key and sends it)
+PUBLIC_PATHS = frozenset({"/health", "/ui", "/ui/"})
+PUBLIC_PREFIXES = ("/ui/static/",)
 #: the only paths the operator's metrics key opens (`ApiKeyMiddleware`): counters and store totals
 OPERATOR_PATHS = frozenset({"/metrics", "/v1/info"})
 
 __all__ = ["HTTPError", "Limits", "error_response", "status_of", "as_http", "in_band", "sse", "public_message", "read_body", "body_length",
-           "ApiKeyMiddleware", "is_block_path", "is_anthropic_path", "anthropic_error", "PUBLIC_PATHS", "OPERATOR_PATHS", "bearer", "guarded", "json_object", "json_depth", "client_gone",
+           "ApiKeyMiddleware", "is_block_path", "is_anthropic_path", "anthropic_error", "PUBLIC_PATHS", "PUBLIC_PREFIXES", "OPERATOR_PATHS", "bearer", "guarded", "json_object", "json_depth", "client_gone",
            "off_loop", "OFF_LOOP_BYTES"]
 
 log = logging.getLogger("graftmem")
@@ -296,7 +298,7 @@ async def read_body(request: Request, limit: int, timeout: float, limits: Option
 
 
 class ApiKeyMiddleware:
-    """Every request (but ``/health``) needs ``Authorization: Bearer <key>`` (or ``X-Api-Key``), compared in constant time
+    """Every request (but ``/health`` and the web page's static files, `PUBLIC_PATHS`) needs ``Authorization: Bearer <key>`` (or ``X-Api-Key``), compared in constant time
     (`graftmem.server.tenants.ApiKeys`); the key's tenant goes into the request's scope state, where the
     routes read it (`tenant_of`): the server derives who is asking, the request never says. The block
     push routes also accept their push token there, since a push sends that instead. The operator's
@@ -309,7 +311,7 @@ class ApiKeyMiddleware:
         self.keys = api_key if isinstance(api_key, ApiKeys) else ApiKeys.single(api_key)
 
     def _ok(self, scope: Scope) -> bool:
-        if scope["path"] in PUBLIC_PATHS:  # a load balancer's probe carries no key
+        if scope["path"] in PUBLIC_PATHS or scope["path"].startswith(PUBLIC_PREFIXES):  # a probe, a browser: no key
             return True
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         for given in (bearer(headers), headers.get("x-api-key", "")):

@@ -222,6 +222,13 @@ class PrefixCache:
                 return Match(block, k, sum(len(s) for s in segments[:k]), tuple(chain), untrusted)
         return None
 
+    def used_at(self, block: Block) -> tuple[float, bool]:
+        """When ``block`` was last used, as eviction reads it: (seconds since the epoch, whether this process
+        saw it used: grafted, or learned, here; False: not since the server started, the time is its creation)."""
+        with self._lock:
+            at = self._used.get(block.id)
+        return (at, True) if at is not None else (block.created_at.timestamp(), False)
+
     def touch(self, block_ids: Sequence[str]) -> None:
         """Mark blocks used now (for least-recently-used eviction): a chain grafted without a lookup."""
         now = time.time()
@@ -467,7 +474,7 @@ class PrefixCache:
                 leaves = [b for b in autos.values() if not self.store.children(b.id)]
                 if not leaves:
                     break
-                victim = min(leaves, key=lambda b: self._used.get(b.id, b.created_at.timestamp()))
+                victim = min(leaves, key=lambda b: self.used_at(b)[0])
                 try:
                     self.store.delete(victim.id)
                 except GraftmemError as exc:

@@ -102,8 +102,13 @@ class MemoryRoutes:
         """What this request's tenant may see (`graftmem.memory.access`): the one rule of every door."""
         return Access(self.store, tenant_of(request.scope), scopes=self.scopes)
 
+    def handler(self, h: Callable[[Request], Any]) -> Callable[[Request], Any]:
+        """``h`` as a route of the memory: graftmem errors as HTTP statuses (`http.status_of`, the one map),
+        messages without local paths (the web page's routes, `graftmem.server.ui`, answer the same way)."""
+        return guarded(h, self.home)
+
     def routes(self) -> list[BaseRoute]:
-        g = lambda h: guarded(h, self.home)  # noqa: E731  (graftmem errors: `http.status_of`, the one map)
+        g = self.handler
         return [Route("/v1/memory/blocks", g(self.list), methods=["GET"]),
                 Route("/v1/memory/blocks/{bid}", g(self.get), methods=["GET"]),
                 Route("/v1/memory/blocks/{bid}", g(self.delete), methods=["DELETE"]),

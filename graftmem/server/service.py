@@ -26,6 +26,7 @@ from .rest import MemoryRoutes
 from .routing import RouterRef
 from .runner import ServerThread
 from .tenants import ApiKeys
+from .ui import UiRoutes
 
 if TYPE_CHECKING:
     from ..core.blocks import Fingerprint
@@ -119,12 +120,13 @@ def api_server(store: "BlockStore", engines: Sequence["Engine"], config: Optiona
     responses = ResponsesRoutes(pipe, ttl=cfg.responses_ttl)
     responses.stored.sweep()  # what expired while the server was down
     rest = MemoryRoutes(pool, store, ref, limits=limits, shared_learned=cfg.shared_learned)
+    page = UiRoutes(rest, pool, cache).routes() if cfg.ui else []  # the web page: only when asked for
     metrics = Metrics(pool, store, cache)
     pipe.on_result.append(metrics.served)
     srv = BlockServer(store, host=host, port=cfg.port, push_token=cfg.push_token, fingerprint=engines[0].fingerprint,
                       sign_key=cfg.sign_key, check=check, api_key=keys, metrics_key=cfg.metrics_key, limits=limits,
                       extra=OpenAIRoutes(pipe).routes() + responses.routes() + AnthropicRoutes(pipe).routes() + EmbeddingRoutes(pipe).routes()
-                      + rest.routes(),
+                      + rest.routes() + page,
                       metrics=metrics, runner=runner)
     srv.pool, srv.cache, srv.pipeline, srv.warm = pool, cache, pipe, warmed  # type: ignore[attr-defined]
     srv.metrics, srv.responses, srv.config = metrics, responses, cfg  # type: ignore[attr-defined]

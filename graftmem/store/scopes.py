@@ -122,10 +122,13 @@ class ScopeIndex:
         with self._lock:
             return {r[0] for r in self._db.execute(f"SELECT DISTINCT block_id FROM scopes WHERE {where}", args)}
 
-    def owners(self, block_id: str) -> list[Scope]:
+    def owners(self, block_id: str, tenant: Optional[str] = None) -> list[Scope]:
+        """The scopes that own ``block_id``, oldest first: ``tenant``'s rows (``''``: the operator's own),
+        or every tenant's (None: the operator's view)."""
+        where, args = (f" AND {self._tenant_col} = ?", [tenant]) if tenant is not None else ("", [])
         with self._lock:
-            rows = self._db.execute("SELECT user_id, agent_id, session_id FROM scopes WHERE block_id = ? "
-                                    "ORDER BY added_at", (block_id,)).fetchall()
+            rows = self._db.execute(f"SELECT user_id, agent_id, session_id FROM scopes WHERE block_id = ?{where} "
+                                    "ORDER BY added_at", (block_id, *args)).fetchall()
         return [Scope(user_id=u or None, agent_id=a or None, session_id=s or None) for u, a, s in rows]
 
     # ------------------------------------------------------------------ history
