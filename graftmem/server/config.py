@@ -51,7 +51,9 @@ class ServeConfig:
     * ``chat_template``: a Jinja file that renders chat requests instead of the GGUF's template;
     * ``shared_learned``: with tenants, blocks learned through REST are shared by default;
     * ``responses_ttl``: seconds a stored ``/v1/responses`` response is kept (None: until evicted);
-    * ``model_id``: the name ``/v1/models`` reports (default: the model's); ``limits``: bounds per request.
+    * ``model_id``: the name ``/v1/models`` reports (default: the model's); ``limits``: bounds per request;
+    * ``mounts``: ``(path, ASGI app)`` pairs answered at those paths behind the same keys, for doors built
+      above the server (``serve --mcp`` mounts `graftmem.integrations.mcp.McpDoor` at ``/mcp``).
     """
 
     host: str = "127.0.0.1"
@@ -76,6 +78,7 @@ class ServeConfig:
     responses_ttl: Optional[float] = DEFAULT_TTL
     model_id: Optional[str] = None
     limits: Optional[Limits] = None
+    mounts: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         check.text("host", self.host)
@@ -107,6 +110,10 @@ class ServeConfig:
                                                     f"until evicted), got {ttl!r:.40}")
         check.text("model_id", self.model_id, optional=True)
         check.instance("limits", self.limits, Limits)
+        if not isinstance(self.mounts, tuple) or not all(
+                isinstance(m, tuple) and len(m) == 2 and isinstance(m[0], str) and m[0].startswith("/")
+                and callable(m[1]) for m in self.mounts):
+            raise check._error("mounts", "mounts must be a tuple of (path starting with '/', ASGI app) pairs")
 
     @classmethod
     def of(cls, config: Optional["ServeConfig"] = None, /, **overrides: Any) -> "ServeConfig":
