@@ -17,9 +17,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .agents import GraftmemResponsesModel, GraftmemSession
     from .mcp import McpDoor, build_mcp_server, run_stdio
 
 _LAZY: dict[str, str] = {
+    "GraftmemResponsesModel": ".agents",
+    "GraftmemSession": ".agents",
     "McpDoor": ".mcp",
     "build_mcp_server": ".mcp",
     "run_stdio": ".mcp",
@@ -39,4 +42,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-__all__ = ["McpDoor", "build_mcp_server", "run_stdio"]
+__all__ = ["GraftmemResponsesModel", "GraftmemSession", "McpDoor", "build_mcp_server", "run_stdio"]
