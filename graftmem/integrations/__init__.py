@@ -18,9 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .agents import GraftmemResponsesModel, GraftmemSession
+    from .langgraph import GraftmemCheckpointer, GraftmemStore
     from .mcp import McpDoor, build_mcp_server, run_stdio
 
 _LAZY: dict[str, str] = {
+    "GraftmemCheckpointer": ".langgraph",
+    "GraftmemStore": ".langgraph",
     "GraftmemResponsesModel": ".agents",
     "GraftmemSession": ".agents",
     "McpDoor": ".mcp",
@@ -42,4 +45,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-__all__ = ["GraftmemResponsesModel", "GraftmemSession", "McpDoor", "build_mcp_server", "run_stdio"]
+__all__ = ["GraftmemCheckpointer", "GraftmemResponsesModel", "GraftmemStore", "GraftmemSession", "McpDoor", "build_mcp_server", "run_stdio"]
