@@ -180,3 +180,29 @@ def test_an_agents_sdk_agent_calls_graftmems_mcp_tools(smol, minilm, tmp_path):
     calls = [i for i in result.new_items if type(i).__name__ == "ToolCallItem"]
     assert calls and calls[0].raw_item.name == "search"
     assert block.id in str(result.final_output)  # the tool's answer (its hits), which the agent stopped on
+
+
+def test_graftmem_serve_mcp_answers_at_mcp_behind_its_key(tmp_path):
+    """``graftmem serve --mcp`` (its own process, as an operator starts it): the banner names the door,
+    a client with the key learns and asks through it, a wrong key is refused by the key middleware."""
+    import httpx
+
+    from tests.served import serve_process
+    from tests.tiny import tiny_path
+
+    with serve_process("--mcp", "--api-key", ALICE, "--no-warm", "--model", str(tiny_path("llama31")),
+                       home=tmp_path / "home") as (proc, url):
+        async def run() -> None:
+            async with _http(url, ALICE) as client:
+                assert TOOLS <= {t.name for t in (await client.list_tools()).tools}
+                got = (await client.call_tool("learn", {"text": MANUAL, "name": "refunds"})).structured_content
+                ans = (await client.call_tool("ask", {"block_id": got["block"]["id"], "question": "How long?",
+                                                      "max_tokens": 3})).structured_content
+                assert ans["receipt"]["tokens_restored"] == got["block"]["n_tokens"] > 0
+        asyncio.run(run())
+        wrong = httpx.post(url + "/mcp", headers={"Authorization": f"Bearer {BOB}",
+                                                  "Accept": "application/json, text/event-stream"},
+                           json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
+        assert wrong.status_code == 401
+    banner = proc.stdout.read() if proc.stdout else ""  # type: ignore[union-attr]
+    assert f"{url}/mcp (streamable HTTP" in banner
