@@ -134,3 +134,31 @@ def test_a_graph_resumes_its_thread_grafted_after_a_restart(smol, minilm, tmp_pa
     assert receipt["tokens_prefilled"] == usage["input_tokens"] - receipt["tokens_restored"] < 32  # the new turn only
     assert cold["graftmem"]["tokens_restored"] == 0
     assert second["answer"] == cold["output"][0]["content"][0]["text"]
+
+
+def test_a_thread_whose_stored_chain_is_gone_is_resent_whole(served, tmp_path):
+    """With ``url``, a thread whose last response the server no longer holds comes back without the
+    response ids (ChatOpenAI then sends the whole conversation instead of a previous_response_id that
+    would be a 404); one whose response is there is left as it was."""
+    from langchain_core.messages import AIMessage, HumanMessage
+    from langgraph.graph import START, MessagesState, StateGraph
+
+    _, srv = served
+    kept = httpx.post(srv.url + "/v1/responses", timeout=300, json={
+        "model": "tiny", "input": "Hello", "max_output_tokens": 2, "temperature": 0}).json()["id"]
+
+    def node(state: MessagesState) -> dict:
+        return {}
+
+    g = StateGraph(MessagesState)
+    g.add_node("n", node)
+    g.add_edge(START, "n")
+    saver = GraftmemCheckpointer(tmp_path / "c.json", url=srv.url)
+    graph = g.compile(checkpointer=saver)
+    for thread, rid in (("alive", kept), ("gone", "resp_0000000000000000000000000000dead")):
+        graph.invoke({"messages": [HumanMessage("Hi"), AIMessage("Hello", response_metadata={"id": rid})]},
+                     {"configurable": {"thread_id": thread}})
+    alive = saver.get_tuple({"configurable": {"thread_id": "alive"}}).checkpoint["channel_values"]["messages"]
+    gone = saver.get_tuple({"configurable": {"thread_id": "gone"}}).checkpoint["channel_values"]["messages"]
+    assert alive[-1].response_metadata.get("id") == kept
+    assert "id" not in gone[-1].response_metadata and gone[-1].content == "Hello"
