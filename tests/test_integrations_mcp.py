@@ -206,3 +206,16 @@ def test_graftmem_serve_mcp_answers_at_mcp_behind_its_key(tmp_path):
         assert wrong.status_code == 401
     banner = proc.stdout.read() if proc.stdout else ""  # type: ignore[union-attr]
     assert f"{url}/mcp (streamable HTTP" in banner
+
+
+def test_without_the_mcp_extra_the_cli_says_which_to_install(tmp_path):
+    """``graftmem mcp`` / ``serve --mcp`` where the SDK is missing: one line naming the extra, exit 2."""
+    import subprocess
+
+    code = ("import sys; sys.modules['mcp'] = None\n"  # as if `mcp` were not installed
+            "from graftmem.cli import main\nsys.exit(main(sys.argv[1:]))")
+    for args in (["mcp"], ["serve", "--mcp", "--port", "0"]):
+        proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=tmp_path,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), "GRAFTMEM_HOME": str(tmp_path)}, timeout=120)
+        assert proc.returncode == 2 and "pip install 'graftmem[mcp]'" in proc.stderr, (args, proc.stderr[-500:])
+        assert "Traceback" not in proc.stderr

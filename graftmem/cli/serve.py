@@ -145,8 +145,10 @@ def _mounts(args: argparse.Namespace) -> tuple:
 
     if args.blocks_only:
         raise ConfigError("--mcp needs the memory's routes: drop --blocks-only")
-    from ..integrations import McpDoor
-
+    try:
+        from ..integrations import McpDoor
+    except ImportError as exc:  # the extra is missing: one line naming it, not a traceback
+        raise ConfigError(str(exc)) from None
     return (("/mcp", McpDoor(host=args.host)),)
 
 
