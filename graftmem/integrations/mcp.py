@@ -257,7 +257,8 @@ class McpDoor:
     tool call is forwarded, in-process, to the server's own memory routes with the caller's key headers,
     through the whole app (its key middleware and metrics included): one rule for who sees what, the
     REST routes'. The SDK's session manager needs a running task group, which uvicorn's missing lifespan
-    events never start: the first request starts it in the server's loop (`_started`)."""
+    events never start: the first request starts it in the server's loop (`_started`), and it ends with
+    that loop. One door per server: the SDK's session manager runs once."""
 
     def __init__(self, *, host: str = "127.0.0.1") -> None:
         self.server = build_mcp_server(self._client)
