@@ -26,7 +26,7 @@ async def _turn(url: str, sid: str, text: str, heads) -> tuple[object, dict]:
     """One run of the SDK's Runner on the session ``sid`` (a new session object, as a new process makes)."""
     client = _client(url)
     session = GraftmemSession(sid, client, path=heads)
-    agent = agents.Agent(name="assistant", instructions="Answer in one short sentence.", model=session.model("smollm2"),
+    agent = agents.Agent(name="assistant", instructions="Reply in at most five words.", model=session.model("smollm2"),
                          model_settings=agents.ModelSettings(max_tokens=64, temperature=0))
     result = await agents.Runner.run(agent, text, session=session)
     stored = await client.responses.retrieve(result.raw_responses[-1].response_id)
