@@ -89,6 +89,8 @@ def test_the_store_keeps_items_as_blocks_searched_by_the_router(served):
     assert store.list_namespaces(prefix=("users",)) == [("users", "ana"), ("users", "bo")]
     answer = store.recall(("users", "ana"), "What does Ana drink?", max_tokens=4)
     assert answer["block"]["id"] == block.id and answer["receipt"]["tokens_restored"] == block.n_tokens
+    store.put(("users", "ana"), "city", {"text": "Ana lives in Lisbon near the river.", "topic": "work"})
+    assert store.get(("users", "ana"), "city").value["topic"] == "work"  # same text, a changed field: stored
     store.put(("users", "ana"), "drink", {"text": "Ana switched to coffee.", "topic": "food"})  # a new value
     assert store.get(("users", "ana"), "drink").value["text"] == "Ana switched to coffee."
     assert not any(b.id == block.id for b in mem.get_all())  # the old block went with it

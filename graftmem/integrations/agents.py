@@ -101,6 +101,7 @@ class GraftmemSession:
         self._chains: list[tuple[list[tuple], str]] = []
         self._pending: Optional[str] = None
         self._seen: list[dict[str, Any]] = []  #: the history the head covers, as last read
+        self._read: dict[str, tuple[list[dict[str, Any]], Optional[str]]] = {}  #: response id -> items, previous
 
     # ------------------------------------------------------------------ the heads file
     def _load(self) -> dict[str, Any]:
@@ -133,11 +134,14 @@ class GraftmemSession:
         rid, seen = self.head, set[str]()
         while rid is not None and rid not in seen and len(seen) < 10_000:
             seen.add(rid)
-            resp = await self.client.responses.retrieve(rid)
-            items = [_plain(it) async for it in self.client.responses.input_items.list(rid, order="asc", limit=100)]
-            items += [_as_input(_plain(it)) for it in resp.output if _plain(it).get("type") != "reasoning"]
-            out.append((rid, items))
-            rid = resp.previous_response_id
+            known = self._read.get(rid)  # a stored response never changes: read once per session object
+            if known is None:
+                resp = await self.client.responses.retrieve(rid)
+                items = [_plain(it) async for it in self.client.responses.input_items.list(rid, order="asc", limit=100)]
+                items += [_as_input(_plain(it)) for it in resp.output if _plain(it).get("type") != "reasoning"]
+                known = self._read[rid] = (items, resp.previous_response_id)
+            out.append((rid, known[0]))
+            rid = known[1]
         out.reverse()
         return out
 
@@ -180,8 +184,7 @@ class GraftmemSession:
         if not chain:
             return None
         rid, items = chain[-1]
-        resp = await self.client.responses.retrieve(rid)
-        self.head = resp.previous_response_id  # the last response's other items go back to the tail
+        self.head = self._read[rid][1]  # the last response's other items go back to the tail
         self.tail = items[:-1]
         self._seen = [i for _, its in chain[:-1] for i in its]
         self._save()

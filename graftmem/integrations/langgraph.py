@@ -3,8 +3,8 @@ checkpointer whose threads' conversations are stored KV chains.
 
 `GraftmemStore`: a LangGraph long-term memory store on a ``graftmem serve`` (its memory REST routes,
 through `graftmem.api.RemoteJSON`, under the server's keys and tenants). An item is a block: its text
-(``value["text"]``, else the value as JSON, after a ``namespace/key:`` line that keeps two keys with the
-same text apart) is learned once, as a chat block, in the scope ``agent_id="langgraph"``,
+(``namespace/key: <value["text"]>`` and the value's other fields, one per line: two keys with the same
+text stay apart, and a changed field is a changed block) is learned once, as a chat block, in the scope ``agent_id="langgraph"``,
 ``user_id="<namespace joined by />"``; the value itself rides in the block's metadata. ``search`` with a
 ``query`` is the server's router (scores are its), without one a listing; `GraftmemStore.recall` routes a
 task to one item of a namespace, grafts its KV state and answers after it, with the receipt. Putting a
@@ -31,7 +31,7 @@ import tempfile
 import threading
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 try:
     from langgraph.checkpoint.memory import InMemorySaver
@@ -120,9 +120,7 @@ class GraftmemStore(BaseStore):
         ns = tuple(op.namespace)
         old = self._block_of(ns, op.key)
         if op.value is not None:
-            text = op.value.get("text") if isinstance(op.value.get("text"), str) else json.dumps(
-                op.value, sort_keys=True, ensure_ascii=False)
-            got = self.remote.learn(f"{self._scope(ns)}/{op.key}: {text}", name=op.key, kind=ITEM_KIND, chat=True,
+            got = self.remote.learn(self._text(ns, op.key, op.value), name=op.key, kind=ITEM_KIND, chat=True,
                                     metadata={ITEM_KIND: {"namespace": list(ns), "key": op.key, "value": op.value}},
                                     user_id=self._scope(ns), agent_id=_AGENT)
             if old is not None and old["id"] == got["block"]["id"]:
@@ -132,6 +130,16 @@ class GraftmemStore(BaseStore):
                 self.remote.delete(old["id"], cascade=True)
             except BlockNotFound:
                 pass
+
+    def _text(self, namespace: tuple[str, ...], key: str, value: Mapping[str, Any]) -> str:
+        """What the block holds: ``namespace/key: <value["text"]>`` and the value's other fields one per
+        line (sorted, as JSON). Every field is in the text, so a changed value is another block (blocks are
+        content-addressed: a value kept only in the metadata of an unchanged text would not be stored)."""
+        text = value.get("text")
+        rest = {k: v for k, v in value.items() if k != "text"} if isinstance(text, str) else dict(value)
+        lines = [f"{self._scope(namespace)}/{key}:" + (f" {text}" if isinstance(text, str) else "")]
+        lines += [f"{k}: {json.dumps(v, ensure_ascii=False, sort_keys=True, default=str)}" for k, v in sorted(rest.items())]
+        return "\n".join(lines)
 
     @staticmethod
     def _matches(item: Item, op: SearchOp) -> bool:
