@@ -52,3 +52,37 @@ def test_a_session_resumes_its_stored_chain_after_a_restart(tmp_path):
     assert receipt["tokens_prefilled"] == usage.input_tokens - receipt["tokens_restored"] < 32  # the new turn only
     assert [(i.get("role"), i.get("type")) for i in items] == [("user", "message"), ("assistant", "message")] * 2
     assert items[2]["content"][0]["text"] == "What is my name?"
+
+
+def test_the_session_protocol_on_a_stored_chain(tiny_llama, tmp_path):
+    """get_items reads a chain of two stored responses back in order; pop_item takes the last item and
+    moves the head back (the rest of that response waits in the tail); items added by hand wait in the
+    tail; all of it survives a new session object on the same file; clear_session forgets it."""
+    from graftmem import Memory
+
+    heads = tmp_path / "heads.json"
+    with Memory(engine=tiny_llama, home=tmp_path / "home") as mem:
+        srv = mem.serve(api=True, warm=False).start()
+        try:
+            async def run() -> None:
+                client = _client(srv.url)
+                r1 = await client.responses.create(model="tiny", input="Hi", max_output_tokens=2, temperature=0)
+                r2 = await client.responses.create(model="tiny", input="Again", previous_response_id=r1.id,
+                                                   max_output_tokens=2, temperature=0)
+                s = GraftmemSession("s", client, path=heads)
+                s.head = r2.id
+                items = await s.get_items()
+                assert [(i["role"], i["content"][0]["text"]) for i in items][::2] == [("user", "Hi"), ("user", "Again")]
+                assert [i["role"] for i in items] == ["user", "assistant"] * 2
+                assert await s.get_items(limit=1) == items[-1:]
+                popped = await s.pop_item()
+                assert popped == items[-1] and s.head == r1.id
+                await s.add_items([{"role": "user", "content": "By hand"}])
+                again = GraftmemSession("s", client, path=heads)  # a new process, the same file
+                assert again.head == r1.id and [i["role"] for i in await again.get_items()] == [
+                    "user", "assistant", "user", "user"]
+                await again.clear_session()
+                assert await GraftmemSession("s", client, path=heads).get_items() == []
+            asyncio.run(run())
+        finally:
+            srv.close()
