@@ -99,7 +99,8 @@ def _run_first_python_block(page: str, tmp_path, runner: SnippetRunner) -> subpr
     return _run_block(blocks[0], tmp_path, runner)
 
 
-PAGES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))
+PAGES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")) + sorted(
+    str(p.relative_to(ROOT)) for p in (ROOT / "docs" / "integrations").glob("*.md"))
 #: (page, index) of every block not already run (with its output checked) by a test below
 #: pages whose blocks talk to a running `graftmem serve`: tests/test_server_openai.py runs each of them
 #: against a real server it starts (only the URL replaced), so they are not run standalone here

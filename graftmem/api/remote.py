@@ -27,7 +27,7 @@ from urllib.parse import quote, urlencode
 from ..core.errors import ConfigError, TransferError, from_response
 
 if TYPE_CHECKING:
-    from ..core.blocks import Block, Recall, SearchHit
+    from ..core.blocks import Block, Recall, SearchHit, VerifyReport
     from .summary import BlockSummary
 
 __all__ = ["RemoteJSON", "RemoteMemory"]
@@ -146,6 +146,12 @@ class RemoteJSON:
             "task": task, "max_tokens": max_tokens, "allow_unverified": allow_unverified,
             **_given(min_score=min_score, stop=stop), **_scope(user_id, agent_id, session_id)})
 
+    def verify(self, block_id: str, *, samples: Optional[int] = None, user_id: Optional[str] = None,
+               agent_id: Optional[str] = None, session_id: Optional[str] = None) -> dict[str, Any]:
+        """A `VerifyReport` as JSON (in the server's process, not recorded: ``POST /v1/memory/verify``)."""
+        return self.call("POST", "verify", {"id": block_id, **_given(samples=samples),
+                                            **_scope(user_id, agent_id, session_id)})
+
     def get(self, block_id: str, *, user_id: Optional[str] = None, agent_id: Optional[str] = None,
             session_id: Optional[str] = None) -> dict[str, Any]:
         """A `Block`'s manifest as JSON."""
@@ -254,6 +260,15 @@ class RemoteMemory:
         return Recall.model_validate(self.json.recall(
             task, max_tokens=max_tokens, min_score=min_score, stop=stop, allow_unverified=allow_unverified,
             user_id=user_id, agent_id=agent_id, session_id=session_id))
+
+    def verify(self, block_id: str, *, samples: Optional[int] = None, user_id: Optional[str] = None,
+               agent_id: Optional[str] = None, session_id: Optional[str] = None) -> "VerifyReport":
+        """`Memory.verify` on the server: graft == fresh prefill on ``samples`` queries (the server's default
+        when None), in the server's process; the report is not recorded in the block's manifest."""
+        from ..core.blocks import VerifyReport
+
+        return VerifyReport.model_validate(self.json.verify(block_id, samples=samples, user_id=user_id,
+                                                            agent_id=agent_id, session_id=session_id))
 
     def get(self, block_id: str, *, user_id: Optional[str] = None, agent_id: Optional[str] = None,
             session_id: Optional[str] = None) -> "Block":

@@ -9,6 +9,7 @@ from typing import Any, Callable
 from .common import _port, _positive, _seconds
 from .demo import cmd_demo
 from .doctor import cmd_doctor
+from .mcp import cmd_mcp
 from .serve import cmd_serve
 from .sharing import cmd_export, cmd_import, cmd_keygen, cmd_pull, cmd_push, cmd_upload
 from .verbs import cmd_ask, cmd_delete, cmd_learn, cmd_learn_document, cmd_ls, cmd_recall, cmd_recall_document, cmd_reindex, cmd_search, cmd_show, cmd_solve, cmd_stats, cmd_verify
@@ -223,11 +224,17 @@ def build_parser() -> argparse.ArgumentParser:
                          "forced tool schema may ask for (a grammar unrolls each)")
     sp.add_argument("--max-enum-values", type=_positive, default=1000, metavar="N",
                     help="enum/const values one response_format or forced tool schema may hold")
+    sp.add_argument("--mcp", action="store_true",
+                    help="also answer MCP (streamable HTTP) at /mcp, behind the same keys and tenants "
+                         "(needs graftmem[mcp]; docs/integrations/mcp.md)")
     sp.add_argument("--push-token", help="accept pushes with this token (or $GRAFTMEM_PUSH_TOKEN)")
     sp.add_argument("--sign", metavar="KEY", help="sign listings with this private key")
     sp.add_argument("--rederive", action=argparse.BooleanOptionalAction, default=True,
                     help="re-prefill every pushed block not signed by a trusted key and refuse it unless "
                          "the state is equal (default); --no-rederive lands them unverified")
+    add("mcp", cmd_mcp, "an MCP server over stdin/stdout (for Claude Desktop, Cursor, agent frameworks): the "
+        "memory's verbs as tools, its blocks as resources; through --url's server, else this store's model "
+        "(needs graftmem[mcp]; docs/integrations/mcp.md)")
     sp = add("pull", cmd_pull, "copy blocks from a graftmem server, checked as they arrive, resumable")
     sp.add_argument("url")
     sp.add_argument("ids", nargs="*", help="block ids or prefixes (default: all)")

@@ -107,7 +107,7 @@ def _announce(srv: Any, args: argparse.Namespace, config: Any, what: str = "") -
     print(f"serving {srv.store.home} at {srv.url} ({what}pushes {'on' if config.push_token else 'off'}, "
           f"listings {'signed' if args.sign else 'unsigned'}, "
           f"API key {_key_mode(config.api_key)}); Ctrl-C stops", flush=True)
-    for line in _endpoint_lines(srv.url, config.api, config.ui):
+    for line in _endpoint_lines(srv.url, config.api, config.ui, mcp=bool(config.mounts)):
         print(line, flush=True)
 
 
@@ -134,10 +134,26 @@ def serve_config(args: argparse.Namespace, *, api_key: Any, push_token: Optional
         min_prefix_tokens=args.min_prefix_tokens, sightings=args.sightings,
         max_auto_bytes=args.max_auto_mb * (1 << 20), auto_storage=args.auto_storage, warm=not args.no_warm,
         chat_template=args.chat_template_file, shared_learned=args.shared_learned,
-        responses_ttl=args.responses_ttl, limits=None if limits == Limits() else limits, ui=args.ui)
+        responses_ttl=args.responses_ttl, limits=None if limits == Limits() else limits, ui=args.ui,
+        mounts=_mounts(args))
 
 
-def _endpoint_lines(url: str, api: bool, ui: bool = False) -> list[str]:
+def _mounts(args: argparse.Namespace) -> tuple:
+    """``--mcp``: MCP's streamable HTTP at /mcp (`graftmem.integrations.McpDoor`, extra ``graftmem[mcp]``)."""
+    if not getattr(args, "mcp", False):
+        return ()
+    from .. import ConfigError
+
+    if args.blocks_only:
+        raise ConfigError("--mcp needs the memory's routes: drop --blocks-only")
+    try:
+        from ..integrations import McpDoor
+    except ImportError as exc:  # the extra is missing: one line naming it, not a traceback
+        raise ConfigError(str(exc)) from None
+    return (("/mcp", McpDoor(host=args.host)),)
+
+
+def _endpoint_lines(url: str, api: bool, ui: bool = False, mcp: bool = False) -> list[str]:
     """What ``serve`` answers, one line per route group (printed after the first line, which scripts
     read for the URL)."""
     lines = [f"  blocks      {url}/v1/info, /v1/blocks, /v1/push, /v1/bundles (sharing: pull, push)"]
@@ -145,7 +161,9 @@ def _endpoint_lines(url: str, api: bool, ui: bool = False) -> list[str]:
         lines = [f"  openai      {url}/v1/chat/completions, /v1/completions, /v1/models, /v1/embeddings",
                  f"  responses   {url}/v1/responses, /v1/responses/{{id}}, /v1/responses/{{id}}/input_items",
                  f"  anthropic   {url}/v1/messages, /v1/messages/count_tokens",
-                 f"  memory      {url}/v1/memory/blocks, /learn, /search, /recall, /ask",
+                 f"  memory      {url}/v1/memory/blocks, /learn, /search, /recall, /ask, /verify",
+                 *([f"  mcp         {url}/mcp (streamable HTTP: learn, recall, search, ask, verify, forget, list, show)"]
+                   if mcp else []),
                  *lines, f"  ops         {url}/health (no key), /metrics"]
     if ui:
         lines.append(f"  web page    {url}/ui (the page asks for the API key; docs/ui.md)")

@@ -54,6 +54,8 @@ class ServeConfig:
     * ``model_id``: the name ``/v1/models`` reports (default: the model's); ``limits``: bounds per request;
     * ``ui``: serve the web page ``/ui`` (`graftmem.server.ui`: what the memory holds, behind the same keys);
       off unless asked for, and only with ``api`` (the page reads the memory's REST routes).
+    * ``mounts``: ``(path, ASGI app)`` pairs answered at those paths behind the same keys, for doors built
+      above the server (``serve --mcp`` mounts `graftmem.integrations.mcp.McpDoor` at ``/mcp``).
     """
 
     host: str = "127.0.0.1"
@@ -79,6 +81,7 @@ class ServeConfig:
     model_id: Optional[str] = None
     limits: Optional[Limits] = None
     ui: bool = False
+    mounts: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         check.text("host", self.host)
@@ -114,6 +117,10 @@ class ServeConfig:
         if self.ui and not self.api:
             raise check._error("ui", "ui=True needs api=True: the page reads the memory's REST routes "
                                      "(graftmem serve --ui without --blocks-only)")
+        if not isinstance(self.mounts, tuple) or not all(
+                isinstance(m, tuple) and len(m) == 2 and isinstance(m[0], str) and m[0].startswith("/")
+                and callable(m[1]) for m in self.mounts):
+            raise check._error("mounts", "mounts must be a tuple of (path starting with '/', ASGI app) pairs")
 
     @classmethod
     def of(cls, config: Optional["ServeConfig"] = None, /, **overrides: Any) -> "ServeConfig":

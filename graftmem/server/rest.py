@@ -10,6 +10,7 @@ it without loading a model::
     POST   /v1/memory/ask                   {"id", "question", "max_tokens"?, "raw"?, "stop"?, "allow_unverified"?, SCOPE}
     POST   /v1/memory/search                {"query", "top_k"?, SCOPE}            (the router)
     POST   /v1/memory/recall                {"task", "max_tokens"?, "min_score"?, "stop"?, "allow_unverified"?, SCOPE}
+    POST   /v1/memory/verify                {"id", "samples"?, SCOPE}              (graft == fresh prefill, byte for byte)
 
 SCOPE is ``user_id`` / ``agent_id`` / ``session_id`` (any of them), as `Memory` takes them: a learn records
 the scope, the other verbs see only the blocks learned in it (``get`` / ``ask`` / ``delete`` of a block
@@ -41,6 +42,7 @@ from starlette.routing import BaseRoute, Route
 from ..core.blocks import Block, Scope
 from ..memory import validate as check
 from ..memory.access import Access, owner_of, reserved_metadata
+from ..memory.exactness import verify_block
 from ..memory.verbs import MemoryVerbs
 from ..store.scopes import ScopeIndex
 from .http import HTTPError, Limits, client_gone, guarded, json_object, off_loop, read_body
@@ -115,7 +117,8 @@ class MemoryRoutes:
                 Route("/v1/memory/learn", g(self.learn), methods=["POST"]),
                 Route("/v1/memory/search", g(self.search), methods=["POST"]),
                 Route("/v1/memory/recall", g(self.recall), methods=["POST"]),
-                Route("/v1/memory/ask", g(self.ask), methods=["POST"])]
+                Route("/v1/memory/ask", g(self.ask), methods=["POST"]),
+                Route("/v1/memory/verify", g(self.verify), methods=["POST"])]
 
     async def _body(self, request: Request) -> dict[str, Any]:
         raw = await read_body(request, self.limits.max_body_bytes, self.limits.body_timeout, self.limits)
@@ -247,6 +250,27 @@ class MemoryRoutes:
         r = await self._on_engine(lambda e: self._desk(e).prepare_ask(bid, question, turn=not raw, **args)(
             lambda _: cancel.is_set()), request, cancel)
         return Response(r.model_dump_json(), media_type="application/json")
+
+    async def verify(self, request: Request) -> Response:
+        """``Memory.verify`` of one block this tenant sees: graft it and prefill it fresh on ``samples``
+        queries (default `VERIFY_SAMPLES`, at most `MAX_VERIFY_SAMPLES`: each is a prefill of the block on
+        the engine a chat request would use) and compare the logits byte for byte, in this process (the
+        cross-process graft is the operator's ``graftmem verify``). The report is returned, not recorded
+        in the block's manifest: a tenant's check is not the operator's stamp on a shared block."""
+        body = await self._body(request)
+        bid: Any = body.get("id")
+        samples = body.get("samples", VERIFY_SAMPLES)
+        check.text("id", bid)
+        check.integer("samples", samples, lo=1, hi=MAX_VERIFY_SAMPLES)
+        block_id = self.access(request).get(bid, _scope(body)).id  # another tenant's block: a 404
+        rep = await self._on_engine(lambda e: verify_block(e, self.store, block_id, samples=samples,
+                                                           cross_process=False))
+        return Response(rep.model_dump_json(), media_type="application/json")
+
+
+#: Queries a REST verify samples by default, and at most (``POST /v1/memory/verify``; docs/security.md).
+VERIFY_SAMPLES = 8
+MAX_VERIFY_SAMPLES = 200
 
 
 def _scope(fields: Any) -> Scope:

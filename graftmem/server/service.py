@@ -7,6 +7,8 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
+from starlette.routing import Route
+
 from ..core.errors import GraftmemError
 from ..share.admission import BlockCheck
 from .anthropic import AnthropicRoutes
@@ -126,7 +128,7 @@ def api_server(store: "BlockStore", engines: Sequence["Engine"], config: Optiona
     srv = BlockServer(store, host=host, port=cfg.port, push_token=cfg.push_token, fingerprint=engines[0].fingerprint,
                       sign_key=cfg.sign_key, check=check, api_key=keys, metrics_key=cfg.metrics_key, limits=limits,
                       extra=OpenAIRoutes(pipe).routes() + responses.routes() + AnthropicRoutes(pipe).routes() + EmbeddingRoutes(pipe).routes()
-                      + rest.routes() + page,
+                      + rest.routes() + page + [Route(path, endpoint=app) for path, app in cfg.mounts],
                       metrics=metrics, runner=runner)
     srv.pool, srv.cache, srv.pipeline, srv.warm = pool, cache, pipe, warmed  # type: ignore[attr-defined]
     srv.metrics, srv.responses, srv.config = metrics, responses, cfg  # type: ignore[attr-defined]
