@@ -256,7 +256,11 @@ class PrefixCache:
         ``marks``: prefixes (counts of segments, the last one excluded) the client asked to be stored
         (Anthropic's ``cache_control``): one that is not stored yet and at least ``min_tokens`` long is
         learned at its first sighting, the last message included (Anthropic, too, caches nothing
-        shorter than a minimum). With learning off (``serve --no-learn``) nothing is stored, marked or not."""
+        shorter than a minimum). With learning off (``serve --no-learn``) nothing is stored, marked or not.
+
+        On a fleet store the sightings are the fleet's, counted in the bucket, and a due prefix is learned
+        only under this worker's lease of it (`graftmem.store.fleet.sightings`): one worker learns it,
+        whichever workers saw it."""
         if not self.learn_enabled:
             return 0
         auto = max(0, len(segments) - tail) if len(segments) >= tail + 1 else 0
@@ -268,6 +272,8 @@ class PrefixCache:
         shared = prefix_keys(segments[:top]) if tenant is not None else keys
         lengths = [0, *segment_ends(segments[:top])]
         best = 0
+        fleet = getattr(self.store, "sightings", None)  # a fleet store counts sightings in its bucket
+        todo: list[tuple[int, bytes]] = []
         with self._lock:
             for k, key in enumerate(keys, start=1):
                 if key in self._index or shared[k - 1] in self._index or key in self._pending:
@@ -276,12 +282,18 @@ class PrefixCache:
                     best = max(best, k)
                 if k > auto:
                     continue
+                if fleet is not None:
+                    if lengths[k] >= self.min_tokens:
+                        todo.append((k, key))
+                    continue
                 n = self._seen.pop(key, 0) + 1
                 self._seen[key] = n
                 if n >= self.sightings and lengths[k] >= self.min_tokens:
                     best = max(best, k)
             while len(self._seen) > _MAX_SIGHTINGS:
                 self._seen.popitem(last=False)
+        if fleet is not None:  # off the lock: bucket calls (graftmem.store.fleet.sightings)
+            return fleet.learn_target(todo, self.sightings, best, list(keys))
         return best
 
     def store_captured(self, engine: "Engine", segments: Sequence[Sequence[int]], texts: Sequence[str],
