@@ -154,6 +154,8 @@ class PrefixCache:
         self._quiet = threading.Condition(self._lock)
         self.writer_max_wait = WRITER_MAX_WAIT
         self.deferred_writes = 0  #: learned prefixes whose writing waited for a request to finish, for /metrics
+        #: told of every block stored or evicted here (`graftmem.server.fleet.KvEvents`: ``/v1/kv_events``)
+        self.events: Optional[Any] = None
 
     # ------------------------------------------------------------------ index
     def _current(self) -> tuple[int, int]:
@@ -321,6 +323,7 @@ class PrefixCache:
         pfull: Optional[bytes] = full_state(self.store, parent, fingerprint=self.fingerprint) \
             if parent is not None and self.auto_storage == "delta" else None
         keys = prefix_keys(segments[:first + len(states)], tenant)
+        ids: list[str] = []
         try:
             for i in range(first, first + len(states)):
                 tokens = list(segments[i])
@@ -355,6 +358,7 @@ class PrefixCache:
                 with self._lock:
                     self._index[keys[i]] = block.id
                     self._used[block.id] = time.time()
+                ids.append(block.id)
                 if self.auto_storage == "delta" and full is None:
                     full = states[i - first]
                 parent, pfull = block, (full if self.auto_storage == "delta" else None)
@@ -363,6 +367,9 @@ class PrefixCache:
             return None
         with self._lock:
             self._version = self._current()
+        if self.events is not None and ids:
+            self.events.stored(keys[first:], ids, keys[first - 1] if first else None,
+                               sum(len(s) for s in segments[:first + len(states)]))
         log.info("prefix cache: learned a %d-token prompt prefix as block %s",
                  sum(len(s) for s in segments[:first + len(states)]), parent.short_id if parent else "-")
         if evict:
@@ -491,5 +498,7 @@ class PrefixCache:
             if removed:
                 log.info("prefix cache: evicted %d auto block(s) to stay under %d bytes", len(removed),
                          self.max_auto_bytes)
+                if self.events is not None:
+                    self.events.removed([k for k, v in self._index.items() if v in set(removed)], removed)
                 self.refresh(force=True)
         return removed

@@ -13,6 +13,7 @@ from .anthropic import AnthropicRoutes
 from .app import Gate
 from .blocks import BlockServer
 from .embeddings import EmbeddingRoutes
+from .fleet import KvEvents
 from .generate import warm_engines
 from .http import Limits
 from .config import ServeConfig
@@ -120,10 +121,12 @@ def api_server(store: "BlockStore", engines: Sequence["Engine"], config: Optiona
     rest = MemoryRoutes(pool, store, ref, limits=limits, shared_learned=cfg.shared_learned)
     metrics = Metrics(pool, store, cache)
     oa.on_result.append(metrics.served)
+    kv_events = cache.events = KvEvents(pool)  # GET /v1/kv_events (graftmem.server.fleet)
+    oa.on_result.append(kv_events.ram_changed)
     srv = BlockServer(store, host=host, port=cfg.port, push_token=cfg.push_token, fingerprint=engines[0].fingerprint,
                       sign_key=cfg.sign_key, check=check, api_key=keys, metrics_key=cfg.metrics_key, limits=limits,
                       extra=oa.routes() + responses.routes() + AnthropicRoutes(oa).routes() + EmbeddingRoutes(oa).routes()
-                      + rest.routes(),
+                      + rest.routes() + kv_events.endpoints(),
                       metrics=metrics, runner=runner)
     srv.pool, srv.cache, srv.openai, srv.warm = pool, cache, oa, warmed  # type: ignore[attr-defined]
     srv.metrics, srv.responses, srv.config = metrics, responses, cfg  # type: ignore[attr-defined]
