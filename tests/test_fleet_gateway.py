@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import signal
+from shutil import which as shutil_which
 import subprocess
 import sys
 import threading
@@ -140,3 +141,91 @@ def test_a_session_continues_on_another_worker_when_its_worker_is_killed(bucket_
     finally:
         check.close()
 
+
+
+def _wait_until(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def _up(url: str) -> bool:
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    return False
+
+
+@contextlib.contextmanager
+def _process(cmd: list[str], log: Path) -> Iterator[subprocess.Popen]:
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=20)
+
+
+@pytest.mark.slow
+def test_smg_registers_workers_and_routes_a_session_by_cache_haproxy_by_round_robin_or_session(tmp_path):
+    """SMG (its default HTTP mode, no runtime named) registers graftmem workers as generic OpenAI
+    backends and sends a session's turns to the worker that holds its prefix; HAProxy alternates
+    round-robin and keeps a session on one worker by hashing its session header."""
+    haproxy = shutil_which("haproxy")
+    if haproxy is None and not os.environ.get("CI"):
+        pytest.skip("haproxy is missing: apt-get install haproxy (scripts/dev.sh installs it)")
+    assert haproxy is not None, "haproxy is missing on CI: scripts/dev.sh installs it"
+    smg = shutil_which("smg") or str(Path(sys.executable).parent / "smg")
+    model = str(tiny_path("llama31"))
+    args = ("--model", model, "--config", '{"n_threads": 1}', "--min-prefix-tokens", "16", "--no-warm")
+    with serve_process(*args, home=tmp_path / "a") as (_, a_url), serve_process(*args, home=tmp_path / "b") as (_, b_url):
+        names = {httpx.get(f"{u}/health").headers[WORKER_HEADER] for u in (a_url, b_url)}
+        model_id = httpx.get(f"{a_url}/v1/models").json()["data"][0]["id"]
+        assert httpx.get(f"{a_url}/v1/models").json()["data"][0]["owned_by"] == "graftmem"  # no other runtime's name
+        smg_port, prom, rr, hsh = free_port(), free_port(), free_port(), free_port()
+        cfg = tmp_path / "haproxy.cfg"
+        servers = "\n".join(f"    server w{i} {u.removeprefix('http://')} check inter 1s" for i, u in enumerate((a_url, b_url)))
+        cfg.write_text(f"defaults\n    mode http\n    timeout connect 2s\n    timeout client 60s\n    timeout server 60s\n"
+                       f"frontend rr\n    bind 127.0.0.1:{rr}\n    default_backend rr\n"
+                       f"frontend hash\n    bind 127.0.0.1:{hsh}\n    default_backend hash\n"
+                       f"backend rr\n    balance roundrobin\n{servers}\n"
+                       f"backend hash\n    balance hdr(X-Session-Id)\n    hash-type consistent\n{servers}\n")
+        with _process([smg, "launch", "--host", "127.0.0.1", "--port", str(smg_port), "--worker-urls", a_url, b_url,
+                       "--policy", "cache_aware", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)],
+                      tmp_path / "smg.log"), \
+                _process([haproxy, "-f", str(cfg), "-db"], tmp_path / "haproxy.log"), httpx.Client(timeout=60) as client:
+            smg_url = f"http://127.0.0.1:{smg_port}"
+
+            def registered() -> bool:
+                with contextlib.suppress(httpx.HTTPError, ValueError):
+                    return len(client.get(f"{smg_url}/workers").json().get("workers", [])) == 2
+                return False
+
+            _wait_until(registered, 60, "smg to register both workers")
+            _wait_until(lambda: _up(f"http://127.0.0.1:{rr}") and _up(f"http://127.0.0.1:{hsh}"), 30, "haproxy")
+            messages = [{"role": "system", "content": SYSTEM}]
+
+            def turns(url: str, n: int, headers: dict | None = None) -> list[str]:
+                seen, conv = [], list(messages)
+                for t in TURNS[:n]:
+                    conv.append({"role": "user", "content": t})
+                    r = client.post(f"{url}/v1/chat/completions", headers=headers or {},
+                                    json={"model": model_id, "messages": conv, "max_tokens": 4, "temperature": 0})
+                    assert r.status_code == 200, r.text
+                    seen.append(r.headers[WORKER_HEADER])
+                    conv.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+                return seen
+
+            # SMG: the session's turns share a growing prefix: every turn on the worker of the first
+            by_cache = turns(smg_url, 3)
+            assert len(set(by_cache)) == 1 and by_cache[0] in names, by_cache
+            # HAProxy round-robin: turns alternate between the two workers
+            by_rr = turns(f"http://127.0.0.1:{rr}", 4)
+            assert set(by_rr) == names and all(x != y for x, y in zip(by_rr, by_rr[1:])), by_rr
+            # HAProxy on a session header: each session stays on one worker
+            for s in ("s-1", "s-2", "s-3"):
+                assert len(set(turns(f"http://127.0.0.1:{hsh}", 3, {"X-Session-Id": s}))) == 1
