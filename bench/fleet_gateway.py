@@ -7,7 +7,7 @@ answered (``X-Graftmem-Worker``), the receipt's source (ram / store / bucket / c
 one that served most of them) is killed with -9: the gateway's retry has to carry every request on,
 and every answer is compared with the single worker's.
 
-    python -m bench.fleet_gateway [--model smollm2] [--agents 8] [--turns 5] [--out bench/results/fleet_gateway.json]
+    python -m bench.fleet_gateway [--model smollm2] [--agents 8] [--turns 5] [--engines 1] [--out bench/results/fleet_gateway.json]
 
 Each arrangement gets workers started afresh on a bucket prefix of its own (nothing learned in one
 run helps another). Afterwards every block of every prefix is read and verified (`FleetStore.read_state`:
@@ -70,7 +70,8 @@ backend workers_hash
 
 
 class Worker:
-    def __init__(self, root: Path, name: str, url: str, model: str, env: dict[str, str], min_prefix: int) -> None:
+    def __init__(self, root: Path, name: str, url: str, model: str, env: dict[str, str], min_prefix: int,
+                 engines: int = 1) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.name = name
@@ -79,7 +80,7 @@ class Worker:
                 "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
         self.cmd = [sys.executable, "-m", "graftmem", "serve", "--port", str(self.port), "--store", url, "--model", model,
                     "--config", '{"n_threads": 1, "n_ctx": 4096}', "--no-warm",
-                    "--min-prefix-tokens", str(min_prefix)]
+                    "--min-prefix-tokens", str(min_prefix), "--engines", str(engines)]
         self.proc = subprocess.Popen(self.cmd, env=wenv, cwd=ROOT, stdout=open(self.log, "wb"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
         self.id: Optional[str] = None
@@ -266,6 +267,8 @@ def main() -> int:
     ap.add_argument("--kill-after", type=int, default=3, help="kill a worker after this many turns of every agent")
     ap.add_argument("--system-words", type=int, default=300, help="words per system prompt (~1.3 tokens each)")
     ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--engines", type=int, default=1,
+                    help="engine contexts per worker (serve --engines; each 1 thread): the sessions whose cells stay in RAM")
     ap.add_argument("--min-prefix-tokens", type=int, default=256, help="the workers' serve --min-prefix-tokens")
     ap.add_argument("--only", nargs="*", default=["single", "smg", "haproxy-rr", "haproxy-hash"])
     ap.add_argument("--out", default=str(RESULTS / "fleet_gateway.json"))
@@ -287,7 +290,7 @@ def main() -> int:
             root.mkdir()
             url = f"s3://{BUCKET}/{name}"
             n = 1 if name == "single" else args.workers
-            workers = [Worker(root, f"w{i}", url, args.model, env, args.min_prefix_tokens) for i in range(n)]
+            workers = [Worker(root, f"w{i}", url, args.model, env, args.min_prefix_tokens, args.engines) for i in range(n)]
             gateway: Optional[subprocess.Popen] = None
             try:
                 for w in workers:

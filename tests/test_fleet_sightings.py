@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from graftmem import FleetStore
 from graftmem.server.prefix import PrefixCache, prefix_keys
-from graftmem.store.fleet.sightings import FleetSightings
 from tests.seaweed import bucket_url, seaweed  # noqa: F401 (fixtures)
 
 

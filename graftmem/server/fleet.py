@@ -20,7 +20,8 @@ an OpenAI-compatible backend with its own identity (``owned_by: "graftmem"``); S
   matches a request's keys with the same function. ``medium`` is ``ram`` (the cells an engine kept after
   a request: the next request with that prefix skips its prefill there and only there) or ``store``
   (a block written to the store: any worker of the fleet grafts it). The stream is behind the API key
-  like every route but ``/health`` (it tells which prefixes are hot). A subscriber that cannot keep up
+  like every route but ``/health`` (it tells which prefixes are hot), and off (403) on a server with
+  tenants (``--api-key-file``: one tenant would see another's prefixes come and go). A subscriber that cannot keep up
   loses the oldest batches (``MAX_QUEUED_BATCHES``) and is told how many with a ``dropped`` field:
   events are hints for routing, never the truth about a block (a lookup is).
 """
@@ -37,9 +38,12 @@ import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Sequence
 
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .http import HTTPError, error_response
+from .tenants import tenant_of
 
 if TYPE_CHECKING:
     from .pool import EnginePool
@@ -189,6 +193,9 @@ class KvEvents:
                 if sub in self._subs:
                     self._subs.remove(sub)
 
-    async def stream(self, request: Request) -> StreamingResponse:
+    async def stream(self, request: Request) -> Response:
+        if tenant_of(request.scope) is not None:  # which prefixes are hot would tell one tenant of another's
+            return error_response(request.url.path, HTTPError(403, "GET /v1/kv_events is off on a server with tenants (--api-key-file): the "
+                            "prefixes every tenant holds are the operator's to see", name="AccessDenied"))
         return StreamingResponse(self._batches(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
