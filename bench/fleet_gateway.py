@@ -34,12 +34,12 @@ import httpx
 
 from bench.harness import RESULTS, summary, write_results
 from graftmem import FleetStore
-from graftmem.server.fleet import WORKER_HEADER
 from tests.conftest import long_text
 from tests.seaweed import BUCKET, Seaweed, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SESSION_HEADER = "X-Session-Id"
+WORKER_HEADER = "X-Graftmem-Worker"  #: the answering worker, on every response (docs/fleet.md)
 QUESTIONS = ["What should I check first?", "And after that?", "Which of those matters most?",
              "What could go wrong there?", "Summarise it in one line."]
 
