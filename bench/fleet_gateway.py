@@ -115,11 +115,15 @@ class Worker:
                 self.kill()
 
 
-def start_smg(root: Path, workers: list[Worker]) -> tuple[subprocess.Popen, str, list[str]]:
+def start_smg(root: Path, workers: list[Worker], sticky: bool = False) -> tuple[subprocess.Popen, str, list[str]]:
+    """SMG's cache-aware policy; ``sticky``: round-robin for a session's first request, then every request
+    with its ``X-Session-Id`` pinned to that worker (SMG's sticky sessions)."""
     port, prom = free_port(), free_port()
     smg = shutil.which("smg") or str(Path(sys.executable).parent / "smg")
+    policy = ["--policy", "round_robin", "--sticky-sessions", "--routing-key-headers", SESSION_HEADER] if sticky \
+        else ["--policy", "cache_aware"]
     cmd = [smg, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *[w.url for w in workers],
-           "--policy", "cache_aware", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom),
+           *policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom),
            "--health-check-interval-secs", "2", "--retry-max-retries", "3"]
     proc = subprocess.Popen(cmd, stdout=open(root / "smg.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -298,9 +302,9 @@ def main() -> int:
                 results["commands"]["worker"] = " ".join(workers[0].cmd[1:]).replace(str(ROOT), ".")
                 if name == "single":
                     target, kill = workers[0].url, None
-                elif name == "smg":
-                    gateway, target, cmd = start_smg(root, workers)
-                    results["commands"]["smg"] = " ".join(["smg", *cmd[1:]])
+                elif name in ("smg", "smg-sticky"):
+                    gateway, target, cmd = start_smg(root, workers, sticky=name == "smg-sticky")
+                    results["commands"][name] = " ".join(["smg", *cmd[1:]])
                     kill = kill_busiest(workers)
                 else:
                     gateway, urls, cfg = start_haproxy(root, workers)
