@@ -15,6 +15,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # command is missing (root and apt-get, as on the CI machine); elsewhere the tests that need them say what to install
 DEBIAN_NEEDS=(
     "chromium:chromium"  # tests/test_ui.py: the /ui page in a real browser (Playwright drives it; never `playwright install`)
+    "haproxy:haproxy"  # tests/test_fleet_gateway.py, bench/fleet_gateway.py: a plain proxy in front of workers
 )
 
 debian_needs() {

@@ -180,7 +180,7 @@ def test_a_deleted_block_is_tombstoned_for_every_worker_and_can_be_learned_again
         assert again.id == block.id and [x.name for x in a.get_all()] == ["back"]
         a.delete(block.id)
         assert a.store.collect_garbage(grace=0) == {"blocks_removed": 1, "tombstones_removed": 1,
-                                                    "uploads_removed": 0}
+                                                    "uploads_removed": 0, "sightings_removed": 0}
         assert not list(obstore.list(client, prefix=_key(bucket_url, "blocks")).collect())
 
 

@@ -24,6 +24,7 @@ from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .http import ApiKeyMiddleware, HTTPError, error_response
+from .fleet import WorkerHeader
 from .metrics import HEALTH_PATH, Metrics, MetricsMiddleware
 from .tenants import ApiKeys
 
@@ -64,6 +65,7 @@ def build_app(routes: list[BaseRoute], *, api_key: "str | ApiKeys | None" = None
         routes = routes + metrics.endpoints()
         metrics.routes = routes
         middleware.insert(0, Middleware(MetricsMiddleware, metrics=metrics))
+    middleware.insert(0, Middleware(WorkerHeader))  # which worker answered, for a fleet behind a gateway
     return Starlette(routes=routes, middleware=middleware,
                      exception_handlers={HTTPException: _http_exception})
 

@@ -36,6 +36,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .fleet import kv_usage
 from .http import PUBLIC_PATHS
 from .prefix import AUTO_KIND
 from .tenants import owner_of, tenant_of
@@ -212,6 +213,11 @@ class Metrics:
             metric("graftmem_queue_depth", "gauge", "Requests waiting for an engine.", [("", self.pool.waiting)])
             metric("graftmem_engines_busy", "gauge", "Engines serving a request.", [("", self.pool.in_use)])
             metric("graftmem_engines", "gauge", "Engines in the pool.", [("", self.pool.size)])
+            # 0..1, the name vLLM's is read by (the Kubernetes inference gateway's endpoint picker takes
+            # the name as a flag: --kv-cache-usage-percentage-metric; docs/fleet.md)
+            metric("graftmem_kv_cache_usage_perc", "gauge",
+                   "Fraction (0-1) of the engines' KV cells held by the requests being served now.",
+                   [("", kv_usage(self.pool))])
         if auto_bytes is not None:
             metric("graftmem_auto_block_bytes", "gauge", "State bytes of automatic prefix blocks in the store.",
                    [("", auto_bytes)])

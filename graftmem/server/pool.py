@@ -165,6 +165,11 @@ class EnginePool:
         return len(self.engines) - len(self._free)
 
     @property
+    def busy(self) -> list["Engine"]:
+        """The engines serving a request now (`graftmem.server.fleet.kv_usage`)."""
+        return [e for e in self.engines if e not in self._free]
+
+    @property
     def waiting(self) -> int:
         return sum(1 for w in (*self._waiters, *self._background) if not w.done())
 

@@ -154,6 +154,8 @@ class PrefixCache:
         self._quiet = threading.Condition(self._lock)
         self.writer_max_wait = WRITER_MAX_WAIT
         self.deferred_writes = 0  #: learned prefixes whose writing waited for a request to finish, for /metrics
+        #: told of every block stored or evicted here (`graftmem.server.fleet.KvEvents`: ``/v1/kv_events``)
+        self.events: Optional[Any] = None
 
     # ------------------------------------------------------------------ index
     def _current(self) -> tuple[int, int]:
@@ -263,7 +265,11 @@ class PrefixCache:
         ``marks``: prefixes (counts of segments, the last one excluded) the client asked to be stored
         (Anthropic's ``cache_control``): one that is not stored yet and at least ``min_tokens`` long is
         learned at its first sighting, the last message included (Anthropic, too, caches nothing
-        shorter than a minimum). With learning off (``serve --no-learn``) nothing is stored, marked or not."""
+        shorter than a minimum). With learning off (``serve --no-learn``) nothing is stored, marked or not.
+
+        On a fleet store the sightings are the fleet's, counted in the bucket, and a due prefix is learned
+        only under this worker's lease of it (`graftmem.store.fleet.sightings`): one worker learns it,
+        whichever workers saw it."""
         if not self.learn_enabled:
             return 0
         auto = max(0, len(segments) - tail) if len(segments) >= tail + 1 else 0
@@ -275,6 +281,8 @@ class PrefixCache:
         shared = prefix_keys(segments[:top]) if tenant is not None else keys
         lengths = [0, *segment_ends(segments[:top])]
         best = 0
+        fleet = getattr(self.store, "sightings", None)  # a fleet store counts sightings in its bucket
+        todo: list[tuple[int, bytes]] = []
         with self._lock:
             for k, key in enumerate(keys, start=1):
                 if key in self._index or shared[k - 1] in self._index or key in self._pending:
@@ -283,12 +291,18 @@ class PrefixCache:
                     best = max(best, k)
                 if k > auto:
                     continue
+                if fleet is not None:
+                    if lengths[k] >= self.min_tokens:
+                        todo.append((k, key))
+                    continue
                 n = self._seen.pop(key, 0) + 1
                 self._seen[key] = n
                 if n >= self.sightings and lengths[k] >= self.min_tokens:
                     best = max(best, k)
             while len(self._seen) > _MAX_SIGHTINGS:
                 self._seen.popitem(last=False)
+        if fleet is not None:  # off the lock: bucket calls (graftmem.store.fleet.sightings)
+            return fleet.learn_target(todo, self.sightings, best, list(keys))
         return best
 
     def store_captured(self, engine: "Engine", segments: Sequence[Sequence[int]], texts: Sequence[str],
@@ -316,6 +330,7 @@ class PrefixCache:
         pfull: Optional[bytes] = full_state(self.store, parent, fingerprint=self.fingerprint) \
             if parent is not None and self.auto_storage == "delta" else None
         keys = prefix_keys(segments[:first + len(states)], tenant)
+        ids: list[str] = []
         try:
             for i in range(first, first + len(states)):
                 tokens = list(segments[i])
@@ -350,6 +365,7 @@ class PrefixCache:
                 with self._lock:
                     self._index[keys[i]] = block.id
                     self._used[block.id] = time.time()
+                ids.append(block.id)
                 if self.auto_storage == "delta" and full is None:
                     full = states[i - first]
                 parent, pfull = block, (full if self.auto_storage == "delta" else None)
@@ -358,6 +374,9 @@ class PrefixCache:
             return None
         with self._lock:
             self._version = self._current()
+        if self.events is not None and ids:
+            self.events.stored(keys[first:], ids, keys[first - 1] if first else None,
+                               sum(len(s) for s in segments[:first + len(states)]))
         log.info("prefix cache: learned a %d-token prompt prefix as block %s",
                  sum(len(s) for s in segments[:first + len(states)]), parent.short_id if parent else "-")
         if evict:
@@ -486,5 +505,7 @@ class PrefixCache:
             if removed:
                 log.info("prefix cache: evicted %d auto block(s) to stay under %d bytes", len(removed),
                          self.max_auto_bytes)
+                if self.events is not None:
+                    self.events.removed([k for k, v in self._index.items() if v in set(removed)], removed)
                 self.refresh(force=True)
         return removed

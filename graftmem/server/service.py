@@ -15,6 +15,7 @@ from .anthropic import AnthropicRoutes
 from .app import Gate
 from .blocks import BlockServer
 from .embeddings import EmbeddingRoutes
+from .fleet import KvEvents
 from .generate import warm_engines
 from .http import Limits
 from .config import ServeConfig
@@ -125,10 +126,12 @@ def api_server(store: "BlockStore", engines: Sequence["Engine"], config: Optiona
     page = UiRoutes(rest, pool, cache).routes() if cfg.ui else []  # the web page: only when asked for
     metrics = Metrics(pool, store, cache)
     pipe.on_result.append(metrics.served)
+    kv_events = cache.events = KvEvents(pool)  # GET /v1/kv_events (graftmem.server.fleet)
+    pipe.on_result.append(kv_events.ram_changed)
     srv = BlockServer(store, host=host, port=cfg.port, push_token=cfg.push_token, fingerprint=engines[0].fingerprint,
                       sign_key=cfg.sign_key, check=check, api_key=keys, metrics_key=cfg.metrics_key, limits=limits,
                       extra=OpenAIRoutes(pipe).routes() + responses.routes() + AnthropicRoutes(pipe).routes() + EmbeddingRoutes(pipe).routes()
-                      + rest.routes() + page + [Route(path, endpoint=app) for path, app in cfg.mounts],
+                      + rest.routes() + kv_events.endpoints() + page + [Route(path, endpoint=app) for path, app in cfg.mounts],
                       metrics=metrics, runner=runner)
     srv.pool, srv.cache, srv.pipeline, srv.warm = pool, cache, pipe, warmed  # type: ignore[attr-defined]
     srv.metrics, srv.responses, srv.config = metrics, responses, cfg  # type: ignore[attr-defined]

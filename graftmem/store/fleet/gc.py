@@ -12,6 +12,7 @@ import time
 from ..home import BLOCK_SUFFIX
 from ..remote import Bucket
 from .layout import BLOCKS, INDEX, TOMBSTONES, UPLOADS, block_key, id_of, tomb_key
+from .sightings import LEASES, SIGHTINGS
 
 __all__ = ["collect_garbage", "DEFAULT_GRACE"]
 
@@ -22,7 +23,8 @@ DEFAULT_GRACE = 3600.0
 def collect_garbage(bucket: Bucket, *, grace: float = DEFAULT_GRACE) -> dict[str, int]:
     """Remove block objects without a marker (deleted, or left by a worker killed between its
     block and its marker), tombstones whose marker is gone and large uploads left in ``uploads/`` by
-    a worker killed before their copy, once older than ``grace`` seconds. Safe while workers run: a
+    a worker killed before their copy, and prompt-prefix sightings and learn leases, once older than
+    ``grace`` seconds. Safe while workers run: a
     reader that listed a block before its delete has ``grace`` seconds to fetch it."""
     now = time.time()
     markers = {bid for o in bucket.list(INDEX) if (bid := id_of(o["path"], INDEX, ".json"))}
@@ -42,4 +44,14 @@ def collect_garbage(bucket: Bucket, *, grace: float = DEFAULT_GRACE) -> dict[str
         if now - o["last_modified"].timestamp() > grace:
             bucket.delete(f"{UPLOADS}/" + o["path"].rsplit("/", 1)[-1])
             uploads += 1
-    return {"blocks_removed": removed, "tombstones_removed": tombs, "uploads_removed": uploads}
+    # prompt-prefix sightings and learn leases (`graftmem.store.fleet.sightings`): a prefix not learned
+    # within ``grace`` is counted afresh, a lease that old has long been overtaken or fulfilled
+    counts = 0
+    for folder in (SIGHTINGS, LEASES):
+        for o in bucket.list(folder):
+            if now - o["last_modified"].timestamp() > grace:
+                parts = o["path"].split("/")  # the key under the URL's prefix: sightings/<key>/<n>, leases/<key>
+                bucket.delete("/".join([folder, *parts[-2 if folder == SIGHTINGS else -1:]]))
+                counts += 1
+    return {"blocks_removed": removed, "tombstones_removed": tombs, "uploads_removed": uploads,
+            "sightings_removed": counts}

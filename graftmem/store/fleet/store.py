@@ -25,6 +25,7 @@ from .cache import ReadCache
 from .gc import DEFAULT_GRACE, collect_garbage
 from .index import BucketIndex
 from .shared import SharedFiles
+from .sightings import FleetSightings
 from .writes import BucketWriter
 
 __all__ = ["FleetStore", "default_cache_dir", "open_store", "is_remote", "DEFAULT_CACHE_BYTES",
@@ -89,6 +90,9 @@ class FleetStore:
                                 counters=self.counters)
         self._writer = BucketWriter(self.bucket, self._index, self._reads, url=url, counters=self.counters)
         self._shared = SharedFiles(self.bucket, url=url, counters=self.counters)
+        #: the fleet's prompt-prefix sightings and learn leases (`graftmem.store.fleet.sightings`): the
+        #: prompt cache counts in the bucket, so a prefix seen once on each of two workers is due
+        self.sightings = FleetSightings(self.bucket, url=url, counters=self.counters)
         try:
             self.refresh(force=True)
         except BaseException:
