@@ -170,7 +170,8 @@ def learn(engine: "Engine", store: "BlockStore", text: str, *, name: Optional[st
         log.warning("block %s is %s: replacing its state with this engine's own prefill", existing.short_id,
                     existing.provenance)
         replace = True
-    bar = progress_bar(len(tokens), f"learn {name or bid[:12]}", progress, min_total=1024)
+    bar = progress_bar(len(tokens), f"learn {name or bid[:12]}", progress, min_total=1024,
+                       segments=[(pblock.pos_end if pblock is not None else 0, len(tokens))])
     try:
         stored = prefill_and_store(engine, store, block_id=bid, tokens=tokens, text=text,
                                    name=name or default_name(text), kind=kind, metadata=metadata or {},
