@@ -41,7 +41,7 @@ from pathlib import Path
 from bench.harness import RESULTS, ROOT, engine, summary, write_results
 from graftmem import EngineConfig, FleetStore, Memory
 from graftmem.core import Engine, logits_sha256
-from graftmem.core.progress import prefill_work
+from graftmem.core import prefill_work
 from graftmem.memory import learn_pages, plan_document
 from graftmem.store import Home, Store, load_state
 

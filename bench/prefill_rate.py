@@ -28,7 +28,7 @@ OUT = Path(__file__).resolve().parent / "results" / "prefill_rate.json"
 
 def measure(model: str, n_tokens: int, threads: int | None) -> list[tuple[float, float]]:
     """(mean position, seconds per token) of each n_batch chunk of one prefill of ``n_tokens``."""
-    from graftmem.core.engine import Engine
+    from graftmem import Engine
 
     cfg = {"n_ctx": n_tokens + 64, "probe": False}
     if threads:

@@ -205,11 +205,14 @@ def _scoped(args: argparse.Namespace) -> bool:
 def _access(args: argparse.Namespace) -> Iterator[tuple["BlockStore", Any, Any]]:
     """(store, `Access` in the operator's view, the `Scope` given) for the verbs that need no model (ls,
     show, delete): the same rule of who sees what as `Memory` and the server use."""
-    from ..memory import validate
-    from ..memory.access import Access
-    from ..store.scopes import ScopeIndex
+    from .. import ConfigError, Scope
+    from ..memory import Access
+    from ..store import ScopeIndex
 
-    scope = validate.scope(**_scope_kw(args))
+    given = _scope_kw(args)
+    if any(v is not None and not v.strip() for v in given.values()):
+        raise ConfigError("--user-id, --agent-id and --session-id take a non-empty id")
+    scope = Scope(**given)
     store = _store(args)
     opened: list[ScopeIndex] = []
 

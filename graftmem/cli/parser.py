@@ -86,7 +86,7 @@ def _global_options(p: argparse.ArgumentParser, default: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..core.version import __version__
+    from .. import __version__  # the facade's (defined at the bottom layer, imported by nothing heavy)
 
     p = _Parser(prog="graftmem", description="Agent memory made of verified, byte-exact KV-cache blocks.",
                 formatter_class=_HelpFormatter)

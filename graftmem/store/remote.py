@@ -89,7 +89,8 @@ class Bucket:
         try:
             from obstore.store import S3Store
         except ImportError as exc:
-            raise ConfigError("an s3:// store needs obstore: pip install 'graftmem[s3]'") from exc
+            raise ConfigError("an s3:// store needs obstore: pip install '.[s3]' in the graftmem clone "
+                              "(it is not on a package index)") from exc
 
         self.url = url
         self.bucket, self.prefix = parse_url(url)
