@@ -1,7 +1,9 @@
 """How prefill slows as the context grows, measured, and the cost model the progress bars use.
 
 One long prefill of SmolLM2 (the default model) in n_batch chunks; the time of each chunk over its
-tokens is the time per token at that chunk's mean position. Attention reads every earlier cell, so a
+tokens is the time per token at that chunk's mean position. The fit uses the process's CPU time (all
+its threads): on a shared machine the wall time of a chunk depends on the neighbours' load more than on
+its position (both are recorded). Attention reads every earlier cell, so a
 token at position p costs a + b * p (the weights' part a, the attention part b * p): the least-squares
 fit of that line gives `graftmem.core.progress.PREFILL_P0 = a / b`, the position at which a token costs
 twice a token at position 0. The bars of learn, learn-document and the needle bench weight each token by
@@ -24,10 +26,12 @@ from pathlib import Path
 import numpy as np
 
 OUT = Path(__file__).resolve().parent / "results" / "prefill_rate.json"
+LOAD_BEFORE: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
 
-def measure(model: str, n_tokens: int, threads: int | None) -> list[tuple[float, float]]:
-    """(mean position, seconds per token) of each n_batch chunk of one prefill of ``n_tokens``."""
+def measure(model: str, n_tokens: int, threads: int | None) -> list[tuple[float, float, float]]:
+    """(mean position, CPU seconds per token, wall seconds per token) of each n_batch chunk of one
+    prefill of ``n_tokens``."""
     from graftmem import Engine
 
     cfg = {"n_ctx": n_tokens + 64, "probe": False}
@@ -39,22 +43,22 @@ def measure(model: str, n_tokens: int, threads: int | None) -> list[tuple[float,
         while len(toks) < n_tokens:
             toks = toks + toks
         toks = toks[:n_tokens]
-        marks: list[tuple[int, float]] = [(0, time.perf_counter())]
+        marks: list[tuple[int, float, float]] = [(0, time.process_time(), time.perf_counter())]
         done = 0
 
         def tick(n: int) -> None:
             nonlocal done
             done += n
-            marks.append((done, time.perf_counter()))
+            marks.append((done, time.process_time(), time.perf_counter()))
 
         e.prefill(toks, progress=tick)
     rows = []
-    for (p0, t0), (p1, t1) in zip(marks, marks[1:]):
-        rows.append(((p0 + p1 - 1) / 2, (t1 - t0) / (p1 - p0)))
+    for (p0, c0, w0), (p1, c1, w1) in zip(marks, marks[1:]):
+        rows.append(((p0 + p1 - 1) / 2, (c1 - c0) / (p1 - p0), (w1 - w0) / (p1 - p0)))
     return rows
 
 
-def fit(rows: list[tuple[float, float]]) -> tuple[float, float]:
+def fit(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
     """Least squares of seconds per token = a + b * position: (a, b)."""
     x = np.array([r[0] for r in rows])
     y = np.array([r[1] for r in rows])
@@ -68,19 +72,22 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=12288)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
+    global LOAD_BEFORE
+    LOAD_BEFORE = os.getloadavg()
     rows = measure(args.model, args.tokens, args.threads)
     a, b = fit(rows)
-    print(f"{'position':>9}  {'ms/token':>9}  {'tok/s':>7}  {'fit ms/token':>12}")
-    for pos, spt in rows:
-        print(f"{pos:9.0f}  {spt * 1e3:9.2f}  {1 / spt:7.0f}  {(a + b * pos) * 1e3:12.2f}")
+    print(f"{'position':>9}  {'CPU ms/token':>12}  {'fit':>7}  {'wall ms/token':>13}  {'wall tok/s':>10}")
+    for pos, spt, wall in rows:
+        print(f"{pos:9.0f}  {spt * 1e3:12.2f}  {(a + b * pos) * 1e3:7.2f}  {wall * 1e3:13.2f}  {1 / wall:10.0f}")
     p0 = a / b if b > 0 else float("inf")
-    total = sum(spt for _, spt in rows) * (rows[1][0] - rows[0][0] if len(rows) > 1 else 1)
-    print(f"fit: {a * 1e3:.3f} ms + {b * 1e6:.4f} us * position per token; p0 = a/b = {p0:.0f} positions")
+    total = sum(w for _, _, w in rows) * (rows[1][0] - rows[0][0] if len(rows) > 1 else 1)
+    print(f"fit (CPU time): {a * 1e3:.3f} ms + {b * 1e6:.4f} us * position per token; p0 = a/b = {p0:.0f} positions")
     OUT.parent.mkdir(exist_ok=True)
     OUT.write_text(json.dumps({
         "model": args.model, "tokens": args.tokens, "threads": args.threads or os.cpu_count(),
-        "machine": platform.processor() or platform.machine(), "rows": [{"position": p, "s_per_token": s} for p, s in rows],
-        "fit": {"a_s": a, "b_s_per_position": b, "p0": p0}, "prefill_seconds_approx": total,
+        "machine": platform.processor() or platform.machine(), "rows": [{"position": p, "cpu_s_per_token": s, "wall_s_per_token": w} for p, s, w in rows],
+        "fit": {"a_s": a, "b_s_per_position": b, "p0": p0, "on": "CPU time"}, "prefill_wall_seconds": total,
+        "load_average_before_after": [LOAD_BEFORE, os.getloadavg()],
         "command": f"python -m bench.prefill_rate --model {args.model} --tokens {args.tokens}"}, indent=2))
     print(f"wrote {OUT}")
 

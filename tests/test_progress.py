@@ -17,7 +17,7 @@ def test_work_grows_with_position():
     assert prefill_work(0, 1) == 1.0
     assert prefill_work(0, 1000) == pytest.approx(1000 + 1000 * 999 / 2 / PREFILL_P0)
     # the same 1,000 tokens late in a context are more work than early: what a token-counting bar missed
-    assert prefill_work(19000, 1000) > 10 * prefill_work(0, 1000) > 0
+    assert prefill_work(19000, 1000) > 5 * prefill_work(0, 1000) > 0
     assert prefill_work(0, 2000) == pytest.approx(prefill_work(0, 1000) + prefill_work(1000, 1000))
 
 

@@ -21,9 +21,10 @@ from typing import Any, Literal, Optional, Sequence
 __all__ = ["progress_bar", "prefill_work", "PrefillBar", "PREFILL_P0"]
 
 #: The position at which a prefilled token costs twice a token at position 0 (a / b of the fitted
-#: ``seconds per token = a + b * position``): SmolLM2-135M, CPU, bench/results/prefill_rate.json. The
-#: ratio depends on the model's shape more than on the machine (both terms scale with the CPU).
-PREFILL_P0 = 1300.0
+#: ``seconds per token = a + b * position``): 3,477 for SmolLM2-135M on a 2-core CPU, measured to 8,192
+#: positions (bench/results/prefill_rate.json; the line fits every chunk within 3 %). A ratio, so a
+#: faster or slower CPU scales both terms alike; another model's shape moves it.
+PREFILL_P0 = 3477.0
 
 
 def prefill_work(start: int, n: int, p0: float = PREFILL_P0) -> float:
