@@ -54,15 +54,8 @@ def _summary(b: Any) -> dict[str, Any]:
     """A local block as the server's listing line (`graftmem.api.BlockSummary`'s fields), so ``ls``
     prints local and remote stores alike."""
     return {"id": b.id, "name": b.name, "kind": b.kind, "n_tokens": b.n_tokens, "state_size": b.state_size,
-            "model": b.fingerprint.model_name, "settings": _settings(b.fingerprint), "verified": b.verification.ok if b.verification else None,
+            "model": b.fingerprint.model_name, "settings": b.fingerprint.settings, "verified": b.verification.ok if b.verification else None,
             "provenance": b.provenance, "labels_trusted": b.labels_trusted}
-
-
-def _settings(fp: Any) -> str:
-    """The engine settings a block can only be grafted under, short (``n_ctx=2048 kv=f16``): what
-    ``--config`` must give again (`IncompatibleBlock` names the ones that differ)."""
-    kv = fp.type_k if fp.type_k == fp.type_v else f"{fp.type_k}/{fp.type_v}"
-    return f"n_ctx={fp.n_ctx} kv={kv}"
 
 
 def cmd_show(args: argparse.Namespace) -> int:
