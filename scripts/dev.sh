@@ -14,6 +14,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # Debian packages the tests drive (a real browser, a real proxy): "command:package" pairs, installed when the
 # command is missing (root and apt-get, as on the CI machine); elsewhere the tests that need them say what to install
 DEBIAN_NEEDS=(
+    "curl:curl"          # issue 43: docs/fleet.md waits for SeaweedFS with curl (tests/test_fleet_bucket.py)
 )
 
 debian_needs() {
