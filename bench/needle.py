@@ -41,6 +41,7 @@ from pathlib import Path
 from bench.harness import RESULTS, ROOT, engine, summary, write_results
 from graftmem import EngineConfig, FleetStore, Memory
 from graftmem.core import Engine, logits_sha256
+from graftmem.core import prefill_work
 from graftmem.memory import learn_pages, plan_document
 from graftmem.store import Home, Store, load_state
 
@@ -200,6 +201,10 @@ def build(args: argparse.Namespace) -> dict:
         if args.reverse:  # a second builder on the same store works from the other end (pages are skipped
             order.reverse()  # once stored, so two processes meet in the middle with at most one page twice)
         done_tokens = 0
+        # time left from the prefill cost model (graftmem.core.progress: a token at position p weighs
+        # 1 + p / p0; every page is prefilled from position 0), not from the tokens per second so far
+        work = {p.page: prefill_work(0, p.n_tokens) for p in plan.pages}
+        work_left, work_done = sum(work[i] for i in order), 0.0
         t_build = time.perf_counter()
         chunk = max(1, args.chunk)
         reports = []
@@ -209,9 +214,13 @@ def build(args: argparse.Namespace) -> dict:
             done_tokens += rep.tokens_prefilled
             st = mem.stats()
             el = time.perf_counter() - t_build
+            batch = sum(work[i] for i in order[s:s + chunk])
+            work_left -= batch
+            work_done += batch * rep.pages_learned / max(1, rep.pages_learned + rep.pages_skipped)
             print(json.dumps({"t": round(el, 1), "pages_done": min(s + chunk, len(order)), "pages": len(order),
                               "learned": rep.pages_learned, "skipped": rep.pages_skipped,
                               "prefilled_tok_s": round(done_tokens / el, 1) if el else 0,
+                              "eta_s": round(work_left / (work_done / el), 0) if work_done and el else None,
                               "store_tokens": st.tokens, "store_bytes": st.bytes_on_disk,
                               "bytes_per_token": round(st.bytes_per_token)}), flush=True)
         st = mem.stats()

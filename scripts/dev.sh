@@ -16,6 +16,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 DEBIAN_NEEDS=(
     "chromium:chromium"  # tests/test_ui.py: the /ui page in a real browser (Playwright drives it; never `playwright install`)
     "haproxy:haproxy"  # tests/test_fleet_gateway.py, bench/fleet_gateway.py: a plain proxy in front of workers
+    "curl:curl"          # issue 43: docs/fleet.md waits for SeaweedFS with curl (tests/test_fleet_bucket.py)
 )
 
 debian_needs() {

@@ -194,3 +194,80 @@ def test_ask_streams_and_stops_like_the_api(tmp_path, capsys):
     assert main(["--home", home, "--config", cfg, "--json", *q, "--stop", word, "--stop", "zzz-never"]) == 0
     cut = json.loads(capsys.readouterr().out)
     assert cut["text"] == full[:full.find(word)] and cut["finish_reason"] == "stop"
+
+
+def test_version_and_did_you_mean(capsys):
+    """``--version`` prints the package's version; a mistyped command or option names the nearest one, in
+    one line and exit 2 (argparse printed its usage and a bare 'invalid choice')."""
+    from graftmem import __version__
+    from graftmem.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"graftmem {__version__}"
+    assert main(["lern", "notes.txt"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "did you mean 'learn'?" in err and len(err.strip().splitlines()) == 1
+    assert main(["ls", "--knd", "x"]) == 2
+    assert "did you mean '--kind'?" in capsys.readouterr().err
+    assert main(["zzzzzz"]) == 2
+    assert "did you mean" not in capsys.readouterr().err  # nothing near: the list of commands instead
+
+
+def test_json_errors_are_one_object_with_stable_keys(tmp_path, capsys):
+    """Under ``--json`` every error, wherever it comes from (the command line, the store, bad input), is
+    one JSON object on stdout with the same keys, and the exit code is the plain one's."""
+    from graftmem.cli import main
+
+    home = str(tmp_path / "h")
+    cases = [(["--json", "lern"], "UsageError", "did you mean 'learn'"),
+             (["--home", home, "show", "abcd1234", "--json"], "BlockNotFound", "no block"),
+             (["--home", home, "--json", "--config", "{oops", "search", "x"], "ConfigError", "is not JSON"),
+             (["--home", home, "--json", "learn", str(tmp_path / "missing.txt")], "FileNotFoundError",
+              "No such file")]
+    for argv, kind, words in cases:
+        assert main(argv) == 2, argv
+        out, err = capsys.readouterr()
+        assert err == "", (argv, err)
+        err_obj = json.loads(out)  # one object, nothing else on stdout
+        assert set(err_obj) == {"error"} and set(err_obj["error"]) == {"type", "message", "fix", "exit_code"}
+        assert err_obj["error"]["type"] == kind and words in err_obj["error"]["message"], (argv, err_obj)
+        assert err_obj["error"]["exit_code"] == 2
+    assert json.loads(main(["--json", "lern"]) and capsys.readouterr().out)["error"]["fix"].startswith("run `graftmem --help`")
+
+
+def test_scope_flags_list_and_forget_by_scope(tmp_path, capsys):
+    """--user-id on learn records the scope; ls / show / search by scope see only its blocks; delete by scope
+    deletes what only that scope learned and leaves a block another scope also learned to it. ls shows the
+    settings a block grafts under."""
+    from graftmem.cli import main
+
+    home, cfg = str(tmp_path / "h"), '{"probe": false}'
+
+    def cli(*args: str) -> tuple[int, str, str]:
+        code = main(["--home", home, "--config", cfg, *args])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    for name, text in (("tea", "Alice likes green tea in the morning."), ("both", "The office opens at nine.")):
+        (tmp_path / f"{name}.txt").write_text(text)
+    ids = {}
+    for user, name in (("alice", "tea"), ("alice", "both"), ("bob", "both")):
+        code, out, err = cli("--json", "learn", str(tmp_path / f"{name}.txt"), "--user-id", user)
+        assert code == 0, err
+        ids[name] = json.loads(out)["id"]
+    code, out, _ = cli("--json", "ls", "--user-id", "alice")
+    assert sorted(b["id"] for b in json.loads(out)) == sorted(ids.values())
+    code, out, _ = cli("ls", "--user-id", "bob")
+    assert ids["both"][:12] in out and ids["tea"][:12] not in out and "n_ctx=" in out and "settings" in out
+    assert cli("show", ids["tea"], "--user-id", "bob")[0] == 2  # not bob's: not found, as through the server
+    assert cli("ls", "--user-id", "carol")[1].strip() == "(no blocks in this scope)"
+    code, out, err = cli("--json", "delete", "--user-id", "alice")
+    assert code == 0, err
+    rep = json.loads(out)
+    assert rep["deleted_all"] == [ids["tea"]] and rep["kept"] == [ids["both"]]
+    assert json.loads(cli("--json", "ls", "--user-id", "alice")[1]) == []
+    assert [b["id"] for b in json.loads(cli("--json", "ls", "--user-id", "bob")[1])] == [ids["both"]]
+    assert [b["id"] for b in json.loads(cli("--json", "ls")[1])] == [ids["both"]]
+    code, out, err = cli("delete")
+    assert code == 2 and "give a block id, or a scope" in err

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -58,6 +59,9 @@ def test_mkdocs_build_strict(tmp_path):
     api = (tmp_path / "site" / "api" / "index.html").read_text()
     assert "chains the text on that block" in api  # docstrings made it into the API reference
     assert (tmp_path / "site" / "paper" / "index.html").exists()
+    # long code lines wrap on the site instead of being cut at the page's width
+    assert "css/wrap.css" in (tmp_path / "site" / "index.html").read_text()
+    assert "pre-wrap" in (tmp_path / "site" / "css" / "wrap.css").read_text()
 
 
 def test_paper_page_is_generated():
@@ -80,6 +84,43 @@ def python_blocks(page: str) -> list[str]:
     text = (ROOT / page).read_text()
     return [m.group(2) for m in re.finditer(r"(<!-- docs-test: skip[^>]*-->\n)?```python\n(.*?)```", text, flags=re.S)
             if not m.group(1)]
+
+
+def shown_output(page: str, index: int) -> Optional[str]:
+    """What the page shows as the output of its ``index``-th runnable python block: the ```text (or bare
+    ```) block that follows it when the prose between them starts a paragraph with "Output", else None."""
+    import re
+
+    text = (ROOT / page).read_text()
+    runnable = [m for m in re.finditer(r"(<!-- docs-test: skip[^>]*-->\n)?```python\n(.*?)```", text, flags=re.S)
+                if not m.group(1)]
+    after = text[runnable[index].end():]
+    nxt = re.search(r"^```(text)?\n(.*?)^```", after, flags=re.S | re.M)
+    if nxt is None or "```" in after[:nxt.start()]:
+        return None
+    between = after[:nxt.start()]
+    if not re.search(r"\n\s*\nOutput", "\n\n" + between.strip()):
+        return None
+    return nxt.group(2)
+
+
+def assert_output_shown(page: str, index: int, stdout: str) -> None:
+    """The output a page shows after a block is what the block printed: every shown line, in order, is a
+    printed line, where "…" stands for a part the page says varies (a timing, a hash). Pages whose
+    output is not stable say which part varies and mark it so; nothing else is compared loosely."""
+    import re
+
+    shown = shown_output(page, index)
+    if shown is None:
+        return
+    printed = stdout.splitlines()
+    at = 0
+    for want in shown.splitlines():
+        pattern = re.compile(".*?".join(re.escape(part) for part in want.split("…")) + "$")
+        while at < len(printed) and not pattern.match(printed[at]):
+            at += 1
+        assert at < len(printed), f"{page}: the shown output line {want!r} is not printed (in order):\n{stdout}"
+        at += 1
 
 
 def _run_block(code: str, tmp_path, runner: SnippetRunner) -> subprocess.CompletedProcess:
@@ -117,13 +158,16 @@ def test_every_page_block_is_found():
 @pytest.mark.slow
 @pytest.mark.parametrize("page, index", EVERY_BLOCK, ids=[f"{p}#{i}" for p, i in EVERY_BLOCK])
 def test_every_python_block_runs(page, index, tmp_path, runner):
-    _run_block(python_blocks(page)[index], tmp_path, runner)
+    proc = _run_block(python_blocks(page)[index], tmp_path, runner)
+    assert_output_shown(page, index, proc.stdout)
 
 
 @pytest.mark.slow
 def test_quickstart_page_snippet_runs(tmp_path, runner):
     """The first Python block of docs/quickstart.md, run as the page says (save it, run it)."""
-    lines = _run_first_python_block("docs/quickstart.md", tmp_path, runner).stdout.splitlines()
+    proc = _run_first_python_block("docs/quickstart.md", tmp_path, runner)
+    assert_output_shown("docs/quickstart.md", 0, proc.stdout)
+    lines = proc.stdout.splitlines()
     assert lines[0].endswith("  dates") and lines[2].startswith("dates "), lines  # routed to the date manual
     assert lines[-1].startswith("False '' no block matched"), lines               # refused, nothing grafted
 
@@ -138,7 +182,9 @@ def test_readme_quickstart_runs(tmp_path, runner):
     (learn, recall through the router, verify) as a new process. Here the block's every line runs and
     its printed results are checked; a cold interpreter would add only the import and load time."""
     proc = _run_first_python_block("README.md", tmp_path, runner)
+    assert_output_shown("README.md", 0, proc.stdout)
     lines = proc.stdout.splitlines()
+    assert lines[0] == " REFUND APPROVED. Ticket code: RF-20417.", proc.stdout[-2000:]  # reads as an answer
     assert "True 50 0.0" in lines, proc.stdout[-2000:]
     assert lines[-1].startswith("dates "), proc.stdout[-2000:]
 
@@ -249,3 +295,29 @@ def test_snippet_runner_recovers_from_a_hang_and_a_crash(tmp_path):
         assert r.starts == 3
     finally:
         r.close()
+
+
+def test_shown_outputs_are_found_and_compared():
+    """The output blocks the pages show are the ones the tests compare (quickstart's, needle's), and the
+    comparison fails on a stale line (the quickstart once showed a score of 0.605 where the run gives
+    another)."""
+    shown = shown_output("docs/quickstart.md", 0)
+    assert shown is not None and "dates" in shown
+    assert shown_output("docs/needle.md", 0) is not None
+    assert_output_shown("docs/quickstart.md", 0, "x\n" + shown.replace("…", "12.5") + "\ny")
+    with pytest.raises(AssertionError, match="not printed"):
+        assert_output_shown("docs/quickstart.md", 0, shown.replace("dates", "tickets", 1).replace("…", "1"))
+
+
+def test_shell_examples_mean_what_they_say():
+    """In the pages' shell blocks a "\\n" inside double quotes stays a backslash and an n (bash does not
+    turn it into a newline): the examples use $'...'. The torch line is the same wherever it is given."""
+    import re
+
+    for page in PAGES:
+        for block in re.findall(r"```(?:bash|sh|shell)\n(.*?)```", (ROOT / page).read_text(), flags=re.S):
+            for line in block.splitlines():
+                assert not re.search(r'"[^"]*\\n[^"]*"', line) or "$'" in line, (page, line)
+    torch = {line.split("#")[0].strip() for page in ("README.md", "docs/quickstart.md")
+             for line in (ROOT / page).read_text().splitlines() if line.startswith("pip install torch")}
+    assert len(torch) == 1, torch

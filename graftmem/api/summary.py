@@ -28,6 +28,8 @@ class BlockSummary(BaseModel):
     shared: bool = True
     #: the model that made it (its fingerprint's name)
     model: Optional[str] = None
+    #: the engine settings it grafts under (``n_ctx=8192 kv=f16``: `Fingerprint.settings`)
+    settings: Optional[str] = None
     #: the last exactness check (`Memory.verify`): passed, failed, or never run (None)
     verified: Optional[bool] = None
     #: where the state came from in the server's store (``"local"``, ``"rederived"``, ``"unverified"``, ...)

@@ -4,7 +4,9 @@ One module per idea: `parser` (the sub-commands and their options), `common` (ou
 and sampling from the arguments), `verbs` (the memory's verbs), `sharing` (buckets, bundles, pull,
 push, keys), `serve`, `doctor`, `demo`, `remote` (the client for ``--url``), `main` (the entry point).
 
-Errors print one line (``error: ...``) and exit 2; ``verify`` exits 1 on any mismatch.
+Errors print one line (``error: ...``) and exit 2, or under ``--json`` one object
+``{"error": {"type", "message", "fix", "exit_code"}}`` on stdout (`main`); ``verify`` exits 1 on any
+mismatch. A mistyped command or option names the nearest one.
 """
 
 from __future__ import annotations

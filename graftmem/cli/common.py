@@ -7,8 +7,9 @@ import argparse
 import json
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 if TYPE_CHECKING:
     from ..store import BlockStore
@@ -182,3 +183,46 @@ def _transfer_text(verb: str, rep: Any) -> str:
     return (f"{verb} {rep.source}: {len(rep.added)} added, {len(rep.present)} already present, "
             f"{len(rep.kept_apart)} kept apart, {len(rep.skipped)} skipped; {rep.bytes:,} bytes in "
             f"{rep.seconds:.2f} s ({mbps:.0f} MB/s){signer}")
+
+
+# --------------------------------------------------------------------- scopes (user / agent / session)
+def _scope_options(sp: argparse.ArgumentParser, what: str) -> None:
+    """--user-id / --agent-id / --session-id, as `Memory` takes them (``what``: what the scope does here)."""
+    for field in ("user", "agent", "session"):
+        sp.add_argument(f"--{field}-id", metavar="ID", default=None, help=f"{what} ({field} scope)")
+
+
+def _scope_kw(args: argparse.Namespace) -> dict[str, Optional[str]]:
+    """The scope given on the command line, as keyword arguments of the API (None: not given)."""
+    return {k: getattr(args, k, None) for k in ("user_id", "agent_id", "session_id")}
+
+
+def _scoped(args: argparse.Namespace) -> bool:
+    return any(v is not None for v in _scope_kw(args).values())
+
+
+@contextmanager
+def _access(args: argparse.Namespace) -> Iterator[tuple["BlockStore", Any, Any]]:
+    """(store, `Access` in the operator's view, the `Scope` given) for the verbs that need no model (ls,
+    show, delete): the same rule of who sees what as `Memory` and the server use."""
+    from .. import ConfigError, Scope
+    from ..memory import Access
+    from ..store import ScopeIndex
+
+    given = _scope_kw(args)
+    if any(v is not None and not v.strip() for v in given.values()):
+        raise ConfigError("--user-id, --agent-id and --session-id take a non-empty id")
+    scope = Scope(**given)
+    store = _store(args)
+    opened: list[ScopeIndex] = []
+
+    def scopes() -> ScopeIndex:
+        if not opened:
+            opened.append(ScopeIndex(store.home, timeout=store.lock_timeout))
+        return opened[0]
+    try:
+        yield store, Access(store, scopes=scopes, operator=True), scope
+    finally:
+        for idx in opened:
+            idx.close()
+        store.close()

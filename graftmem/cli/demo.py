@@ -63,7 +63,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
               f"{block.state_size:,} state bytes ({time.perf_counter() - t0:.1f} s including model load)")
         print(f"task:   {DEMO_TASK!r}")
         if importlib.util.find_spec("sentence_transformers") is None:
-            print("route:  skipped (install graftmem[router] for recall); grafting refund-manual by id")
+            print("route:  skipped (pip install '.[router]' in the clone for recall); grafting refund-manual by id")
             from ..memory import continuation_for
 
             r = mem.ask(block.id, continuation_for(block, DEMO_TASK), max_tokens=40)

@@ -4,15 +4,46 @@ generated from it and checked)."""
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable
+import difflib
+import re
+from typing import Any, Callable, NoReturn
 
-from .common import _port, _positive, _seconds
+from .common import _port, _positive, _scope_options, _seconds
 from .demo import cmd_demo
 from .doctor import cmd_doctor
 from .mcp import cmd_mcp
 from .serve import cmd_serve
 from .sharing import cmd_export, cmd_import, cmd_keygen, cmd_pull, cmd_push, cmd_upload
 from .verbs import cmd_ask, cmd_delete, cmd_learn, cmd_learn_document, cmd_ls, cmd_recall, cmd_recall_document, cmd_reindex, cmd_search, cmd_show, cmd_solve, cmd_stats, cmd_verify
+
+
+class UsageError(Exception):
+    """The command line itself is wrong (an unknown command or option, a missing or bad argument): one
+    line that says what and, for a near miss, which command or option was meant (`main` prints it)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, except that a usage error raises `UsageError` (one line, or one JSON object under
+    ``--json``, exit 2) instead of printing the usage and exiting, and names the nearest command or
+    option for a typo (``graftmem lern`` -> did you mean 'learn'?)."""
+
+    #: every option string of every command, for suggestions (set by `build_parser`)
+    known_options: list[str] = []
+
+    def error(self, message: str) -> NoReturn:
+        hint = ""
+        if (m := re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)):
+            choices = re.findall(r"'([^']*)'", m.group(2))
+            close = difflib.get_close_matches(m.group(1), choices, n=1, cutoff=0.5)
+            message = f"{message.split(':')[0]}: unknown {'command' if 'COMMAND' in message else 'value'} " \
+                      f"{m.group(1)!r}" + (f"; did you mean {close[0]!r}?" if close else
+                                            f" (choose from {', '.join(choices)})")
+        elif (m := re.search(r"unrecognized arguments: (\S+)", message)):
+            wrong = m.group(1).split("=")[0]
+            close = difflib.get_close_matches(wrong, self.known_options, n=1, cutoff=0.6)
+            if close:
+                hint = f"; did you mean {close[0]!r}?"
+        raise UsageError(f"{self.prog}: {message}{hint} (see `{self.prog} --help`)")
 
 
 def _sampling_options(sp: argparse.ArgumentParser) -> None:
@@ -56,11 +87,14 @@ def _global_options(p: argparse.ArgumentParser, default: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="graftmem", description="Agent memory made of verified, byte-exact KV-cache blocks.",
-                                formatter_class=_HelpFormatter)
+    from .. import __version__  # the facade's (defined at the bottom layer, imported by nothing heavy)
+
+    p = _Parser(prog="graftmem", description="Agent memory made of verified, byte-exact KV-cache blocks.",
+                formatter_class=_HelpFormatter)
+    p.add_argument("--version", action="version", version=f"graftmem {__version__}")
     _global_options(p, None)
     # the same options after the subcommand (`graftmem ls --json`): SUPPRESS keeps a value given before it
-    after = argparse.ArgumentParser(add_help=False)
+    after = _Parser(add_help=False)
     _global_options(after, argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -77,10 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--chat", action="store_true", help="store the text as a chat turn, for recall")
     sp.add_argument("--parent", metavar="ID", default=None,
                     help="chain the text on this block (graft it, continue after it; stored as a delta)")
-    sp = add("ls", cmd_ls, "list the blocks in the store")
+    _scope_options(sp, "record that this scope learned the block")
+    sp = add("ls", cmd_ls, "list the blocks in the store (with the engine settings they graft under)")
     sp.add_argument("--kind")
+    _scope_options(sp, "only the blocks learned in this scope")
     sp = add("show", cmd_show, "show one block's manifest")
     sp.add_argument("id")
+    _scope_options(sp, "only if the block was learned in this scope")
     sp = add("ask", cmd_ask, "graft a block and answer a question after it (exit 1 on an empty answer)")
     sp.add_argument("id")
     sp.add_argument("question")
@@ -89,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prefill the question as given, even after a chat block (default: as the next user turn)")
     sp.add_argument("--allow-unverified", action="store_true",
                     help="graft the block even if its provenance is unverified (see docs/security.md)")
+    _scope_options(sp, "only if the block was learned in this scope")
     _sampling_options(sp)
     sp = add("verify", cmd_verify, "prove graft == fresh prefill, byte for byte (exit 1 on any mismatch)")
     sp.add_argument("id")
@@ -102,10 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--min-score", type=float, default=None, help="refuse to graft below this routing score (default: the router's threshold, docs/routing.md)")
     sp.add_argument("--allow-unverified", action="store_true",
                     help="graft the routed block even if its provenance is unverified")
+    _scope_options(sp, "route among the blocks learned in this scope only")
     _sampling_options(sp)
     sp = add("search", cmd_search, "rank the blocks for a task without grafting anything")
     sp.add_argument("task")
     sp.add_argument("--top-k", type=_positive, default=5)
+    _scope_options(sp, "rank the blocks learned in this scope only")
     add("reindex", cmd_reindex, "rebuild the routing index from the store")
     sp = add("learn-document", cmd_learn_document,
              "learn a long text file as pages that fit the window (resumable; exit 1 if incomplete)")
@@ -121,8 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--document", default=None, help="only this document's pages")
     sp.add_argument("--max-tokens", type=_positive, default=32)
     sp.add_argument("--min-score", type=float, default=None, help="refuse to graft below this routing score (default: the router's threshold, docs/routing.md)")
-    sp = add("delete", cmd_delete, "delete a block (refused for a block with chained children unless --cascade)")
-    sp.add_argument("id")
+    sp = add("delete", cmd_delete, "delete a block (refused for a block with chained children unless --cascade), "
+                                   "or with a scope and no id forget every block of that scope")
+    sp.add_argument("id", nargs="?", default=None,
+                    help="the block (id or unique prefix); without it, the scope's blocks: those no other scope "
+                         "learned are deleted, the others stay theirs")
+    _scope_options(sp, "only a block learned in this scope; without an id, all of them")
     sp.add_argument("--cascade", action="store_true", help="also delete every block chained on it")
     add("stats", cmd_stats, "store totals")
     sp = add("solve", cmd_solve, "answer a problem from a verified block, by transfer or live; deposit what "
@@ -257,4 +301,6 @@ def build_parser() -> argparse.ArgumentParser:
         for action in sp._actions:
             if action.help is None and action.option_strings and action.default not in (None, False):
                 action.help = "(default: %(default)s)"
+    p.known_options = sorted({o for sp in [p, *sub.choices.values()] for a in sp._actions
+                                    for o in a.option_strings})
     return p

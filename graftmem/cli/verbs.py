@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .common import _answered, _label, _memory, _out, _read_text, _sampling, _size, _store, _table
+from .common import (_access, _answered, _label, _memory, _out, _read_text, _sampling, _scope_kw, _scoped, _size,
+                     _store, _table)
 from .remote import _client, _greedy_remote, _server
 
 
@@ -20,7 +21,7 @@ def cmd_learn(args: argparse.Namespace) -> int:
     with _memory(args) as mem:
         block = mem.learn(text, name=args.name or (None if args.file == "-" else Path(args.file).stem),
                           kind=args.kind, progress=not args.json, when_to_use=args.when_to_use,
-                          chat=args.chat, parent=args.parent)
+                          chat=args.chat, parent=args.parent, **_scope_kw(args))
     already = block.created_at < started  # content-addressed: the same text is the same block
     _out(args, {"id": block.id, "name": block.name, "n_tokens": block.n_tokens,
                 "state_size": block.state_size, "already_stored": already},
@@ -32,22 +33,20 @@ def cmd_learn(args: argparse.Namespace) -> int:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     if (url := _server(args)) is not None:
-        lines = _client(url).ls(kind=args.kind)  # the server's summaries, the same fields as _summary's
+        lines = _client(url).ls(kind=args.kind, **_scope_kw(args))  # the server's summaries, as _summary's
         data: Any = lines
     else:
-        store = _store(args)
-        try:
-            blocks = store.list(kind=args.kind)
-        finally:
-            store.close()
+        with _access(args) as (_, access, scope):
+            blocks = access.list(kind=args.kind, scope=scope)
         lines = [_summary(b) for b in blocks]
         data = [b.model_dump(exclude={"tokens", "text"}) | {"provenance": b.provenance,
                                                             "labels_trusted": b.labels_trusted} for b in blocks]
     rows = [[d["id"][:12], d["kind"], d["n_tokens"], f"{d['state_size']:,}", d.get("model") or "-",
-             {True: "yes", False: "NO"}.get(d.get("verified"), "-"), d.get("provenance") or "-",
-             _label((d["name"] or "")[:40], d)] for d in lines]
-    _out(args, data, _table(rows, ["id", "kind", "tokens", "state bytes", "model", "verified", "provenance", "name"])
-         if rows else "(no blocks)")
+             d.get("settings") or "-", {True: "yes", False: "NO"}.get(d.get("verified"), "-"),
+             d.get("provenance") or "-", _label((d["name"] or "")[:40], d)] for d in lines]
+    _out(args, data, _table(rows, ["id", "kind", "tokens", "state bytes", "model", "settings", "verified",
+                                   "provenance", "name"])
+         if rows else "(no blocks" + (" in this scope)" if _scoped(args) else ")"))
     return 0
 
 
@@ -55,16 +54,13 @@ def _summary(b: Any) -> dict[str, Any]:
     """A local block as the server's listing line (`graftmem.api.BlockSummary`'s fields), so ``ls``
     prints local and remote stores alike."""
     return {"id": b.id, "name": b.name, "kind": b.kind, "n_tokens": b.n_tokens, "state_size": b.state_size,
-            "model": b.fingerprint.model_name, "verified": b.verification.ok if b.verification else None,
+            "model": b.fingerprint.model_name, "settings": b.fingerprint.settings, "verified": b.verification.ok if b.verification else None,
             "provenance": b.provenance, "labels_trusted": b.labels_trusted}
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    store = _store(args)
-    try:
-        b = store.get(args.id)
-    finally:
-        store.close()
+    with _access(args) as (_, access, scope):
+        b = access.get(args.id, scope)
     fp = b.fingerprint
     text = "\n".join([
         f"id           {b.id}", f"name         {_label(b.name, b)}", f"kind         {b.kind}",
@@ -85,13 +81,17 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_ask(args: argparse.Namespace) -> int:
     if (url := _server(args)) is not None:
         _greedy_remote(args)
-        r = _client(url).ask(args.id, args.question, max_tokens=args.max_tokens, turn=not args.raw, stop=args.stop)
+        r = _client(url).ask(args.id, args.question, max_tokens=args.max_tokens, turn=not args.raw, stop=args.stop,
+                             **_scope_kw(args))
         rc = r["receipt"]
         _out(args, r, f"{r['text']}\n\n-- {rc['tokens_restored']} tokens restored in {rc['restore_ms']:.1f} ms, "
                       f"{rc['tokens_prefilled']} prefilled; exact={rc['exact']} (through {url})")
         return 0 if r["tokens"] else 1
     from ..memory import continuation_for
 
+    if _scoped(args):  # the block must be the scope's, as through the server (else: not found)
+        with _access(args) as (_, access, scope):
+            access.get(args.id, scope)
     with _memory(args) as mem:
         block = mem.get(args.id)
         # a chat block holds complete turns: the question becomes the next user turn (--raw: as given)
@@ -132,12 +132,12 @@ def cmd_recall(args: argparse.Namespace) -> int:
 
     if (url := _server(args)) is not None:
         _greedy_remote(args)
-        r = Recall.model_validate(_client(url).recall(args.task, max_tokens=args.max_tokens,
-                                                      min_score=args.min_score, stop=args.stop))
+        r = Recall.model_validate(_client(url).recall(args.task, max_tokens=args.max_tokens, min_score=args.min_score,
+                                                      stop=args.stop, **_scope_kw(args)))
     else:
         with _memory(args) as mem:
             kw = dict(max_tokens=args.max_tokens, min_score=args.min_score, sampling=_sampling(args),
-                      stop=args.stop, allow_unverified=args.allow_unverified)
+                      stop=args.stop, allow_unverified=args.allow_unverified, **_scope_kw(args))
             r = _answered(args, lambda: mem.recall(args.task, **kw), lambda: mem.recall_stream(args.task, **kw))
     rc = r.receipt
     route = "nothing grafted"
@@ -177,12 +177,12 @@ def cmd_recall_document(args: argparse.Namespace) -> int:
 def cmd_search(args: argparse.Namespace) -> int:
     hint = None
     if (url := _server(args)) is not None:  # dicts, not SearchHit: the client path imports no pydantic
-        hits = _client(url).search(args.task, top_k=args.top_k)
+        hits = _client(url).search(args.task, top_k=args.top_k, **_scope_kw(args))
     else:
         from ..memory import other_engines_hint
 
         with _memory(args) as mem:
-            found = mem.search(args.task, top_k=args.top_k)
+            found = mem.search(args.task, top_k=args.top_k, **_scope_kw(args))
             hint = None if found else other_engines_hint(mem.store, mem.fingerprint)
         hits = [h.model_dump() for h in found]
     rows = [[i + 1, f"{h['score']:.3f}", h["block_id"][:12], h["n_tokens"], h["name"][:40],
@@ -214,13 +214,29 @@ def _rederive(args: argparse.Namespace) -> int:
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
-    store = _store(args)
-    try:
-        bid = store.resolve(args.id)
-        gone = store.delete(bid, cascade=args.cascade)
-    finally:
-        store.close()
-    _out(args, {"deleted": bid, "deleted_all": gone}, "deleted " + ", ".join(g[:12] for g in gone))
+    from .. import ConfigError
+
+    if args.id is None and not _scoped(args):
+        raise ConfigError("give a block id, or a scope (--user-id/--agent-id/--session-id) to forget all its blocks")
+    if (url := _server(args)) is not None:
+        client = _client(url)
+        ids = [args.id] if args.id is not None else [d["id"] for d in client.ls(**_scope_kw(args))]
+        gone = [g for i in ids for g in client.delete(i, cascade=args.cascade, **_scope_kw(args))["deleted"]]
+        _out(args, {"deleted": ids[0] if args.id else None, "deleted_all": gone, "kept": []},
+             "deleted " + (", ".join(g[:12] for g in gone) or "nothing"))
+        return 0
+    with _access(args) as (_, access, scope):
+        if args.id is None:  # forget the scope: its blocks nobody else learned go, shared ones stay theirs
+            gone, kept = access.forget_scope(scope, cascade=args.cascade)
+            bid = None
+        else:
+            bid, gone, _ = access.delete(args.id, scope, cascade=args.cascade)
+            access.forget(gone, cascade_from=bid)
+            kept = []
+    _out(args, {"deleted": bid, "deleted_all": gone, "kept": kept},
+         "deleted " + (", ".join(g[:12] for g in gone) or "nothing")
+         + (f"; kept {len(kept)} block(s) other scopes also learned: {', '.join(k[:12] for k in kept)}"
+            if kept else ""))
     return 0
 
 

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .kernels import KernelVerdict, probe_kernels
     from .format import state_digest
     from .models import DEFAULT_MODEL, MODELS, resolve_model
-    from .progress import progress_bar
+    from .progress import prefill_work, progress_bar
     from .statefmt import join as join_states
     from .statefmt import needs_placing, place_cells_into
     from .prompt import CHATML, FORMATS, GEMMA, ChatFormat, detect_format, request_template, split_ids
@@ -73,6 +73,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "MODELS": (".models", "MODELS"),
     "resolve_model": (".models", "resolve_model"),
     "progress_bar": (".progress", "progress_bar"),
+    "prefill_work": (".progress", "prefill_work"),
     "join_states": (".statefmt", "join"),
     "needs_placing": (".statefmt", "needs_placing"),
     "place_cells_into": (".statefmt", "place_cells_into"),
@@ -105,6 +106,6 @@ __all__ = [
     "Receipt", "Salts", "SampleResult", "Sampling", "Scope", "SearchHit", "StoreStats", "TemplateError",
     "VerificationRecord", "VerifyReport", "__version__", "block_id_for", "check_block_id", "content_id", "decode",
     "detect_format", "incompatibility", "join_states", "json_grammar", "load_template", "logits_sha256",
-    "model_template", "needs_placing", "place_cells_into", "probe_kernels", "progress_bar", "request_template",
+    "model_template", "needs_placing", "place_cells_into", "prefill_work", "probe_kernels", "progress_bar", "request_template",
     "resolve_model", "salts_of", "split_ids", "state_digest", "system_report", "threads_per_engine", "usable_cores"]
 __all__ += _errors_all  # noqa: PLE0605 - the error tree: graftmem.core.errors.__all__, the one list of its names

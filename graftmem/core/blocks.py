@@ -156,6 +156,13 @@ class Fingerprint(_Strict):
         return {k: v for k, v in self.model_dump().items()
                 if k not in self.INFO_FIELDS and v not in self.LEGACY_VALUES.get(k, ())}
 
+    @property
+    def settings(self) -> str:
+        """The engine settings a user chooses that a block grafts only under, short (``n_ctx=8192 kv=f16``):
+        what ``graftmem ls`` shows and ``--config`` must give again (`IncompatibleBlock` names any that differ)."""
+        kv = self.type_k if self.type_k == self.type_v else f"{self.type_k}/{self.type_v}"
+        return f"n_ctx={self.n_ctx} kv={kv}"
+
     def digest(self) -> str:
         blob = json.dumps(self.identity(), sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()

@@ -27,12 +27,13 @@ fields but not the list: its salts are inferred from the fields (`salts_of`), se
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from .blocks import Block, Fingerprint
+from .blocks import Block, EngineConfig, Fingerprint
 from .errors import BlockCorrupted, IncompatibleBlock
 
 __all__ = ["Salts", "NO_SALTS", "SALT_NAMES", "SALTS_KEY", "TENANT_KEY", "RESPONSE_KEY", "ONE_TOKEN_KEY",
@@ -216,4 +217,20 @@ def incompatibility(block: Block, fingerprint: Fingerprint) -> IncompatibleBlock
         return None
     parts = ", ".join(f"{k}={a!r} (this engine has {b!r})" for k, (a, b) in diff.items())
     return IncompatibleBlock(f"block {block.short_id} was made with {parts}; it cannot be grafted "
-                             f"into this engine: learn it again here", fields=diff)
+                             f"into this engine: {same_settings(diff)}, or learn it again here", fields=diff)
+
+
+def same_settings(diff: dict[str, tuple[object, object]]) -> str:
+    """How to open an engine like the one a block was made in, for the fingerprint fields that differ
+    (``diff``: field -> (the block's, this engine's)): the settings a user gives (config keys, the model),
+    or, for what no setting chooses (llama.cpp's build, the CPU), where the block must be used."""
+    config = {k: a for k, (a, _) in diff.items() if k in EngineConfig.model_fields}
+    said = []
+    if config:
+        said.append(f"open the engine with the same settings (config {json.dumps(config)}; CLI: the same "
+                    f"--config, `graftmem ls` shows each block's)")
+    if any(k.startswith("model") for k in diff):
+        said.append("the same model (--model)")
+    if not said:
+        said.append("use it where it was made (same llama.cpp build and CPU features)")
+    return " and ".join(said)

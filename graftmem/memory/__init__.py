@@ -5,6 +5,7 @@ exactness verification, re-derivation, the flywheel and its answer checks. Each 
 Public for advanced use: the functions and classes below (the benches use them to time one phase).
 """
 
+from .access import Access
 from .answer import ask, graft
 from .checks import (CallableVerifier, Candidate, ExactMatch, ProgramRun, ProgramVerifier, Verdict, Verifier,
                      normalize_answer, run_program)
@@ -20,7 +21,7 @@ from .router import (DEFAULT_MIN_SCORE, LEX_WEIGHT, ROUTE_WEIGHT, Embedder, Rout
                      normalize_task, route_text)
 
 __all__ = [
-    "Attempt", "CallableVerifier", "Candidate", "DEFAULT_MIN_SCORE", "DEFAULT_PAGE_MIN_SCORE", "DocumentAnswer",
+    "Access", "Attempt", "CallableVerifier", "Candidate", "DEFAULT_MIN_SCORE", "DEFAULT_PAGE_MIN_SCORE", "DocumentAnswer",
     "DocumentPlan", "DocumentReport", "Embedder", "ExactMatch", "Flywheel", "Gate", "GateReport", "LEX_WEIGHT",
     "PAGE_KIND", "PageIndex", "PageInfo", "PassageHit", "ProgramRun", "ProgramVerifier", "ROUTE_WEIGHT",
     "RederiveReport", "Router", "SentenceTransformerEmbedder", "Solution", "SolverOutput", "Verdict", "Verifier",

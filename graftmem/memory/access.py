@@ -281,3 +281,30 @@ class Access:
             self.scopes().remove(bid)
             self.scopes().record(bid, "deleted", {"cascade_from": cascade_from}
                                  if cascade_from is not None and bid != cascade_from else {})
+
+    def forget_scope(self, scope: Scope, cascade: bool = False) -> tuple[builtins.list[str], builtins.list[str]]:
+        """Forget every block of ``scope`` (mem0's ``delete_all(user_id=...)``): a block no other scope
+        owns is deleted (`delete`, chained children first, ``cascade`` as there); one that another scope
+        also learned stays theirs, only this scope's ownership goes. Returns (ids deleted, ids kept for
+        other owners); the history records both. Blocks are content-addressed, so deleting a shared one
+        would take it from its other owners too: that is what `delete` by id does, on purpose."""
+        if scope.empty:
+            raise ConfigError("give a scope (user_id, agent_id or session_id) whose blocks to forget")
+        idx = self.scopes()
+        mine = sorted(self.list(scope=scope), key=lambda b: -b.pos_start)  # chained children sit later: first
+        deleted: builtins.list[str] = []
+        kept: builtins.list[str] = []
+        for b in mine:
+            if b.id in deleted:  # gone with a cascade
+                continue
+            others = [o for o in idx.owners(b.id) if any(getattr(scope, f) not in (None, getattr(o, f))
+                                                          for f in ("user_id", "agent_id", "session_id"))]
+            if others:
+                idx.remove(b.id, scope, self.scope_tenant)
+                idx.record(b.id, "forgotten", scope.model_dump(exclude_none=True))
+                kept.append(b.id)
+                continue
+            _, gone, _ = self.delete(b.id, cascade=cascade)
+            self.forget(gone, cascade_from=b.id)
+            deleted += gone
+        return deleted, kept

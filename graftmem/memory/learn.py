@@ -149,7 +149,8 @@ def learn(engine: "Engine", store: "BlockStore", text: str, *, name: Optional[st
     start = pblock.pos_end if pblock is not None else 0
     if start + len(tokens) >= engine.n_ctx:
         raise ConfigError(f"text is {len(tokens)} tokens after {start} positions, the engine's n_ctx "
-                          f"is {engine.n_ctx}: raise n_ctx or split the text")
+                          f"is {engine.n_ctx}: learn a long text as pages with learn_document (CLI: graftmem "
+                          "learn-document FILE), or raise n_ctx (--config '{\"n_ctx\": N}')")
     # a prefill that ends with a one-token chunk (or grafts a parent with one) computes bytes of this thread
     # count (`Engine.one_token_calls`): engines with other thread counts learn other blocks
     one_token = engine.ends_with_one_token_call(len(tokens)) or \
@@ -169,7 +170,8 @@ def learn(engine: "Engine", store: "BlockStore", text: str, *, name: Optional[st
         log.warning("block %s is %s: replacing its state with this engine's own prefill", existing.short_id,
                     existing.provenance)
         replace = True
-    bar = progress_bar(len(tokens), f"learn {name or bid[:12]}", progress, min_total=1024)
+    bar = progress_bar(len(tokens), f"learn {name or bid[:12]}", progress, min_total=1024,
+                       segments=[(pblock.pos_end if pblock is not None else 0, len(tokens))])
     try:
         stored = prefill_and_store(engine, store, block_id=bid, tokens=tokens, text=text,
                                    name=name or default_name(text), kind=kind, metadata=metadata or {},

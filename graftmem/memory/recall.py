@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable, Literal, Optional, Sequence
 from ..core.blocks import Block, Fingerprint, Recall, Receipt, SearchHit
 from ..core.decoding import GREEDY, Sampling
 from ..core.errors import BlockNotFound, ConfigError
+from ..core.identity import same_settings
 from ..core.prompt import format_of, split_ids
 from ..store.chain import chain_of
 from .answer import OnText, answer, ask
@@ -102,19 +103,23 @@ def other_engines_hint(store: "BlockStore", fingerprint: Fingerprint) -> Optiona
     diff = others[0].fingerprint.diff(fingerprint)
     what = ", ".join(f"{k} {theirs!r} there vs {ours!r} here" for k, (theirs, ours) in list(diff.items())[:3])
     return (f"{len(others)} block(s) in {store.home} were learned by another engine configuration ({what}) "
-            "and are invisible to this one: open the Memory with the same model and config, or learn them "
-            "again here")
+            f"and are invisible to this one: {same_settings(diff)}, or learn them again here")
 
 
 def _no_match(engine: "Engine", store: "BlockStore", top: Optional[tuple[str, float]], min_score: float,
-              route_ms: float) -> Recall:
+              route_ms: float, filtered: bool = False) -> Recall:
     name = "(deleted)"
     if top is not None:
         try:
             name = store.get(top[0]).name
         except BlockNotFound:
             pass
-    if top is None:
+    fpd = engine.fingerprint.digest()
+    if top is None and filtered and (mine := sum(b.fingerprint.digest() == fpd for b in store.list())):
+        reason = (f"no block matched this task: none of this engine's {mine} block(s) is in the scope (or "
+                  "filters) given, which narrows recall to the blocks learned with that user_id / agent_id / "
+                  "session_id; learn into that scope, or recall without it; nothing was grafted")
+    elif top is None:
         reason = ("no block matched this task: the store has no block learned by this engine "
                   f"({engine.fingerprint.model_name}); nothing was grafted")
     else:
@@ -201,7 +206,7 @@ def recall(engine: "Engine", store: "BlockStore", router: "Router", task: str, *
         top = hits[0] if hits else None
         if top is None or top[1] < threshold:
             log.info("recall: no block above min_score %.2f (best %s)", threshold, top)
-            return _no_match(engine, store, top, threshold, route_ms)
+            return _no_match(engine, store, top, threshold, route_ms, filtered=allow is not None)
         best = top
         try:
             block = store.get(top[0])

@@ -335,7 +335,12 @@ class ApiKeyMiddleware:
         if scope["type"] != "http" or self._ok(scope):
             await self.app(scope, receive, send)
             return
-        err = HTTPError(401, "this server needs an API key: send Authorization: Bearer <key> (or X-Api-Key: <key>)",
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        sent = bearer(headers) or headers.get("x-api-key")  # a wrong key and no key are two different fixes
+        err = HTTPError(401, "the API key sent is not one this server accepts: check the key (the one `graftmem "
+                        "serve --api-key` or its --api-key-file names; $GRAFTMEM_API_KEY for the CLI)" if sent else
+                        "this server needs an API key: send Authorization: Bearer <key> (or X-Api-Key: <key>; "
+                        "$GRAFTMEM_API_KEY or --api-key for the CLI)",
                         name="AccessDenied", code="invalid_api_key",
                         headers={"WWW-Authenticate": "Bearer"})
         await error_response(scope["path"], err, close=True)(scope, receive, send)

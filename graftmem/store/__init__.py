@@ -15,6 +15,7 @@ from .protocol import BlockStore
 from .fleet import FleetStore, default_cache_dir, open_store
 from .local import Store, atomic_file, default_home, fsync_path, read_block_file
 from .remote import RetryPolicy
+from .scopes import ScopeIndex
 
-__all__ = ["BlockStore", "FleetStore", "Home", "RetryPolicy", "Store", "default_cache_dir", "open_store", "atomic_file", "chain_of", "default_home", "fsync_path", "full_state", "full_tokens",
+__all__ = ["BlockStore", "FleetStore", "Home", "RetryPolicy", "ScopeIndex", "Store", "default_cache_dir", "open_store", "atomic_file", "chain_of", "default_home", "fsync_path", "full_state", "full_tokens",
            "load_state", "read_block_file", "segments"]

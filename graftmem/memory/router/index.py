@@ -68,7 +68,7 @@ def _faiss() -> Any:
     try:
         import faiss
     except ImportError as exc:
-        raise ConfigError("routing needs faiss: pip install 'graftmem[router]'") from exc
+        raise ConfigError("routing needs faiss: pip install '.[router]' in the graftmem clone") from exc
     if not _faiss_ready:
         faiss.omp_set_num_threads(1)
         _faiss_ready = True
