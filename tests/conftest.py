@@ -56,6 +56,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda it: rank.get(it.path.name, len(rank)))  # stable: test order inside a file kept
 
 
+#: The hot tier (`graftmem.store.hot`) is off in the tests, servers they start included: a test of a
+#: disk read (a flipped byte refused, a read timed, a receipt's phases) reads the disk. The tests of the
+#: hot tier turn it on (tests/test_hot_tier.py).
+os.environ.setdefault("GRAFTMEM_HOT_TIER_MB", "0")
+
 from graftmem import Memory  # noqa: E402
 from graftmem.core.engine import Engine  # noqa: E402
 
