@@ -34,6 +34,7 @@ from collections import OrderedDict
 from typing import Optional
 
 from ..core.blocks import Block
+from ..core.buffers import fresh
 from ..core.errors import ConfigError
 
 __all__ = ["DEFAULT_HOT_TIER_MB", "HOT_TIER_ENV", "HotTier", "configure_hot_tier", "hot_key", "hot_tier"]
@@ -96,7 +97,9 @@ class HotTier:
                 while len(self._seen) > _SEEN_MAX:
                     self._seen.popitem(last=False)
                 return
-        self.put(key, memoryview(bytes(state)))  # the copy outside the lock
+        copy = fresh(len(state))  # outside the lock
+        copy[:] = state
+        self.put(key, copy)
 
     def put(self, key: HotKey, state: memoryview | bytes) -> None:
         """Keep ``state`` (made read-only; the caller never writes it again) under ``key``."""
