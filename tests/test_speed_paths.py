@@ -232,23 +232,3 @@ def test_a_state_digest_of_an_unknown_algorithm_is_refused_by_name(bitrot_home, 
     with open(path, "wb") as f:
         write_block(f, block, state)
     assert bytes(read_block_file(path, lambda n: memoryview(bytearray(n)), expect_id=block.id)[1]) == state
-
-
-def test_captures_and_cuts_go_into_fresh_buffers(tiny_llama):
-    """`Engine.capture_copy` and `statefmt.cut` write into `graftmem.core.buffers.fresh` buffers (numpy's
-    allocator: huge pages, no zeroing; a new 69 MB bytearray cost ~5x more to allocate and fill, on the
-    engine's thread between two turns), with the same bytes as before. Fails on the bytearray versions."""
-    import numpy as np
-
-    from graftmem.core import statefmt
-
-    eng = tiny_llama
-    with eng.session():
-        eng.prefill(eng.tokenize(long_text(40, seed=9)))
-        whole = eng.capture_copy()
-        assert isinstance(whole.obj, np.ndarray) and not whole.readonly
-        assert bytes(whole) == bytes(eng.capture())
-        n = eng.n_past // 2
-        part = statefmt.cut(whole, n)
-        assert isinstance(part.obj, np.ndarray)
-        assert bytes(part) == bytes(statefmt.encode_state([s.take(slice(0, n)) for s in statefmt.parse_state(whole)]))

@@ -42,7 +42,6 @@ from .backend import _backend_of, _cpu_features
 from .backend import _weight_buffers as _weight_buffers  # re-exported: tests read load logs with it
 from .backend import system_report
 from .blocks import FORMAT_VERSION, EngineConfig, Exactness, Fingerprint
-from .buffers import fresh
 from .errors import ClosedError, ConfigError, EngineError
 from .grammar import Grammar, json_grammar, json_rules
 from .grammar_limits import DEFAULT_GRAMMAR_LIMITS, GrammarLimits
@@ -170,7 +169,7 @@ class Engine:
         self.memory = self._memory_kind()
         self._batch = C.llama_batch_init(self.config.n_batch, 0, 1)
         self._has_batch = True
-        self._buf = memoryview(b"")
+        self._buf = bytearray()
         self._n_past = 0
         #: the lowest position evaluated by a one-token call in the cells now (None: none), see `one_token_calls`
         self._one_token_from: Optional[int] = None
@@ -535,19 +534,18 @@ class Engine:
         one read and one llama call, with no intermediate copies; the buffer only grows.
         """
         if len(self._buf) < size:
-            self._buf = fresh(size)
-        return self._buf[:size]
+            self._buf = bytearray(size)
+        return memoryview(self._buf)[:size]
 
     def capture(self) -> memoryview:
         """The per-sequence state of sequence 0, in the engine buffer (valid until the next capture)."""
         return self._state_into(self.buffer)
 
-    def capture_copy(self) -> memoryview:
+    def capture_copy(self) -> bytearray:
         """The per-sequence state of sequence 0 in a new buffer the caller owns: what `capture()` then
         ``bytes()`` gives, written once instead of twice (the server keeps it past the engine's release
-        to learn prefixes from it on another thread; 69 MB for 3,000 SmolLM2 tokens). The buffer is
-        `graftmem.core.buffers.fresh`: a new bytearray of that size cost ~5x more to allocate and fill."""
-        return self._state_into(fresh)
+        to learn prefixes from it on another thread; 69 MB for 3,000 SmolLM2 tokens)."""
+        return self._state_into(bytearray)
 
     def _state_into(self, alloc: Callable[[int], _Buf]) -> _Buf:
         """``llama_state_seq_get_data`` of sequence 0 into ``alloc(size)`` (a writable buffer)."""

@@ -79,8 +79,6 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .buffers import fresh
-
 __all__ = ["StateLayoutError", "Section", "RecurrentSection", "parse_state", "layout", "encode_state", "split", "merge",
            "DELTA_MAGIC", "delta_sizes", "place_cells", "place_cells_into", "needs_placing", "join",
            "cut", "cuttable"]
@@ -570,7 +568,7 @@ def cuttable(sections: "list[Section | RecurrentSection]") -> int:
     return max(n, 0)
 
 
-def cut(state: memoryview | bytes | bytearray, n_tokens: int) -> memoryview:
+def cut(state: memoryview | bytes | bytearray, n_tokens: int) -> bytearray:
     """The per-sequence state of the first ``n_tokens`` positions, cut out of the state of a longer
     sequence that was computed by the same prefill calls up to ``n_tokens`` (the cells a request left in
     its engine, the answer's included).
@@ -594,6 +592,6 @@ def cut(state: memoryview | bytes | bytearray, n_tokens: int) -> memoryview:
         raise StateLayoutError(f"cannot cut {n_tokens} positions out of a state of {n}")
     parts = [struct.pack("<Ii", _IO_MAGIC, 0)] + [p for s in secs if isinstance(s, Section)
                                                    for p in _section_parts(s.take(slice(0, n_tokens)))]
-    out = fresh(_size(parts))  # written once, whole (encode_state's bytes would copy it again)
-    _write(parts, out)
+    out = bytearray(_size(parts))  # written once (encode_state's bytes would copy it again)
+    _write(parts, memoryview(out))
     return out

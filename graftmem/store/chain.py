@@ -25,7 +25,6 @@ import time
 from typing import TYPE_CHECKING, Callable, Optional
 
 from ..core.blocks import Block, Fingerprint
-from ..core.buffers import fresh
 from ..core.errors import BlockCorrupted, ConfigError
 from ..core.format import state_digest
 from ..core.identity import incompatibility
@@ -99,8 +98,9 @@ def _read_full(store: "BlockStore", block: Block, buffer: Callable[[int], memory
     if block.parent is None or block.full_state_size is None or block.full_state_digest is None:
         raise BlockCorrupted(f"block {block.short_id} is stored as a delta without a parent or full digest")
     parent = store.get(block.parent)
-    pstate = _read_full(store, parent, fresh, fingerprint, timings)
-    _, delta = store.read_state(block.id, fresh, fingerprint=fingerprint, timings=timings)
+    pstate = _read_full(store, parent, lambda n: memoryview(bytearray(n)), fingerprint, timings)
+    _, delta = store.read_state(block.id, lambda n: memoryview(bytearray(n)), fingerprint=fingerprint,
+                                timings=timings)
     t0 = time.perf_counter()
     out = buffer(block.full_state_size)
     try:
@@ -205,7 +205,7 @@ def _load_state(store: "BlockStore", block: Block, buffer: Callable[[int], memor
             if timings is not None:
                 timings["place_ms"] = timings.get("place_ms", 0.0) + (time.perf_counter() - t0) * 1e3
     chain_of(store, block)  # positions and depth
-    full = _read_full(store, block, fresh, fingerprint, timings)
+    full = _read_full(store, block, lambda n: memoryview(bytearray(n)), fingerprint, timings)
     t0 = time.perf_counter()
     try:
         if _needs_placing(full):

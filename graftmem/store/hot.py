@@ -34,7 +34,6 @@ from collections import OrderedDict
 from typing import Optional
 
 from ..core.blocks import Block
-from ..core.buffers import fresh
 from ..core.errors import ConfigError
 
 __all__ = ["DEFAULT_HOT_TIER_MB", "HOT_TIER_ENV", "HotTier", "configure_hot_tier", "hot_key", "hot_tier"]
@@ -97,9 +96,7 @@ class HotTier:
                 while len(self._seen) > _SEEN_MAX:
                     self._seen.popitem(last=False)
                 return
-        copy = fresh(len(state))  # outside the lock
-        copy[:] = state
-        self.put(key, copy)
+        self.put(key, memoryview(bytes(state)))  # the copy outside the lock
 
     def put(self, key: HotKey, state: memoryview | bytes) -> None:
         """Keep ``state`` (made read-only; the caller never writes it again) under ``key``."""
