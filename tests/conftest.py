@@ -56,6 +56,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda it: rank.get(it.path.name, len(rank)))  # stable: test order inside a file kept
 
 
+#: The hot tier (`graftmem.store.hot`) is off in the tests, servers they start included: a test of a
+#: disk read (a flipped byte refused, a read timed, a receipt's phases) reads the disk. The tests of the
+#: hot tier turn it on (tests/test_hot_tier.py).
+os.environ.setdefault("GRAFTMEM_HOT_TIER_MB", "0")
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     """The files tests kept as artifacts (``record_property("artifact", path)``: the /ui page's screenshots),
     listed at the end of the run; under pytest-xdist too (a report's properties travel with it)."""

@@ -192,3 +192,28 @@ def test_gemma3_root_block_past_the_window_exact_for_1_and_64plus_token_queries(
     fresh_sha, fresh_gen = gemma_root_fresh[query]
     assert r.receipt.first_logits_sha256 == fresh_sha
     assert r.tokens == fresh_gen
+
+
+@pytest.mark.parametrize("model,n", [("smollm2", 513), ("gemma3-270m", 600)])
+def test_q8_0_kv_grafts_exactly_per_model_and_stays_in_its_fingerprint(model, n, tmp_path):
+    """q8_0 K and V (``{"kv": "q8_0"}``, the shorthand the SDK, ``graftmem --config`` and the needle bench
+    take): its own grafts byte-exact (SmolLM2 across an n_ubatch boundary,
+    Gemma 3 past its 512-token window), and its blocks refused by an f16 engine, naming the KV type."""
+    from graftmem import IncompatibleBlock
+
+    with Memory(model, config={"kv": "q8_0", "n_ctx": 1024, "probe": False}, home=tmp_path / "q8") as mem:
+        eng = mem.engine
+        assert (eng.fingerprint.type_k, eng.fingerprint.type_v) == ("q8_0", "q8_0")
+        tokens = eng.tokenize(long_text(n, seed=n))[:n]
+        assert len(tokens) == n
+        graft, fresh = graft_vs_fresh(eng, tokens, eng.tokenize(" and then the agent", add_special=False))
+        assert graft == fresh
+        block = mem.learn(long_text(60, seed=5), name="q8")
+    default = Engine(model, {"n_ctx": 1024, "probe": False})
+    try:
+        assert default.fingerprint.type_k == "f16"
+        with Memory(engine=default, home=tmp_path / "q8") as other:
+            with pytest.raises(IncompatibleBlock, match="type_k"):
+                other.ask(block.id, " Q:", max_tokens=1)
+    finally:
+        default.close()

@@ -18,7 +18,7 @@ import shutil
 
 import pytest
 
-from graftmem import BlockCorrupted, Engine, Memory
+from graftmem import BlockCorrupted, Engine, Memory, Store
 from graftmem.core.engine import logits_sha256
 from graftmem.memory.answer import graft
 from graftmem.store import chain as _chain
@@ -166,22 +166,34 @@ def test_receipt_breaks_the_restore_down(tiny_mem):
 
 
 def test_overlapped_read_hashes_exactly_the_bytes_and_sees_truncation(tmp_path):
-    """`verified.read_hashed` over several chunks (worker reads, this thread hashes): the digest is the
-    xxh3-128 of the whole range read from the file's current position, the file position ends after
-    it, one flipped byte in any chunk changes the digest, and a short file returns a short count."""
+    """`verified.read_hashed` over several chunks (each read and hashed by a worker, one per core in
+    flight): the digest is `verified.chunked_digest` of the xxh3-128 of each chunk of the range read
+    from the file's current position, a BLAKE3 hasher passed along gets every byte in order (a first
+    read's check, with no second pass: equal to `state_digest` of the whole), the file position ends
+    after the range, one flipped byte in any chunk changes the digest, and a short file returns a short
+    count. Fails on the one-hasher reader (no ``strong`` argument, no chunk digests)."""
     import os
     import xxhash
+
+    from graftmem.core.format import state_digest, state_hasher
 
     data = bytearray(os.urandom(3 * verified.OVERLAP_CHUNK + 12345))
     p = tmp_path / "f.bin"
     p.write_bytes(b"HEAD" + bytes(data) + b"TAIL")
     view = memoryview(bytearray(len(data)))
+    strong = state_hasher(len(data))
     with open(p, "rb", buffering=0) as f:
         f.seek(4)
-        got, digest = verified.read_hashed(f, view)
+        got, digest = verified.read_hashed(f, view, strong)
         assert f.tell() == 4 + len(data)
     assert got == len(data) and bytes(view) == bytes(data)
-    assert digest == xxhash.xxh3_128(bytes(data)).digest()
+    chunks = [bytes(data[o:o + verified.OVERLAP_CHUNK]) for o in range(0, len(data), verified.OVERLAP_CHUNK)]
+    assert digest == xxhash.xxh3_128(b"".join(xxhash.xxh3_128(c).digest() for c in chunks)).digest()
+    assert "blake3:" + strong.hexdigest() == state_digest(bytes(data))
+    small = memoryview(bytearray(1000))  # one chunk, read on this thread: the same definition
+    with open(p, "rb", buffering=0) as f:
+        f.seek(4)
+        assert verified.read_hashed(f, small)[1] == verified.chunked_digest([xxhash.xxh3_128(bytes(data[:1000])).digest()])
     for at in (0, verified.OVERLAP_CHUNK + 7, 3 * verified.OVERLAP_CHUNK + 100):
         _flip(p, 4 + at)
         with open(p, "rb", buffering=0) as f:
@@ -194,3 +206,29 @@ def test_overlapped_read_hashes_exactly_the_bytes_and_sees_truncation(tmp_path):
         f.seek(4)
         got, _ = verified.read_hashed(f, view)
     assert got == 2 * verified.OVERLAP_CHUNK + 5  # what is left of the data after the 4-byte head
+
+
+def test_a_state_digest_of_an_unknown_algorithm_is_refused_by_name(bitrot_home, tmp_path):
+    """The state digest is versioned by its algorithm prefix (`graftmem.core.format.STATE_DIGESTS`): a
+    block naming one this graftmem cannot check (a newer writer's) is refused with the algorithm's name,
+    not reported as a corrupted state; the blocks written so far (``blake3:``) read on. Fails where the
+    reader compares any digest with BLAKE3 ("state digest mismatch")."""
+    from graftmem.core.format import write_block
+    from graftmem.store.local import read_block_file
+
+    home, ids = bitrot_home
+    store = Store(home)
+    try:
+        block = store.get(ids[60])
+        state = bytes(store.read_state(block.id, lambda n: memoryview(bytearray(n)))[1])
+    finally:
+        store.close()
+    other = block.model_copy(update={"state_digest": "blake9:" + "0" * 64})
+    path = tmp_path / f"{block.id}.gmb"
+    with open(path, "wb") as f:
+        write_block(f, other, state)
+    with pytest.raises(BlockCorrupted, match="state digest algorithm 'blake9' is not one this graftmem checks"):
+        read_block_file(path, lambda n: memoryview(bytearray(n)), expect_id=block.id)
+    with open(path, "wb") as f:
+        write_block(f, block, state)
+    assert bytes(read_block_file(path, lambda n: memoryview(bytearray(n)), expect_id=block.id)[1]) == state

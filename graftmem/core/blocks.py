@@ -93,7 +93,9 @@ class EngineConfig(_Strict):
     @classmethod
     def coerce(cls, config: "EngineConfig | Mapping[str, Any] | None") -> "EngineConfig":
         """An EngineConfig from a config, a mapping of its fields, or None (the defaults), with one
-        readable [`ConfigError`][graftmem.ConfigError] naming every bad field (no validator internals, no URLs)."""
+        readable [`ConfigError`][graftmem.ConfigError] naming every bad field (no validator internals, no URLs).
+        ``kv`` in a mapping is the shorthand for the same ``type_k`` and ``type_v`` (``{"kv": "q8_0"}``:
+        a q8_0 K and V cache, half the bytes of every graft, exact in its own fingerprint)."""
         if config is None:
             return cls()
         if isinstance(config, cls):
@@ -102,8 +104,16 @@ class EngineConfig(_Strict):
             raise ConfigError(f"config must be an EngineConfig or a mapping of its fields (a JSON object such "
                               f"as {{\"n_ctx\": 4096}}), got {type(config).__name__}; fields: "
                               f"{', '.join(cls.model_fields)}")
+        fields = dict(config)
+        if "kv" in fields:  # the shorthand for both cache types: {"kv": "q8_0"} (docs/exactness.md, KV types)
+            kv = fields.pop("kv")
+            both = {k: fields[k] for k in ("type_k", "type_v") if k in fields and fields[k] != kv}
+            if both:
+                raise ConfigError(f"kv={kv!r} sets type_k and type_v; it contradicts "
+                                  + ", ".join(f"{k}={v!r}" for k, v in both.items()))
+            fields.update(type_k=kv, type_v=kv)
         try:
-            return cls(**dict(config))
+            return cls(**fields)
         except ValidationError as exc:
             problems = []
             for err in exc.errors():

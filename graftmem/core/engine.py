@@ -560,8 +560,8 @@ class Engine:
                 raise EngineError(f"state capture wrote {written} of {size} bytes")
             return out
 
-    def restore(self, state: memoryview, n_tokens: int, one_token_from: Optional[int] = None) -> float:
-        """Clear the cache and graft ``state`` as sequence 0; return the milliseconds of the clear and
+    def restore(self, state: memoryview | bytes, n_tokens: int, one_token_from: Optional[int] = None) -> float:
+        """Clear the cache and graft ``state`` (read-only is fine) as sequence 0; return the milliseconds of the clear and
         the llama call. ``one_token_from``: where the state's one-token calls begin, from the block's
         record (`one_token_calls`; None: it has none).
 
@@ -580,10 +580,11 @@ class Engine:
             self._n_past = 0
             self._one_token_from = None
             size = len(state)
-            arr = (ctypes.c_uint8 * size).from_buffer(state)
-            ok = C.llama_state_seq_set_data(self._ctx, arr, size, 0)
+            # a read-only state (the hot tier's, `graftmem.store.hot`) is passed by address, not copied
+            src = np.frombuffer(state, dtype=np.uint8)
+            ok = C.llama_state_seq_set_data(self._ctx, src.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, 0)
             ms = (time.perf_counter() - t0) * 1e3
-            del arr
+            del src
             if ok == 0:
                 raise EngineError("llama.cpp refused the state bytes (size or layout mismatch)")
             pos_max = C.llama_memory_seq_pos_max(C.llama_get_memory(self._ctx), 0)

@@ -35,7 +35,7 @@ import blake3
 from .blocks import FORMAT_VERSION, Block
 from .errors import BlockCorrupted
 
-__all__ = ["MAGIC", "HEADER", "ALIGN", "WRITE_CHUNK", "paced", "state_digest", "state_hasher", "encode_prefix", "trailer_digest",
+__all__ = ["MAGIC", "HEADER", "ALIGN", "STATE_DIGESTS", "WRITE_CHUNK", "check_algorithm", "paced", "state_digest", "state_hasher", "encode_prefix", "trailer_digest",
            "parse_header", "parse_manifest", "layout", "TRAILER_LEN", "write_block"]
 
 MAGIC = b"GRAFTMEM"
@@ -45,10 +45,28 @@ TRAILER_LEN = 32
 assert HEADER.size == 64
 
 
+#: The algorithms a block's ``state_digest`` may name, as ``<algorithm>:<hex>``: the digest's version.
+#: Every block written so far names ``blake3`` (the whole state, BLAKE3's own tree mode, so a state
+#: hashed in pieces as it is read gives the same digest as one pass). A new algorithm is added here
+#: beside the old ones, never instead of them, so blocks written before keep reading
+#: (tests/test_compat.py); one this graftmem does not know is refused by name (`check_algorithm`).
+STATE_DIGESTS = ("blake3",)
+
+
+def check_algorithm(digest: str, *, where: str) -> str:
+    """The algorithm a ``state_digest`` names, or `BlockCorrupted` naming it if this graftmem cannot check it."""
+    algorithm = digest.partition(":")[0]
+    if algorithm not in STATE_DIGESTS:
+        raise BlockCorrupted(f"{where}: state digest algorithm {algorithm!r} is not one this graftmem checks "
+                             f"({', '.join(STATE_DIGESTS)}); was the block written by a newer graftmem?",
+                             path=where, expected=", ".join(STATE_DIGESTS), actual=algorithm)
+    return algorithm
+
+
 def state_hasher(size: int) -> "blake3.blake3":
     """The BLAKE3 hasher of a state of ``size`` bytes (multi-threaded for large states), for a state
     that arrives in pieces: ``"blake3:" + h.hexdigest()`` after updating it with every piece in order
-    equals `state_digest` of the whole."""
+    equals `state_digest` of the whole (what a first read computes while it reads)."""
     return blake3.blake3(max_threads=blake3.blake3.AUTO if size > (1 << 20) else 1)
 
 

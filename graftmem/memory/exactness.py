@@ -80,7 +80,8 @@ def graft_logits(engine: "Engine", store: "BlockStore", block_id: str, query_tok
     """Logits after grafting ``block_id`` and prefilling ``query_tokens`` (the cache is left as is:
     callers inside a session reset it; a standalone call gets its own session)."""
     with engine.session():
-        block, view = load_state(store, block_id, engine.buffer, fingerprint=engine.fingerprint)
+        # from disk: a verification reads the stored bytes, not the hot tier's copy
+        block, view = load_state(store, block_id, engine.buffer, fingerprint=engine.fingerprint, hot=False)
         engine.restore(view, block.pos_end, block.one_token_from)
         engine.prefill(query_tokens)
         return engine.logits()

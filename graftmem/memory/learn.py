@@ -18,7 +18,7 @@ from ..core.format import state_digest
 from ..core.progress import progress_bar
 from ..core.prompt import FORMATS, detect_format
 from ..core.identity import NO_SALTS, SALTS_KEY, TENANT_KEY, Salts, block_id_for, check_block_id, incompatibility
-from ..store.chain import capture_child
+from ..store.chain import admit_written, capture_child
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -104,6 +104,8 @@ def prefill_and_store(engine: "Engine", store: "BlockStore", *, block_id: str, t
                       **fields)
         check_block_id(block)
         stored = store.put(block, state, replace=replace, provenance=PROVENANCE_LOCAL, labels_trusted=True)
+        if parent is None:  # the next graft of it comes from RAM (a copy: capture() reuses the engine buffer)
+            admit_written(stored, bytes(state))
     log.info("learned block %s (%d tokens, %d state bytes)", stored.short_id, len(tokens), len(state))
     return stored
 

@@ -58,7 +58,7 @@ from ..core.errors import ConfigError, GraftmemError
 from ..memory.router import AUTO_KIND
 from ..memory.access import cache_tenant, owner_of
 from ..memory.verbs import first_untrusted
-from ..store.chain import chain_of, full_state, make_delta
+from ..store.chain import admit_written, chain_of, full_state, make_delta
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -362,6 +362,7 @@ class PrefixCache:
                     check_block_id(block)
                     block = self.store.put(block, memoryview(data), provenance=PROVENANCE_LOCAL,
                                            labels_trusted=True)
+                    admit_written(block, full)  # the next turn grafts it from RAM (``full`` is never written again)
                 with self._lock:
                     self._index[keys[i]] = block.id
                     self._used[block.id] = time.time()

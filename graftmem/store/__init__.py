@@ -13,9 +13,10 @@ from .chain import chain_of, full_state, full_tokens, load_state, segments
 from .home import Home
 from .protocol import BlockStore
 from .fleet import FleetStore, default_cache_dir, open_store
+from .hot import configure_hot_tier, hot_tier
 from .local import Store, atomic_file, default_home, fsync_path, read_block_file
 from .remote import RetryPolicy
 from .scopes import ScopeIndex
 
-__all__ = ["BlockStore", "FleetStore", "Home", "RetryPolicy", "ScopeIndex", "Store", "default_cache_dir", "open_store", "atomic_file", "chain_of", "default_home", "fsync_path", "full_state", "full_tokens",
-           "load_state", "read_block_file", "segments"]
+__all__ = ["BlockStore", "FleetStore", "Home", "RetryPolicy", "ScopeIndex", "Store", "configure_hot_tier", "default_cache_dir", "open_store", "atomic_file", "chain_of", "default_home", "fsync_path", "full_state", "full_tokens",
+           "hot_tier", "load_state", "read_block_file", "segments"]

@@ -27,12 +27,14 @@ from typing import TYPE_CHECKING, Callable, Optional
 from ..core.blocks import Block, Fingerprint
 from ..core.errors import BlockCorrupted, ConfigError
 from ..core.format import state_digest
+from ..core.identity import incompatibility
 from ..core import statefmt as _statefmt
+from .hot import hot_key, hot_tier
 if TYPE_CHECKING:
     from ..core.engine import Engine
     from .protocol import BlockStore
 
-__all__ = ["chain_of", "calls_of", "CALLS_KEY", "segments", "full_tokens", "full_state", "load_state", "make_delta", "capture_child", "MAX_DEPTH"]
+__all__ = ["chain_of", "calls_of", "CALLS_KEY", "segments", "full_tokens", "full_state", "load_state", "admit_written", "make_delta", "capture_child", "MAX_DEPTH"]
 
 log = logging.getLogger("graftmem")
 
@@ -128,7 +130,7 @@ def full_state(store: "BlockStore", block: Block, *, fingerprint: Optional[Finge
 
 def load_state(store: "BlockStore", block_id: str, buffer: Callable[[int], memoryview], *,
                fingerprint: Optional[Fingerprint] = None,
-               timings: Optional[dict[str, float]] = None) -> tuple[Block, memoryview]:
+               timings: Optional[dict[str, float]] = None, hot: bool = True) -> tuple[Block, memoryview]:
     """Read (and for a delta, rebuild) a block's full state into ``buffer``; check everything first.
 
     For a root block this is [`Store.read_state()`][graftmem.Store.read_state]. For a chained block, each ancestor's stored
@@ -140,8 +142,41 @@ def load_state(store: "BlockStore", block_id: str, buffer: Callable[[int], memor
 
     ``timings`` (optional) gets ``read_ms``, ``check_ms`` and ``place_ms`` added: where the time went
     ([`Receipt`][graftmem.Receipt]).
+
+    A block in this process's hot tier (`graftmem.store.hot`; ``hot=False`` skips it) is returned from
+    RAM instead, as a read-only view that is not in ``buffer``: the same bytes, checked when they were
+    admitted; the block must still be in ``store`` and its fingerprint still match ``fingerprint``.
     """
     block = store.get(block_id)
+    tier = hot_tier() if hot else None
+    if tier is not None and tier.max_bytes:
+        got = tier.get(hot_key(block))
+        if got is not None:
+            if fingerprint is not None:
+                err = incompatibility(block, fingerprint)
+                if err is not None:
+                    raise err
+            if block.parent is not None:
+                chain_of(store, block)  # every ancestor still here, positions and depth
+            return block, got
+    block, view = _load_state(store, block, buffer, fingerprint, timings)
+    if tier is not None and tier.max_bytes:
+        tier.offer(hot_key(block), view)
+    return block, view
+
+
+def admit_written(block: Block, state: memoryview | bytes) -> None:
+    """Keep in the hot tier the state a writer just captured and stored for ``block`` (the full state
+    for a delta block), handed over: the writer never writes ``state`` again. Skipped where a read
+    would place window cells (the loaded state is then not the captured one)."""
+    tier = hot_tier()
+    if tier.max_bytes and not _needs_placing(memoryview(state)):
+        tier.put(hot_key(block), state)
+
+
+def _load_state(store: "BlockStore", block: Block, buffer: Callable[[int], memoryview],
+                fingerprint: Optional[Fingerprint], timings: Optional[dict[str, float]]) -> tuple[Block, memoryview]:
+    """`load_state` from the store: read, check, merge, place."""
     if block.parent is None:
         placing = _PLACING.get(block.fingerprint.model_sha256, False)
         if placing:

@@ -48,7 +48,8 @@ from ..core.errors import (BlockCorrupted, BlockNotFound, ConfigError, StoreErro
 from ..core.identity import check_block_id, incompatibility, salts_of
 from .home import BLOCK_SUFFIX, Home
 from .sqlite import connect, marks, transaction
-from ..core.format import HEADER, TRAILER_LEN, parse_header, parse_manifest, state_digest, write_block
+from ..core.format import (HEADER, TRAILER_LEN, check_algorithm, parse_header, parse_manifest, state_hasher,
+                           write_block)
 
 __all__ = ["Store", "default_home", "read_block_file", "atomic_file", "open_regular", "TEMP_MAX_AGE"]
 
@@ -284,14 +285,17 @@ def read_block_file(path: Path, buffer: Callable[[int], memoryview], *, expect_i
             err = incompatibility(block, fingerprint)
             if err is not None:
                 raise err
+        check_algorithm(block.state_digest, where=where)
         key = verified.file_version(f.fileno(), block.state_digest)
         known = verified.recall(key)
         view = buffer(slen)
         t1 = time.perf_counter()
         f.seek(soff)
-        # xxh3-128 while reading: checked now if this version passed BLAKE3 before, else remembered
-        # once BLAKE3 has passed (no second pass over the bytes)
-        got, seen = verified.read_hashed(f, view)
+        # the chunked xxh3-128 while reading, on every core: checked now if this version passed
+        # BLAKE3 before, else remembered once BLAKE3 has passed; a first read feeds BLAKE3 as the
+        # chunks land (no second pass over the bytes)
+        strong = None if known is not None else state_hasher(slen)
+        got, seen = verified.read_hashed(f, view, strong)
         if got < slen:
             raise BlockCorrupted(f"{where}: truncated state ({got} of {slen} bytes)", path=where)
     t2 = time.perf_counter()
@@ -301,8 +305,8 @@ def read_block_file(path: Path, buffer: Callable[[int], memoryview], *, expect_i
             raise BlockCorrupted(f"{where}: state changed since it was verified: xxh3-128 expected "
                                  f"{known.hex()}, actual {seen.hex()}", path=where,
                                  expected=known.hex(), actual=seen.hex())
-    else:
-        actual = state_digest(view)
+    elif strong is not None:  # the first read of this version: BLAKE3, fed while reading
+        actual = "blake3:" + strong.hexdigest()
         if actual != block.state_digest:
             raise BlockCorrupted(f"{where}: state digest mismatch: expected {block.state_digest}, "
                                  f"actual {actual}", path=where, expected=block.state_digest, actual=actual)

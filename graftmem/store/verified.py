@@ -25,21 +25,28 @@ process starts with an empty cache (its first read of each block checks BLAKE3).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional
+from typing import Optional, Protocol
 
 import xxhash
 
-__all__ = ["CHUNK", "FileVersion", "file_version", "remember", "recall", "forget", "read_hashed"]
+__all__ = ["CHUNK", "FileVersion", "chunked_digest", "file_version", "remember", "recall", "forget", "read_hashed"]
+
+
+class Hasher(Protocol):
+    """What `read_hashed` feeds the bytes to on a first read (a ``blake3.blake3``)."""
+
+    def update(self, data: memoryview, /) -> object: ...
 
 #: Read size of the checked fast path: hashed while still in the core's L2 (1 MiB per core here).
 CHUNK = 1 << 20
-#: Read size when reading and hashing overlap (`read_hashed()`): big enough that the hand-off between
-#: the two threads costs little (17 hand-offs for a 69 MB state), small enough to stay in the L3 cache.
+#: Read-and-hash unit of `read_hashed()` (one worker, one core each): big enough that the hand-offs cost
+#: little (17 for a 69 MB state), small enough that a chunk is hashed while it is still in the cache.
 OVERLAP_CHUNK = 4 << 20
 #: Concurrent restores (the server's engine pool) each keep one read in flight at most.
 READ_WORKERS = 4
@@ -84,11 +91,19 @@ _pool: Optional[ThreadPoolExecutor] = None
 _pool_lock = threading.Lock()
 
 
+def _in_flight() -> int:
+    """Chunks one read keeps in flight: one per usable core (at least 2, so that reading overlaps the
+    hashing on one core too)."""
+    from ..core.engine import usable_cores  # the one rule for "cores this process may use"
+
+    return max(2, usable_cores())
+
+
 def _readers() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=READ_WORKERS, thread_name_prefix="graftmem-read")
+            _pool = ThreadPoolExecutor(max_workers=max(READ_WORKERS, 2 * _in_flight()), thread_name_prefix="graftmem-read")
         return _pool
 
 
@@ -103,46 +118,81 @@ def _pread_full(fd: int, view: memoryview, offset: int) -> int:
     return got
 
 
-def read_hashed(f: io.FileIO, view: memoryview) -> tuple[int, bytes]:
-    """Fill ``view`` from ``f`` (from its current position) and return the bytes read (short on a
-    truncated file) and their xxh3-128.
+def _read_chunk(fd: int, view: memoryview, offset: int) -> tuple[int, bytes]:
+    """Read one chunk and hash it on the same core while its bytes are still in the cache."""
+    n = _pread_full(fd, view, offset)
+    return n, xxhash.xxh3_128(view[:n]).digest()
 
-    Why two threads: xxhash holds the GIL while it hashes (~2.3 ms for 69 MB here), but a read
-    releases it while the kernel copies from the page cache (~5 ms). A worker reads chunk i+1 while
-    this thread hashes chunk i, so the check costs little more than the read alone (measured:
-    5.3-5.5 ms vs 6.9 ms one after the other, 5.1 ms read only; bench/graft_speed.py). Each chunk is
-    hashed after it landed in ``view``, which only this call writes, so the digest is of the bytes
-    that are returned. Without ``os.preadv`` (some platforms), the same in one thread.
+
+def chunked_digest(chunk_digests: list[bytes]) -> bytes:
+    """The remembered digest of a state: xxh3-128 over the xxh3-128 of each `OVERLAP_CHUNK` of it, in
+    order (`read_hashed`). In this process only (never written), so its definition may change freely."""
+    return xxhash.xxh3_128(b"".join(chunk_digests)).digest()
+
+
+def read_hashed(f: io.FileIO, view: memoryview, strong: Optional[Hasher] = None) -> tuple[int, bytes]:
+    """Fill ``view`` from ``f`` (from its current position) and return the bytes read (short on a
+    truncated file) and their `chunked_digest`; ``strong`` (a BLAKE3 hasher: the first read of a file
+    version) is updated with the bytes in order while the later chunks are still being read.
+
+    Why chunks on every core: reading from the page cache is a copy the kernel makes on the reading
+    core, and hashing is another pass over the same bytes. Each `OVERLAP_CHUNK` is read and hashed
+    (xxh3-128, which releases the GIL) by a worker, one chunk per usable core in flight, so the check
+    runs on every core while the bytes are still in its cache instead of a second pass on one core
+    (the previous design read on a worker and hashed on this thread: two cores, one pass each). The
+    BLAKE3 of a first read is fed here, in order, as the chunks land, instead of a pass after the read
+    (the cost #44 measured: 4.8 ms on top of a 7 ms read at 3,000 SmolLM2 tokens). Each chunk is hashed
+    after it landed in ``view``, which only this call writes, so the digests are of the bytes returned;
+    every worker has finished with ``view`` when this returns or raises. Without ``os.preadv`` (some
+    platforms), the same in one thread.
     """
-    h = xxhash.xxh3_128()
     size = len(view)
     start = f.tell()
     if not hasattr(os, "preadv") or size <= OVERLAP_CHUNK:
-        got = 0
+        got, parts = 0, []
         while got < size:
-            n = f.readinto(view[got:min(got + CHUNK, size)])
-            if not n:
+            end = min(got + OVERLAP_CHUNK, size)
+            h = xxhash.xxh3_128()
+            while got < end:
+                n = f.readinto(view[got:min(got + CHUNK, end)])
+                if not n:
+                    break
+                h.update(view[got:got + n])
+                if strong is not None:
+                    strong.update(view[got:got + n])
+                got += n
+            parts.append(h.digest())
+            if got < end:  # end of file: truncated
                 break
-            h.update(view[got:got + n])
-            got += n
-        return got, h.digest()
+        return got, chunked_digest(parts)
     fd = f.fileno()
     pool = _readers()
     offs = list(range(0, size, OVERLAP_CHUNK))
+    pending: "deque[Future[tuple[int, bytes]]]" = deque()
 
-    def read(o: int) -> "Future[int]":
-        return pool.submit(_pread_full, fd, view[o:min(o + OVERLAP_CHUNK, size)], start + o)
+    def submit(i: int) -> None:
+        o = offs[i]
+        pending.append(pool.submit(_read_chunk, fd, view[o:min(o + OVERLAP_CHUNK, size)], start + o))
 
-    got = 0
-    pending = read(offs[0])
-    for i, o in enumerate(offs):
-        n = pending.result()  # an OSError of the read is raised here
-        want = min(OVERLAP_CHUNK, size - o)
-        if n == want and i + 1 < len(offs):
-            pending = read(offs[i + 1])
-        h.update(view[o:o + n])
-        got += n
-        if n < want:  # end of file: truncated
-            break
+    ahead = min(len(offs), _in_flight())
+    for i in range(ahead):
+        submit(i)
+    got, parts = 0, []
+    try:
+        for i, o in enumerate(offs):
+            n, d = pending.popleft().result()  # an OSError of the read is raised here
+            want = min(OVERLAP_CHUNK, size - o)
+            if n == want and i + ahead < len(offs):
+                submit(i + ahead)
+            if strong is not None:
+                strong.update(view[o:o + n])
+            parts.append(d)
+            got += n
+            if n < want:  # end of file: truncated
+                break
+    finally:
+        for fut in pending:  # chunks read past a truncation or an error still write into ``view``
+            with contextlib.suppress(Exception):
+                fut.result()
     f.seek(start + got)
-    return got, h.digest()
+    return got, chunked_digest(parts)
