@@ -41,6 +41,8 @@ _THINK_TAGS: tuple[tuple[str, tuple[str, str]], ...] = (
     ("[/THINK]", ("[THINK]", "[/THINK]")),                               # Magistral, Ministral reasoning
     ("<|END_THINKING|>", ("<|START_THINKING|>", "<|END_THINKING|>")),    # Command R7B
     ("</seed:think>", ("<seed:think>", "</seed:think>")),                # Seed-OSS
+    ("</mm:think>", ("<mm:think>", "</mm:think>")),                      # MiniMax M3
+    ("<channel|>", ("<|channel>thought", "<channel|>")),                 # Gemma 4
     ("<|inner_suffix|>", ("<|inner_prefix|>", "<|inner_suffix|>")),      # Apertus
     ("</think>", ("<think>", "</think>")),                                # DeepSeek R1, Qwen3, GLM, Kimi, ...
 )
@@ -64,13 +66,18 @@ class AnswerSpec:
     fmt: ToolCallFormat = toolcalls.HERMES
     #: the tools a call may name; None: the request offered none (or ``tool_choice: "none"``): no calls
     names: Optional[frozenset[str]] = None
-    #: the reasoning tags (`think_tags`); None: reasoning is not split (``reasoning_format: "none"``)
+    #: the template's reasoning tags (`think_tags`); None: it has none
     think: Optional[tuple[str, str]] = None
+    #: split the reasoning off (False: ``reasoning_format: "none"``, it stays in the content)
+    reasoning: bool = True
     #: the prompt opened the think block (its generation prompt ends with the opening tag)
     think_open: bool = False
+    #: what the prompt opened that belongs to the answer's content when reasoning is not split (the
+    #: think block's opening tag the generation prompt wrote), as llama.cpp shows it
     #: other families whose calls are also read (a template that renders no tools gets graftmem's
     #: Hermes prompt, yet its model may still write its own family's calls)
     also: tuple[ToolCallFormat, ...] = ()
+    echo: str = ""
 
     @property
     def families(self) -> tuple[ToolCallFormat, ...]:
@@ -95,13 +102,15 @@ def answer_spec(template_source: Optional[str], *, fmt: Optional[ToolCallFormat]
     (where a template opens the think block)."""
     own = toolcalls.tool_format(template_source) if template_source else toolcalls.HERMES
     fmt = fmt or own
-    think = think_tags(template_source) if reasoning else None
+    think = think_tags(template_source)
     if fmt is not toolcalls.HARMONY and own is toolcalls.HARMONY:
         fmt = own  # harmony's channels are the answer's shape, whatever the tool prompt
     also = (own,) if own is not fmt and names is not None else ()
-    think_open = think is not None and prompt_tail.rstrip().endswith(think[0])
+    tail = prompt_tail.rstrip()
+    think_open = think is not None and tail.endswith(think[0])
+    echo = prompt_tail[tail.rfind(think[0]):] if think is not None and think_open and not reasoning else ""
     return AnswerSpec(fmt=fmt, names=frozenset(names) if names is not None else None, think=think,
-                      think_open=think_open, also=also)
+                      reasoning=reasoning, think_open=think_open, echo=echo, also=also)
 
 
 @dataclass(frozen=True)
@@ -126,30 +135,36 @@ class Answer:
 def _split_reasoning(text: str, spec: AnswerSpec, final: bool) -> tuple[str, str, bool]:
     """``(reasoning, rest, decided)``; ``decided`` False: the text may still turn out to open a think
     block (partial mode only): nothing is sent yet."""
-    if spec.think is None:
+    if spec.think is None or not spec.reasoning:
         return "", text, True
     open_, close = spec.think
     head = text.lstrip()
-    if head.startswith(open_):
+    if spec.think_open:
+        body = text  # the prompt opened it: an opening tag the model writes again is reasoning text
+    elif head.startswith(open_):
         body = head[len(open_):]
-    elif spec.think_open:
-        body = text
-    elif not final and open_.startswith(head):
-        return "", "", False  # nothing yet, or maybe the opening tag arriving
+    elif head.startswith(close):  # an empty thought whose opening tag the model left out
+        return "", head[len(close):], True
+    elif not final and (open_.startswith(head) or close.startswith(head)):
+        return "", "", False  # nothing yet, or maybe a tag arriving
     else:
         return "", text, True
     j = body.find(close)
     if j >= 0:
         return body[:j], body[j + len(close):], True
+    i = _first_opener(body, spec, bare=False) if spec.names is not None else -1
+    if i >= 0:  # never closed, and a call begins: the reasoning ends there (llama.cpp reads it so)
+        return body[:i], body[i:], True
     if final:
         return body, "", True  # never closed: it is all reasoning, as llama.cpp reads it
-    return body[:len(body) - held_suffix(body, (close,))], "", True
+    markers = [close, *(o for f in spec.families for o in f.openers)] if spec.names is not None else [close]
+    return body[:len(body) - held_suffix(body, markers)], "", True
 
 
-def _first_opener(text: str, spec: AnswerSpec) -> int:
-    """Where the first call may begin in ``text`` (-1: nowhere)."""
+def _first_opener(text: str, spec: AnswerSpec, bare: bool = True) -> int:
+    """Where the first call may begin in ``text`` (-1: nowhere); ``bare``: a bare JSON call counts."""
     cuts = [i for f in spec.families for o in f.openers if (i := text.find(o)) >= 0]
-    if any(f.bare_json for f in spec.families):
+    if bare and any(f.bare_json for f in spec.families):
         head = text.lstrip()
         if head.startswith("{"):
             cuts.append(len(text) - len(head))
@@ -159,7 +174,21 @@ def _first_opener(text: str, spec: AnswerSpec) -> int:
 def _split_calls(rest: str, spec: AnswerSpec, final: bool) -> tuple[str, list[dict[str, Any]], str]:
     """``(content, calls, reasoning)`` of the text after the reasoning."""
     if spec.fmt is toolcalls.HARMONY:
-        return toolcalls.harmony_split(rest, spec.names if spec.names is not None else (), final=final)
+        return toolcalls.harmony_split(rest, spec.names if spec.names is not None else (), final=final,
+                                       reasoning=spec.reasoning)
+    strip = [m for f in spec.families for m in f.strip
+             if spec.reasoning or spec.think is None or not any(m in t for t in spec.think)]
+    if not strip:
+        return _calls(rest, spec, final)
+    if not final:
+        rest = rest[:len(rest) - held_suffix(rest, strip)]
+    content, calls, more = _calls(rest, spec, final)
+    for m in sorted(strip, key=len, reverse=True):
+        content = content.replace(m, "")
+    return content, calls, more
+
+
+def _calls(rest: str, spec: AnswerSpec, final: bool) -> tuple[str, list[dict[str, Any]], str]:
     if spec.names is None:
         if final:
             return rest, [], ""
@@ -186,9 +215,9 @@ def _parse(text: str, spec: AnswerSpec, final: bool) -> tuple[str, str, list[dic
     docstring), which the final one only extends."""
     if spec.fmt is toolcalls.HARMONY:
         content, calls, reasoning = _split_calls(text, spec, final)
-        if spec.think is None and reasoning:  # reasoning_format "none": harmony keeps its text as content
-            return text, "", calls
         return content, reasoning, calls
+    if spec.echo:
+        text = spec.echo + text
     reasoning, rest, decided = _split_reasoning(text, spec, final)
     if not decided:
         return "", "", []

@@ -64,6 +64,8 @@ class ToolCallFormat:
     detect: tuple[tuple[str, ...], ...] = ()
     #: marker texts that may be control tokens (the answer shows them, as llama-server's preserved tokens)
     specials: tuple[str, ...] = ()
+    #: wrappers the family writes around its content (Command R7B's ``<|START_RESPONSE|>``): not content
+    strip: tuple[str, ...] = ()
     #: how a forced call is written (`call_grammar`): ("json" | "named" | "xml", the parts) or ("gemma4", ());
     #: None: not forceable
     forced: Optional[tuple[str, tuple[Any, ...]]] = None
@@ -187,7 +189,7 @@ def _hermes(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, None]:
 
 
 _XML_CALL = re.compile(r"(?:<tool_call>\s*)?<function=([^>\n]+)>(.*?)</function>(?:\s*</tool_call>)?", re.S)
-_XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+_XML_PARAM = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
 
 
 def _qwen_xml(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, None]:
@@ -202,6 +204,8 @@ def _qwen_xml(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, None
                 return text, [], None
         for p in _XML_PARAM.finditer(m.group(2)):
             raw = p.group(2)
+            if raw.startswith("\n"):  # Qwen3-Coder's layout: <parameter=K>\nV\n</parameter>
+                raw = raw[1:-1] if raw.endswith("\n") else raw[1:]
             try:
                 args[p.group(1).strip()] = _loads(raw)
             except ValueError:
@@ -267,52 +271,57 @@ def _mistral(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, None]
     return content + rest[len("[TOOL_CALLS]") + end:], calls, None
 
 
-_HARMONY_HEAD = re.compile(
-    r"\s*(?:<\|start\|>assistant)?\s*(?:to=functions\.([A-Za-z0-9_.\-]+)\s*)?<\|channel\|>(\w+)"
-    r"(?:\s+to=functions\.([A-Za-z0-9_.\-]+))?[^<]*?(?:<\|constrain\|>\w+)?<\|message\|>", re.S)
+_HARMONY_CHANNEL = re.compile(r"<\|channel\|>(\w+)")
+_HARMONY_TO = re.compile(r"to=([A-Za-z0-9_.\-]+)")
 _HARMONY_ENDS = ("<|end|>", "<|call|>", "<|return|>")
-_HARMONY_STARTS = ("<|start|>", "<|channel|>", "to=functions.")
+_HARMONY_MARKS = ("<|start|>", "<|channel|>", "<|message|>", *_HARMONY_ENDS)
 
 
-def harmony_split(text: str, names: Optional[Iterable[str]], *, final: bool = True
+def harmony_split(text: str, names: Optional[Iterable[str]], *, final: bool = True, reasoning: bool = True
                   ) -> tuple[str, list[dict[str, Any]], str]:
-    """GPT-OSS's answer as ``(content, calls, reasoning)``: its messages one after another, each a header
-    (``<|channel|>NAME [to=functions.F] [<|constrain|>json]<|message|>``) and a body up to ``<|end|>`` /
-    ``<|call|>``. ``analysis`` is reasoning, ``final`` and ``commentary`` are content, a message to a
-    function of ``names`` (None: any) is a call (a function not offered, or arguments that are not JSON: its body
-    is content). ``final=False``: the partial view of a stream (`graftmem.core.answers`): a message still
-    arriving shows no held marker, a call is not read yet. Text before any header is content."""
+    """GPT-OSS's answer as ``(content, calls, reasoning)``: messages one after another, each a header up to
+    ``<|message|>`` (its last ``<|channel|>NAME``, a recipient ``to=R``) and a body up to ``<|end|>`` /
+    ``<|call|>`` / ``<|return|>`` / the next ``<|start|>``. ``analysis`` is reasoning (``reasoning=False``:
+    its message stays in the content as written), ``final`` and ``commentary`` are content, a message to
+    ``functions.F`` of ``names`` (None: any) is a call (a function not offered, or arguments that are not
+    JSON: its body is content), a message to another recipient (``python``, ``container.exec``: the
+    model's built-in tools) is left out, as llama.cpp leaves it. ``final=False``: the partial view of a
+    stream (`graftmem.core.answers`): no held marker shows, a call is not read yet. An answer without
+    any header is content."""
     allowed = set(names) if names is not None else None
     finals: list[str] = []
     thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
+    if "<|channel|>" not in text and "<|message|>" not in text:
+        head = text.lstrip()
+        if not final and (head.startswith(("to=", "<|")) or "to=".startswith(head) or "<|".startswith(head)):
+            return "", [], ""  # a header may be arriving (`` to=functions.F<|channel|>...``)
+        return (text if final else text[:len(text) - held_suffix(text, _HARMONY_MARKS)]), [], ""
     pos = 0
     while pos < len(text):
-        m = _HARMONY_HEAD.match(text, pos)
-        if m is None:
-            rest = text[pos:]
-            if "<|message|>" in rest and not rest.lstrip().startswith(_HARMONY_STARTS):
-                k = rest.find("<|")
-                finals.append(rest[:k])  # text, then a header
-                pos += k
-                if _HARMONY_HEAD.match(text, pos) is None:
-                    finals[-1] += text[pos:]
-                    break
-                continue
-            if not final and (rest.lstrip().startswith(_HARMONY_STARTS) or not rest.strip() or
-                              any(s.startswith(rest.lstrip()) for s in _HARMONY_STARTS)):
-                break  # a header arriving
-            finals.append(rest if final else rest[:len(rest) - held_suffix(rest, _HARMONY_STARTS)])
-            break
-        name, channel = m.group(1) or m.group(3), m.group(2)
-        ends = [(i, e) for e in _HARMONY_ENDS if (i := text.find(e, m.end())) >= 0]
+        k = text.find("<|message|>", pos)
+        if k < 0:
+            break  # a header still arriving, or a header without a message (nothing to show)
+        head = text[pos:k]
+        channels = _HARMONY_CHANNEL.findall(head)
+        recipients = [r for r in _HARMONY_TO.findall(head) if r != "assistant"]
+        start = head.find("<|channel|>")
+        body_at = k + len("<|message|>")
+        ends = [(i, e) for e in _HARMONY_ENDS if (i := text.find(e, body_at)) >= 0]
+        nxt = text.find("<|start|>", body_at)
+        if nxt >= 0:
+            ends.append((nxt, ""))
         stop, end_mark = min(ends) if ends else (len(text), "")
-        body = text[m.end():stop]
+        body = text[body_at:stop]
         complete = bool(ends) or final
         if not complete:
-            body = body[:len(body) - held_suffix(body, _HARMONY_ENDS)]
-        if name:
-            if complete:
+            body = body[:len(body) - held_suffix(body, _HARMONY_MARKS)]
+        if start < 0 and not channels:
+            finals.append(head + "<|message|>" + body)  # no header: text as written
+        elif recipients:
+            name = recipients[-1]
+            if name.startswith("functions.") and complete:
+                name = name[len("functions."):]
                 try:
                     args = _loads(body) if allowed is None or name in allowed else None
                 except ValueError:
@@ -321,8 +330,11 @@ def harmony_split(text: str, names: Optional[Iterable[str]], *, final: bool = Tr
                     calls.append(_call(name, args, "openai"))
                 else:
                     finals.append(body)
-        elif channel == "analysis":
-            thoughts.append(body.strip() if complete else body.lstrip())
+        elif channels and channels[-1] == "analysis":
+            if reasoning:
+                thoughts.append(body.strip() if complete else body.lstrip())
+            else:
+                finals.append(text[pos + start:stop + len(end_mark)] if complete else text[pos + start:body_at] + body)
         else:
             finals.append(body)
         pos = stop + len(end_mark)
@@ -481,14 +493,89 @@ def _invoke_xml(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, No
         spans.append(m.span())
     if not calls:
         return text, [], None
-    rest = re.sub(r"</?[^<>\s]*?(?:function_calls|tool_call)>", "", _spans_out(text, spans))
+    rest = re.sub(r"</?[^<>\s]*?(?:function_calls|tool_calls?)>", "", _spans_out(text, spans))
     return rest, calls, None
 
 
-_KIMI = re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?([^:<\s]+)(?::\d+)?\s*<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>", re.S)
+_KIMI = re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?([^:<\s]+)(?::\d+)?\s*<\|tool_call_argument_begin\|>")
+
+
+def _kimi(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, None]:
+    """Kimi K2: ``<|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{json}<|tool_call_end|>``,
+    in a ``<|tool_calls_section_begin|>`` section; the arguments are read as JSON, the end marker may be
+    missing (the next call or the end of the answer ends it)."""
+    calls, spans = [], []
+    for m in _KIMI.finditer(text):
+        try:
+            args, end = _json_prefix(text[m.end():])
+        except ValueError:
+            return text, [], None
+        stop = m.end() + end
+        close = re.compile(r"\s*<\|tool_call_end\|>").match(text, stop)
+        calls.append(_call(m.group(1), args, fmt.id_style))
+        spans.append((m.start(), close.end() if close else stop))
+    if not calls:
+        return text, [], None
+    return re.sub(r"<\|tool_calls_section_(?:begin|end)\|>", "", _spans_out(text, spans)), calls, None
+
+
+_M3 = "]<]minimax[>["
+_M3_BLOCK = re.compile(re.escape(_M3) + r"<tool_call>(.*?)(?:" + re.escape(_M3) + r"</tool_call>|$)", re.S)
+_M3_INVOKE = re.compile(re.escape(_M3) + r'<invoke name="([^"]+)">(.*?)' + re.escape(_M3) + r"</invoke>", re.S)
+_M3_PARAM = re.compile(re.escape(_M3) + r"<([A-Za-z0-9_.\-]+)>(.*?)" + re.escape(_M3) + r"</\1>", re.S)
+
+
+def _m3_value(raw: str, depth: int = 0) -> Any:
+    """An argument of MiniMax M3: nested tags are an array (all ``<item>``) or an object, else a value."""
+    kids = _M3_PARAM.findall(raw) if depth < jsontext.MAX_DEPTH else []
+    if not kids or _M3_PARAM.sub("", raw).strip():
+        return _value(raw)
+    if all(k == "item" for k, _ in kids):
+        return [_m3_value(v, depth + 1) for _, v in kids]
+    return {k: _m3_value(v, depth + 1) for k, v in kids}
+
+
+def _minimax3(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, None]:
+    """MiniMax M3: every tag behind ``]<]minimax[>[``: ``<tool_call>``, ``<invoke name="N">``, then one
+    ``<KEY>VALUE</KEY>`` per argument (a value is JSON where it reads as JSON, else its text)."""
+    calls, spans = [], []
+    for block in _M3_BLOCK.finditer(text):
+        for m in _M3_INVOKE.finditer(block.group(1)):
+            calls.append(_call(m.group(1), {k: _m3_value(v) for k, v in _M3_PARAM.findall(m.group(2))}, fmt.id_style))
+        spans.append(block.span())
+    if not calls:
+        return text, [], None
+    return _spans_out(text, spans), calls, None
+
+
+_PY_CALLS = re.compile(r"<\|tool_call_start\|>\s*(\[.*?\])\s*(?:<\|tool_call_end\|>|$)", re.S)
+
+
+def _pythonic(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, None]:
+    """LFM2: ``<|tool_call_start|>[name(key=value, ...), ...]<|tool_call_end|>``, Python call syntax with
+    literal values (read with ``ast.literal_eval``: nothing is evaluated)."""
+    import ast
+
+    calls, spans = [], []
+    for m in _PY_CALLS.finditer(text):
+        try:
+            tree = ast.parse(m.group(1), mode="eval").body
+            if not isinstance(tree, ast.List):
+                return text, [], None
+            for node in tree.elts:
+                if not isinstance(node, ast.Call) or not isinstance(node.func, (ast.Name, ast.Attribute)) or node.args:
+                    return text, [], None
+                args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+                calls.append(_call(ast.unparse(node.func), args, fmt.id_style))
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return text, [], None
+        spans.append(m.span())
+    if not calls:
+        return text, [], None
+    return _spans_out(text, spans), calls, None
 _SOLAR = re.compile(r"<\|tool_call:begin\|>[^<]*<\|tool_call:name\|>([^<]+)<\|tool_call:args\|>(.*?)<\|tool_call:end\|>", re.S)
 _MINICPM = re.compile(r'<function name="([^"]+)">(.*?)</function>', re.S)
-_MINICPM_P = re.compile(r'<param name="([^"]+)">(.*?)</param>', re.S)
+_MINICPM_P = re.compile(r'<param name="([^"]+)">(?:<!\[CDATA\[(.*?)\]\]>|(.*?))</param>', re.S)
 
 
 def _regex_calls(rx: "re.Pattern[str]", json_args: bool, strip: str):
@@ -501,7 +588,7 @@ def _regex_calls(rx: "re.Pattern[str]", json_args: bool, strip: str):
                 except ValueError:
                     return text, [], None
             else:
-                args = {k: _value(v) for k, v in _MINICPM_P.findall(m.group(2))}
+                args = {k: (cdata if cdata or not v else _value(v)) for k, cdata, v in _MINICPM_P.findall(m.group(2))}
             calls.append(_call(m.group(1).strip(), args, fmt.id_style))
             spans.append(m.span())
         if not calls:
@@ -548,7 +635,6 @@ def _json_calls(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, No
     return text[:i] + text[end:], calls, None
 
 
-_kimi = _regex_calls(_KIMI, True, r"<\|tool_calls_section_(?:begin|end)\|>")
 _solar = _regex_calls(_SOLAR, True, r"<\|tool_calls\|>|<\|calls\|>")
 _minicpm = _regex_calls(_MINICPM, False, "")
 F = ToolCallFormat
@@ -566,11 +652,14 @@ FAMILIES: tuple[ToolCallFormat, ...] = (
       specials=("<|tool_call:begin|>", "<|tool_call:name|>", "<|tool_call:args|>", "<|tool_call:end|>", "<|tool_calls|>"),
       forced=("named", ("", "<|tool_call:begin|><|tool_call:name|>", "<|tool_call:args|>", "<|tool_call:end|>", "")),
       example="<|tool_call:begin|><|tool_call:name|>NAME<|tool_call:args|>{...}<|tool_call:end|>", models="Solar Open"),
-    F("glm", ("<tool_call",), parser=_glm, detect=(("<arg_key",),),
+    F("glm", ("<tool_call",), parser=_glm, detect=(("<arg_key",),), strip=("<|role_end|>",),
       forced=("xml", ("<tool_call>", "\n", "<arg_key>", "</arg_key>\n<arg_value>", "</arg_value>\n", "</tool_call>")),
       example="<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>",
       models="GLM-4.x, Ling, Laguna, Hy3"),
-    F("invoke-xml", ("invoke name=",), parser=_invoke_xml, detect=(("invoke name=",),),
+    F("minimax3", (_M3 + "<tool_call>",), parser=_minimax3, detect=((_M3,),),
+      example=_M3 + '<tool_call>' + _M3 + '<invoke name="NAME">' + _M3 + '<K>V' + _M3 + '</K>...', models="MiniMax M3"),
+    F("invoke-xml", ("<minimax:tool_call>", "<｜DSML｜", "<function_calls>", "<invoke name="), parser=_invoke_xml,
+      detect=(("invoke name=",),),
       forced=("xml", ('<invoke name="', '">\n', '<parameter name="', '">', "</parameter>\n", "</invoke>")),
       example='<invoke name="NAME"><parameter name="K">V</parameter></invoke>',
       models="MiniMax M2, DeepSeek V3.2 / V4 (DSML), muse"),
@@ -580,6 +669,7 @@ FAMILIES: tuple[ToolCallFormat, ...] = (
     F("cohere", ("<|START_ACTION|>",), open="<|START_ACTION|>", close="<|END_ACTION|>", parser=_json_calls,
       detect=(("<|START_ACTION|>",),), specials=("<|START_ACTION|>", "<|END_ACTION|>"),
       forced=("json", ("<|START_ACTION|>", "<|END_ACTION|>", "tool_name", "parameters", True, True)),
+      strip=("<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_TEXT|>", "<|END_TEXT|>"),
       example='<|START_ACTION|>[{"tool_name": NAME, "parameters": {...}}]<|END_ACTION|>',
       models="Command R7B, Command A (Cohere2)"),
     F("apertus", ("<|tools_prefix|>",), open="<|tools_prefix|>", close="<|tools_suffix|>", parser=_json_calls,
@@ -595,22 +685,28 @@ FAMILIES: tuple[ToolCallFormat, ...] = (
       forced=("json", ("<tool_calls>", "</tool_calls>", "name", "arguments", True, True)),
       example='<tool_calls>[{"name": NAME, "arguments": {...}}]</tool_calls>', models="Apriel, MiniMax M1"),
     F("gigachat31", ("<|function_call|>",), open="<|function_call|>", close="<|message_sep|>", parser=_json_calls,
-      detect=(("<|function_call|>",),), specials=("<|function_call|>",),
+      detect=(("<|function_call|>",),), specials=("<|function_call|>",), strip=("<|message_sep|>",),
       forced=("json", ("<|function_call|>", "<|message_sep|>", "name", "arguments", False, True)),
       example='<|function_call|>{"name": NAME, "arguments": {...}}', models="GigaChat 3.1"),
     F("command-r", ("Action:",), open="Action:", close="", parser=_json_calls,
-      detect=(("Action:", "tool_name"),),
+      detect=(("Action:", "tool_name"),), strip=("<|CHATBOT_TOKEN|>", "<|END_OF_TURN_TOKEN|>"),
       forced=("json", ("Action: ```json\n", "\n```", "tool_name", "parameters", True, False)),
       example='Action: ```json [{"tool_name": NAME, "parameters": {...}}]```', models="Command R+"),
     F("gigachat", ("function call",), open="function call<|role_sep|>", close="<|message_sep|>", parser=_json_calls,
-      detect=(("function call", "<|role_sep|>"),), specials=("<|role_sep|>",),
+      detect=(("function call", "<|role_sep|>"),), specials=("<|role_sep|>",), strip=("<|message_sep|>",),
       forced=("json", ("function call<|role_sep|>\n", "<|message_sep|>", "name", "arguments", False, True)),
       example='function call<|role_sep|>{"name": NAME, "arguments": {...}}', models="GigaChat 3"),
-    F("qwen-xml", ("<tool_call>", "<function="), parser=_qwen_xml, detect=(("<function=",),),
+    F("qwen-xml", ("<tool_call>", "<function=", "<seed:tool_call>"), parser=_qwen_xml, detect=(("<function=",),),
+      strip=("<seed:tool_call>", "</seed:tool_call>"),
       forced=("xml", ("<tool_call>\n<function=", ">\n", "<parameter=", ">\n", "\n</parameter>\n",
                       "</function>\n</tool_call>")),
       example="<tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>",
-      models="Qwen3-Coder, Qwen3.5, Functionary v3.1"),
+      models="Qwen3-Coder, Qwen3.5, Functionary v3.1, Seed-OSS"),
+    F("pythonic", ("<|tool_call_start|>",), parser=_pythonic, detect=(("<|tool_call_start|>",),),
+      specials=("<|tool_call_start|>", "<|tool_call_end|>"),
+      example="<|tool_call_start|>[NAME(key=value)]<|tool_call_end|>", models="LFM2 / LFM2.5"),
+    F("firefunction", ("functools[",), open="functools", close="", parser=_json_calls, detect=(("functools[",),),
+      example='functools[{"name": NAME, "arguments": {...}}]', models="FireFunction v2"),
     F("hermes", ("<tool_call>",), parser=_hermes, detect=(("<tool_call>",),), specials=("<tool_call>", "</tool_call>"),
       forced=("json", ("<tool_call>\n", "\n</tool_call>", "name", "arguments", False, False)),
       example='<tool_call>{"name": NAME, "arguments": {...}}</tool_call>',
@@ -635,6 +731,7 @@ FAMILIES: tuple[ToolCallFormat, ...] = (
       example="<｜tool▁call▁begin｜>[function<｜tool▁sep｜>]NAME[```json]{...}[```]<｜tool▁call▁end｜>",
       models="DeepSeek R1 (and its distills), V3, V3.1"),
     F("gemma4", ("<|tool_call>",), parser=_gemma4, detect=(("<|tool_call>",),),
+      strip=("<|channel>thought", "<channel|>", "<|channel>"),
       specials=("<|tool_call>", "<tool_call|>", '<|"|>'), forced=("gemma4", ()),
       example='<|tool_call>call:NAME{key:<|"|>text<|"|>,n:1}<tool_call|>', models="Gemma 4"),
     F("llama3", ("<|python_tag|>",), bare_json=True, parser=_llama3,

@@ -47,7 +47,7 @@ from starlette.routing import BaseRoute, Route
 from ..core import jsontext
 from .http import HTTPError, anthropic_error, guarded, sse
 from .openai import RECEIPT_HEADER, OpenAIRoutes, job_events
-from .tools import MAX_TOOLS, ToolSpec, ToolStream
+from .tools import MAX_TOOLS, AnswerParser, ToolSpec
 
 if TYPE_CHECKING:
     from .generate import Job, Result
@@ -294,8 +294,11 @@ class AnthropicRoutes:
             if result is None:
                 return Response(status_code=499)
             receipt = self.oa.receipt(job, result)
-            content, calls = self.oa.split_answer(result, tools)
-            blocks: list[dict[str, Any]] = [{"type": "text", "text": content}] if content else []
+            answer = self.oa.split_answer(result, job, tools)
+            calls = answer.calls
+            blocks: list[dict[str, Any]] = [{"type": "thinking", "thinking": answer.reasoning, "signature": ""}] \
+                if answer.reasoning else []
+            blocks += [{"type": "text", "text": answer.content}] if answer.content else []
             blocks += [self._tool_use(c) for c in calls]
             return JSONResponse({
                 "id": mid, "type": "message", "role": "assistant", "model": self.oa.model_id, "content": blocks,
@@ -343,23 +346,32 @@ class AnthropicRoutes:
         was read and what will be written), one text block (opened at the first text), then the tool_use
         blocks once the answer is complete (a call is only known whole), ``message_delta`` with the
         stop reason and the final usage, ``message_stop``."""
-        held = ToolStream(tools.fmt) if tools is not None and tools.parse else None
+        parser = AnswerParser(self.oa.answer_spec(job, tools))  # the answer's one parser, as the whole answer's
         index = 0
-        text_open = False
+        open_kind: Optional[str] = None  # the block being streamed: "thinking" or "text"
+        calls: list[dict[str, Any]] = []
 
-        def text(piece: str) -> bytes:
-            nonlocal text_open
+        def blocks(events: list[Any]) -> bytes:
+            nonlocal open_kind, index
             out = b""
-            if held is not None:
-                piece = held.feed(piece)
-            if not piece:
-                return out
-            if not text_open:
-                text_open = True
-                out += _sse("content_block_start", {"type": "content_block_start", "index": index,
-                                                    "content_block": {"type": "text", "text": ""}})
-            return out + _sse("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                      "delta": {"type": "text_delta", "text": piece}})
+            for e in events:
+                if e.kind == "call":
+                    calls.append(e.call)
+                    continue
+                kind = "thinking" if e.kind == "reasoning" else "text"
+                if open_kind != kind:
+                    if open_kind is not None:
+                        out += _sse("content_block_stop", {"type": "content_block_stop", "index": index})
+                        index += 1
+                    open_kind = kind
+                    start = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else \
+                        {"type": "text", "text": ""}
+                    out += _sse("content_block_start", {"type": "content_block_start", "index": index,
+                                                        "content_block": start})
+                delta = {"type": "thinking_delta", "thinking": e.text} if kind == "thinking" else \
+                    {"type": "text_delta", "text": e.text}
+                out += _sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+            return out
 
         try:
             await asyncio.wait((started, done), return_when=asyncio.FIRST_COMPLETED)
@@ -369,20 +381,13 @@ class AnthropicRoutes:
                 "stop_reason": None, "stop_sequence": None, "usage": _usage(prompt, read, created, 0)}})
             async for kind, payload in job_events(events, done):
                 if kind == "delta":
-                    if piece := text(payload[0]):
+                    if piece := blocks(parser.feed(payload[0])):
                         yield piece
                     continue
                 result: "Result" = payload
-                calls: list[dict[str, Any]] = []
-                if held is not None:
-                    content, calls = self.oa.split_answer(result, tools)
-                    if rest := held.rest(result.text, calls):
-                        held = None  # what is left is plain text
-                        yield text(rest)
-                    elif calls and content and not text_open:  # the text before a call, held with it
-                        held = None
-                        yield text(content)
-                if text_open:
+                if rest := blocks(parser.finish()):
+                    yield rest
+                if open_kind is not None:
                     yield _sse("content_block_stop", {"type": "content_block_stop", "index": index})
                     index += 1
                 for call in calls:

@@ -49,12 +49,12 @@ from ..core.decoding import Sampling
 from ..core.errors import ConfigError, GraftmemError
 from ..core.grammar_limits import check_schema
 from ..core.prompt import detect_format, request_template
-from ..core.toolcalls import call_grammar, split_reasoning, tool_format
+from ..core.toolcalls import call_grammar, tool_format
 from ..memory import validate as check
 from ..memory.router import DEFAULT_MIN_SCORE, LEX_WEIGHT
 from ..memory.verbs import MemoryVerbs
 from ..store.chain import chain_of
-from .chat import (TokenCache, answer_text, bound_messages, chunk_prompt, literal_spans, render_segments,
+from .chat import (TokenCache, bound_messages, chunk_prompt, literal_spans, render_segments,
                    template_kwargs, template_segments, tokenize_segments)
 from .generate import Job, Result, check_fits, run_job
 from .http import HTTPError, Limits, client_gone, guarded, json_object, off_loop, public_message, read_body, sse
@@ -62,7 +62,7 @@ from .pool import EnginePool
 from .routing import RouterRef
 from ..memory.access import Access
 from .tenants import tenant_of
-from .tools import ThinkStream, ToolSpec, ToolStream, parse_calls, parse_tools
+from .tools import Answer, AnswerParser, AnswerSpec, ToolSpec, answer_spec, parse_tools, split_answer
 
 if TYPE_CHECKING:
     from ..store.protocol import BlockStore
@@ -347,6 +347,7 @@ class OpenAIRoutes:
             job.marks = [k for k in job.marks if k <= first + shift]
         if notes:
             job.extra = {**(routed or {}), "template": {"notes": notes}}
+        job.specials = self.answer_spec(job, tools).specials  # the family's markers: text in the answer
         return job, tools
 
     async def budgeted(self, fn: Callable[[], T], what: str = "rendering this request's prompt",
@@ -517,13 +518,11 @@ class OpenAIRoutes:
             finally:
                 gone.cancel()
         events, done = await self.stream(job)  # 429 here, before the stream starts
-        think = None
-        if chat and self.template is not None and "</think>" in self.template.source and \
-                body.get("reasoning_format", "auto") != "none":
-            # a thinking model: its reasoning streams as reasoning_content (inside: the prompt opened it)
-            think = ThinkStream(inside=bool(job.texts) and job.texts[-1].rstrip().endswith("<think>"))
+        # the answer's one parser (`graftmem.core.answers`): reasoning, content and calls as they arrive
+        parser = AnswerParser(self.answer_spec(job, tools, body.get("reasoning_format", "auto") != "none")) \
+            if chat else None
         return StreamingResponse(self._sse(rid, created, job, events, done, chat=chat, usage=include_usage,
-                                           tools=tools, think=think),
+                                           parser=parser),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def answer(self, request: Request, job: Job) -> Optional[Result]:
@@ -555,7 +554,7 @@ class OpenAIRoutes:
         if result is None:
             return Response(status_code=499)
         receipt = self._receipt(job, result)
-        payload = self._final(rid, created, result, receipt, chat=chat, tools=tools, reasoning=reasoning)
+        payload = self._final(rid, created, result, receipt, job, chat=chat, tools=tools, reasoning=reasoning)
         return JSONResponse(payload, headers={RECEIPT_HEADER: json.dumps(receipt)})
 
     async def _result(self, gone: "asyncio.Future[None]", job: Job,
@@ -588,33 +587,35 @@ class OpenAIRoutes:
 
     async def _sse(self, rid: str, created: int, job: Job, events: "asyncio.Queue[tuple[str, Any]]",
                    done: "asyncio.Future[Result]", *, chat: bool, usage: bool,
-                   tools: Optional[ToolSpec] = None, think: Optional[ThinkStream] = None) -> AsyncIterator[bytes]:
+                   parser: Optional[AnswerParser] = None) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
-        held = ToolStream(tools.fmt) if tools is not None and tools.parse else None
+        calls: list[dict[str, Any]] = []
 
         def chunk(choice: dict[str, Any], **extra: Any) -> bytes:
             d = {"id": rid, "object": obj, "created": created, "model": self.model_id,
                  "choices": [choice] if choice else [], **extra}
             return sse(d)
 
-        def delta(text: str, entries: list[dict[str, Any]]) -> bytes:
-            if think is not None:
-                thought, text = think.feed(text)
-                out = chunk({"index": 0, "delta": {"reasoning_content": thought}, "logprobs": None,
-                             "finish_reason": None}) if thought else b""
-                if not text and not entries:
-                    return out
-                return out + content_delta(text, entries)
-            return content_delta(text, entries)
+        def parsed(events: list[Any], entries: list[dict[str, Any]]) -> bytes:
+            out = b""
+            for e in events:
+                if e.kind == "reasoning":
+                    out += chunk({"index": 0, "delta": {"reasoning_content": e.text}, "logprobs": None,
+                                  "finish_reason": None})
+                elif e.kind == "content":
+                    out += chunk({"index": 0, "delta": {"content": e.text},
+                                  "logprobs": {"content": entries} if job.logprobs else None, "finish_reason": None})
+                    entries = []
+                else:
+                    calls.append(e.call)
+            if entries and job.logprobs:
+                out += chunk({"index": 0, "delta": {"content": ""}, "logprobs": {"content": entries},
+                              "finish_reason": None})
+            return out
 
-        def content_delta(text: str, entries: list[dict[str, Any]]) -> bytes:
-            if held is not None:
-                text = held.feed(text)
-                if not text and not entries:
-                    return b""
-            if chat:
-                return chunk({"index": 0, "delta": {"content": text},
-                              "logprobs": {"content": entries} if job.logprobs else None, "finish_reason": None})
+        def delta(text: str, entries: list[dict[str, Any]]) -> bytes:
+            if parser is not None:
+                return parsed(parser.feed(text), entries)
             return chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": None})
 
         try:
@@ -628,22 +629,9 @@ class OpenAIRoutes:
                     continue
                 result: Result = payload
                 reason = "stop" if result.finish_reason in ("stop", "cancelled") else result.finish_reason
-                final_text = result.text
-                if think is not None:
-                    thought, tail = think.flush()
-                    if thought:
-                        yield chunk({"index": 0, "delta": {"reasoning_content": thought}, "logprobs": None,
-                                     "finish_reason": None})
-                    if tail and held is None:
-                        yield chunk({"index": 0, "delta": {"content": tail}, "logprobs": None, "finish_reason": None})
-                    elif tail and held is not None:
-                        held.feed(tail)
-                    if "</think>" in final_text:
-                        final_text = split_reasoning(final_text)[1]
-                if held is not None:
-                    _, calls = parse_calls(self._call_text(result, tools), tools)
-                    if rest := held.rest(final_text, calls):
-                        yield chunk({"index": 0, "delta": {"content": rest}, "logprobs": None, "finish_reason": None})
+                if parser is not None:
+                    if rest := parsed(parser.finish(), []):
+                        yield rest
                     if calls:
                         yield chunk({"index": 0, "delta": {"tool_calls": [{"index": j, **c} for j, c in enumerate(calls)]},
                                      "logprobs": None, "finish_reason": None})
@@ -663,17 +651,15 @@ class OpenAIRoutes:
         finally:
             job.cancel.set()  # a client that went away stops the decode at the next token
 
-    def _call_text(self, r: Result, tools: Optional[ToolSpec]) -> str:
-        """The answer as the parser of the tools' family reads it: with the text of control tokens
-        (Mistral's ``[TOOL_CALLS]``, harmony's ``<|channel|>``), which the streamed text leaves out."""
-        if tools is None or tools.fmt.name in ("hermes", "qwen-xml") or not r.tokens:
-            return r.text
-        return answer_text(self.engine0, r.tokens)
+    def answer_spec(self, job: Job, tools: Optional[ToolSpec], reasoning: bool = True) -> AnswerSpec:
+        """How the answer to ``job`` splits (`graftmem.server.tools.answer_spec`): the same for every
+        door, streamed or not."""
+        return answer_spec(self.template, tools, reasoning=reasoning, prompt_tail=job.texts[-1] if job.texts else "")
 
-    def split_answer(self, r: Result, tools: Optional[ToolSpec]) -> tuple[Optional[str], list[dict[str, Any]]]:
-        """The answer's text and its tool calls (OpenAI's ``tool_calls`` entries), parsed in the tools'
-        family format; what other protocols' doors turn into their own blocks."""
-        return parse_calls(self._call_text(r, tools), tools)
+    def split_answer(self, r: Result, job: Job, tools: Optional[ToolSpec], reasoning: bool = True) -> Answer:
+        """The whole answer split into content, reasoning and tool calls (OpenAI's ``tool_calls``
+        entries): the stream's parser fed at once; what other protocols' doors turn into their blocks."""
+        return split_answer(r.text, self.answer_spec(job, tools, reasoning))
 
     @staticmethod
     def receipt(job: Job, r: Result) -> dict[str, Any]:
@@ -690,20 +676,18 @@ class OpenAIRoutes:
         return {"prompt_tokens": r.prompt_tokens, "completion_tokens": n, "total_tokens": r.prompt_tokens + n,
                 "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
 
-    def _final(self, rid: str, created: int, r: Result, receipt: dict[str, Any], *, chat: bool,
+    def _final(self, rid: str, created: int, r: Result, receipt: dict[str, Any], job: Job, *, chat: bool,
                tools: Optional[ToolSpec] = None, reasoning: bool = True) -> dict[str, Any]:
         reason = "stop" if r.finish_reason in ("stop", "cancelled") else r.finish_reason
         if chat:
-            content, calls = parse_calls(self._call_text(r, tools), tools)
-            message: dict[str, Any] = {"role": "assistant", "content": content}
-            if self.template is not None and reasoning and content:
-                # a thinking model's reasoning apart from its answer (llama-server's default
-                # --reasoning-format; "reasoning_format": "none" keeps it in the content)
-                thought, rest = split_reasoning(content)
-                if thought is not None:
-                    message["reasoning_content"], message["content"] = thought, rest.strip() or None
-            if calls:
-                message["tool_calls"] = calls
+            # a thinking model's reasoning apart from its answer (llama-server's default --reasoning-format;
+            # "reasoning_format": "none" keeps it in the content), with or without calls
+            answer = self.split_answer(r, job, tools, reasoning)
+            message: dict[str, Any] = {"role": "assistant", "content": answer.content}
+            if answer.reasoning is not None:
+                message["reasoning_content"] = answer.reasoning
+            if answer.calls:
+                message["tool_calls"] = answer.calls
                 reason = "tool_calls"
             choice: dict[str, Any] = {"index": 0, "message": message,
                                       "logprobs": {"content": r.logprobs} if r.logprobs else None,
