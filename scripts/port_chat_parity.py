@@ -28,15 +28,41 @@ MEMBER = "llama_cpp_python-0.3.36/vendor/llama.cpp/tests/test-chat.cpp"
 SRC = "vendor/llama.cpp/tests/test-chat.cpp"
 
 
-def _source() -> str:
+def _tiny():
     sys.path.insert(0, str(ROOT / "scripts"))
     import tiny_models  # noqa: E402
 
-    tarball = tiny_models.cache_root() / "sdist" / tiny_models.SDIST_FILE
-    with tarfile.open(tarball) as tf:
-        f = tf.extractfile(MEMBER)
-        assert f is not None
-        return f.read().decode()
+    return tiny_models
+
+
+def _source() -> str:
+    """test-chat.cpp from the pinned sdist (extracted once next to the sdist's other parts)."""
+    tiny = _tiny()
+    kept = tiny.cache_root() / "llama-cpp-python-0.3.36-test-chat.cpp"
+    if not kept.exists():
+        with tarfile.open(tiny.cache_root() / "sdist" / tiny.SDIST_FILE) as tf:
+            f = tf.extractfile(MEMBER)
+            assert f is not None
+            tmp = kept.with_name(kept.name + ".tmp")
+            tmp.write_bytes(f.read())
+            tmp.replace(kept)
+    return kept.read_text(encoding="utf-8")
+
+
+def prompt_tail(template: str, tools: list[str], thinking: bool) -> str:
+    """The end of the prompt graftmem's template layer renders for one user turn with these tools: where
+    a template opens the think block (what the server's answer rule reads, `graftmem.server.tools.answer_spec`)."""
+    sys.path.insert(0, str(ROOT))
+    from graftmem.core.template import ChatTemplate
+
+    tpl = ChatTemplate((_tiny().templates_dir() / f"{template}.jinja").read_text(), name=template,
+                       bos_token="<s>", eos_token="</s>")
+    fns = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in dict.fromkeys(tools)]
+    try:
+        return tpl.render([{"role": "user", "content": "Hello"}], add_generation_prompt=True, tools=fns or None,
+                          enable_thinking=thinking)[-200:]
+    except Exception:  # noqa: BLE001 - a template that needs more than one user turn: its tail is unknown
+        return ""
 
 
 #: cases graftmem reads differently, by template (and line where not all of it): why. tests/test_answer_parity.py
@@ -183,7 +209,9 @@ def _msg(expr: str, named: dict[str, dict[str, Any]]) -> dict[str, Any]:
     raise ValueError(f"unknown message builder {fn}")
 
 
-def port() -> tuple[list[dict[str, Any]], dict[str, int]]:
+def port(render: bool = True) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """The cases and the counts of those left out, by reason; ``render=False``: without their prompt tails
+    (rendering every template takes most of the time)."""
     src = _source()
     line_of = lambda i: src.count("\n", 0, i) + 1  # noqa: E731
     named: dict[str, dict[str, Any]] = {}
@@ -279,7 +307,8 @@ def port() -> tuple[list[dict[str, Any]], dict[str, int]]:
             skip(why)
             continue
         for name in tpl[-1]:
-            one = {**case, "template": name, "expect": json.loads(json.dumps(case["expect"]))}
+            one = {**case, "template": name, "expect": json.loads(json.dumps(case["expect"])),
+                   "prompt_tail": prompt_tail(name, case["tools"], case["enable_thinking"]) if render else ""}
             if (why := known(one)) is not None:
                 one["known"] = why
             cases.append(one)

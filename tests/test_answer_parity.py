@@ -7,7 +7,7 @@ family and reasoning tags, whether the rendered prompt opened the think block) a
 `graftmem.core.answers`: whole, streamed in random 1-3 character chunks (markers split as text may be),
 and streamed with every marker whole (as a control token arrives). Content, reasoning and calls must
 be llama.cpp's, and the three modes must agree, in every case. No engine: the templates are rendered
-by graftmem's template layer only to read where the prompt ends.
+by graftmem's template layer when the cases are ported, to read where the prompt ends.
 """
 
 from __future__ import annotations
@@ -39,25 +39,19 @@ def _tool(name: str) -> dict[str, Any]:
 
 def _spec(case: dict[str, Any]):
     return _spec_of(case["template"], tuple(dict.fromkeys(case["tools"])), case["reasoning_format"] != "none",
-                    case["enable_thinking"])
+                    case["prompt_tail"])
 
 
 @functools.lru_cache(maxsize=None)
-def _spec_of(template: str, names: tuple[str, ...], reasoning: bool, thinking: bool):
-    """The server's rule (`answer_spec`) for a request with these tools to this template: rendered once
-    to read where the prompt ends."""
+def _spec_of(template: str, names: tuple[str, ...], reasoning: bool, tail: str):
+    """The server's rule (`answer_spec`) for a request with these tools to this template, whose rendered
+    prompt ends in ``tail`` (rendered by graftmem's template layer when the case was ported)."""
     src = template_path(template).read_text()
     tpl = ChatTemplate(src, name=template, bos_token="<s>", eos_token="</s>")
-    body = {"tools": [_tool(n) for n in names]} if names else {}
-    tools = parse_tools(body)
+    tools = parse_tools({"tools": [_tool(n) for n in names]} if names else {})
     if tools is not None and tpl.uses_tools:  # what OpenAIRoutes.tool_spec does
         tools = dataclasses.replace(tools, fmt=toolcalls.tool_format(src))
-    try:
-        prompt = tpl.render([{"role": "user", "content": "Hello"}], add_generation_prompt=True,
-                            tools=body.get("tools"), enable_thinking=thinking)
-    except Exception:  # noqa: BLE001 - a template that needs more than one user turn: its tail is unknown
-        prompt = ""
-    return answer_spec(tpl, tools, reasoning=reasoning, prompt_tail=prompt[-200:])
+    return answer_spec(tpl, tools, reasoning=reasoning, prompt_tail=tail)
 
 
 def _chunks(text: str, markers: frozenset[str], rng: random.Random, whole_markers: bool) -> list[str]:
@@ -128,14 +122,18 @@ def test_case_agrees_with_llama_cpp(case):
 
 
 def test_port_is_current():
-    """The data is what the porting script makes from the pinned sdist (its file:line kept)."""
-    import subprocess
-    import sys
+    """The data is what the porting script makes from the pinned sdist now (each case with its file:line)."""
+    import importlib.util
 
     root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, str(root / "scripts" / "port_chat_parity.py")], capture_output=True,
-                          text=True, check=True)
-    assert proc.stdout.startswith(f"{len(CASES)} cases ported"), proc.stdout
+    spec = importlib.util.spec_from_file_location("port_chat_parity", root / "scripts" / "port_chat_parity.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cases, left_out = mod.port(render=False)
+    strip = lambda c: {k: v for k, v in c.items() if k != "prompt_tail"}  # noqa: E731
+    assert [strip(c) for c in cases] == [strip(c) for c in CASES], "run python scripts/port_chat_parity.py --write"
+    assert left_out == DATA["left_out"]
 
 
 def test_families_table_is_current():
