@@ -328,8 +328,8 @@ def harmony_split(text: str, names: Optional[Iterable[str]], *, final: bool = Tr
                     args = None
                 if args is not None:
                     calls.append(_call(name, args, "openai"))
-                else:
-                    finals.append(body)
+                else:  # a call that does not parse, or of a tool not offered: shown as the model wrote it
+                    finals.append(text[pos:stop + len(end_mark)])
         elif channels and channels[-1] == "analysis":
             if reasoning:
                 thoughts.append(body.strip() if complete else body.lstrip())
