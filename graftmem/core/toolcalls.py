@@ -551,6 +551,20 @@ def _minimax3(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, None
 _PY_CALLS = re.compile(r"<\|tool_call_start\|>\s*(\[.*?\])\s*(?:<\|tool_call_end\|>|$)", re.S)
 
 
+class _JsonNames:
+    """``true`` / ``false`` / ``null`` in a pythonic call's value read as JSON's (a forced call writes JSON values)."""
+
+    VALUES = {"true": True, "false": False, "null": None}
+
+    def visit(self, node: Any) -> Any:
+        import ast
+
+        class T(ast.NodeTransformer):
+            def visit_Name(self, n: ast.Name) -> Any:  # noqa: N802 - ast's visitor naming
+                return ast.Constant(_JsonNames.VALUES[n.id]) if n.id in _JsonNames.VALUES else n
+        return T().visit(node)
+
+
 def _pythonic(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, None]:
     """LFM2: ``<|tool_call_start|>[name(key=value, ...), ...]<|tool_call_end|>``, Python call syntax with
     literal values (read with ``ast.literal_eval``: nothing is evaluated)."""
@@ -565,7 +579,7 @@ def _pythonic(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, None
             for node in tree.elts:
                 if not isinstance(node, ast.Call) or not isinstance(node.func, (ast.Name, ast.Attribute)) or node.args:
                     return text, [], None
-                args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+                args = {kw.arg: ast.literal_eval(_JsonNames().visit(kw.value)) for kw in node.keywords}
                 calls.append(_call(ast.unparse(node.func), args, fmt.id_style))
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             return text, [], None
@@ -657,6 +671,8 @@ FAMILIES: tuple[ToolCallFormat, ...] = (
       example="<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>",
       models="GLM-4.x, Ling, Laguna, Hy3"),
     F("minimax3", (_M3 + "<tool_call>",), parser=_minimax3, detect=((_M3,),),
+      forced=("xml", (_M3 + "<tool_call>\n" + _M3 + '<invoke name="', '">', _M3 + "<", ">", _M3 + "</{key}>",
+                      _M3 + "</invoke>\n" + _M3 + "</tool_call>")),
       example=_M3 + '<tool_call>' + _M3 + '<invoke name="NAME">' + _M3 + '<K>V' + _M3 + '</K>...', models="MiniMax M3"),
     F("invoke-xml", ("<minimax:tool_call>", "<｜DSML｜", "<function_calls>", "<invoke name="), parser=_invoke_xml,
       detect=(("invoke name=",),),
@@ -703,9 +719,10 @@ FAMILIES: tuple[ToolCallFormat, ...] = (
       example="<tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>",
       models="Qwen3-Coder, Qwen3.5, Functionary v3.1, Seed-OSS"),
     F("pythonic", ("<|tool_call_start|>",), parser=_pythonic, detect=(("<|tool_call_start|>",),),
-      specials=("<|tool_call_start|>", "<|tool_call_end|>"),
+      specials=("<|tool_call_start|>", "<|tool_call_end|>"), forced=("pythonic", ()),
       example="<|tool_call_start|>[NAME(key=value)]<|tool_call_end|>", models="LFM2 / LFM2.5"),
     F("firefunction", ("functools[",), open="functools", close="", parser=_json_calls, detect=(("functools[",),),
+      forced=("json", ("functools", "", "name", "arguments", True, False)),
       example='functools[{"name": NAME, "arguments": {...}}]', models="FireFunction v2"),
     F("hermes", ("<tool_call>",), parser=_hermes, detect=(("<tool_call>",),), specials=("<tool_call>", "</tool_call>"),
       forced=("json", ("<tool_call>\n", "\n</tool_call>", "name", "arguments", False, False)),
@@ -882,12 +899,33 @@ def call_grammar(fmt: ToolCallFormat, functions: Iterable[Mapping[str, Any]], *,
             for j, (key, sub) in enumerate((props or {}).items()):
                 rules.append(json_rules(sub if isinstance(sub, Mapping) else {}, f"fn{i}-p{j}",
                                         f"tools.{name}.parameters.properties.{key}", limits))
-                one = f"{_lit(k_head + key + k_after)} fn{i}-p{j} {_lit(k_tail)}"
+                one = f"{_lit(k_head + key + k_after)} fn{i}-p{j} {_lit(k_tail.replace('{key}', key))}"
                 parts.append(one if key in required else f"( {one} )?")
             if props is None and fmt.name == "qwen-xml":  # no properties: Functionary's JSON body
                 rules.append(json_rules(params, f"fn{i}-args", f"tools.{name}.parameters", limits))
                 parts.append(f"fn{i}-args")
             calls.append(_seq(_lit(head + name + after_name), *parts, _lit(tail)))
+            continue
+        if fmt.name == "pythonic":  # name(key=value, ...): the values JSON (true / false / null read as such)
+            props = params.get("properties") if isinstance(params, Mapping) else None
+            required = set(params.get("required") or []) if isinstance(params, Mapping) else set()
+            kv: dict[str, str] = {}
+            for j, (key, sub) in enumerate((props or {}).items()):
+                if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                    raise ConfigError(f"tools.{name}.parameters.properties: {key!r} is not a Python keyword argument "
+                                      "name, which this family's call syntax needs")
+                rules.append(json_rules(sub if isinstance(sub, Mapping) else {}, f"fn{i}-p{j}",
+                                        f"tools.{name}.parameters.properties.{key}", limits))
+                kv[key] = f"{_lit(key + '=')} fn{i}-p{j}"
+            req = [kv[k] for k in kv if k in required]
+            opt = [k for k in kv if k not in required]
+            body = ' ", " '.join(req)
+            for k in opt:
+                body += f' ( ", " {kv[k]} )?' if body else ""
+            if not req and opt:
+                body = "( " + " | ".join(kv[k] + "".join(f' ( ", " {kv[o]} )?' for o in opt[n + 1:])
+                                         for n, k in enumerate(opt)) + " )?"
+            calls.append(_seq(_lit("<|tool_call_start|>[" + name + "("), body, _lit(")]<|tool_call_end|>")))
             continue
         if fmt.name == "gemma4":
             calls.append(f"{_lit('<|tool_call>call:' + name)} {_gemma(params, gemma, f'fn{i}-args')} "

@@ -10,7 +10,7 @@ of prefilled (`graftmem.server.prefix`), after a restart too, and every response
 Per request, ``extra_body={"graftmem": {"cache": false}}`` serves cold (for comparisons and tests), and
 ``{"graftmem": {"allow_unverified": true}}`` consents to grafting blocks nothing here vouches for (without
 it they are passed over; every graft goes through `graftmem.memory.verbs.MemoryVerbs`). ``max_tokens`` is
-at most the engine's ``n_ctx``; a client that goes away cancels its request, streamed or not; a large
+at most the engine's ``n_ctx``; without it an answer may run to the end of the context (`DEFAULT_MAX_TOKENS`); a client that goes away cancels its request, streamed or not; a large
 body is parsed, rendered and tokenized off the event loop. With tenants (``serve --api-key-file``) the
 tenant of the request's key salts its prefix keys and owns what it learns (`graftmem.server.tenants`).
 Supported: ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop`` (up
@@ -74,7 +74,10 @@ log = logging.getLogger("graftmem")
 
 RECEIPT_HEADER = "X-Graftmem-Receipt"
 T = TypeVar("T")
-DEFAULT_MAX_TOKENS = 256
+#: Without ``max_tokens`` an answer may run to the end of the context, as llama-server's (``n_predict``
+#: -1): a fixed default of 256 cut a reasoning model's answer short, and the OpenAI Agents SDK, which
+#: sends no ``max_output_tokens``, raised on the ``incomplete`` answer. docs/api.md states it.
+DEFAULT_MAX_TOKENS = None
 
 
 def _num(body: dict[str, Any], name: str, default: Any, kind: type, lo: float, hi: float) -> Any:
@@ -185,6 +188,8 @@ class OpenAIRoutes:
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         max_tokens = _num({"max_tokens": max_tokens}, "max_tokens", DEFAULT_MAX_TOKENS, int, 1,
                           self.engine0.n_ctx)
+        if max_tokens is None:  # up to the context (DEFAULT_MAX_TOKENS)
+            max_tokens = max(1, self.engine0.n_ctx - sum(len(s) for s in segments))
         temperature = _num(body, "temperature", 1.0, float, 0.0, 2.0)
         top_p = _num(body, "top_p", 1.0, float, 0.0, 1.0)
         seed = _num(body, "seed", None, int, -(2 ** 63), 2 ** 64 - 1)
