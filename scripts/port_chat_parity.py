@@ -30,7 +30,7 @@ SRC = "vendor/llama.cpp/tests/test-chat.cpp"
 
 def _tiny():
     sys.path.insert(0, str(ROOT / "scripts"))
-    import tiny_models  # noqa: E402
+    import tiny_models
 
     return tiny_models
 

@@ -167,7 +167,8 @@ _HERMES_CLOSE = re.compile(r"\s*</tool_call>")
 def _hermes(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, None]:
     """``<tool_call>{json}</tool_call>`` spans; the JSON is read as JSON (a string argument may hold
     ``</tool_call>``), the closer may be missing at the end of the answer (an end-of-turn token ended it)."""
-    calls, spans = [], []
+    calls: list[dict[str, Any]] = []
+    spans: list[tuple[int, int]] = []
     for m in _HERMES_OPEN.finditer(text):
         if spans and m.start() < spans[-1][1]:
             continue  # inside the previous call's JSON
@@ -560,7 +561,7 @@ class _JsonNames:
         import ast
 
         class T(ast.NodeTransformer):
-            def visit_Name(self, n: ast.Name) -> Any:  # noqa: N802 - ast's visitor naming
+            def visit_Name(self, n: ast.Name) -> Any:
                 return ast.Constant(_JsonNames.VALUES[n.id]) if n.id in _JsonNames.VALUES else n
         return T().visit(node)
 

@@ -656,12 +656,13 @@ class OpenAIRoutes:
         finally:
             job.cancel.set()  # a client that went away stops the decode at the next token
 
-    def answer_spec(self, job: Job, tools: Optional[ToolSpec], reasoning: bool = True) -> AnswerSpec:
+    def answer_spec(self, job: Optional[Job], tools: Optional[ToolSpec], reasoning: bool = True) -> AnswerSpec:
         """How the answer to ``job`` splits (`graftmem.server.tools.answer_spec`): the same for every
         door, streamed or not."""
-        return answer_spec(self.template, tools, reasoning=reasoning, prompt_tail=job.texts[-1] if job.texts else "")
+        tail = job.texts[-1] if job is not None and job.texts else ""
+        return answer_spec(self.template, tools, reasoning=reasoning, prompt_tail=tail)
 
-    def split_answer(self, r: Result, job: Job, tools: Optional[ToolSpec], reasoning: bool = True) -> Answer:
+    def split_answer(self, r: Result, job: Optional[Job], tools: Optional[ToolSpec], reasoning: bool = True) -> Answer:
         """The whole answer split into content, reasoning and tool calls (OpenAI's ``tool_calls``
         entries): the stream's parser fed at once; what other protocols' doors turn into their blocks."""
         return split_answer(r.text, self.answer_spec(job, tools, reasoning))
@@ -681,7 +682,7 @@ class OpenAIRoutes:
         return {"prompt_tokens": r.prompt_tokens, "completion_tokens": n, "total_tokens": r.prompt_tokens + n,
                 "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
 
-    def _final(self, rid: str, created: int, r: Result, receipt: dict[str, Any], job: Job, *, chat: bool,
+    def _final(self, rid: str, created: int, r: Result, receipt: dict[str, Any], job: Optional[Job] = None, *, chat: bool,
                tools: Optional[ToolSpec] = None, reasoning: bool = True) -> dict[str, Any]:
         reason = "stop" if r.finish_reason in ("stop", "cancelled") else r.finish_reason
         if chat:
