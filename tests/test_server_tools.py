@@ -112,3 +112,17 @@ def test_tool_call_round_trip_streamed_and_not(tmp_path):
                     {"role": "user", "content": "x", "tool_calls": [call.model_dump()]}])
     finally:
         store.close()
+
+
+def test_answer_runs_to_the_context_without_max_tokens(tmp_path):
+    """No ``max_tokens``: the answer may run to the end of the context, as llama-server's (it was cut at
+    256 tokens, so a reasoning model's answer ended ``incomplete`` and the OpenAI Agents SDK raised)."""
+    store = Store(tmp_path / "home")
+    try:
+        with Engine(tiny_path("phi35"), {"n_threads": 1, "n_ctx": 512}) as eng, api_server(store, [eng]) as srv:
+            r = _client(srv).chat.completions.create(model="m", messages=ASK[:2], temperature=0)
+            used = r.usage.prompt_tokens + r.usage.completion_tokens
+            assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens > 256, r.usage
+            assert used <= 512, r.usage
+    finally:
+        store.close()
