@@ -81,11 +81,15 @@ def test_mistral_ids_are_nine_alphanumerics():
 
 
 def test_reasoning_is_split_off():
-    p = tc.parse("<think>sum the digits</think>\n\nIt is 4.", tc.FORMATS["hermes"])
+    from graftmem.core.answers import AnswerSpec, split_answer
+
+    think = ("<think>", "</think>")
+    p = split_answer("<think>sum the digits</think>\n\nIt is 4.", AnswerSpec(think=think))
     assert (p.reasoning, p.content) == ("sum the digits", "It is 4.")
     # the template opened the think block: the answer starts inside it
-    assert tc.parse("first 2, then 2\n</think>\nFour.", tc.FORMATS["hermes"]).reasoning == "first 2, then 2"
-    assert tc.parse("<think>x</think>y", tc.FORMATS["hermes"], reasoning=False).content == "<think>x</think>y"
+    assert split_answer("first 2, then 2\n</think>\nFour.", AnswerSpec(think=think, think_open=True)).reasoning == \
+        "first 2, then 2"
+    assert split_answer("<think>x</think>y", AnswerSpec(think=think, reasoning=False)).content == "<think>x</think>y"
     h = tc.parse("<|channel|>analysis<|message|>think hard<|end|><|start|>assistant<|channel|>final<|message|>Four.",
                  tc.FORMATS["harmony"])
     assert (h.reasoning, h.content, h.calls) == ("think hard", "Four.", [])

@@ -204,7 +204,7 @@ def _calls(rest: str, spec: AnswerSpec, final: bool) -> tuple[str, list[dict[str
     if i < 0:
         return rest, [], ""
     for fmt in spec.families:
-        parsed = toolcalls.parse(rest, fmt, spec.names, reasoning=False)
+        parsed = toolcalls.parse(rest, fmt, spec.names)
         if parsed.calls:
             return parsed.content or "", parsed.calls, parsed.reasoning or ""
     return rest, [], ""

@@ -1,29 +1,22 @@
-"""Tool calls and reasoning parsed out of a model's answer, per model family.
+"""Tool calls parsed out of a model's answer, per model family: one record per family.
 
 Why per family: every family was tuned to write its calls its own way, and its chat template renders
 earlier calls back in that same way; an answer is only understood with the family's grammar. The
 family is read from the template's source (the markers it writes), as llama.cpp's ``common/chat.cpp``
-does. Formats:
+does. Each family is ONE `ToolCallFormat` record in `FAMILIES` (in the order templates are matched):
+the markers that pick it (``detect``), where a call starts (``openers``: what a stream holds back),
+its markers that may be control tokens (``specials``: written out as text for the parser), wrappers
+that are not content (``strip``), its whole-text ``parser``, how a forced call is written (``forced``,
+`call_grammar`) and its docs/models.md row (``example``, ``models``; `families_table`). Adding a family
+is adding a record.
 
-========== ===================================================================================
-hermes     ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Hermes, Qwen 2.5 / 3, SmolLM3)
-qwen-xml   ``<tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>`` (Qwen3-Coder, 3.5)
-llama3     a bare JSON object ``{"name": ..., "parameters": {...}}`` (optionally after ``<|python_tag|>``)
-mistral    ``[TOOL_CALLS][{"name": ..., "arguments": {...}}]`` or ``[TOOL_CALLS]NAME[ARGS]{...}``;
-           ids of 9 letters and digits, which Mistral's templates demand
-harmony    GPT-OSS: ``to=functions.NAME<|channel|>commentary json<|message|>{...}<|call|>``; the
-           ``analysis`` channel is the reasoning, ``final`` the content
-deepseek   ``<｜tool▁call▁begin｜>[function<｜tool▁sep｜>]NAME[\\n```json\\n]{...}[```]<｜tool▁call▁end｜>``
-gemma4     ``<|tool_call>call:NAME{key:<|"|>text<|"|>,n:1}<tool_call|>``
-========== ===================================================================================
-
-Reasoning (``<think>...</think>``, DeepSeek R1 / Qwen3 / GLM, and harmony's analysis channel) becomes
-``reasoning_content``. Only calls naming a tool of the request are kept; a span that does not parse
-stays text, so a model's malformed call is shown, never dropped. Every parser reads JSON through
-`_loads` / `_json_prefix` (`graftmem.core.jsontext`: nested deeper than 64 levels is not JSON), so an
-answer of 100,000 nested brackets is text, never a ``RecursionError``, and a call's arguments can always
-be encoded again; a family whose argument values fall back to text (the XML ones) keeps such a value as
-its text.
+How an answer is split into reasoning, content and calls, streamed or not, is
+`graftmem.core.answers` (one state machine); `parse` here reads the calls of a whole text. Only calls
+naming a tool of the request are kept; a span that does not parse stays text, so a model's malformed
+call is shown, never dropped. Every parser reads JSON through `_loads` / `_json_prefix`
+(`graftmem.core.jsontext`: nested deeper than 64 levels is not JSON), so an answer of 100,000 nested
+brackets is text, never a ``RecursionError``, and a call's arguments can always be encoded again; a
+family whose argument values fall back to text (the XML ones) keeps such a value as its text.
 """
 
 from __future__ import annotations
@@ -41,7 +34,7 @@ if TYPE_CHECKING:
 from . import jsontext
 
 __all__ = ["ToolCallFormat", "Parsed", "FAMILIES", "FORMATS", "FORCEABLE", "tool_format", "parse", "call_id",
-           "split_reasoning", "call_grammar", "harmony_split", "held_suffix", "families_table"]
+           "call_grammar", "harmony_split", "held_suffix", "families_table"]
 
 
 @dataclass(frozen=True)
@@ -122,33 +115,11 @@ def _loads(text: str) -> Any:
     return jsontext.loads(text)
 
 
-_THINK = re.compile(r"^\s*(?:<think>)?(.*?)</think>\s*", re.S)
-
-
-def _split_think(text: str) -> tuple[Optional[str], str]:
-    # reasoning models may start inside the think block (the template opened it): "... </think> answer"
-    m = _THINK.match(text)
-    if m and ("<think>" in text[:m.end()] or "</think>" in text):
-        return m.group(1).strip() or None, text[m.end():]
-    return None, text
-
-
-def split_reasoning(text: str) -> tuple[Optional[str], str]:
-    """``(reasoning, rest)`` of an answer that thinks first (``<think>...</think>``, or an answer that
-    starts inside a think block its template opened); ``(None, text)`` when it does not."""
-    if "</think>" not in text:
-        return None, text
-    return _split_think(text)
-
-
-def parse(text: str, fmt: ToolCallFormat, names: Optional[Iterable[str]] = None, *,
-          reasoning: bool = True) -> Parsed:
-    """Content, calls and reasoning of ``text`` in ``fmt``; ``names`` keeps only calls of those tools
-    (None: any name). ``reasoning=False`` leaves think blocks in the content (``--reasoning-format none``)."""
+def parse(text: str, fmt: ToolCallFormat, names: Optional[Iterable[str]] = None) -> Parsed:
+    """Content and calls of a whole ``text`` in ``fmt`` (and harmony's analysis channel as reasoning);
+    ``names`` keeps only calls of those tools (None: any name). Think blocks are not split here: an
+    answer is split by `graftmem.core.answers`, the one parser of the stream and the whole answer."""
     allowed = set(names) if names is not None else None
-    think = None
-    if reasoning and fmt is not HARMONY and "</think>" in text:
-        think, text = _split_think(text)
     assert fmt.parser is not None
     content, calls, extra_think = fmt.parser(text, fmt)
     kept = [c for c in calls if allowed is None or c["function"]["name"] in allowed]
@@ -156,7 +127,7 @@ def parse(text: str, fmt: ToolCallFormat, names: Optional[Iterable[str]] = None,
         content, kept = text, []  # a call of a tool not offered is text, as the model wrote it
     if content is not None:
         content = content.strip() or None
-    return Parsed(content=content, calls=kept, reasoning=extra_think or think)
+    return Parsed(content=content, calls=kept, reasoning=extra_think)
 
 
 # ------------------------------------------------------------------------------------ families
