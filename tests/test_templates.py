@@ -433,3 +433,27 @@ def test_the_header_joins_the_last_turn_only_where_a_past_turn_starts_with_it(ti
     assert (joined[0], len(texts)) == want, texts
     if tiny.family == "llama31":
         assert texts[-2].endswith("two?<|eot_id|><|start_header_id|>assistant<|end_header_id|>") and texts[-1] == "\n\n"
+
+
+def test_r1_distill_gets_its_own_template(tmp_path):
+    """DeepSeek R1-Distill-Qwen (Qwen's vocabulary, which has ChatML's markers; a template without the
+    word "tools") was served in graftmem's ChatML by a heuristic (LEGACY_RULE): the prompt differed from
+    token 0. The hand-written format stands in only where it renders what the template renders
+    (`renders_as_template`); here it does not, so requests and chat blocks use the model's template."""
+    from graftmem.core.prompt import renders_as_template, request_template
+
+    from .tiny import tiny_models
+
+    tm = tiny_models()
+    fam = tm.Family("r1-distill-qwen", "qwen2", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B")
+    with Engine(tm.build(fam), {"n_threads": 1}) as e:
+        tpl = request_template(e)
+        assert tpl is not None and tpl.source == e.chat_template()
+        assert not tpl.uses_tools and not renders_as_template(CHATML, tpl)
+        texts, _, _ = template_segments(e, tpl, CONVO)
+        assert [t for s in tokenize_segments(e, texts) for t in s] == e.tokenize(tpl.render(CONVO, add_generation_prompt=True))
+        # its chat blocks: the template cannot hold a manual as a turn of its own (R1 writes the system
+        # text before the first <｜User｜> with no marker of its own), so blocks use the ChatML cut, logged
+        with pytest.raises(TemplateError):
+            template_format(e, tpl)
+        assert detect_format(e) is CHATML
