@@ -457,3 +457,21 @@ def test_r1_distill_gets_its_own_template(tmp_path):
         with pytest.raises(TemplateError):
             template_format(e, tpl)
         assert detect_format(e) is CHATML
+
+
+def test_chat_learn_refusal_states_its_real_reason():
+    """A GGUF whose template cannot hold a manual as a turn of its own, on a vocabulary no hand-written
+    format fits (R1-Distill-Llama): a chat learn is refused with that reason, not "no chat template"
+    (the GGUF has one)."""
+    from graftmem import ConfigError
+    from graftmem.memory.learn import prepare_labels
+
+    from .tiny import tiny_models
+
+    tm = tiny_models()
+    fam = tm.Family("r1-distill-llama", "llama-bpe", "deepseek-ai-DeepSeek-R1-Distill-Llama-8B")
+    with Engine(tm.build(fam), {"n_threads": 1}) as e:
+        assert e.chat_template()
+        with pytest.raises(ConfigError, match="cannot hold a manual as a turn of its own") as err:
+            prepare_labels(e, "A manual.", None, None, None, chat=True)
+        assert "no chat template" not in str(err.value)
