@@ -12,7 +12,6 @@ by graftmem's template layer when the cases are ported, to read where the prompt
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import random
@@ -49,8 +48,6 @@ def _spec_of(template: str, names: tuple[str, ...], reasoning: bool, tail: str):
     src = template_path(template).read_text()
     tpl = ChatTemplate(src, name=template, bos_token="<s>", eos_token="</s>")
     tools = parse_tools({"tools": [_tool(n) for n in names]} if names else {})
-    if tools is not None and tpl.uses_tools:  # what OpenAIRoutes.tool_spec does
-        tools = dataclasses.replace(tools, fmt=toolcalls.tool_format(src))
     return answer_spec(tpl, tools, reasoning=reasoning, prompt_tail=tail)
 
 

@@ -174,9 +174,9 @@ def answer_spec(template: Optional["ChatTemplate"], tools: Optional[ToolSpec], *
     last text) opened the think block. The one rule every door uses, streamed or not."""
     names = tools.names if tools is not None and tools.parse else None
     src = template.source if template is not None else None
-    fmt = tools.fmt if tools is not None else None
-    if template is not None and tools is not None and not template.uses_tools:
-        fmt = toolcalls.HERMES
+    fmt = None  # no tools: the template's own family (its channels, for harmony)
+    if tools is not None:  # the family the tools are written in: the template's, or graftmem's Hermes prompt
+        fmt = toolcalls.tool_format(src) if template is not None and template.uses_tools else toolcalls.HERMES
     return answers.answer_spec(src, fmt=fmt, names=names, reasoning=reasoning and template is not None,
                                prompt_tail=prompt_tail)
 
