@@ -5,7 +5,7 @@ not the model's judgement: the round trip runs on the tiny random-weight Phi-3.5
 tokenizer and template, which renders no tools: graftmem's Hermes tool prompt, as on SmolLM2), ~1/100th of
 SmolLM2's prefill and a 32k vocabulary (cheap grammar-masked steps). Random weights choose no call by
 themselves, so the call is forced with ``tool_choice: "required"``: a grammar makes the answer a Hermes
-``<tool_call>``, which goes through the same parsing and streaming (`ToolStream`) as a call the model chose. Two examples in
+``<tool_call>``, which goes through the same parsing and streaming (`AnswerParser`) as a call the model chose. Two examples in
 the conversation exercise rendering assistant ``tool_calls`` and ``role: "tool"`` messages."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 
 from graftmem.server import api_server
 from graftmem.server.chat import render_segments
-from graftmem.server.tools import ToolStream, parse_calls, parse_tools
+from graftmem.server.tools import AnswerParser, answer_spec, parse_tools, split_answer
 from graftmem.core.prompt import detect_format
 from graftmem.core import Engine
 from graftmem.store.local import Store
@@ -58,13 +58,14 @@ def test_tool_rendering_is_deterministic_and_parsing_is_strict(smol):
     assert render_segments(fmt, ASK, parse_tools({"tools": shuffled})) == a  # key order does not matter
     assert "<tools>" in a[0] and '"name": "lookup"' in a[0] and "<tool_call>" in a[2] and "<tool_response>" in a[2]  # one turn
     text = 'ok <tool_call>\n{"name": "lookup", "arguments": {"topic": "x"}}\n</tool_call>'
-    content, calls = parse_calls(text, spec)
-    assert content == "ok" and calls[0]["function"] == {"name": "lookup", "arguments": '{"topic": "x"}'}
-    assert parse_calls(text.replace("lookup", "unknown"), spec)[1] == []  # only declared tools
-    assert parse_calls(text[:-3], spec) == (text[:-3], [])  # unterminated: plain text
-    assert parse_calls(text, parse_tools({"tools": TOOLS, "tool_choice": "none"}))[1] == []
-    s = ToolStream()
-    assert s.feed("ok <tool") == "ok " and s.feed("_call>{") == "" and s.feed("x") == ""
+    a = split_answer(text, answer_spec(None, spec))
+    assert a.content == "ok" and a.calls[0]["function"] == {"name": "lookup", "arguments": '{"topic": "x"}'}
+    assert split_answer(text.replace("lookup", "unknown"), answer_spec(None, spec)).calls == []  # only declared tools
+    cut = split_answer(text[:-3], answer_spec(None, spec))
+    assert (cut.content, cut.calls) == (text[:-3], [])  # a call cut inside its closer: plain text
+    assert split_answer(text, answer_spec(None, parse_tools({"tools": TOOLS, "tool_choice": "none"}))).calls == []
+    s = AnswerParser(answer_spec(None, spec))
+    assert [e.text for e in s.feed("ok <tool")] == ["ok"] and s.feed("_call>{") == [] and s.feed("x") == []
 
 
 def test_tool_call_round_trip_streamed_and_not(tmp_path):
@@ -109,5 +110,19 @@ def test_tool_call_round_trip_streamed_and_not(tmp_path):
             with pytest.raises(openai.BadRequestError, match="tool_calls"):
                 c.chat.completions.create(model="smollm2", max_tokens=4, messages=[
                     {"role": "user", "content": "x", "tool_calls": [call.model_dump()]}])
+    finally:
+        store.close()
+
+
+def test_answer_runs_to_the_context_without_max_tokens(tmp_path):
+    """No ``max_tokens``: the answer may run to the end of the context, as llama-server's (it was cut at
+    256 tokens, so a reasoning model's answer ended ``incomplete`` and the OpenAI Agents SDK raised)."""
+    store = Store(tmp_path / "home")
+    try:
+        with Engine(tiny_path("phi35"), {"n_threads": 1, "n_ctx": 512}) as eng, api_server(store, [eng]) as srv:
+            r = _client(srv).chat.completions.create(model="m", messages=ASK[:2], temperature=0)
+            used = r.usage.prompt_tokens + r.usage.completion_tokens
+            assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens > 256, r.usage
+            assert used <= 512, r.usage
     finally:
         store.close()

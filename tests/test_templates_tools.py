@@ -81,11 +81,15 @@ def test_mistral_ids_are_nine_alphanumerics():
 
 
 def test_reasoning_is_split_off():
-    p = tc.parse("<think>sum the digits</think>\n\nIt is 4.", tc.FORMATS["hermes"])
+    from graftmem.core.answers import AnswerSpec, split_answer
+
+    think = ("<think>", "</think>")
+    p = split_answer("<think>sum the digits</think>\n\nIt is 4.", AnswerSpec(think=think))
     assert (p.reasoning, p.content) == ("sum the digits", "It is 4.")
     # the template opened the think block: the answer starts inside it
-    assert tc.parse("first 2, then 2\n</think>\nFour.", tc.FORMATS["hermes"]).reasoning == "first 2, then 2"
-    assert tc.parse("<think>x</think>y", tc.FORMATS["hermes"], reasoning=False).content == "<think>x</think>y"
+    assert split_answer("first 2, then 2\n</think>\nFour.", AnswerSpec(think=think, think_open=True)).reasoning == \
+        "first 2, then 2"
+    assert split_answer("<think>x</think>y", AnswerSpec(think=think, reasoning=False)).content == "<think>x</think>y"
     h = tc.parse("<|channel|>analysis<|message|>think hard<|end|><|start|>assistant<|channel|>final<|message|>Four.",
                  tc.FORMATS["harmony"])
     assert (h.reasoning, h.content, h.calls) == ("think hard", "Four.", [])
@@ -100,19 +104,31 @@ def test_malformed_calls_stay_text():
     assert tc.parse('{"a": 1} is JSON', tc.FORMATS["llama3"]).calls == []
 
 
+def _streamed(spec, pieces) -> tuple[str, str, list]:
+    from graftmem.core.answers import AnswerParser
+
+    p = AnswerParser(spec)
+    events = [e for piece in pieces for e in p.feed(piece)] + p.finish()
+    return ("".join(e.text for e in events if e.kind == "reasoning"), "".join(e.text for e in events if e.kind == "content"),
+            [e.call for e in events if e.kind == "call"])
+
+
 def test_stream_holds_back_by_family():
     """Hermes streams prose and holds from <tool_call>; Llama 3 holds an answer that opens with a brace
-    and streams one that does not; control-token families are held whole."""
-    from graftmem.server.tools import ToolStream
+    and streams one that does not; Mistral streams the text before its [TOOL_CALLS] (Devstral's text
+    before a call was lost from the stream)."""
+    from graftmem.core.answers import AnswerParser, AnswerSpec
 
-    s = ToolStream(tc.FORMATS["hermes"])
-    assert s.feed("Sure. ") + s.feed("<tool") + s.feed("_call>{") == "Sure. "
-    s = ToolStream(tc.FORMATS["llama3"])
-    assert s.feed(" ") + s.feed('{"name"') == "" and s.held
-    s = ToolStream(tc.FORMATS["llama3"])
-    assert s.feed("") + s.feed("It is") + s.feed(" 4.") == "It is 4."
-    s = ToolStream(tc.FORMATS["mistral"])
-    assert s.feed("It is 4.") == "" and s.rest("It is 4.", []) == "It is 4."
+    s = AnswerParser(AnswerSpec(tc.FORMATS["hermes"], frozenset({"f"})))
+    assert [e.text for p in ("Sure. ", "<tool", "_call>{") for e in s.feed(p)] == ["Sure."]
+    s = AnswerParser(AnswerSpec(tc.FORMATS["llama3"], frozenset({"f"})))
+    assert s.feed(" ") + s.feed('{"name"') == []
+    assert _streamed(AnswerSpec(tc.FORMATS["llama3"], frozenset({"f"})), ["", "It is", " 4."])[1] == "It is 4."
+    spec = AnswerSpec(tc.FORMATS["mistral"], frozenset({"f"}))
+    s = AnswerParser(spec)
+    assert [e.text for e in s.feed("It is 4.[TOOL_")] == ["It is 4."]
+    _, content, calls = _streamed(spec, ["Let me look.", "[TOOL_CALLS]f[ARGS]", '{"a": 1}'])
+    assert content == "Let me look." and calls[0]["function"]["name"] == "f"
 
 
 @pytest.mark.parametrize("pieces", [["<think>add", " 2 and 2</think>", "\n\nFour."],
@@ -120,17 +136,69 @@ def test_stream_holds_back_by_family():
                                     ["<think>add 2 and 2</think>\n\nFour."]])
 def test_think_stream_matches_the_whole_split(pieces):
     """Reasoning streamed piece by piece equals the whole-answer split, wherever the tags are cut."""
-    from graftmem.server.tools import ThinkStream
+    from graftmem.core.answers import AnswerSpec, split_answer
 
-    s = ThinkStream()
-    got = [s.feed(p) for p in pieces] + [s.flush()]
-    assert "".join(t for t, _ in got) == "add 2 and 2" and "".join(c for _, c in got) == "Four."
-    assert tc.split_reasoning("".join(pieces)) == ("add 2 and 2", "Four.")
-    inside = ThinkStream(inside=True)
-    got = [inside.feed("first 2"), inside.feed("</think>"), inside.feed("Four."), inside.flush()]
-    assert ("".join(t for t, _ in got), "".join(c for _, c in got)) == ("first 2", "Four.")
-    plain = ThinkStream()
-    assert [plain.feed("It is"), plain.feed(" 4.")] == [("", "It is"), ("", " 4.")]
+    spec = AnswerSpec(think=("<think>", "</think>"))
+    assert _streamed(spec, pieces)[:2] == ("add 2 and 2", "Four.")
+    whole = split_answer("".join(pieces), spec)
+    assert (whole.reasoning, whole.content) == ("add 2 and 2", "Four.")
+    inside = AnswerSpec(think=("<think>", "</think>"), think_open=True)
+    assert _streamed(inside, ["first 2", "</think>", "Four."])[:2] == ("first 2", "Four.")
+    assert _streamed(AnswerSpec(think=("<think>", "</think>")), ["It is", " 4."])[:2] == ("", "It is 4.")
+
+
+@pytest.mark.parametrize("text,spec_kw,expect", [
+    # an unclosed think block is reasoning in both modes (it was content when sent whole)
+    ("still thinking", {"think_open": True}, ("still thinking", None)),
+    ("<think>still thinking", {}, ("still thinking", None)),
+    # an empty thought leaves no </think> behind
+    ("<think></think>Four.", {}, (None, "Four.")),
+    ("</think>Four.", {"think_open": True}, (None, "Four.")),
+])
+def test_reasoning_edges_agree_streamed_and_whole(text, spec_kw, expect):
+    from graftmem.core.answers import AnswerSpec, split_answer
+
+    spec = AnswerSpec(think=("<think>", "</think>"), **spec_kw)
+    whole = split_answer(text, spec)
+    assert (whole.reasoning, whole.content) == expect
+    for n in (1, 2, 3):
+        r, c, _ = _streamed(spec, [text[i:i + n] for i in range(0, len(text), n)])
+        assert (r or None, c or None) == expect
+
+
+def test_issue_40_families():
+    """The cases issue #40 found wrong: Mistral [THINK], Command R7B's thinking, DeepSeek V3.1 / R1 calls in
+    their own syntax, a DeepSeek JSON block without a newline before its fence, a Hermes string argument
+    holding </tool_call>, a Qwen3-Coder call without its opening tag, GPT-OSS without tools."""
+    from graftmem.core.answers import answer_spec, split_answer
+
+    def src(name: str) -> str:
+        return template_path(name).read_text()
+
+    a = split_answer("[THINK]hmm[/THINK]Yes.", answer_spec(src("mistralai-Ministral-3-14B-Reasoning-2512")))
+    assert (a.reasoning, a.content) == ("hmm", "Yes.")
+    a = split_answer("<|START_THINKING|>hmm<|END_THINKING|><|START_RESPONSE|>Yes.<|END_RESPONSE|>",
+                     answer_spec(src("CohereForAI-c4ai-command-r7b-12-2024-tool_use")))
+    assert (a.reasoning, a.content) == ("hmm", "Yes.")
+    v31 = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\": 1}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    assert split_answer(v31, answer_spec(src("deepseek-ai-DeepSeek-V3.1"), names=["f"])).calls[0]["function"] == \
+        {"name": "f", "arguments": '{"a": 1}'}
+    r1 = ("</think><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\": 1}```"
+          "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+    a = split_answer(r1, answer_spec(src("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B"), names=["f"],
+                                     prompt_tail="<｜Assistant｜><think>\n"))
+    assert [c["function"]["name"] for c in a.calls] == ["f"] and a.content is None and a.reasoning is None
+    h = '<tool_call>{"name": "f", "arguments": {"s": "a </tool_call> b"}}</tool_call>'
+    assert json.loads(split_answer(h, answer_spec(None, names=["f"])).calls[0]["function"]["arguments"]) == \
+        {"s": "a </tool_call> b"}
+    q = "I'll look.\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>"
+    spec = answer_spec(src("Qwen3-Coder"), names=["f"])
+    for pieces in ([q], [q[i:i + 2] for i in range(0, len(q), 2)]):
+        r, c, calls = _streamed(spec, pieces)
+        assert c == "I'll look." and [x["function"]["name"] for x in calls] == ["f"]
+    g = "<|channel|>analysis<|message|>think hard<|end|><|start|>assistant<|channel|>final<|message|>Four."
+    a = split_answer(g, answer_spec(src("openai-gpt-oss-120b")))
+    assert (a.reasoning, a.content, a.calls) == ("think hard", "Four.", [])
 
 
 def test_tiny_builder_reads_a_vocab_as_gguf_reader_does():
@@ -165,6 +233,13 @@ def _call_text(fmt: tc.ToolCallFormat, value: str, name: str = "f") -> str:
     if fmt.name in tc._XML_CALLS:
         head, after_name, k_head, k_after, k_tail, tail = tc._XML_CALLS[fmt.name]
         return head + name + after_name + k_head + "x" + k_after + value + k_tail + tail
+    if fmt.name == "firefunction":
+        return f'functools[{{"name": "{name}", "arguments": {{"x": {value}}}}}]'
+    if fmt.name == "minimax3":
+        m = tc._M3
+        return f'{m}<tool_call>\n{m}<invoke name="{name}">{m}<x>{value}{m}</x>{m}</invoke>\n{m}</tool_call>'
+    if fmt.name == "pythonic":
+        return f"<|tool_call_start|>[{name}(x={value})]<|tool_call_end|>"
     assert fmt.name == "gemma4", f"no call syntax known for {fmt.name}: add it here"
     return f"<|tool_call>call:{name}{{x:{value}}}<tool_call|>"
 
@@ -179,25 +254,31 @@ def test_deeply_nested_json_in_a_call_never_raises(family):
     call; in the XML families, whose values fall back to text, the value is that text), through the
     whole-answer parser, the server's `parse_calls` and the stream's hold-back, and what comes out encodes."""
     from graftmem.core import jsontext
-    from graftmem.server.tools import ToolSpec, ToolStream, parse_calls
+    from graftmem.core.answers import AnswerParser, AnswerSpec, split_answer
 
     fmt = tc.FORMATS[family]
     shallow = tc.parse(_call_text(fmt, "[[1]]"), fmt, ["f"])
     assert len(shallow.calls) == 1, (family, shallow)  # the text is a call in this family's syntax
-    spec = ToolSpec(({"name": "f"},), parse=True, fmt=fmt)
+    spec = AnswerSpec(fmt, frozenset({"f"}))
     deep = _call_text(fmt, "[" * DEEP + "]" * DEEP)
     for text in (deep, deep[:len(deep) // 2], "Sure.\n" + deep):  # whole, cut off mid-answer, after prose
         parsed = tc.parse(text, fmt, ["f"])
-        content, calls = parse_calls(text, spec)
-        stream = ToolStream(fmt)
-        streamed = "".join(stream.feed(text[i:i + 4096]) for i in range(0, len(text), 4096))
-        streamed += stream.rest(text, calls)
-        assert streamed in ("", text) or text.startswith(streamed)
+        whole = split_answer(text, spec)
+        content, calls = whole.content, whole.calls
+        stream = AnswerParser(spec)
+        for i in range(0, len(text), 4096):
+            stream.feed(text[i:i + 4096])
+        stream.finish()
+        ids = lambda a: (a.content, a.reasoning, [c["function"] for c in a.calls])  # noqa: E731
+        assert ids(stream.answer) == ids(whole)  # streamed or not, the same answer
         for call in parsed.calls + calls:  # arguments decoded no deeper than the bound, so they encode again
             assert jsontext.json_depth(call["function"]["arguments"]) <= jsontext.MAX_DEPTH
             json.dumps(jsontext.loads(call["function"]["arguments"]))
-        if family not in tc._XML_CALLS:
-            assert parsed.calls == [] and calls == [] and content == text, family
+        if family not in tc._XML_CALLS and family not in ("minimax3", "pythonic"):  # values that fall back to text
+            shown = text
+            for m in sorted(fmt.strip, key=len, reverse=True):
+                shown = shown.replace(m, "")
+            assert parsed.calls == [] and calls == [] and content == shown.strip(), family
 
 
 def test_deeply_nested_call_arguments_read_back_as_an_empty_input():

@@ -22,7 +22,7 @@ from ..core.decoding import Sampling
 from ..core.engine import Engine
 from ..core.blocks import PROVENANCE_REDERIVED, PROVENANCE_UNVERIFIED
 from ..core.errors import BlockNotFound, ClosedError, ConfigError, GraftmemError
-from ..core.prompt import detect_format
+from ..core.prompt import detect_format, no_format_reason
 from ..memory import validate as check
 from ..memory.access import Access
 from ..memory.answer import OnText
@@ -347,8 +347,8 @@ class Memory:
             raise ConfigError("chat=True wraps a text in a chat turn; messages are chat turns already")
         fmt = detect_format(self._engine)
         if fmt is None:
-            raise ConfigError(f"model {self.fingerprint.model_name!r} has no chat template graftmem knows; "
-                              "learn the conversation as a text")
+            raise ConfigError(f"model {self.fingerprint.model_name!r} cannot learn chat messages: "
+                              f"{no_format_reason(self._engine)}; learn the conversation as a text")
         text = fmt.render(messages)
         last_user = next((m["content"] for m in reversed(messages) if m.get("role") == "user"), text)
         meta = {**dict(metadata or {}), "chat_format": fmt.name}

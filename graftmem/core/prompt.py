@@ -22,9 +22,10 @@ loop treats it. Escape such text before recall if your tasks come from untrusted
 checked too; a recall whose seam does merge is reported with ``receipt.exact = False``.
 
 Which format: the model's own chat template (`graftmem.core.template`), cut into the same four parts
-by `template_format()` at a special-token seam; the two hand-written formats below stay for SmolLM2
-and Gemma 3 (`LEGACY_RULE`) and for GGUFs without a template. docs/models.md has the reasons and the
-differences.
+by `template_format()` at a special-token seam; the two hand-written formats below stand in for a
+template only where they render exactly what it renders (`renders_as_template`: SmolLM2) and serve
+GGUFs without a template (Gemma 3 270M). docs/models.md lists every case where graftmem substitutes
+anything, and why.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 __all__ = ["ChatFormat", "CHATML", "GEMMA", "FORMATS", "detect_format", "format_of", "request_template",
-           "split_ids", "template_format", "clean_seam", "seam_before", "starts_special", "LEGACY_RULE",
+           "split_ids", "template_format", "clean_seam", "seam_before", "starts_special", "renders_as_template",
+           "no_format_reason",
            "has_special_text", "tokenize_literal"]
 
 log = logging.getLogger("graftmem")
@@ -137,13 +139,33 @@ GEMMA = ChatFormat(
 FORMATS: dict[str, ChatFormat] = {f.name: f for f in (CHATML, GEMMA)}
 
 
-#: Why SmolLM2 and Gemma 3 keep the hand-written formats (a deliberate choice, docs/models.md): their
-#: own templates render no tools (graftmem's Hermes tool text would be dropped), SmolLM2's adds a default
-#: system turn when a conversation has none and Gemma 3's folds the system text into the first user
-#: turn (so a manual alone renders as nothing but BOS): a block must hold the manual as a turn of its
-#: own. Keeping them keeps every prompt and every block learned before byte-identical.
-LEGACY_RULE = ("the GGUF's template renders no tools and the vocabulary has the hand-written format's "
-               "markers: the hand-written format is kept (blocks learned before keep grafting)")
+#: The conversation a hand-written format must render exactly as the model's template does to stand in
+#: for it (`renders_as_template`): a system turn (a chat block's manual), a user turn, an answer, a user turn.
+_PROBE = ({"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Hi"},
+          {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"})
+
+
+def renders_as_template(fmt: ChatFormat, tpl: ChatTemplate) -> bool:
+    """Whether the hand-written ``fmt`` renders byte for byte what the model's template ``tpl`` renders
+    (a conversation with a system turn, each prefix of it, with the generation prompt) and ``tpl``
+    renders no tools: then ``fmt`` stands in for it (SmolLM2: every block and prompt learned before
+    stays byte-identical). A check, not a guess from the vocabulary: a template that renders anything
+    else (DeepSeek R1-Distill-Qwen's, on a vocabulary that has ChatML's markers) is used as it is."""
+    if tpl.uses_tools:
+        return False
+    try:
+        return all(tpl.render(list(_PROBE[:k]), add_generation_prompt=True) ==
+                   fmt.render(list(_PROBE[:k]), generation_prompt=True) for k in (2, 4))
+    except (TemplateError, ConfigError):
+        return False
+
+
+def _hand_written(engine: "Engine") -> Optional[ChatFormat]:
+    """The hand-written format whose marker is one special token of this vocabulary (None: neither)."""
+    for fmt in FORMATS.values():
+        if len(engine.tokenize(fmt.probe, add_special=False)) == 1:
+            return fmt
+    return None
 
 
 def detect_format(engine: "Engine", template: "ChatTemplate | str | None" = None) -> Optional[ChatFormat]:
@@ -151,9 +173,10 @@ def detect_format(engine: "Engine", template: "ChatTemplate | str | None" = None
 
     ``template`` (a `ChatTemplate` or a file path, as llama-server's ``--chat-template-file``) wins.
     Otherwise the GGUF's own ``tokenizer.chat_template``, cut into a block part and a task part by
-    `template_format`; except where `LEGACY_RULE` keeps a hand-written format (SmolLM2, Gemma 3).
-    A GGUF without a template falls back to the hand-written format whose marker is a single special
-    token in the vocabulary; None when nothing fits.
+    `template_format`, unless a hand-written format renders exactly what it renders
+    (`renders_as_template`: SmolLM2) or it cannot hold a manual as a turn of its own (then the
+    hand-written format, logged). A GGUF without a template falls back to the hand-written format whose
+    marker is a single special token in the vocabulary (Gemma 3 270M); None when nothing fits.
     """
     if template is not None:
         given = template if isinstance(template, ChatTemplate) else load_template(template, engine)
@@ -167,15 +190,10 @@ def detect_format(engine: "Engine", template: "ChatTemplate | str | None" = None
             pass
     if "auto" in cache:
         return cache["auto"]
-    legacy = None
-    for fmt in FORMATS.values():
-        ids = engine.tokenize(fmt.probe, add_special=False)
-        if len(ids) == 1:
-            legacy = fmt
-            break
+    legacy = _hand_written(engine)
     tpl = model_template(engine)
     chosen: Optional[ChatFormat] = legacy
-    if tpl is not None and not (legacy is not None and not tpl.uses_tools):
+    if tpl is not None and not (legacy is not None and renders_as_template(legacy, tpl)):
         try:
             chosen = template_format(engine, tpl)
         except TemplateError as exc:
@@ -183,14 +201,26 @@ def detect_format(engine: "Engine", template: "ChatTemplate | str | None" = None
                         engine.fingerprint.model_name, exc,
                         f"using the hand-written {legacy.name!r} format" if legacy else "chat is unavailable")
             chosen = legacy
+            cache["why"] = f"its chat template cannot hold a manual as a turn of its own ({exc})"
+    if tpl is None and legacy is None:
+        cache["why"] = (f"the GGUF has no chat template and none of the hand-written formats "
+                        f"({', '.join(sorted(FORMATS))}) fits its vocabulary")
     cache["auto"] = chosen
     return chosen
 
 
+def no_format_reason(engine: "Engine") -> str:
+    """Why `detect_format` found no chat format for ``engine`` (what a refusal says: the real reason,
+    not a guess)."""
+    detect_format(engine)
+    cache = getattr(engine, "_graftmem_formats", None) or {}
+    return str(cache.get("why", "no chat format fits this model"))
+
+
 def request_template(engine: "Engine", template: "ChatTemplate | str | None" = None) -> Optional[ChatTemplate]:
     """The template a chat *request* is rendered with: ``template`` (an object or a file) if given,
-    else the GGUF's own, except where `LEGACY_RULE` keeps the hand-written format (None: render with
-    `detect_format`'s format). Unlike a chat block's format, a request needs no block/task cut, so a
+    else the GGUF's own, except where a hand-written format renders exactly what it renders
+    (`renders_as_template`; None: render with `detect_format`'s format; what still differs is logged). Unlike a chat block's format, a request needs no block/task cut, so a
     template that cannot render a system turn alone (Qwen3.5 raises "No user query found") still
     renders every request."""
     if template is not None:
@@ -198,7 +228,13 @@ def request_template(engine: "Engine", template: "ChatTemplate | str | None" = N
     tpl = model_template(engine)
     if tpl is None:
         return None
-    if not tpl.uses_tools and any(len(engine.tokenize(f.probe, add_special=False)) == 1 for f in FORMATS.values()):
+    legacy = _hand_written(engine)
+    if legacy is not None and renders_as_template(legacy, tpl):
+        log.info("model %s: graftmem's hand-written %r format renders what its chat template renders for a "
+                 "conversation with a system turn; requests use it (what differs: a request without a system "
+                 "message gets no default system turn the template may add, and tools are graftmem's Hermes "
+                 "text in the system message, which the template does not render)",
+                 engine.fingerprint.model_name, legacy.name)
         return None
     return tpl
 

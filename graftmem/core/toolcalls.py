@@ -1,29 +1,22 @@
-"""Tool calls and reasoning parsed out of a model's answer, per model family.
+"""Tool calls parsed out of a model's answer, per model family: one record per family.
 
 Why per family: every family was tuned to write its calls its own way, and its chat template renders
 earlier calls back in that same way; an answer is only understood with the family's grammar. The
 family is read from the template's source (the markers it writes), as llama.cpp's ``common/chat.cpp``
-does. Formats:
+does. Each family is ONE `ToolCallFormat` record in `FAMILIES` (in the order templates are matched):
+the markers that pick it (``detect``), where a call starts (``openers``: what a stream holds back),
+its markers that may be control tokens (``specials``: written out as text for the parser), wrappers
+that are not content (``strip``), its whole-text ``parser``, how a forced call is written (``forced``,
+`call_grammar`) and its docs/models.md row (``example``, ``models``; `families_table`). Adding a family
+is adding a record.
 
-========== ===================================================================================
-hermes     ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Hermes, Qwen 2.5 / 3, SmolLM3)
-qwen-xml   ``<tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>`` (Qwen3-Coder, 3.5)
-llama3     a bare JSON object ``{"name": ..., "parameters": {...}}`` (optionally after ``<|python_tag|>``)
-mistral    ``[TOOL_CALLS][{"name": ..., "arguments": {...}}]`` or ``[TOOL_CALLS]NAME[ARGS]{...}``;
-           ids of 9 letters and digits, which Mistral's templates demand
-harmony    GPT-OSS: ``to=functions.NAME<|channel|>commentary json<|message|>{...}<|call|>``; the
-           ``analysis`` channel is the reasoning, ``final`` the content
-deepseek   ``<｜tool▁call▁begin｜>[function<｜tool▁sep｜>]NAME[\\n```json\\n]{...}[```]<｜tool▁call▁end｜>``
-gemma4     ``<|tool_call>call:NAME{key:<|"|>text<|"|>,n:1}<tool_call|>``
-========== ===================================================================================
-
-Reasoning (``<think>...</think>``, DeepSeek R1 / Qwen3 / GLM, and harmony's analysis channel) becomes
-``reasoning_content``. Only calls naming a tool of the request are kept; a span that does not parse
-stays text, so a model's malformed call is shown, never dropped. Every parser reads JSON through
-`_loads` / `_json_prefix` (`graftmem.core.jsontext`: nested deeper than 64 levels is not JSON), so an
-answer of 100,000 nested brackets is text, never a ``RecursionError``, and a call's arguments can always
-be encoded again; a family whose argument values fall back to text (the XML ones) keeps such a value as
-its text.
+How an answer is split into reasoning, content and calls, streamed or not, is
+`graftmem.core.answers` (one state machine); `parse` here reads the calls of a whole text. Only calls
+naming a tool of the request are kept; a span that does not parse stays text, so a model's malformed
+call is shown, never dropped. Every parser reads JSON through `_loads` / `_json_prefix`
+(`graftmem.core.jsontext`: nested deeper than 64 levels is not JSON), so an answer of 100,000 nested
+brackets is text, never a ``RecursionError``, and a call's arguments can always be encoded again; a
+family whose argument values fall back to text (the XML ones) keeps such a value as its text.
 """
 
 from __future__ import annotations
@@ -33,20 +26,22 @@ import re
 import secrets
 import string
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional
 
 if TYPE_CHECKING:
     from .grammar_limits import GrammarLimits
 
 from . import jsontext
 
-__all__ = ["ToolCallFormat", "Parsed", "FORMATS", "FORCEABLE", "tool_format", "parse", "call_id", "split_reasoning",
-           "call_grammar"]
+__all__ = ["ToolCallFormat", "Parsed", "FAMILIES", "FORMATS", "FORCEABLE", "tool_format", "parse", "call_id",
+           "call_grammar", "harmony_split", "held_suffix", "families_table"]
 
 
 @dataclass(frozen=True)
 class ToolCallFormat:
-    """One family's grammar: its name and the markers that start a call (what a stream holds back)."""
+    """One family, in one record: how its template is recognised, where a call starts (what a stream
+    holds back), the markers that may be control tokens (written out for the parser), its parser, its
+    forced-call grammar and its row in docs/models.md (`families_table`)."""
 
     name: str
     openers: tuple[str, ...]
@@ -58,6 +53,22 @@ class ToolCallFormat:
     #: for JSON calls between markers: the markers (an empty close: up to the end of the answer)
     open: str = ""
     close: str = ""
+    #: the template markers that pick this family: any group whose markers all appear
+    detect: tuple[tuple[str, ...], ...] = ()
+    #: marker texts that may be control tokens (the answer shows them, as llama-server's preserved tokens)
+    specials: tuple[str, ...] = ()
+    #: wrappers the family writes around its content (Command R7B's ``<|START_RESPONSE|>``): not content
+    strip: tuple[str, ...] = ()
+    #: how a forced call is written (`call_grammar`): ("json" | "named" | "xml", the parts) or ("gemma4", ());
+    #: None: not forceable
+    forced: Optional[tuple[str, tuple[Any, ...]]] = None
+    #: docs/models.md: the call as the family writes it, and its models
+    example: str = ""
+    models: str = ""
+
+    #: the whole-answer parser: ``(content, calls, reasoning)`` of a text
+    parser: Optional[Callable[[str, "ToolCallFormat"], tuple[Optional[str], list, Optional[str]]]] = \
+        field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -69,58 +80,13 @@ class Parsed:
     reasoning: Optional[str] = None
 
 
-HERMES = ToolCallFormat("hermes", ("<tool_call>",))
-QWEN_XML = ToolCallFormat("qwen-xml", ("<tool_call>", "<function="))
-LLAMA3 = ToolCallFormat("llama3", ("<|python_tag|>",), bare_json=True)
-MISTRAL = ToolCallFormat("mistral", ("[TOOL_CALLS]",), id_style="mistral")
-HARMONY = ToolCallFormat("harmony", ("to=functions.", "<|channel|>", "<|start|>"))
-DEEPSEEK = ToolCallFormat("deepseek", ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"))
-GEMMA4 = ToolCallFormat("gemma4", ("<|tool_call>",))
-GLM = ToolCallFormat("glm", ("<tool_call",))
-INVOKE_XML = ToolCallFormat("invoke-xml", ("invoke name=",))
-KIMI = ToolCallFormat("kimi", ("<|tool_calls_section_begin|>", "<|tool_call_begin|>"))
-SOLAR = ToolCallFormat("solar", ("<|tool_call:begin|>",))
-MINICPM = ToolCallFormat("minicpm", ('<function name="',))
-COHERE = ToolCallFormat("cohere", ("<|START_ACTION|>",), open="<|START_ACTION|>", close="<|END_ACTION|>")
-COMMAND_R = ToolCallFormat("command-r", ("Action:",), open="Action:", close="")
-APERTUS = ToolCallFormat("apertus", ("<|tools_prefix|>",), open="<|tools_prefix|>", close="<|tools_suffix|>")
-NEMOTRON = ToolCallFormat("nemotron", ("<TOOLCALL>",), open="<TOOLCALL>", close="</TOOLCALL>")
-TOOL_CALLS_JSON = ToolCallFormat("tool-calls-json", ("<tool_calls>",), open="<tool_calls>", close="</tool_calls>")
-GIGACHAT = ToolCallFormat("gigachat", ("function call",), open="function call<|role_sep|>", close="<|message_sep|>")
-GIGACHAT31 = ToolCallFormat("gigachat31", ("<|function_call|>",), open="<|function_call|>", close="<|message_sep|>")
-FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (
-    HERMES, QWEN_XML, LLAMA3, MISTRAL, HARMONY, DEEPSEEK, GEMMA4, GLM, INVOKE_XML, KIMI, SOLAR, MINICPM,
-    COHERE, COMMAND_R, APERTUS, NEMOTRON, TOOL_CALLS_JSON, GIGACHAT, GIGACHAT31)}
-
-
 def tool_format(template_source: Optional[str]) -> ToolCallFormat:
-    """The family whose markers the template writes (Hermes when it writes none of them: the format
-    graftmem's hand-written tool prompt asks for)."""
+    """The family whose markers the template writes (`ToolCallFormat.detect`, in `FAMILIES` order;
+    Hermes when it writes none of them: the format graftmem's hand-written tool prompt asks for)."""
     src = template_source or ""
-    for marker, fmt in (("<|tool_calls_section_begin|>", KIMI), ("<|tool_call:begin|>", SOLAR), ("<arg_key", GLM),
-                        ("invoke name=", INVOKE_XML), ('<function name="', MINICPM), ("<|START_ACTION|>", COHERE),
-                        ("<|tools_prefix|>", APERTUS), ("<TOOLCALL>", NEMOTRON), ("<tool_calls>", TOOL_CALLS_JSON),
-                        ("<|function_call|>", GIGACHAT31)):
-        if marker in src:
+    for fmt in FAMILIES:
+        if any(all(m in src for m in group) for group in fmt.detect):
             return fmt
-    if "Action:" in src and "tool_name" in src:
-        return COMMAND_R
-    if "function call" in src and "<|role_sep|>" in src:
-        return GIGACHAT
-    if "<function=" in src:
-        return QWEN_XML
-    if "<tool_call>" in src:
-        return HERMES
-    if "[TOOL_CALLS]" in src:
-        return MISTRAL
-    if "to=functions." in src or ("<|channel|>" in src and "<|call|>" in src):
-        return HARMONY
-    if "tool▁call▁begin" in src:
-        return DEEPSEEK
-    if "<|tool_call>" in src:
-        return GEMMA4
-    if "<|start_header_id|>" in src and ("parameters" in src or "<|python_tag|>" in src):
-        return LLAMA3
     return HERMES
 
 
@@ -149,62 +115,53 @@ def _loads(text: str) -> Any:
     return jsontext.loads(text)
 
 
-_THINK = re.compile(r"^\s*(?:<think>)?(.*?)</think>\s*", re.S)
-
-
-def _split_think(text: str) -> tuple[Optional[str], str]:
-    # reasoning models may start inside the think block (the template opened it): "... </think> answer"
-    m = _THINK.match(text)
-    if m and ("<think>" in text[:m.end()] or "</think>" in text):
-        return m.group(1).strip() or None, text[m.end():]
-    return None, text
-
-
-def split_reasoning(text: str) -> tuple[Optional[str], str]:
-    """``(reasoning, rest)`` of an answer that thinks first (``<think>...</think>``, or an answer that
-    starts inside a think block its template opened); ``(None, text)`` when it does not."""
-    if "</think>" not in text:
-        return None, text
-    return _split_think(text)
-
-
-def parse(text: str, fmt: ToolCallFormat, names: Optional[Iterable[str]] = None, *,
-          reasoning: bool = True) -> Parsed:
-    """Content, calls and reasoning of ``text`` in ``fmt``; ``names`` keeps only calls of those tools
-    (None: any name). ``reasoning=False`` leaves think blocks in the content (``--reasoning-format none``)."""
+def parse(text: str, fmt: ToolCallFormat, names: Optional[Iterable[str]] = None) -> Parsed:
+    """Content and calls of a whole ``text`` in ``fmt`` (and harmony's analysis channel as reasoning);
+    ``names`` keeps only calls of those tools (None: any name). Think blocks are not split here: an
+    answer is split by `graftmem.core.answers`, the one parser of the stream and the whole answer."""
     allowed = set(names) if names is not None else None
-    think = None
-    if reasoning and fmt is not HARMONY and "</think>" in text:
-        think, text = _split_think(text)
-    parser = _PARSERS[fmt.name]
-    content, calls, extra_think = parser(text, fmt)
+    assert fmt.parser is not None
+    content, calls, extra_think = fmt.parser(text, fmt)
     kept = [c for c in calls if allowed is None or c["function"]["name"] in allowed]
     if len(kept) != len(calls):
         content, kept = text, []  # a call of a tool not offered is text, as the model wrote it
     if content is not None:
         content = content.strip() or None
-    return Parsed(content=content, calls=kept, reasoning=extra_think or think)
+    return Parsed(content=content, calls=kept, reasoning=extra_think)
 
 
 # ------------------------------------------------------------------------------------ families
-_HERMES_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_HERMES_OPEN = re.compile(r"<tool_call>\s*")
+_HERMES_CLOSE = re.compile(r"\s*</tool_call>")
 
 
 def _hermes(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, None]:
-    calls = []
-    for m in _HERMES_RE.finditer(text):
+    """``<tool_call>{json}</tool_call>`` spans; the JSON is read as JSON (a string argument may hold
+    ``</tool_call>``), the closer may be missing at the end of the answer (an end-of-turn token ended it)."""
+    calls: list[dict[str, Any]] = []
+    spans: list[tuple[int, int]] = []
+    for m in _HERMES_OPEN.finditer(text):
+        if spans and m.start() < spans[-1][1]:
+            continue  # inside the previous call's JSON
         try:
-            obj = _loads(m.group(1))
+            obj, end = _json_prefix(text[m.end():])
         except ValueError:
+            return text, [], None
+        stop = m.end() + end
+        close = _HERMES_CLOSE.match(text, stop)
+        if close:
+            stop = close.end()
+        elif text[stop:].strip():
             return text, [], None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return text, [], None
         calls.append(_call(obj["name"], obj.get("arguments", obj.get("parameters", {})), fmt.id_style))
-    return (_HERMES_RE.sub("", text) if calls else text), calls, None
+        spans.append((m.start(), stop))
+    return (_spans_out(text, spans) if calls else text), calls, None
 
 
 _XML_CALL = re.compile(r"(?:<tool_call>\s*)?<function=([^>\n]+)>(.*?)</function>(?:\s*</tool_call>)?", re.S)
-_XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+_XML_PARAM = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
 
 
 def _qwen_xml(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, None]:
@@ -219,6 +176,8 @@ def _qwen_xml(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, None
                 return text, [], None
         for p in _XML_PARAM.finditer(m.group(2)):
             raw = p.group(2)
+            if raw.startswith("\n"):  # Qwen3-Coder's layout: <parameter=K>\nV\n</parameter>
+                raw = raw[1:-1] if raw.endswith("\n") else raw[1:]
             try:
                 args[p.group(1).strip()] = _loads(raw)
             except ValueError:
@@ -284,35 +243,95 @@ def _mistral(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, None]
     return content + rest[len("[TOOL_CALLS]") + end:], calls, None
 
 
-_HARMONY_MSG = re.compile(
-    r"(?:<\|start\|>assistant)?\s*(?:to=functions\.([A-Za-z0-9_.\-]+)\s*)?<\|channel\|>(\w+)"
-    r"(?:\s+to=functions\.([A-Za-z0-9_.\-]+))?[^<]*?(?:<\|constrain\|>\w+)?<\|message\|>(.*?)"
-    r"(?:<\|end\|>|<\|call\|>|<\|return\|>|$)", re.S)
+_HARMONY_CHANNEL = re.compile(r"<\|channel\|>(\w+)")
+_HARMONY_TO = re.compile(r"to=([A-Za-z0-9_.\-]+)")
+_HARMONY_ENDS = ("<|end|>", "<|call|>", "<|return|>")
+_HARMONY_MARKS = ("<|start|>", "<|channel|>", "<|message|>", *_HARMONY_ENDS)
+
+
+def harmony_split(text: str, names: Optional[Iterable[str]], *, final: bool = True, reasoning: bool = True
+                  ) -> tuple[str, list[dict[str, Any]], str]:
+    """GPT-OSS's answer as ``(content, calls, reasoning)``: messages one after another, each a header up to
+    ``<|message|>`` (its last ``<|channel|>NAME``, a recipient ``to=R``) and a body up to ``<|end|>`` /
+    ``<|call|>`` / ``<|return|>`` / the next ``<|start|>``. ``analysis`` is reasoning (``reasoning=False``:
+    its message stays in the content as written), ``final`` and ``commentary`` are content, a message to
+    ``functions.F`` of ``names`` (None: any) is a call (a function not offered, or arguments that are not
+    JSON: its body is content), a message to another recipient (``python``, ``container.exec``: the
+    model's built-in tools) is left out, as llama.cpp leaves it. ``final=False``: the partial view of a
+    stream (`graftmem.core.answers`): no held marker shows, a call is not read yet. An answer without
+    any header is content."""
+    allowed = set(names) if names is not None else None
+    finals: list[str] = []
+    thoughts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    if "<|channel|>" not in text and "<|message|>" not in text:
+        head = text.lstrip()
+        if not final and (head.startswith(("to=", "<|")) or "to=".startswith(head) or "<|".startswith(head)):
+            return "", [], ""  # a header may be arriving (`` to=functions.F<|channel|>...``)
+        return (text if final else text[:len(text) - held_suffix(text, _HARMONY_MARKS)]), [], ""
+    pos = 0
+    while pos < len(text):
+        k = text.find("<|message|>", pos)
+        if k < 0:
+            break  # a header still arriving, or a header without a message (nothing to show)
+        head = text[pos:k]
+        channels = _HARMONY_CHANNEL.findall(head)
+        recipients = [r for r in _HARMONY_TO.findall(head) if r != "assistant"]
+        start = head.find("<|channel|>")
+        body_at = k + len("<|message|>")
+        ends = [(i, e) for e in _HARMONY_ENDS if (i := text.find(e, body_at)) >= 0]
+        nxt = text.find("<|start|>", body_at)
+        if nxt >= 0:
+            ends.append((nxt, ""))
+        stop, end_mark = min(ends) if ends else (len(text), "")
+        body = text[body_at:stop]
+        complete = bool(ends) or final
+        if not complete:
+            body = body[:len(body) - held_suffix(body, _HARMONY_MARKS)]
+        if start < 0 and not channels:
+            finals.append(head + "<|message|>" + body)  # no header: text as written
+        elif recipients:
+            name = recipients[-1]
+            if name.startswith("functions.") and complete:
+                name = name[len("functions."):]
+                try:
+                    args = _loads(body) if allowed is None or name in allowed else None
+                except ValueError:
+                    args = None
+                if args is not None:
+                    calls.append(_call(name, args, "openai"))
+                else:  # a call that does not parse, or of a tool not offered: shown as the model wrote it
+                    finals.append(text[pos:stop + len(end_mark)])
+        elif channels and channels[-1] == "analysis":
+            if reasoning:
+                thoughts.append(body.strip() if complete else body.lstrip())
+            else:
+                finals.append(text[pos + start:stop + len(end_mark)] if complete else text[pos + start:body_at] + body)
+        else:
+            finals.append(body)
+        pos = stop + len(end_mark)
+    return "".join(finals), calls, "\n".join(t for t in thoughts if t)
+
+
+def held_suffix(text: str, markers: Iterable[str]) -> int:
+    """How many trailing characters of ``text`` may be the start of one of ``markers``."""
+    best = 0
+    for mk in markers:
+        for n in range(min(len(mk) - 1, len(text)), best, -1):
+            if text.endswith(mk[:n]):
+                best = n
+                break
+    return best
 
 
 def _harmony(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, Optional[str]]:
     if "<|channel|>" not in text and "<|message|>" not in text:
         return text, [], None
-    calls, thoughts, finals = [], [], []
-    for m in _HARMONY_MSG.finditer(text):
-        name = m.group(1) or m.group(3)
-        channel, body = m.group(2), m.group(4)
-        if name:
-            try:
-                args = _loads(body)
-            except ValueError:
-                return text, [], None
-            calls.append(_call(name, args, fmt.id_style))
-        elif channel == "analysis":
-            thoughts.append(body.strip())
-        else:
-            finals.append(body)
-    if not calls and not thoughts and not finals:
-        return text, [], None
-    return "".join(finals), calls, "\n".join(t for t in thoughts if t) or None
+    content, calls, thought = harmony_split(text, None, final=True)
+    return content, calls, thought or None
 
 
-_DS_CALL = re.compile(r"<｜tool▁call▁begin｜>(?:function<｜tool▁sep｜>([^\n]+)\n```(?:json)?\n(.*?)\n```"
+_DS_CALL = re.compile(r"<｜tool▁call▁begin｜>(?:function<｜tool▁sep｜>([^\n]+)\n```(?:json)?\n(.*?)\s*```\s*"
                       r"|([^<]+?)<｜tool▁sep｜>(.*?))<｜tool▁call▁end｜>", re.S)
 
 
@@ -446,14 +465,103 @@ def _invoke_xml(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, No
         spans.append(m.span())
     if not calls:
         return text, [], None
-    rest = re.sub(r"</?[^<>\s]*?(?:function_calls|tool_call)>", "", _spans_out(text, spans))
+    rest = re.sub(r"</?[^<>\s]*?(?:function_calls|tool_calls?)>", "", _spans_out(text, spans))
     return rest, calls, None
 
 
-_KIMI = re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?([^:<\s]+)(?::\d+)?\s*<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>", re.S)
+_KIMI = re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?([^:<\s]+)(?::\d+)?\s*<\|tool_call_argument_begin\|>")
+
+
+def _kimi(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, None]:
+    """Kimi K2: ``<|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{json}<|tool_call_end|>``,
+    in a ``<|tool_calls_section_begin|>`` section; the arguments are read as JSON, the end marker may be
+    missing (the next call or the end of the answer ends it)."""
+    calls, spans = [], []
+    for m in _KIMI.finditer(text):
+        try:
+            args, end = _json_prefix(text[m.end():])
+        except ValueError:
+            return text, [], None
+        stop = m.end() + end
+        close = re.compile(r"\s*<\|tool_call_end\|>").match(text, stop)
+        calls.append(_call(m.group(1), args, fmt.id_style))
+        spans.append((m.start(), close.end() if close else stop))
+    if not calls:
+        return text, [], None
+    return re.sub(r"<\|tool_calls_section_(?:begin|end)\|>", "", _spans_out(text, spans)), calls, None
+
+
+_M3 = "]<]minimax[>["
+_M3_BLOCK = re.compile(re.escape(_M3) + r"<tool_call>(.*?)(?:" + re.escape(_M3) + r"</tool_call>|$)", re.S)
+_M3_INVOKE = re.compile(re.escape(_M3) + r'<invoke name="([^"]+)">(.*?)' + re.escape(_M3) + r"</invoke>", re.S)
+_M3_PARAM = re.compile(re.escape(_M3) + r"<([A-Za-z0-9_.\-]+)>(.*?)" + re.escape(_M3) + r"</\1>", re.S)
+
+
+def _m3_value(raw: str, depth: int = 0) -> Any:
+    """An argument of MiniMax M3: nested tags are an array (all ``<item>``) or an object, else a value."""
+    kids = _M3_PARAM.findall(raw) if depth < jsontext.MAX_DEPTH else []
+    if not kids or _M3_PARAM.sub("", raw).strip():
+        return _value(raw)
+    if all(k == "item" for k, _ in kids):
+        return [_m3_value(v, depth + 1) for _, v in kids]
+    return {k: _m3_value(v, depth + 1) for k, v in kids}
+
+
+def _minimax3(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, None]:
+    """MiniMax M3: every tag behind ``]<]minimax[>[``: ``<tool_call>``, ``<invoke name="N">``, then one
+    ``<KEY>VALUE</KEY>`` per argument (a value is JSON where it reads as JSON, else its text)."""
+    calls, spans = [], []
+    for block in _M3_BLOCK.finditer(text):
+        for m in _M3_INVOKE.finditer(block.group(1)):
+            calls.append(_call(m.group(1), {k: _m3_value(v) for k, v in _M3_PARAM.findall(m.group(2))}, fmt.id_style))
+        spans.append(block.span())
+    if not calls:
+        return text, [], None
+    return _spans_out(text, spans), calls, None
+
+
+_PY_CALLS = re.compile(r"<\|tool_call_start\|>\s*(\[.*?\])\s*(?:<\|tool_call_end\|>|$)", re.S)
+
+
+class _JsonNames:
+    """``true`` / ``false`` / ``null`` in a pythonic call's value read as JSON's (a forced call writes JSON values)."""
+
+    VALUES = {"true": True, "false": False, "null": None}
+
+    def visit(self, node: Any) -> Any:
+        import ast
+
+        class T(ast.NodeTransformer):
+            def visit_Name(self, n: ast.Name) -> Any:
+                return ast.Constant(_JsonNames.VALUES[n.id]) if n.id in _JsonNames.VALUES else n
+        return T().visit(node)
+
+
+def _pythonic(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, None]:
+    """LFM2: ``<|tool_call_start|>[name(key=value, ...), ...]<|tool_call_end|>``, Python call syntax with
+    literal values (read with ``ast.literal_eval``: nothing is evaluated)."""
+    import ast
+
+    calls, spans = [], []
+    for m in _PY_CALLS.finditer(text):
+        try:
+            tree = ast.parse(m.group(1), mode="eval").body
+            if not isinstance(tree, ast.List):
+                return text, [], None
+            for node in tree.elts:
+                if not isinstance(node, ast.Call) or not isinstance(node.func, (ast.Name, ast.Attribute)) or node.args:
+                    return text, [], None
+                args = {kw.arg: ast.literal_eval(_JsonNames().visit(kw.value)) for kw in node.keywords}
+                calls.append(_call(ast.unparse(node.func), args, fmt.id_style))
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return text, [], None
+        spans.append(m.span())
+    if not calls:
+        return text, [], None
+    return _spans_out(text, spans), calls, None
 _SOLAR = re.compile(r"<\|tool_call:begin\|>[^<]*<\|tool_call:name\|>([^<]+)<\|tool_call:args\|>(.*?)<\|tool_call:end\|>", re.S)
 _MINICPM = re.compile(r'<function name="([^"]+)">(.*?)</function>', re.S)
-_MINICPM_P = re.compile(r'<param name="([^"]+)">(.*?)</param>', re.S)
+_MINICPM_P = re.compile(r'<param name="([^"]+)">(?:<!\[CDATA\[(.*?)\]\]>|(.*?))</param>', re.S)
 
 
 def _regex_calls(rx: "re.Pattern[str]", json_args: bool, strip: str):
@@ -466,7 +574,7 @@ def _regex_calls(rx: "re.Pattern[str]", json_args: bool, strip: str):
                 except ValueError:
                     return text, [], None
             else:
-                args = {k: _value(v) for k, v in _MINICPM_P.findall(m.group(2))}
+                args = {k: (cdata if cdata or not v else _value(v)) for k, cdata, v in _MINICPM_P.findall(m.group(2))}
             calls.append(_call(m.group(1).strip(), args, fmt.id_style))
             spans.append(m.span())
         if not calls:
@@ -513,14 +621,130 @@ def _json_calls(text: str, fmt: ToolCallFormat) -> tuple[Optional[str], list, No
     return text[:i] + text[end:], calls, None
 
 
-_PARSERS = {"glm": _glm, "invoke-xml": _invoke_xml,
-            "kimi": _regex_calls(_KIMI, True, r"<\|tool_calls_section_(?:begin|end)\|>"),
-            "solar": _regex_calls(_SOLAR, True, r"<\|tool_calls\|>|<\|calls\|>"),
-            "minicpm": _regex_calls(_MINICPM, False, ""),
-            "cohere": _json_calls, "command-r": _json_calls, "apertus": _json_calls, "nemotron": _json_calls,
-            "tool-calls-json": _json_calls, "gigachat": _json_calls, "gigachat31": _json_calls,
-            "hermes": _hermes, "qwen-xml": _qwen_xml, "llama3": _llama3, "mistral": _mistral,
-            "harmony": _harmony, "deepseek": _deepseek, "gemma4": _gemma4}
+_solar = _regex_calls(_SOLAR, True, r"<\|tool_calls\|>|<\|calls\|>")
+_minicpm = _regex_calls(_MINICPM, False, "")
+F = ToolCallFormat
+
+#: Every family, in the order a template is matched against their markers (the more specific first).
+FAMILIES: tuple[ToolCallFormat, ...] = (
+    F("kimi", ("<|tool_calls_section_begin|>", "<|tool_call_begin|>"), parser=_kimi,
+      detect=(("<|tool_calls_section_begin|>",),),
+      specials=("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                "<|tool_call_argument_begin|>", "<|tool_call_end|>"),
+      forced=("named", ("<|tool_calls_section_begin|>", "<|tool_call_begin|>functions.", ":0<|tool_call_argument_begin|>",
+                        "<|tool_call_end|>", "<|tool_calls_section_end|>")),
+      example="<|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{...}<|tool_call_end|>", models="Kimi K2"),
+    F("solar", ("<|tool_call:begin|>",), parser=_solar, detect=(("<|tool_call:begin|>",),),
+      specials=("<|tool_call:begin|>", "<|tool_call:name|>", "<|tool_call:args|>", "<|tool_call:end|>", "<|tool_calls|>"),
+      forced=("named", ("", "<|tool_call:begin|><|tool_call:name|>", "<|tool_call:args|>", "<|tool_call:end|>", "")),
+      example="<|tool_call:begin|><|tool_call:name|>NAME<|tool_call:args|>{...}<|tool_call:end|>", models="Solar Open"),
+    F("glm", ("<tool_call",), parser=_glm, detect=(("<arg_key",),), strip=("<|role_end|>",),
+      forced=("xml", ("<tool_call>", "\n", "<arg_key>", "</arg_key>\n<arg_value>", "</arg_value>\n", "</tool_call>")),
+      example="<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>",
+      models="GLM-4.x, Ling, Laguna, Hy3"),
+    F("minimax3", (_M3 + "<tool_call>",), parser=_minimax3, detect=((_M3,),),
+      forced=("xml", (_M3 + "<tool_call>\n" + _M3 + '<invoke name="', '">', _M3 + "<", ">", _M3 + "</{key}>",
+                      _M3 + "</invoke>\n" + _M3 + "</tool_call>")),
+      example=_M3 + '<tool_call>' + _M3 + '<invoke name="NAME">' + _M3 + '<K>V' + _M3 + '</K>...', models="MiniMax M3"),
+    F("invoke-xml", ("<minimax:tool_call>", "<｜DSML｜", "<function_calls>", "<invoke name="), parser=_invoke_xml,
+      detect=(("invoke name=",),),
+      forced=("xml", ('<invoke name="', '">\n', '<parameter name="', '">', "</parameter>\n", "</invoke>")),
+      example='<invoke name="NAME"><parameter name="K">V</parameter></invoke>',
+      models="MiniMax M2, DeepSeek V3.2 / V4 (DSML), muse"),
+    F("minicpm", ('<function name="',), parser=_minicpm, detect=(('<function name="',),),
+      forced=("xml", ('<function name="', '">', '<param name="', '">', "</param>", "</function>")),
+      example='<function name="NAME"><param name="K">V</param></function>', models="MiniCPM5"),
+    F("cohere", ("<|START_ACTION|>",), open="<|START_ACTION|>", close="<|END_ACTION|>", parser=_json_calls,
+      detect=(("<|START_ACTION|>",),), specials=("<|START_ACTION|>", "<|END_ACTION|>"),
+      forced=("json", ("<|START_ACTION|>", "<|END_ACTION|>", "tool_name", "parameters", True, True)),
+      strip=("<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_TEXT|>", "<|END_TEXT|>"),
+      example='<|START_ACTION|>[{"tool_name": NAME, "parameters": {...}}]<|END_ACTION|>',
+      models="Command R7B, Command A (Cohere2)"),
+    F("apertus", ("<|tools_prefix|>",), open="<|tools_prefix|>", close="<|tools_suffix|>", parser=_json_calls,
+      detect=(("<|tools_prefix|>",),), specials=("<|tools_prefix|>", "<|tools_suffix|>"),
+      forced=("json", ("<|tools_prefix|>", "<|tools_suffix|>", "", "", True, True)),
+      example='<|tools_prefix|>[{"NAME": {...}}]<|tools_suffix|>', models="Apertus"),
+    F("nemotron", ("<TOOLCALL>",), open="<TOOLCALL>", close="</TOOLCALL>", parser=_json_calls,
+      detect=(("<TOOLCALL>",),),
+      forced=("json", ("<TOOLCALL>", "</TOOLCALL>", "name", "arguments", True, True)),
+      example='<TOOLCALL>[{"name": NAME, "arguments": {...}}]</TOOLCALL>', models="Nemotron Nano v2"),
+    F("tool-calls-json", ("<tool_calls>",), open="<tool_calls>", close="</tool_calls>", parser=_json_calls,
+      detect=(("<tool_calls>",),),
+      forced=("json", ("<tool_calls>", "</tool_calls>", "name", "arguments", True, True)),
+      example='<tool_calls>[{"name": NAME, "arguments": {...}}]</tool_calls>', models="Apriel, MiniMax M1"),
+    F("gigachat31", ("<|function_call|>",), open="<|function_call|>", close="<|message_sep|>", parser=_json_calls,
+      detect=(("<|function_call|>",),), specials=("<|function_call|>",), strip=("<|message_sep|>",),
+      forced=("json", ("<|function_call|>", "<|message_sep|>", "name", "arguments", False, True)),
+      example='<|function_call|>{"name": NAME, "arguments": {...}}', models="GigaChat 3.1"),
+    F("command-r", ("Action:",), open="Action:", close="", parser=_json_calls,
+      detect=(("Action:", "tool_name"),), strip=("<|CHATBOT_TOKEN|>", "<|END_OF_TURN_TOKEN|>"),
+      forced=("json", ("Action: ```json\n", "\n```", "tool_name", "parameters", True, False)),
+      example='Action: ```json [{"tool_name": NAME, "parameters": {...}}]```', models="Command R+"),
+    F("gigachat", ("function call",), open="function call<|role_sep|>", close="<|message_sep|>", parser=_json_calls,
+      detect=(("function call", "<|role_sep|>"),), specials=("<|role_sep|>",), strip=("<|message_sep|>",),
+      forced=("json", ("function call<|role_sep|>\n", "<|message_sep|>", "name", "arguments", False, True)),
+      example='function call<|role_sep|>{"name": NAME, "arguments": {...}}', models="GigaChat 3"),
+    F("qwen-xml", ("<tool_call>", "<function=", "<seed:tool_call>"), parser=_qwen_xml, detect=(("<function=",),),
+      strip=("<seed:tool_call>", "</seed:tool_call>"),
+      forced=("xml", ("<tool_call>\n<function=", ">\n", "<parameter=", ">\n", "\n</parameter>\n",
+                      "</function>\n</tool_call>")),
+      example="<tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>",
+      models="Qwen3-Coder, Qwen3.5, Functionary v3.1, Seed-OSS"),
+    F("pythonic", ("<|tool_call_start|>",), parser=_pythonic, detect=(("<|tool_call_start|>",),),
+      specials=("<|tool_call_start|>", "<|tool_call_end|>"), forced=("pythonic", ()),
+      example="<|tool_call_start|>[NAME(key=value)]<|tool_call_end|>", models="LFM2 / LFM2.5"),
+    F("firefunction", ("functools[",), open="functools", close="", parser=_json_calls, detect=(("functools[",),),
+      forced=("json", ("functools", "", "name", "arguments", True, False)),
+      example='functools[{"name": NAME, "arguments": {...}}]', models="FireFunction v2"),
+    F("hermes", ("<tool_call>",), parser=_hermes, detect=(("<tool_call>",),), specials=("<tool_call>", "</tool_call>"),
+      forced=("json", ("<tool_call>\n", "\n</tool_call>", "name", "arguments", False, False)),
+      example='<tool_call>{"name": NAME, "arguments": {...}}</tool_call>',
+      models="Hermes, Qwen 2.5 / 3, SmolLM3, Granite 4; graftmem's tool prompt for templates without tools"),
+    F("mistral", ("[TOOL_CALLS]",), id_style="mistral", parser=_mistral, detect=(("[TOOL_CALLS]",),),
+      specials=("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
+      forced=("json", ("[TOOL_CALLS]", "", "name", "arguments", True, False)),
+      example='[TOOL_CALLS][{"name": NAME, "arguments": {...}}] or [TOOL_CALLS]NAME[ARGS]{...}',
+      models="Mistral Nemo / Small 3.2, Devstral, Magistral (ids of 9 letters and digits)"),
+    F("harmony", ("to=functions.", "<|channel|>", "<|start|>"), parser=_harmony,
+      detect=(("to=functions.",), ("<|channel|>", "<|call|>")),
+      specials=("<|channel|>", "<|message|>", "<|start|>", "<|end|>", "<|constrain|>", "<|call|>"),
+      forced=("named", ("", "<|channel|>commentary to=functions.", " <|constrain|>json<|message|>", "", "")),
+      example="<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>",
+      models="GPT-OSS (analysis channel = reasoning, final = content)"),
+    F("deepseek", ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"), parser=_deepseek,
+      detect=(("tool▁call▁begin",),),
+      specials=("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
+                "<｜tool▁calls▁end｜>"),
+      forced=("named", ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>function<｜tool▁sep｜>", "\n```json\n",
+                        "\n```<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>")),
+      example="<｜tool▁call▁begin｜>[function<｜tool▁sep｜>]NAME[```json]{...}[```]<｜tool▁call▁end｜>",
+      models="DeepSeek R1 (and its distills), V3, V3.1"),
+    F("gemma4", ("<|tool_call>",), parser=_gemma4, detect=(("<|tool_call>",),),
+      strip=("<|channel>thought", "<channel|>", "<|channel>"),
+      specials=("<|tool_call>", "<tool_call|>", '<|"|>'), forced=("gemma4", ()),
+      example='<|tool_call>call:NAME{key:<|"|>text<|"|>,n:1}<tool_call|>', models="Gemma 4"),
+    F("llama3", ("<|python_tag|>",), bare_json=True, parser=_llama3,
+      detect=(("<|start_header_id|>", "parameters"), ("<|start_header_id|>", "<|python_tag|>")),
+      specials=("<|python_tag|>",), forced=("json", ("", "", "name", "parameters", False, False)),
+      example='{"name": NAME, "parameters": {...}} (optionally after <|python_tag|>)', models="Llama 3.1 / 3.2 / 3.3"),
+)
+FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in FAMILIES}
+HERMES, QWEN_XML, LLAMA3, MISTRAL, HARMONY, DEEPSEEK, GEMMA4 = (
+    FORMATS[n] for n in ("hermes", "qwen-xml", "llama3", "mistral", "harmony", "deepseek", "gemma4"))
+GLM, INVOKE_XML, KIMI, SOLAR, MINICPM, COHERE, COMMAND_R, APERTUS, NEMOTRON, TOOL_CALLS_JSON, GIGACHAT, GIGACHAT31 = (
+    FORMATS[n] for n in ("glm", "invoke-xml", "kimi", "solar", "minicpm", "cohere", "command-r", "apertus",
+                         "nemotron", "tool-calls-json", "gigachat", "gigachat31"))
+del F
+
+
+def families_table() -> str:
+    """docs/models.md's table of families, made from `FAMILIES` (tests/test_answer_parity.py checks the
+    page holds it: ``python -m graftmem.core.toolcalls`` prints it)."""
+    rows = ["| family | a call as the model writes it | models | forced call |", "| --- | --- | --- | --- |"]
+    for f in FAMILIES:
+        ex = f.example.replace("|", "\\|")
+        rows.append(f"| {f.name} | `{ex}` | {f.models} | {'grammar' if f.forced else 'no'} |")
+    return "\n".join(rows)
 
 
 # ------------------------------------------------------------------------------ forced calls
@@ -529,45 +753,20 @@ def _lit(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-#: The families whose call is JSON objects (``{"name": ..., "arguments": ...}`` or the family's keys)
-#: between markers: (opener, closer, name key, arguments key, list of calls, closer optional). An
-#: optional closer: the family may end its turn there with an end-of-generation token, which a
-#: grammar cannot ask for as text (llama.cpp never lets an end-of-generation token match a literal),
-#: and the parser reads the call to the end of the answer without it.
-_JSON_CALLS: dict[str, tuple[str, str, str, str, bool, bool]] = {
-    "hermes": ("<tool_call>\n", "\n</tool_call>", "name", "arguments", False, False),
-    "llama3": ("", "", "name", "parameters", False, False),
-    "mistral": ("[TOOL_CALLS]", "", "name", "arguments", True, False),
-    "cohere": ("<|START_ACTION|>", "<|END_ACTION|>", "tool_name", "parameters", True, True),
-    "command-r": ("Action: ```json\n", "\n```", "tool_name", "parameters", True, False),
-    "apertus": ("<|tools_prefix|>", "<|tools_suffix|>", "", "", True, True),
-    "nemotron": ("<TOOLCALL>", "</TOOLCALL>", "name", "arguments", True, True),
-    "tool-calls-json": ("<tool_calls>", "</tool_calls>", "name", "arguments", True, True),
-    "gigachat": ("function call<|role_sep|>\n", "<|message_sep|>", "name", "arguments", False, True),
-    "gigachat31": ("<|function_call|>", "<|message_sep|>", "name", "arguments", False, True),
-}
+#: The forced-call shapes, read from the records (`ToolCallFormat.forced`).
+#: "json": JSON objects (``{"name": ..., "arguments": ...}`` or the family's keys) between markers:
+#: (opener, closer, name key, arguments key, list of calls, closer optional). An optional closer: the
+#: family may end its turn there with an end-of-generation token, which a grammar cannot ask for as text
+#: (llama.cpp never lets an end-of-generation token match a literal), and the parser reads the call to
+#: the end of the answer without it.
+#: "named": the function named in markers, its arguments one JSON object: (the calls' section opener,
+#: before the name, between the name and the arguments, after the arguments, the section's closer).
+#: "xml": each argument in its own markup: (call head before the name, after the name, one argument's
+#: head before the key, after the key, its tail, the call's tail); the value is JSON.
+_JSON_CALLS: dict[str, tuple[Any, ...]] = {f.name: f.forced[1] for f in FAMILIES if f.forced and f.forced[0] == "json"}
+_NAMED_CALLS: dict[str, tuple[Any, ...]] = {f.name: f.forced[1] for f in FAMILIES if f.forced and f.forced[0] == "named"}
+_XML_CALLS: dict[str, tuple[Any, ...]] = {f.name: f.forced[1] for f in FAMILIES if f.forced and f.forced[0] == "xml"}
 
-#: The families that name the function in markers and write its arguments as one JSON object:
-#: (the calls' section opener, before the name, between the name and the arguments, after the
-#: arguments, the section's closer: optional, it may be the family's end of generation).
-_NAMED_CALLS: dict[str, tuple[str, str, str, str, str]] = {
-    "harmony": ("", "<|channel|>commentary to=functions.", " <|constrain|>json<|message|>", "", ""),
-    "deepseek": ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>function<｜tool▁sep｜>", "\n```json\n",
-                 "\n```<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"),
-    "kimi": ("<|tool_calls_section_begin|>", "<|tool_call_begin|>functions.", ":0<|tool_call_argument_begin|>",
-             "<|tool_call_end|>", "<|tool_calls_section_end|>"),
-    "solar": ("", "<|tool_call:begin|><|tool_call:name|>", "<|tool_call:args|>", "<|tool_call:end|>", ""),
-}
-
-#: The families that write each argument in its own markup: (call head before the name, after the
-#: name, one argument's head before the key, after the key, its tail, the call's tail). The value is
-#: JSON (the parsers read a value as JSON first, so a string keeps its type).
-_XML_CALLS: dict[str, tuple[str, str, str, str, str, str]] = {
-    "qwen-xml": ("<tool_call>\n<function=", ">\n", "<parameter=", ">\n", "\n</parameter>\n", "</function>\n</tool_call>"),
-    "glm": ("<tool_call>", "\n", "<arg_key>", "</arg_key>\n<arg_value>", "</arg_value>\n", "</tool_call>"),
-    "invoke-xml": ('<invoke name="', '">\n', '<parameter name="', '">', "</parameter>\n", "</invoke>"),
-    "minicpm": ('<function name="', '">', '<param name="', '">', "</param>", "</function>"),
-}
 
 def _seq(*parts: str) -> str:
     """GBNF parts in sequence (empty ones left out)."""
@@ -584,7 +783,7 @@ g-integer ::= "-"? ( [0-9] | [1-9] [0-9]{0,15} )
 g-number ::= g-integer ( "." [0-9]{1,15} )? ( [eE] [-+]? [0-9]{1,4} )?'''
 
 #: The families whose call a grammar can force (`call_grammar`).
-FORCEABLE = frozenset({*_JSON_CALLS, *_NAMED_CALLS, *_XML_CALLS, "gemma4"})
+FORCEABLE = frozenset(f.name for f in FAMILIES if f.forced)
 
 
 def _gemma(schema: Any, rules: dict[str, str], name: str) -> str:
@@ -672,12 +871,33 @@ def call_grammar(fmt: ToolCallFormat, functions: Iterable[Mapping[str, Any]], *,
             for j, (key, sub) in enumerate((props or {}).items()):
                 rules.append(json_rules(sub if isinstance(sub, Mapping) else {}, f"fn{i}-p{j}",
                                         f"tools.{name}.parameters.properties.{key}", limits))
-                one = f"{_lit(k_head + key + k_after)} fn{i}-p{j} {_lit(k_tail)}"
+                one = f"{_lit(k_head + key + k_after)} fn{i}-p{j} {_lit(k_tail.replace('{key}', key))}"
                 parts.append(one if key in required else f"( {one} )?")
             if props is None and fmt.name == "qwen-xml":  # no properties: Functionary's JSON body
                 rules.append(json_rules(params, f"fn{i}-args", f"tools.{name}.parameters", limits))
                 parts.append(f"fn{i}-args")
             calls.append(_seq(_lit(head + name + after_name), *parts, _lit(tail)))
+            continue
+        if fmt.name == "pythonic":  # name(key=value, ...): the values JSON (true / false / null read as such)
+            props = params.get("properties") if isinstance(params, Mapping) else None
+            required = set(params.get("required") or []) if isinstance(params, Mapping) else set()
+            kv: dict[str, str] = {}
+            for j, (key, sub) in enumerate((props or {}).items()):
+                if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                    raise ConfigError(f"tools.{name}.parameters.properties: {key!r} is not a Python keyword argument "
+                                      "name, which this family's call syntax needs")
+                rules.append(json_rules(sub if isinstance(sub, Mapping) else {}, f"fn{i}-p{j}",
+                                        f"tools.{name}.parameters.properties.{key}", limits))
+                kv[key] = f"{_lit(key + '=')} fn{i}-p{j}"
+            req = [kv[k] for k in kv if k in required]
+            opt = [k for k in kv if k not in required]
+            body = ' ", " '.join(req)
+            for k in opt:
+                body += f' ( ", " {kv[k]} )?' if body else ""
+            if not req and opt:
+                body = "( " + " | ".join(kv[k] + "".join(f' ( ", " {kv[o]} )?' for o in opt[n + 1:])
+                                         for n, k in enumerate(opt)) + " )?"
+            calls.append(_seq(_lit("<|tool_call_start|>[" + name + "("), body, _lit(")]<|tool_call_end|>")))
             continue
         if fmt.name == "gemma4":
             calls.append(f"{_lit('<|tool_call>call:' + name)} {_gemma(params, gemma, f'fn{i}-args')} "
@@ -712,3 +932,9 @@ def call_grammar(fmt: ToolCallFormat, functions: Iterable[Mapping[str, Any]], *,
         root = f'"</think>" "\\n"{{0,2}} {root}'
     return "\n".join([f"root ::= {root}", f"call ::= {call}", *rules,
                       *(f"{k} ::= {v}" for k, v in gemma.items()), *( [_GEMMA_RULES] if fmt.name == "gemma4" else [])])
+
+
+if __name__ == "__main__":  # pragma: no cover - prints docs/models.md's table of families
+    import sys
+
+    sys.stdout.write(families_table() + "\n")

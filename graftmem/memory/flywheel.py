@@ -49,7 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..core.blocks import SOLUTION_KIND, Block, Fingerprint, Recall, Receipt, SearchHit
 from ..core.decoding import Sampling, decode
 from ..core.errors import BlockNotFound, ConfigError
-from ..core.prompt import detect_format
+from ..core.prompt import detect_format, no_format_reason
 from .checks import Candidate, Verdict, Verifier, call_with_timeout, normalize_answer, run_program
 from .router import normalize_task
 
@@ -347,8 +347,8 @@ class Flywheel:
             raise ConfigError(f"unknown transfer method(s) {bad}; use 'substitution' and/or 'adaptation'")
         fmt = detect_format(memory.engine)
         if fmt is None:
-            raise ConfigError(f"model {memory.fingerprint.model_name!r} has no chat template graftmem knows; "
-                              "the flywheel needs one to shape its blocks")
+            raise ConfigError(f"model {memory.fingerprint.model_name!r} has no chat format for blocks "
+                              f"({no_format_reason(memory.engine)}); the flywheel needs one to shape its blocks")
         self.mem = memory
         self.verifier = verifier
         self.verifier_name = str(getattr(verifier, "name", type(verifier).__name__))

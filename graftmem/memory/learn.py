@@ -16,7 +16,7 @@ from ..core.blocks import PROVENANCE_LOCAL, Block
 from ..core.errors import ConfigError, UnverifiedBlock
 from ..core.format import state_digest
 from ..core.progress import progress_bar
-from ..core.prompt import FORMATS, detect_format
+from ..core.prompt import detect_format, no_format_reason
 from ..core.identity import NO_SALTS, SALTS_KEY, TENANT_KEY, Salts, block_id_for, check_block_id, incompatibility
 from ..store.chain import admit_written, capture_child
 
@@ -46,8 +46,8 @@ def prepare_labels(engine: "Engine", text: str, name: Optional[str], metadata: O
     if chat:
         fmt = detect_format(engine)
         if fmt is None:
-            raise ConfigError(f"model {engine.fingerprint.model_name!r} has no chat template (none in the GGUF and none of the hand-written "
-                              f"formats {', '.join(sorted(FORMATS))} fits); learn with chat=False")
+            raise ConfigError(f"model {engine.fingerprint.model_name!r} cannot learn a chat turn: "
+                              f"{no_format_reason(engine)}; learn with chat=False")
         name = name or default_name(text)
         meta["chat_format"] = fmt.name
         if fmt.template is not None:  # derived from the model's template: recall rebuilds it from these

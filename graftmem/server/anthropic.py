@@ -2,7 +2,7 @@
 
 What the ``anthropic`` package (and Claude Code, and any tool built on it) sends, with no change but
 ``base_url``. A thin adapter: a request is translated into the OpenAI chat form that
-`graftmem.server.openai.OpenAIRoutes` already serves (`to_chat`), so it is rendered by the model's own
+`graftmem.server.pipeline.ChatPipeline` already serves (`to_chat`), so it is rendered by the model's own
 template, grafted from the prefix cache through the same verbs (consent first, provenance stamped),
 bounded, queued and tenant-salted exactly like a chat completion; only the answer is formatted in
 Anthropic's shape (content blocks, ``stop_reason``, the ``message_start`` ... ``message_stop`` events).
@@ -19,7 +19,7 @@ outputs), which this server cannot honour yet. Claude Code's billing line (`BILL
 docs/agents.md has the table of every field.
 
 ``cache_control`` breakpoints (on a system block, a tool, a content block, or at the top level) are
-prefixes the client wants kept: `to_chat` turns them into prefixes of the chat messages, `OpenAIRoutes.chat_job`
+prefixes the client wants kept: `to_chat` turns them into prefixes of the chat messages, `ChatPipeline.chat_job`
 into segment boundaries (a breakpoint inside a message moves to that message's end: blocks are cut per
 message), and the prefix cache stores each one not stored yet at its first sighting
 (`PrefixCache.learn_target`), from the request's own cells, after the answer.
@@ -47,7 +47,7 @@ from starlette.routing import BaseRoute, Route
 from ..core import jsontext
 from .http import HTTPError, anthropic_error, guarded, in_band, sse
 from .pipeline import RECEIPT_HEADER, ChatPipeline, job_events
-from .tools import MAX_TOOLS, ToolSpec, ToolStream
+from .tools import MAX_TOOLS, AnswerParser, ToolSpec
 
 if TYPE_CHECKING:
     from .generate import Job, Result
@@ -178,7 +178,7 @@ def to_chat(body: dict[str, Any], *, count_only: bool = False, marks: Optional[l
     """An Anthropic Messages request as the OpenAI chat request it means (400 on what it cannot mean).
     ``count_only``: for ``count_tokens``, which sends no ``max_tokens``. ``marks`` receives the request's
     ``cache_control`` breakpoints as prefixes of the chat messages (counts of messages, for
-    `OpenAIRoutes.chat_job`): a tool's or a system block's is the end of the first message (the system
+    `ChatPipeline.chat_job`): a tool's or a system block's is the end of the first message (the system
     prompt, where templates render the tools), a message's is the end of that message, a top-level
     ``cache_control`` (automatic caching) is the end of the last message."""
     if not count_only:
@@ -264,7 +264,7 @@ def _usage(prompt: int, read: int, created: int, output: int) -> dict[str, Any]:
 
 
 class AnthropicRoutes:
-    """The Anthropic Messages door onto an `OpenAIRoutes`' job pipeline."""
+    """The Anthropic Messages door: a translator over the chat pipeline (`ChatPipeline`)."""
 
     def __init__(self, pipe: ChatPipeline) -> None:
         self.pipe = pipe
@@ -295,8 +295,11 @@ class AnthropicRoutes:
             if result is None:
                 return Response(status_code=499)
             receipt = self.pipe.receipt(job, result)
-            content, calls = self.pipe.split_answer(result, tools)
-            blocks: list[dict[str, Any]] = [{"type": "text", "text": content}] if content else []
+            answer = self.pipe.split_answer(result, job, tools)
+            calls = answer.calls
+            blocks: list[dict[str, Any]] = [{"type": "thinking", "thinking": answer.reasoning, "signature": ""}] \
+                if answer.reasoning else []
+            blocks += [{"type": "text", "text": answer.content}] if answer.content else []
             blocks += [self._tool_use(c) for c in calls]
             return JSONResponse({
                 "id": mid, "type": "message", "role": "assistant", "model": self.pipe.model_id, "content": blocks,
@@ -344,23 +347,32 @@ class AnthropicRoutes:
         was read and what will be written), one text block (opened at the first text), then the tool_use
         blocks once the answer is complete (a call is only known whole), ``message_delta`` with the
         stop reason and the final usage, ``message_stop``."""
-        held = ToolStream(tools.fmt) if tools is not None and tools.parse else None
+        parser = AnswerParser(self.pipe.answer_spec(job, tools))  # the answer's one parser, as the whole answer's
         index = 0
-        text_open = False
+        open_kind: Optional[str] = None  # the block being streamed: "thinking" or "text"
+        calls: list[dict[str, Any]] = []
 
-        def text(piece: str) -> bytes:
-            nonlocal text_open
+        def blocks(events: list[Any]) -> bytes:
+            nonlocal open_kind, index
             out = b""
-            if held is not None:
-                piece = held.feed(piece)
-            if not piece:
-                return out
-            if not text_open:
-                text_open = True
-                out += _sse("content_block_start", {"type": "content_block_start", "index": index,
-                                                    "content_block": {"type": "text", "text": ""}})
-            return out + _sse("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                      "delta": {"type": "text_delta", "text": piece}})
+            for e in events:
+                if e.kind == "call":
+                    calls.append(e.call)
+                    continue
+                kind = "thinking" if e.kind == "reasoning" else "text"
+                if open_kind != kind:
+                    if open_kind is not None:
+                        out += _sse("content_block_stop", {"type": "content_block_stop", "index": index})
+                        index += 1
+                    open_kind = kind
+                    start = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else \
+                        {"type": "text", "text": ""}
+                    out += _sse("content_block_start", {"type": "content_block_start", "index": index,
+                                                        "content_block": start})
+                delta = {"type": "thinking_delta", "thinking": e.text} if kind == "thinking" else \
+                    {"type": "text_delta", "text": e.text}
+                out += _sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+            return out
 
         try:
             await asyncio.wait((started, done), return_when=asyncio.FIRST_COMPLETED)
@@ -370,20 +382,13 @@ class AnthropicRoutes:
                 "stop_reason": None, "stop_sequence": None, "usage": _usage(prompt, read, created, 0)}})
             async for kind, payload in job_events(events, done):
                 if kind == "delta":
-                    if piece := text(payload[0]):
+                    if piece := blocks(parser.feed(payload[0])):
                         yield piece
                     continue
                 result: "Result" = payload
-                calls: list[dict[str, Any]] = []
-                if held is not None:
-                    content, calls = self.pipe.split_answer(result, tools)
-                    if rest := held.rest(result.text, calls):
-                        held = None  # what is left is plain text
-                        yield text(rest)
-                    elif calls and content and not text_open:  # the text before a call, held with it
-                        held = None
-                        yield text(content)
-                if text_open:
+                if rest := blocks(parser.finish()):
+                    yield rest
+                if open_kind is not None:
                     yield _sse("content_block_stop", {"type": "content_block_stop", "index": index})
                     index += 1
                 for call in calls:

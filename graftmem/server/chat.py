@@ -400,6 +400,8 @@ def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools:
     cuts: list[int] = []
     after: list[int] = []  # per cut: the messages before it
     notes: list[str] = []
+    if tools is not None and not tpl.uses_tools:  # a substitution is said where it happens (docs/models.md)
+        notes.append("tools: the model's template renders no tools; graftmem's Hermes tool text is in the system message")
     agreed = [0]  # per prefix of msgs: the characters of the whole prompt its render accounts for
     roles = [m.get("role") for m in msgs]
     shifted = {k + len(msgs) - len(messages) for k in marks}  # a system message of tools put first

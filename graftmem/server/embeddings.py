@@ -101,7 +101,7 @@ def _inputs(body: dict[str, Any], limits: Limits) -> list[str]:
 
 
 class EmbeddingRoutes:
-    """``/v1/embeddings`` over the router an `OpenAIRoutes` holds (its body limits and parsing too)."""
+    """``/v1/embeddings`` over the router the chat pipeline holds (`ChatPipeline`: its body limits and parsing too)."""
 
     def __init__(self, pipe: "ChatPipeline") -> None:
         self.pipe = pipe

@@ -102,6 +102,9 @@ class Job:
     grammar: Optional[str] = None
     #: what ``grammar`` may cost (`graftmem.core.grammar_limits`; the server's `Limits.grammar`)
     grammar_limits: GrammarLimits = DEFAULT_GRAMMAR_LIMITS
+    #: the texts of control tokens the answer shows (a family's markers, `graftmem.core.answers.AnswerSpec.specials`):
+    #: written out in the streamed deltas and the final text alike, so the answer's parser sees them
+    specials: frozenset[str] = frozenset()
     #: a stored chain this prompt continues (a Responses ``previous_response_id``): its blocks are the
     #: prompt's first ``base.n_segments`` segments and it is grafted (or found in RAM) instead of looked up
     base: Optional["Match"] = None
@@ -379,7 +382,7 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
         keep = can_keep(engine)
     else:
         match = cache.lookup(segs, keys, allow_unverified=consent, tenant=job.tenant) if caching and cache is not None else None
-    answer = AnswerText(engine.piece, job.stops)  # final text only: no half character, no partial stop
+    answer = AnswerText(_piece(engine, job.specials), job.stops)  # final text only: no half character, no partial stop
     entries: list[dict[str, Any]] = []
     pending: list[dict[str, Any]] = []  # logprob entries not streamed yet
 
@@ -538,6 +541,19 @@ def _capture_end(engine: "Engine", segs: Sequence[Sequence[int]], texts: Sequenc
     return EndState(parent=match, tokens=tokens, text="".join(texts[first:]) + answer_text_of(engine, generated),
                     calls=[len(s) for s in rest] + [1] * len(generated), state=bytes(engine.capture()),
                     one_token=engine.one_token_calls())
+
+
+def _piece(engine: "Engine", specials: frozenset[str]) -> Callable[[int], bytes]:
+    """A token's bytes in the answer: a control token's text where it is one of ``specials`` (a family's
+    markers: ``[TOOL_CALLS]``, ``<|channel|>``, as llama-server's preserved tokens), else its piece."""
+    if not specials:
+        return engine.piece
+
+    def piece(token: int) -> bytes:
+        if engine.is_control(token) and (text := engine.token_text(token)) in specials:
+            return text.encode()
+        return engine.piece(token)
+    return piece
 
 
 def answer_text_of(engine: "Engine", tokens: Sequence[int]) -> str:

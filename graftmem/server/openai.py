@@ -10,7 +10,7 @@ of prefilled (`graftmem.server.prefix`), after a restart too, and every response
 Per request, ``extra_body={"graftmem": {"cache": false}}`` serves cold (for comparisons and tests), and
 ``{"graftmem": {"allow_unverified": true}}`` consents to grafting blocks nothing here vouches for (without
 it they are passed over; every graft goes through `graftmem.memory.verbs.MemoryVerbs`). ``max_tokens`` is
-at most the engine's ``n_ctx``; a client that goes away cancels its request, streamed or not; a large
+at most the engine's ``n_ctx``; without it an answer may run to the end of the context (`DEFAULT_MAX_TOKENS`); a client that goes away cancels its request, streamed or not; a large
 body is parsed, rendered and tokenized off the event loop. With tenants (``serve --api-key-file``) the
 tenant of the request's key salts its prefix keys and owns what it learns (`graftmem.server.tenants`).
 Supported: ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop`` (up
@@ -24,7 +24,6 @@ are enforced by a grammar of the family's call syntax, ``parallel_tool_calls`` a
 segments of about 256 tokens (`graftmem.server.chat.chunk_prompt`) and uses the same prefix cache.
 """
 
-
 from __future__ import annotations
 
 import asyncio
@@ -37,14 +36,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
-from ..core.toolcalls import split_reasoning
 from ..memory import validate as check
 from .chat import chunk_prompt
 from .generate import Job, Result
 from .http import HTTPError, guarded, in_band, off_loop, sse
 from .pipeline import RECEIPT_HEADER, ChatPipeline, job_events, read_options
 from .tenants import tenant_of
-from .tools import ThinkStream, ToolSpec, ToolStream
+from .tools import AnswerParser, ToolSpec
 
 __all__ = ["OpenAIRoutes"]
 
@@ -108,47 +106,46 @@ class OpenAIRoutes:
             if result is None:
                 return Response(status_code=499)
             receipt = self.pipe.receipt(job, result)
-            payload = self._final(rid, created, result, receipt, chat=chat, tools=tools, reasoning=options.reasoning)
+            payload = self._final(rid, created, result, receipt, job, chat=chat, tools=tools, reasoning=options.reasoning)
             return JSONResponse(payload, headers={RECEIPT_HEADER: json.dumps(receipt)})
         events, done = await self.pipe.stream(job)  # 429 here, before the stream starts
-        think = None
-        template = self.pipe.template
-        if chat and template is not None and "</think>" in template.source and options.reasoning:
-            # a thinking model: its reasoning streams as reasoning_content (inside: the prompt opened it)
-            think = ThinkStream(inside=bool(job.texts) and job.texts[-1].rstrip().endswith("<think>"))
+        # the answer's one parser (`graftmem.core.answers`): reasoning, content and calls as they arrive
+        parser = AnswerParser(self.pipe.answer_spec(job, tools, options.reasoning)) if chat else None
         return StreamingResponse(self._sse(rid, created, job, events, done, chat=chat, usage=options.include_usage,
-                                           tools=tools, think=think),
+                                           parser=parser),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _sse(self, rid: str, created: int, job: Job, events: "asyncio.Queue[tuple[str, Any]]",
                    done: "asyncio.Future[Result]", *, chat: bool, usage: bool,
-                   tools: Optional[ToolSpec] = None, think: Optional[ThinkStream] = None) -> AsyncIterator[bytes]:
+                   parser: Optional[AnswerParser] = None) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
-        held = ToolStream(tools.fmt) if tools is not None and tools.parse else None
+        calls: list[dict[str, Any]] = []
 
         def chunk(choice: dict[str, Any], **extra: Any) -> bytes:
             d = {"id": rid, "object": obj, "created": created, "model": self.model_id,
                  "choices": [choice] if choice else [], **extra}
             return sse(d)
 
-        def delta(text: str, entries: list[dict[str, Any]]) -> bytes:
-            if think is not None:
-                thought, text = think.feed(text)
-                out = chunk({"index": 0, "delta": {"reasoning_content": thought}, "logprobs": None,
-                             "finish_reason": None}) if thought else b""
-                if not text and not entries:
-                    return out
-                return out + content_delta(text, entries)
-            return content_delta(text, entries)
+        def parsed(events: list[Any], entries: list[dict[str, Any]]) -> bytes:
+            out = b""
+            for e in events:
+                if e.kind == "reasoning":
+                    out += chunk({"index": 0, "delta": {"reasoning_content": e.text}, "logprobs": None,
+                                  "finish_reason": None})
+                elif e.kind == "content":
+                    out += chunk({"index": 0, "delta": {"content": e.text},
+                                  "logprobs": {"content": entries} if job.logprobs else None, "finish_reason": None})
+                    entries = []
+                else:
+                    calls.append(e.call)
+            if entries and job.logprobs:
+                out += chunk({"index": 0, "delta": {"content": ""}, "logprobs": {"content": entries},
+                              "finish_reason": None})
+            return out
 
-        def content_delta(text: str, entries: list[dict[str, Any]]) -> bytes:
-            if held is not None:
-                text = held.feed(text)
-                if not text and not entries:
-                    return b""
-            if chat:
-                return chunk({"index": 0, "delta": {"content": text},
-                              "logprobs": {"content": entries} if job.logprobs else None, "finish_reason": None})
+        def delta(text: str, entries: list[dict[str, Any]]) -> bytes:
+            if parser is not None:
+                return parsed(parser.feed(text), entries)
             return chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": None})
 
         try:
@@ -162,22 +159,9 @@ class OpenAIRoutes:
                     continue
                 result: Result = payload
                 reason = "stop" if result.finish_reason in ("stop", "cancelled") else result.finish_reason
-                final_text = result.text
-                if think is not None:
-                    thought, tail = think.flush()
-                    if thought:
-                        yield chunk({"index": 0, "delta": {"reasoning_content": thought}, "logprobs": None,
-                                     "finish_reason": None})
-                    if tail and held is None:
-                        yield chunk({"index": 0, "delta": {"content": tail}, "logprobs": None, "finish_reason": None})
-                    elif tail and held is not None:
-                        held.feed(tail)
-                    if "</think>" in final_text:
-                        final_text = split_reasoning(final_text)[1]
-                if held is not None:
-                    _, calls = self.pipe.split_answer(result, tools)
-                    if rest := held.rest(final_text, calls):
-                        yield chunk({"index": 0, "delta": {"content": rest}, "logprobs": None, "finish_reason": None})
+                if parser is not None:
+                    if rest := parsed(parser.finish(), []):
+                        yield rest
                     if calls:
                         yield chunk({"index": 0, "delta": {"tool_calls": [{"index": j, **c} for j, c in enumerate(calls)]},
                                      "logprobs": None, "finish_reason": None})
@@ -202,20 +186,18 @@ class OpenAIRoutes:
         return {"prompt_tokens": r.prompt_tokens, "completion_tokens": n, "total_tokens": r.prompt_tokens + n,
                 "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
 
-    def _final(self, rid: str, created: int, r: Result, receipt: dict[str, Any], *, chat: bool,
+    def _final(self, rid: str, created: int, r: Result, receipt: dict[str, Any], job: Optional[Job] = None, *, chat: bool,
                tools: Optional[ToolSpec] = None, reasoning: bool = True) -> dict[str, Any]:
         reason = "stop" if r.finish_reason in ("stop", "cancelled") else r.finish_reason
         if chat:
-            content, calls = self.pipe.split_answer(r, tools)
-            message: dict[str, Any] = {"role": "assistant", "content": content}
-            if self.pipe.template is not None and reasoning and content:
-                # a thinking model's reasoning apart from its answer (llama-server's default
-                # --reasoning-format; "reasoning_format": "none" keeps it in the content)
-                thought, rest = split_reasoning(content)
-                if thought is not None:
-                    message["reasoning_content"], message["content"] = thought, rest.strip() or None
-            if calls:
-                message["tool_calls"] = calls
+            # a thinking model's reasoning apart from its answer (llama-server's default --reasoning-format;
+            # "reasoning_format": "none" keeps it in the content), with or without calls
+            answer = self.pipe.split_answer(r, job, tools, reasoning)
+            message: dict[str, Any] = {"role": "assistant", "content": answer.content}
+            if answer.reasoning is not None:
+                message["reasoning_content"] = answer.reasoning
+            if answer.calls:
+                message["tool_calls"] = answer.calls
                 reason = "tool_calls"
             choice: dict[str, Any] = {"index": 0, "message": message,
                                       "logprobs": {"content": r.logprobs} if r.logprobs else None,

@@ -50,14 +50,14 @@ from ..memory.access import Access
 from ..memory.router import DEFAULT_MIN_SCORE, LEX_WEIGHT
 from ..memory.verbs import MemoryVerbs
 from ..store.chain import chain_of
-from .chat import (TokenCache, answer_text, bound_messages, literal_spans, render_segments, template_kwargs,
+from .chat import (TokenCache, bound_messages, literal_spans, render_segments, template_kwargs,
                    template_segments, tokenize_segments)
 from .generate import Job, Result, check_fits, run_job
 from .http import HTTPError, Limits, client_gone, json_object, off_loop, read_body
 from .pool import EnginePool
 from .routing import RouterRef
 from .tenants import tenant_of
-from .tools import ToolSpec, parse_calls, parse_tools
+from .tools import Answer, AnswerSpec, ToolSpec, answer_spec, parse_tools, split_answer
 
 if TYPE_CHECKING:
     from ..store.protocol import BlockStore
@@ -70,7 +70,9 @@ log = logging.getLogger("graftmem")
 #: the header every door puts a non-streamed answer's receipt in (JSON)
 RECEIPT_HEADER = "X-Graftmem-Receipt"
 T = TypeVar("T")
-DEFAULT_MAX_TOKENS = 256
+#: Without ``max_tokens`` an answer may run to the end of the context, as llama-server's (``n_predict``
+#: -1): a reasoning model's thinking alone once ran past a 256-token default and the Agents SDK raised
+DEFAULT_MAX_TOKENS = None
 
 
 def _num(body: dict[str, Any], name: str, default: Any, kind: type, lo: float, hi: float) -> Any:
@@ -99,7 +101,7 @@ class Options:
     """What a request asks of its answer and of graftmem, read and checked once (`read_options`), in the
     chat (or completions) shape every door translates its body into."""
 
-    max_tokens: int
+    max_tokens: Optional[int]  #: None: up to the end of the context (`DEFAULT_MAX_TOKENS`)
     sampling: Sampling
     stops: tuple[str, ...] = ()
     logprobs: bool = False
@@ -372,13 +374,17 @@ class ChatPipeline:
             job.marks = [k for k in job.marks if k <= first + shift]
         if notes:
             job.extra = {**(routed or {}), "template": {"notes": notes}}
+        job.specials = self.answer_spec(job, req.tools).specials  # the family's markers: text in the answer
         return job
 
     async def job(self, options: Options, segments: list[list[int]], texts: list[str], *, chat: bool,
                   tools: Optional[ToolSpec] = None) -> Job:
         """The `Job` of segments already built (a chat request's, a completion's chunks, a stored chain and
         its continuation): the context checked against ``options.max_tokens``, the grammar made."""
-        if (why := check_fits(self.engine0, segments, options.max_tokens)) is not None:
+        max_tokens = options.max_tokens
+        if max_tokens is None:  # up to the context (DEFAULT_MAX_TOKENS)
+            max_tokens = max(1, self.engine0.n_ctx - sum(len(s) for s in segments))
+        if (why := check_fits(self.engine0, segments, max_tokens)) is not None:
             raise HTTPError(400, why, param="messages" if chat else "prompt", code="context_length_exceeded")
         grammar = None
         fmt = options.response_format
@@ -387,7 +393,7 @@ class ChatPipeline:
             # schema of 100,000 enum values once held the event loop 13 s
             grammar = await self.budgeted(lambda: self._grammar(fmt, tools, texts), "making the answer's grammar",
                                           "response_format")
-        return Job(segments=segments, texts=texts, max_tokens=options.max_tokens, sampling=options.sampling,
+        return Job(segments=segments, texts=texts, max_tokens=max_tokens, sampling=options.sampling,
                    stops=list(options.stops), logprobs=options.logprobs, top_logprobs=options.top_logprobs,
                    use_cache=options.cache, learn_tail=2 if chat else 1,
                    allow_unverified=options.allow_unverified or self.allow_unverified, grammar=grammar,
@@ -561,17 +567,17 @@ class ChatPipeline:
         return answered.result() if answered.done() else done.result()
 
     # ------------------------------------------------------------------ split
-    def _call_text(self, r: Result, tools: Optional[ToolSpec]) -> str:
-        """The answer as the parser of the tools' family reads it: with the text of control tokens
-        (Mistral's ``[TOOL_CALLS]``, harmony's ``<|channel|>``), which the streamed text leaves out."""
-        if tools is None or tools.fmt.name in ("hermes", "qwen-xml") or not r.tokens:
-            return r.text
-        return answer_text(self.engine0, r.tokens)
+    def answer_spec(self, job: Optional[Job], tools: Optional[ToolSpec], reasoning: bool = True) -> AnswerSpec:
+        """How the answer to ``job`` splits (`graftmem.server.tools.answer_spec`): the same for every
+        door, streamed or not."""
+        tail = job.texts[-1] if job is not None and job.texts else ""
+        return answer_spec(self.template, tools, reasoning=reasoning, prompt_tail=tail)
 
-    def split_answer(self, r: Result, tools: Optional[ToolSpec]) -> tuple[Optional[str], list[dict[str, Any]]]:
-        """The answer's text and its tool calls (OpenAI's ``tool_calls`` entries), parsed in the tools'
-        family format; what every door turns into its own blocks."""
-        return parse_calls(self._call_text(r, tools), tools)
+    def split_answer(self, r: Result, job: Optional[Job], tools: Optional[ToolSpec], reasoning: bool = True) -> Answer:
+        """The whole answer split into content, reasoning and tool calls (OpenAI's ``tool_calls``
+        entries): the stream's parser (`graftmem.core.answers.AnswerParser`) fed at once, so a streamed
+        and a whole answer cannot disagree; what every door turns into its own blocks."""
+        return split_answer(r.text, self.answer_spec(job, tools, reasoning))
 
     @staticmethod
     def receipt(job: Job, r: Result) -> dict[str, Any]:

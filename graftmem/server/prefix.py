@@ -392,7 +392,7 @@ class PrefixCache:
         3,000-token SmolLM2 prefix, which the next turn of the same agent used to wait for). Until
         then its prefixes count as learned for `learn_target()` (no second copy is taken) but are not
         found by `lookup()`: the next request reuses the same cells from RAM. `flush()` waits for
-        what is queued (graceful shutdown, `OpenAIRoutes.wait_idle`)."""
+        what is queued (graceful shutdown, `ChatPipeline.wait_idle`)."""
         keys = prefix_keys(segments[:first + len(states)], tenant)[first:]
         with self._lock:
             for k in keys:

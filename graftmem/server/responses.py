@@ -3,7 +3,7 @@
 
 What ``client.responses.create(...)`` (and the OpenAI Agents SDK's default model, and Codex) sends, with
 no change but ``base_url``. A thin adapter: the request's ``instructions`` and ``input`` items become the
-chat messages they stand for and are served by `graftmem.server.openai.OpenAIRoutes`' job pipeline (the
+chat messages they stand for and are served by the chat pipeline (`graftmem.server.pipeline.ChatPipeline`) (the
 model's template, the prefix cache, consent through `graftmem.memory.verbs.MemoryVerbs`, tenants,
 bounds); only the answer is formatted as a Response (output items, the ``response.*`` stream events).
 
@@ -52,7 +52,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from ..core.errors import GraftmemError
-from ..core.toolcalls import split_reasoning
 from ..core.blocks import AUTO_KIND
 from ..memory.verbs import first_untrusted
 from ..store.chain import CALLS_KEY, chain_of
@@ -61,7 +60,7 @@ from .http import HTTPError, guarded, in_band, sse
 from .pipeline import RECEIPT_HEADER, ChatPipeline, ChatRequest, job_events
 from .prefix import Match
 from .tenants import owner_of, tenant_of
-from .tools import MAX_TOOLS, ToolSpec, ToolStream
+from .tools import MAX_TOOLS, AnswerParser, ToolSpec
 
 if TYPE_CHECKING:
     from ..core.blocks import Block
@@ -426,7 +425,7 @@ class ResponseStore:
 
 
 class ResponsesRoutes:
-    """The Responses door onto an `OpenAIRoutes`' job pipeline, and the stored responses."""
+    """The Responses door (a translator over `ChatPipeline`) and the stored responses."""
 
     def __init__(self, pipe: ChatPipeline, *, ttl: Optional[float] = DEFAULT_TTL,
                  clock: Callable[[], float] = time.time) -> None:
@@ -615,14 +614,11 @@ class ResponsesRoutes:
             out.append(it)
         return out
 
-    def _output(self, rid: str, result: "Result", tools: Optional[ToolSpec]) -> list[dict[str, Any]]:
-        content, calls = self.pipe.split_answer(result, tools)
+    def _output(self, rid: str, result: "Result", tools: Optional[ToolSpec], job: "Job") -> list[dict[str, Any]]:
+        answer = self.pipe.split_answer(result, job, tools)  # the stream's parser fed at once
+        content, calls, thought = answer.content, answer.calls, answer.reasoning
         status = "incomplete" if result.finish_reason == "length" else "completed"
         items: list[dict[str, Any]] = []
-        thought = None
-        if content and self.pipe.template is not None and "</think>" in content:
-            thought, content = split_reasoning(content)
-            content = content.strip() or None
         if content or not calls:
             items.append({"id": f"msg_{rid[5:]}", "type": "message", "role": "assistant", "status": status,
                           "content": [{"type": "output_text", "text": content or "", "annotations": [], "logprobs": []}]})
@@ -636,7 +632,7 @@ class ResponsesRoutes:
 
     def _complete(self, obj: dict[str, Any], result: "Result", tools: Optional[ToolSpec], job: "Job") -> dict[str, Any]:
         out = dict(obj)
-        out["output"] = self._output(obj["id"], result, tools)
+        out["output"] = self._output(obj["id"], result, tools, job)
         length = result.finish_reason == "length"
         out["status"] = "incomplete" if length else "completed"
         out["incomplete_details"] = {"reason": "max_output_tokens"} if length else None
@@ -659,7 +655,7 @@ class ResponsesRoutes:
         (``output_item.added``, ``content_part.added``, ``output_text.delta`` ...), closed at the end, then
         each function call as one item (``function_call_arguments.delta`` / ``.done``: a call is only
         known whole), ``response.completed`` (``response.incomplete`` when cut by ``max_output_tokens``)."""
-        held = ToolStream(tools.fmt) if tools is not None and tools.parse else None
+        parser = AnswerParser(self.pipe.answer_spec(job, tools))  # the whole answer's parser, fed as it arrives
         seq = 0
         msg_id = f"msg_{obj['id'][5:]}"
         text_open = False
@@ -683,9 +679,7 @@ class ResponsesRoutes:
             yield ev("response.in_progress", response=obj)
             async for kind, payload in job_events(events, done):
                 if kind == "delta":
-                    piece = payload[0]
-                    if held is not None:
-                        piece = held.feed(piece)
+                    piece = "".join(e.text for e in parser.feed(payload[0]) if e.kind == "content")
                     if piece:
                         out = b"" if text_open else open_text()
                         streamed.append(piece)

@@ -15,9 +15,10 @@ Everything is rendered deterministically (sorted keys, fixed separators), so the
 same conversation always give the same token ids: the tool block is part of the stable prefix that the
 prefix cache learns and grafts, like the system prompt it extends.
 
-A model's answer is searched for complete ``<tool_call>...</tool_call>`` spans whose JSON names a tool
-of the request; each one becomes an entry of ``message.tool_calls`` (``arguments`` as a JSON string, as
-OpenAI sends it) and the finish reason is ``"tool_calls"``. Text outside the spans stays the content.
+A model's answer is split by `graftmem.core.answers` (one state machine for the stream and the whole
+answer; `answer_spec` is the rule that sets it up for a request): each call of a tool of the request
+becomes an entry of ``message.tool_calls`` (``arguments`` as a JSON string, as OpenAI sends it) and the
+finish reason is ``"tool_calls"``; text outside the calls stays the content, reasoning goes apart.
 ``tool_choice: "none"`` keeps the tools in the prompt but parses nothing; ``"required"`` and a named
 function are enforced: the answer is decoded under a grammar of a call in the family's own syntax
 (`ToolSpec.forced`, `graftmem.core.toolcalls.call_grammar`), so it parses into calls every time.
@@ -27,21 +28,23 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
-from ..core import jsontext, toolcalls
+from ..core import answers, jsontext, toolcalls
+from ..core.answers import Answer, AnswerParser, AnswerSpec, Event
 from ..core.toolcalls import ToolCallFormat
 from .http import HTTPError
 
+if TYPE_CHECKING:
+    from ..core.template import ChatTemplate
+
 __all__ = ["ToolSpec", "CALL_OPEN", "CALL_CLOSE", "MAX_TOOLS", "parse_tools", "tools_prompt", "render_calls",
-           "render_tool_result", "parse_calls", "ToolStream", "ThinkStream"]
+           "render_tool_result", "answer_spec", "split_answer", "Answer", "AnswerParser", "AnswerSpec", "Event"]
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 #: The tools one request may offer (OpenAI's own limit); every door checks it before converting them.
 MAX_TOOLS = 128
-_CALL_RE = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.S)
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
@@ -162,122 +165,22 @@ def render_tool_result(content: str) -> str:
     return f"<tool_response>\n{content}\n</tool_response>"
 
 
-def parse_calls(text: str, spec: Optional[ToolSpec]) -> tuple[Optional[str], list[dict[str, Any]]]:
-    """The content and the tool calls in an answer (no calls: the text unchanged and an empty list)."""
-    if spec is not None and spec.parse and spec.fmt is not toolcalls.HERMES:
-        parsed = toolcalls.parse(text, spec.fmt, spec.names)
-        return (parsed.content, parsed.calls) if parsed.calls else (text, [])
-    if spec is None or not spec.parse or CALL_OPEN not in text:
-        return text, []
-    calls = []
-    for m in _CALL_RE.finditer(text):
-        try:
-            obj = jsontext.loads(m.group(1))
-        except ValueError:  # not JSON, or nested too deep (100,000 brackets are text, not a RecursionError)
-            continue
-        if not isinstance(obj, dict) or obj.get("name") not in spec.names:
-            continue
-        args = obj.get("arguments", obj.get("parameters", {}))
-        calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                      "function": {"name": obj["name"],
-                                   "arguments": args if isinstance(args, str) else json.dumps(args)}})
-    if not calls:
-        return text, []
-    content = _CALL_RE.sub("", text).strip()
-    return content or None, calls
+def answer_spec(template: Optional["ChatTemplate"], tools: Optional[ToolSpec], *, reasoning: bool = True,
+                prompt_tail: str = "") -> AnswerSpec:
+    """How an answer to this request splits (`graftmem.core.answers`): the request's tools (none, or
+    ``tool_choice: "none"``: calls are not parsed), the family of the model's template (a template that
+    renders no tools gets graftmem's Hermes prompt: Hermes calls, and its own family's too), its
+    reasoning tags unless ``reasoning_format: "none"``, and whether the prompt (``prompt_tail``: its
+    last text) opened the think block. The one rule every door uses, streamed or not."""
+    names = tools.names if tools is not None and tools.parse else None
+    src = template.source if template is not None else None
+    fmt = None  # no tools: the template's own family (its channels, for harmony)
+    if tools is not None:  # the family the tools are written in: the template's, or graftmem's Hermes prompt
+        fmt = toolcalls.tool_format(src) if template is not None and template.uses_tools else toolcalls.HERMES
+    return answers.answer_spec(src, fmt=fmt, names=names, reasoning=reasoning and template is not None,
+                               prompt_tail=prompt_tail)
 
 
-class ToolStream:
-    """Streams an answer's content while holding back anything that may be a tool call.
-
-    Text is passed on until ``<tool_call>`` appears (or may be appearing: a suffix that is a prefix of
-    it is held); from there on nothing is streamed, and `finish()` decides from the whole answer.
-    Llama 3's bare JSON is held until the answer's first character: ``{`` holds it whole, anything
-    else streams. Other families whose call markers may be control tokens (Mistral, harmony, DeepSeek,
-    Gemma 4: the streamed text never shows them) are held whole and decided at the end."""
-
-    def __init__(self, fmt: ToolCallFormat = toolcalls.HERMES) -> None:
-        self.buf, self.sent = "", 0
-        self.bare_json = fmt.bare_json
-        self.held = fmt not in (toolcalls.HERMES, toolcalls.QWEN_XML) and not fmt.bare_json
-
-    def feed(self, text: str) -> str:
-        self.buf += text
-        if self.bare_json:
-            head = self.buf.lstrip()
-            if not head:
-                return ""
-            self.bare_json, self.held = False, head.startswith("{")
-        if self.held:
-            return ""
-        cut = self.buf.find(CALL_OPEN, self.sent)
-        if cut >= 0:
-            self.held = True
-            safe = cut
-        else:
-            safe = len(self.buf)
-            for n in range(min(len(CALL_OPEN) - 1, len(self.buf) - self.sent), 0, -1):
-                if CALL_OPEN.startswith(self.buf[-n:]):
-                    safe -= n
-                    break
-        out, self.sent = self.buf[self.sent:safe], max(self.sent, safe)
-        return out
-
-    def rest(self, final_text: str, calls: Sequence[dict[str, Any]]) -> str:
-        """What content is still to send once the answer is complete."""
-        if calls:
-            return ""
-        return final_text[self.sent:] if final_text.startswith(self.buf[:self.sent]) else ""
-
-
-class ThinkStream:
-    """Splits a streamed answer into reasoning and content at ``<think>...</think>``, as
-    `graftmem.core.toolcalls.split_reasoning` splits a whole one.
-
-    ``inside``: the prompt opened the think block (Qwen3's and DeepSeek R1's generation prompts end with
-    ``<think>``), so the answer starts as reasoning. A suffix that may be the start of a tag is held
-    until the next piece decides; whitespace right after ``</think>`` is dropped, as the whole-answer
-    split drops it, so the streamed content equals the final one."""
-
-    OPEN, CLOSE = "<think>", "</think>"
-
-    def __init__(self, inside: bool = False) -> None:
-        self.buf, self.state = "", "think" if inside else "start"
-
-    def feed(self, text: str) -> tuple[str, str]:
-        """``(reasoning, content)`` that may be sent now."""
-        self.buf += text
-        think, content = "", ""
-        while True:
-            if self.state == "start":
-                head = self.buf.lstrip()
-                if not head or (self.OPEN.startswith(head) and head != self.OPEN):
-                    return think, content  # nothing yet, or maybe "<think>" arriving
-                if head.startswith(self.OPEN):
-                    self.buf, self.state = head[len(self.OPEN):], "think"
-                    continue
-                self.state = "content"
-            if self.state == "think":
-                i = self.buf.find(self.CLOSE)
-                if i >= 0:
-                    think += self.buf[:i]
-                    self.buf, self.state = self.buf[i + len(self.CLOSE):], "after"
-                    continue
-                keep = next((n for n in range(min(len(self.CLOSE) - 1, len(self.buf)), 0, -1)
-                             if self.CLOSE.startswith(self.buf[-n:])), 0)
-                think += self.buf[:len(self.buf) - keep]
-                self.buf = self.buf[len(self.buf) - keep:]
-                return think, content
-            if self.state == "after":
-                self.buf = self.buf.lstrip()
-                if not self.buf:
-                    return think, content
-                self.state = "content"
-            content += self.buf
-            self.buf = ""
-            return think, content
-
-    def flush(self) -> tuple[str, str]:
-        """What is left at the end of the answer (a held partial tag is text after all)."""
-        rest, self.buf = self.buf, ""
-        return (rest, "") if self.state == "think" else ("", rest if self.state != "after" else rest.lstrip())
+def split_answer(text: str, spec: AnswerSpec) -> Answer:
+    """The whole answer split (`graftmem.core.answers.split_answer`: the stream fed at once)."""
+    return answers.split_answer(text, spec)
