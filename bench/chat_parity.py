@@ -30,7 +30,6 @@ build took 20 minutes on a shared 2-core machine (ggml, libllama, llama-common);
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import fcntl
 import hashlib
 import importlib.util
@@ -50,9 +49,8 @@ from typing import Any, Optional
 
 import platformdirs
 
-from graftmem.core.template import ChatTemplate
-from graftmem.core.toolcalls import split_reasoning, tool_format
-from graftmem.server.tools import ThinkStream, ToolStream, parse_calls, parse_tools
+from graftmem.core import ChatTemplate
+from graftmem.server import AnswerParser, answer_spec, request_tools, split_answer
 
 from .harness import ROOT, write_results
 from .peer import VERSION, PeerUnavailable, _run
@@ -68,84 +66,35 @@ def graftmem_answer(template_source: str, text: str, tools: Optional[Sequence[Ma
                     chunks: Sequence[int] = (), *, control: Sequence[str] = (),
                     kwargs: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
     """graftmem's chat answer to a model output: ``{"content", "reasoning_content", "tool_calls": [{"name",
-    "arguments"}]}``, as the server builds it (``graftmem/server/openai.py``: ``_final``, ``_sse``; the
-    steps they call in ``pipeline.py``) for a model served with its own template ``template_source``, a
-    request with ``tools`` (OpenAI's shape; None: none) and the default ``reasoning_format``.
+    "arguments"}]}``, as the server builds it for a model served with its own template ``template_source``,
+    a request with ``tools`` (OpenAI's shape; None: none) and the default ``reasoning_format``: the tools
+    in the model's call format (`request_tools`, what ``ChatPipeline.tool_spec`` calls), how the answer
+    splits (`answer_spec`, what ``ChatPipeline.answer_spec`` calls with the prompt's last text), then the
+    whole answer through `split_answer` (``OpenAIRoutes._final``) or the stream through one `AnswerParser`
+    fed piece by piece (``OpenAIRoutes._sse``).
 
-    ``text``: the output with every marker written out (what llama.cpp's parser reads). ``control``: the
-    markers that are control tokens in the model's vocabulary: the engine's streamed text leaves them out
-    (``Result.text``), the tool-call text of the non-Hermes families writes them (``_call_text``).
-    ``streamed``: the answer is fed to the stream path in pieces of ``chunks`` characters (cycled; the
-    rest of the text in 1-character pieces if they run out); else it is parsed whole. ``kwargs``: the
-    request's ``chat_template_kwargs``.
+    ``text``: the output with every marker written out, as llama.cpp's parser reads it and as the server's
+    answer text holds it (the engine writes the family's control-token markers, ``Job.specials``, out as
+    text). ``control``: the markers that are control tokens in the model's vocabulary (kept for the record:
+    the server no longer reads them apart). ``streamed``: fed in pieces of ``chunks`` characters (cycled;
+    1-character pieces if they run out); else parsed whole. ``kwargs``: the request's
+    ``chat_template_kwargs``.
 
     This is the one place that calls graftmem: point it at a new parser when the server uses one."""
     tpl = ChatTemplate(source=template_source)
-    spec = parse_tools({"tools": list(tools)} if tools else {})
-    if spec is not None and tpl.uses_tools:  # Pipeline.tool_spec (graftmem/server/pipeline.py)
-        spec = dataclasses.replace(spec, fmt=tool_format(tpl.source))
-    plain = text  # Result.text: the pieces of the generated tokens, control tokens empty
-    for marker in control:
-        plain = plain.replace(marker, "")
-    call_text = plain if spec is None or spec.fmt.name in ("hermes", "qwen-xml") else text  # Pipeline._call_text
-    reasoning = True  # body.get("reasoning_format", "auto") != "none"
-
-    if not streamed:  # OpenAIServer._final
-        content, calls = parse_calls(call_text, spec)
-        message: dict[str, Any] = {"content": content, "reasoning_content": None}
-        if reasoning and content:
-            thought, rest = split_reasoning(content)
-            if thought is not None:
-                message["reasoning_content"], message["content"] = thought, rest.strip() or None
-        message["tool_calls"] = [_call(c) for c in calls]
-        return message
-
-    # OpenAIServer._serve / _sse
+    spec = request_tools({"tools": list(tools)} if tools else {}, tpl)
     prompt = tpl.render([{"role": "user", "content": USER}], add_generation_prompt=True,
                         tools=[dict(t) for t in tools] if tools and tpl.uses_tools else None, **dict(kwargs or {}))
-    think = ThinkStream(inside=prompt.rstrip().endswith("<think>")) \
-        if "</think>" in tpl.source and reasoning else None
-    held = ToolStream(spec.fmt) if spec is not None and spec.parse else None
-    thoughts: list[str] = []
-    contents: list[str] = []
-    out_calls: list[dict[str, Any]] = []
-
-    def content_delta(piece: str) -> None:
-        if held is not None:
-            piece = held.feed(piece)
-            if not piece:
-                return
-        contents.append(piece)
-
-    def delta(piece: str) -> None:
-        if think is not None:
-            thought, piece = think.feed(piece)
-            if thought:
-                thoughts.append(thought)
-            if not piece:
-                return
-        content_delta(piece)
-
-    for piece in _pieces(plain, chunks):
-        delta(piece)
-    final_text = plain
-    if think is not None:
-        thought, tail = think.flush()
-        if thought:
-            thoughts.append(thought)
-        if tail and held is None:
-            contents.append(tail)
-        elif tail and held is not None:
-            held.feed(tail)
-        if "</think>" in final_text:
-            final_text = split_reasoning(final_text)[1]
-    if held is not None:
-        _, calls = parse_calls(call_text, spec)
-        if rest := held.rest(final_text, calls):
-            contents.append(rest)
-        out_calls = [_call(c) for c in calls]
-    return {"content": "".join(contents) or None, "reasoning_content": "".join(thoughts) or None,
-            "tool_calls": out_calls}
+    how = answer_spec(tpl, spec, reasoning=True, prompt_tail=prompt)
+    if not streamed:
+        answer = split_answer(text, how)
+        return {"content": answer.content, "reasoning_content": answer.reasoning,
+                "tool_calls": [_call(c) for c in answer.calls]}
+    parser = AnswerParser(how)
+    events = [e for piece in _pieces(text, chunks) for e in parser.feed(piece)] + parser.finish()
+    return {"content": "".join(e.text for e in events if e.kind == "content") or None,
+            "reasoning_content": "".join(e.text for e in events if e.kind == "reasoning") or None,
+            "tool_calls": [_call(e.call) for e in events if e.kind == "call" and e.call is not None]}
 
 
 def _call(entry: Mapping[str, Any]) -> dict[str, Any]:

@@ -13,6 +13,8 @@ from .prefix import AUTO_KIND, PrefixCache
 from .rest import MemoryRoutes
 from .service import api_server, bind, block_server
 from .tenants import ApiKeys, hash_key
+from .tools import AnswerParser, answer_spec, request_tools, split_answer
 
-__all__ = ["AUTO_KIND", "ApiKeys", "BlockRoutes", "BlockServer", "ChatPipeline", "EnginePool", "Limits", "MemoryRoutes", "OpenAIRoutes", "PrefixCache",
-           "RECEIPT_HEADER", "ServeConfig", "api_server", "bind", "block_server", "hash_key", "pool_engines"]
+__all__ = ["AUTO_KIND", "AnswerParser", "ApiKeys", "BlockRoutes", "BlockServer", "ChatPipeline", "EnginePool", "Limits", "MemoryRoutes", "OpenAIRoutes", "PrefixCache",
+           "RECEIPT_HEADER", "ServeConfig", "answer_spec", "api_server", "bind", "block_server", "hash_key", "pool_engines", "request_tools",
+           "split_answer"]

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import dataclasses
 import itertools
 import logging
 import threading
@@ -44,7 +43,7 @@ from ..core.errors import ConfigError, GraftmemError
 from ..core.grammar_limits import check_schema
 from ..core.prompt import detect_format, request_template
 from ..core.renderpool import RenderPool
-from ..core.toolcalls import call_grammar, tool_format
+from ..core.toolcalls import call_grammar
 from ..memory import validate as check
 from ..memory.access import Access
 from ..memory.router import DEFAULT_MIN_SCORE, LEX_WEIGHT
@@ -57,7 +56,7 @@ from .http import HTTPError, Limits, client_gone, json_object, off_loop, read_bo
 from .pool import EnginePool
 from .routing import RouterRef
 from .tenants import tenant_of
-from .tools import Answer, AnswerSpec, ToolSpec, answer_spec, parse_tools, split_answer
+from .tools import Answer, AnswerSpec, ToolSpec, answer_spec, request_tools, split_answer
 
 if TYPE_CHECKING:
     from ..store.protocol import BlockStore
@@ -298,12 +297,8 @@ class ChatPipeline:
         bound_messages(messages, limit, self.limits.max_message_parts, param=param, why=why)
 
     def tool_spec(self, body: dict[str, Any]) -> Optional[ToolSpec]:
-        """The request's tools (``tools`` / ``tool_choice`` in the chat shape), in the call grammar the
-        model answers in: its family's when its template renders the tools, else Hermes."""
-        tools = parse_tools(body)
-        if tools is not None and self.template is not None and self.template.uses_tools:
-            tools = dataclasses.replace(tools, fmt=tool_format(self.template.source))
-        return tools
+        """The request's tools in the call grammar the model answers in (`request_tools`)."""
+        return request_tools(body, self.template)
 
     def _check_schemas(self, fmt: Any, tools: Optional[ToolSpec]) -> None:
         """The schemas a grammar will be made of, checked against `Limits.grammar` (a walk, no conversion)

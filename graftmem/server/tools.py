@@ -26,6 +26,7 @@ function are enforced: the answer is decoded under a grammar of a call in the fa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     from ..core.template import ChatTemplate
 
 __all__ = ["ToolSpec", "CALL_OPEN", "CALL_CLOSE", "MAX_TOOLS", "parse_tools", "tools_prompt", "render_calls",
-           "render_tool_result", "answer_spec", "split_answer", "Answer", "AnswerParser", "AnswerSpec", "Event"]
+           "render_tool_result", "request_tools", "answer_spec", "split_answer", "Answer", "AnswerParser", "AnswerSpec", "Event"]
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 #: The tools one request may offer (OpenAI's own limit); every door checks it before converting them.
@@ -163,6 +164,16 @@ def render_calls(calls: Any, i: int) -> str:
 
 def render_tool_result(content: str) -> str:
     return f"<tool_response>\n{content}\n</tool_response>"
+
+
+def request_tools(body: dict[str, Any], template: Optional["ChatTemplate"]) -> Optional[ToolSpec]:
+    """The request's tools (``tools`` / ``tool_choice`` in the chat shape, `parse_tools`) in the call
+    format the model answers in: its template's family when the template renders the tools, else Hermes
+    (graftmem's tool prompt). The one rule the chat pipeline and the parity bench use."""
+    tools = parse_tools(body)
+    if tools is not None and template is not None and template.uses_tools:
+        tools = dataclasses.replace(tools, fmt=toolcalls.tool_format(template.source))
+    return tools
 
 
 def answer_spec(template: Optional["ChatTemplate"], tools: Optional[ToolSpec], *, reasoning: bool = True,
