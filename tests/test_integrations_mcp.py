@@ -172,7 +172,7 @@ def test_an_agents_sdk_agent_calls_graftmems_mcp_tools(smol, minilm, tmp_path):
                         "smollm2", AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0))
                     agent = agents.Agent(name="support", instructions="Search the memory for the task.", model=model,
                                          mcp_servers=[door], tool_use_behavior="stop_on_first_tool",
-                                         model_settings=agents.ModelSettings(tool_choice="search", max_tokens=48))
+                                         model_settings=agents.ModelSettings(tool_choice="search", max_tokens=96, temperature=0))
                     return await agents.Runner.run(agent, "How long do refunds take?", max_turns=2)
             result = asyncio.run(run())
         finally:

@@ -211,7 +211,7 @@ def check_answer_path(oa, engine: Engine) -> None:
 
     ids = engine.tokenize(CANNED[engine.family], add_special=False)
     # the text run_job makes: the family's markers that are control tokens written out (Gemma 4's <|tool_call>)
-    piece = _piece(engine, answer_spec(oa.template, spec).specials)
+    piece = _piece(engine, answer_spec(oa.pipe.template, spec).specials)
     r = Result(text=b"".join(piece(t) for t in ids).decode(), tokens=ids, logprobs=[], finish_reason="stop",
                prompt_tokens=1, cached_tokens=0, receipt={})
     msg = oa._final("id", 0, r, {}, chat=True, tools=spec)["choices"][0]
@@ -223,7 +223,7 @@ def check_answer_path(oa, engine: Engine) -> None:
     m = oa._final("id", 0, r, {}, chat=True)["choices"][0]["message"]
     from graftmem.core.answers import think_tags
 
-    if think_tags(oa.template.source) == ("<think>", "</think>"):
+    if think_tags(oa.pipe.template.source) == ("<think>", "</think>"):
         assert (m["reasoning_content"], m["content"]) == ("add 2 and 2", "Four.")
     else:  # a template without reasoning tags: <think> is the model's text, as llama.cpp leaves it
         assert "reasoning_content" not in m and m["content"] == "<think>add 2 and 2</think>\nFour."

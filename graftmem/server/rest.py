@@ -10,7 +10,7 @@ it without loading a model::
     POST   /v1/memory/ask                   {"id", "question", "max_tokens"?, "raw"?, "stop"?, "allow_unverified"?, SCOPE}
     POST   /v1/memory/search                {"query", "top_k"?, SCOPE}            (the router)
     POST   /v1/memory/recall                {"task", "max_tokens"?, "min_score"?, "stop"?, "allow_unverified"?, SCOPE}
-    POST   /v1/memory/verify                {"id", "samples"?, SCOPE}              (graft == fresh prefill, byte for byte)
+    POST   /v1/memory/verify                {"id", "samples"?, "allow_unverified"?, SCOPE} (graft == fresh prefill)
 
 SCOPE is ``user_id`` / ``agent_id`` / ``session_id`` (any of them), as `Memory` takes them: a learn records
 the scope, the other verbs see only the blocks learned in it (``get`` / ``ask`` / ``delete`` of a block
@@ -42,7 +42,6 @@ from starlette.routing import BaseRoute, Route
 from ..core.blocks import Block, Scope
 from ..memory import validate as check
 from ..memory.access import Access, owner_of, reserved_metadata
-from ..memory.exactness import verify_block
 from ..memory.verbs import MemoryVerbs
 from ..store.scopes import ScopeIndex
 from .http import HTTPError, Limits, client_gone, guarded, json_object, off_loop, read_body
@@ -255,16 +254,20 @@ class MemoryRoutes:
         """``Memory.verify`` of one block this tenant sees: graft it and prefill it fresh on ``samples``
         queries (default `VERIFY_SAMPLES`, at most `MAX_VERIFY_SAMPLES`: each is a prefill of the block on
         the engine a chat request would use) and compare the logits byte for byte, in this process (the
-        cross-process graft is the operator's ``graftmem verify``). The report is returned, not recorded
+        cross-process graft is the operator's ``graftmem verify``), after the consent of a graft (an ``unverified``
+        block needs ``allow_unverified``, as for ``ask``: `MemoryVerbs.verify`). The report is returned, not recorded
         in the block's manifest: a tenant's check is not the operator's stamp on a shared block."""
         body = await self._body(request)
         bid: Any = body.get("id")
         samples = body.get("samples", VERIFY_SAMPLES)
+        allow = body.get("allow_unverified", False)
         check.text("id", bid)
         check.integer("samples", samples, lo=1, hi=MAX_VERIFY_SAMPLES)
-        block_id = self.access(request).get(bid, _scope(body)).id  # another tenant's block: a 404
-        rep = await self._on_engine(lambda e: verify_block(e, self.store, block_id, samples=samples,
-                                                           cross_process=False))
+        check.flag("allow_unverified", allow)
+        block = self.access(request).get(bid, _scope(body))  # another tenant's block: a 404
+        self._desk(self.pool.engines[0]).consent(block, allow)  # a verify grafts: refused before it queues
+        rep = await self._on_engine(lambda e: self._desk(e).verify(block.id, samples=samples, cross_process=False,
+                                                                   allow_unverified=allow))
         return Response(rep.model_dump_json(), media_type="application/json")
 
 
