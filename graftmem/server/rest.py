@@ -42,6 +42,7 @@ from starlette.routing import BaseRoute, Route
 from ..core.blocks import Block, Scope
 from ..memory import validate as check
 from ..memory.access import Access, owner_of, reserved_metadata
+from ..memory.exactness import record_verification
 from ..memory.verbs import MemoryVerbs
 from ..store.scopes import ScopeIndex
 from .http import HTTPError, Limits, client_gone, guarded, json_object, off_loop, read_body
@@ -50,6 +51,7 @@ from .routing import RouterRef
 from .tenants import tenant_of
 
 if TYPE_CHECKING:
+    from ..core.blocks import VerifyReport
     from ..core.engine import Engine
     from ..store.protocol import BlockStore
 
@@ -258,17 +260,32 @@ class MemoryRoutes:
         block needs ``allow_unverified``, as for ``ask``: `MemoryVerbs.verify`). The report is returned, not recorded
         in the block's manifest: a tenant's check is not the operator's stamp on a shared block."""
         body = await self._body(request)
+        rep = await self.run_verify(request, body, default=VERIFY_SAMPLES, most=MAX_VERIFY_SAMPLES, record=False)
+        return Response(rep.model_dump_json(), media_type="application/json")
+
+    async def run_verify(self, request: Request, body: dict[str, Any], *, default: int, most: int,
+                         record: bool) -> "VerifyReport":
+        """The one verify of a door (this route's and the web page's, `graftmem.server.ui`): ``body``'s
+        ``id`` (a block this tenant sees), ``samples`` (``default``, at most ``most``) and
+        ``allow_unverified`` checked; the consent of a graft before it queues; `MemoryVerbs.verify` on a
+        pooled engine (a client that leaves gives up its place); with ``record``, the report is kept as
+        ``graftmem verify`` keeps it (`record_verification`)."""
         bid: Any = body.get("id")
-        samples = body.get("samples", VERIFY_SAMPLES)
+        samples = body.get("samples", default)
         allow = body.get("allow_unverified", False)
         check.text("id", bid)
-        check.integer("samples", samples, lo=1, hi=MAX_VERIFY_SAMPLES)
+        check.integer("samples", samples, lo=1, hi=most)
         check.flag("allow_unverified", allow)
         block = self.access(request).get(bid, _scope(body))  # another tenant's block: a 404
         self._desk(self.pool.engines[0]).consent(block, allow)  # a verify grafts: refused before it queues
-        rep = await self._on_engine(lambda e: self._desk(e).verify(block.id, samples=samples, cross_process=False,
-                                                                   allow_unverified=allow))
-        return Response(rep.model_dump_json(), media_type="application/json")
+
+        def run(e: "Engine") -> "VerifyReport":
+            rep = self._desk(e).verify(block.id, samples=samples, cross_process=False, allow_unverified=allow)
+            if record:
+                record_verification(self.store, self.scopes(), rep)
+            return rep
+
+        return await self._on_engine(run, request)
 
 
 #: Queries a REST verify samples by default, and at most (``POST /v1/memory/verify``; docs/security.md).

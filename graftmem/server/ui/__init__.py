@@ -37,7 +37,6 @@ missing). Off unless asked for (``ServeConfig.ui``); docs/ui.md, and docs/securi
 
 from __future__ import annotations
 
-import asyncio
 import importlib.resources
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Optional
@@ -48,16 +47,11 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from ...core.blocks import Block
-from ...memory import validate as check
 from ...memory.access import SHARED_BY_KEY, Access, owner_of
-from ...memory.exactness import record_verification
-from ...memory.verbs import MemoryVerbs
-from ..http import HTTPError, client_gone, json_object, off_loop, read_body
+from ..http import HTTPError, json_object, off_loop, read_body
 from ..tenants import tenant_of
 
 if TYPE_CHECKING:
-    from ...core.blocks import VerifyReport
-    from ...core.engine import Engine
     from ..pool import EnginePool
     from ..prefix import PrefixCache
     from ..rest import MemoryRoutes
@@ -169,30 +163,11 @@ class UiRoutes:
         return JSONResponse({"tenant": tenant_of(request.scope), "blocks": rows}, headers=_DATA_HEADERS)
 
     async def verify(self, request: Request) -> Response:
-        """Graft vs fresh prefill of one block this key sees, on ``samples`` queries, on a pooled engine."""
+        """Graft vs fresh prefill of one block this key sees, on ``samples`` queries, on a pooled engine, the
+        result recorded (`MemoryRoutes.run_verify`: the REST verify's one rule)."""
         limits = self.rest.limits
         raw = await read_body(request, limits.max_body_bytes, limits.body_timeout, limits)
         body = await off_loop(len(raw), json_object, raw, limits.max_json_depth)
-        bid: Any = body.get("id")
-        samples = body.get("samples", DEFAULT_VERIFY_SAMPLES)
-        allow = body.get("allow_unverified", False)
-        check.text("id", bid)
-        check.integer("samples", samples, lo=1, hi=MAX_VERIFY_SAMPLES)
-        check.flag("allow_unverified", allow)
-        block = self.rest.access(request).get(bid)  # another tenant's block: 404, as a missing one
-        MemoryVerbs(self.pool.engines[0], self.store).consent(block, allow)  # refused before it queues
-        scopes = self.rest.scopes
-
-        def run(engine: "Engine") -> "VerifyReport":
-            # the consent of a graft, before one; no graft in a new process (a second copy of the model)
-            report = MemoryVerbs(engine, self.store).verify(block.id, samples=samples, cross_process=False,
-                                                            allow_unverified=allow)
-            record_verification(self.store, scopes(), report)
-            return report
-
-        gone = asyncio.ensure_future(client_gone(request))
-        try:
-            report = await self.pool.on_engine(run, gone)  # a client that leaves while it waits gives up its place
-        finally:
-            gone.cancel()
+        report = await self.rest.run_verify(request, body, default=DEFAULT_VERIFY_SAMPLES, most=MAX_VERIFY_SAMPLES,
+                                            record=True)
         return Response(report.model_dump_json(), media_type="application/json", headers=_DATA_HEADERS)
