@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any, AsyncIterator, Optional, Sequence
@@ -34,6 +33,8 @@ try:
     from openai import AsyncOpenAI
 except ImportError as exc:  # the extra is missing: say which one
     raise ImportError("graftmem's Agents SDK session needs openai-agents: pip install 'graftmem[agents]'") from exc
+
+from ..store import atomic_file
 
 __all__ = ["GraftmemSession", "GraftmemResponsesModel"]
 
@@ -120,12 +121,8 @@ class GraftmemSession:
             else:
                 data[self.session_id] = {"head": self.head, "tail": self.tail}
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".heads-")
-            with os.fdopen(fd, "w", encoding="utf-8") as f:  # atomic: a crash leaves the old file
-                json.dump(data, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            with atomic_file(self.path) as f:  # atomic: a crash leaves the old file
+                f.write(json.dumps(data).encode("utf-8"))
 
     # ------------------------------------------------------------------ the chain on the server
     async def _chain(self) -> list[tuple[str, list[dict[str, Any]]]]:

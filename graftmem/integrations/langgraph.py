@@ -27,7 +27,6 @@ import asyncio
 import base64
 import json
 import os
-import tempfile
 import threading
 from datetime import datetime, timezone
 from pathlib import Path
@@ -43,6 +42,7 @@ except ImportError as exc:  # the extra is missing: say which one
 
 from .. import BlockNotFound
 from ..api import RemoteJSON
+from ..store import atomic_file
 
 __all__ = ["GraftmemCheckpointer", "GraftmemStore", "ITEM_KIND"]
 
@@ -251,12 +251,8 @@ class GraftmemCheckpointer(InMemorySaver):
         }
         with self._file_lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".checkpoints-")
-            with os.fdopen(fd, "w", encoding="utf-8") as f:  # atomic: a crash leaves the previous file
-                json.dump(data, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            with atomic_file(self.path) as f:  # atomic: a crash leaves the previous file
+                f.write(json.dumps(data).encode("utf-8"))
 
     def put(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any) -> Any:
         out = super().put(config, checkpoint, metadata, new_versions)
