@@ -35,9 +35,14 @@ def serve_process(*args: str, home: Path, preexec_fn: Optional[Callable[[], None
         assert url, "the server did not start"
         yield proc, url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=20)
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Terminate ``proc``, then kill it if it has not ended in 20 s (bounded either way)."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=20)

@@ -25,7 +25,7 @@ import pytest
 from graftmem import FleetStore
 from graftmem.server.fleet import WORKER_HEADER
 from tests.seaweed import bucket_url, free_port, seaweed  # noqa: F401 (fixtures)
-from tests.served import serve_process
+from tests.served import serve_process, stop
 from tests.tiny import tiny_path
 
 SYSTEM = ("You are the fleet test's assistant. You answer every question about the weather, the tides and the "
@@ -162,12 +162,7 @@ def _process(cmd: list[str], log: Path) -> Iterator[subprocess.Popen]:
     try:
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=20)
+        stop(proc)
 
 
 @pytest.mark.slow
