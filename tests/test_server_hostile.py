@@ -158,12 +158,12 @@ def test_an_8mb_body_does_not_stall_the_event_loop(served, chars, monkeypatch):
     refused on its token count before it is cut into segments. The parse (8 MB) or the tokenization (4 MB)
     is held until /v1/models has answered: on the event loop, that answer could not come (fails so with
     ``OFF_LOOP_BYTES`` raised above the body's size)."""
-    from graftmem.server import pipeline as openai_routes
+    from graftmem.server import http as json_door
 
     srv, _ = served
     if chars == 8_000_000:
-        held = _Held(openai_routes.json_object, 1 << 20)
-        monkeypatch.setattr(openai_routes, "json_object", held)
+        held = _Held(json_door.json_object, 1 << 20)
+        monkeypatch.setattr(json_door, "json_object", held)
     else:
         engine = srv.pool.engines[0]
         held = _Held(engine.tokenize, 1 << 20)

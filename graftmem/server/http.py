@@ -45,7 +45,7 @@ PUBLIC_PREFIXES = ("/ui/static/",)
 #: the only paths the operator's metrics key opens (`ApiKeyMiddleware`): counters and store totals
 OPERATOR_PATHS = frozenset({"/metrics", "/v1/info"})
 
-__all__ = ["HTTPError", "Limits", "error_response", "status_of", "as_http", "in_band", "sse", "public_message", "read_body", "body_length",
+__all__ = ["HTTPError", "Limits", "error_response", "status_of", "as_http", "in_band", "read_json", "sse", "public_message", "read_body", "body_length",
            "ApiKeyMiddleware", "is_block_path", "is_anthropic_path", "anthropic_error", "PUBLIC_PATHS", "PUBLIC_PREFIXES", "OPERATOR_PATHS", "bearer", "guarded", "json_object", "json_depth", "client_gone",
            "off_loop", "OFF_LOOP_BYTES"]
 
@@ -436,6 +436,13 @@ async def off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
     if size < OFF_LOOP_BYTES:
         return fn(*args)
     return await anyio.to_thread.run_sync(lambda: fn(*args))
+
+
+async def read_json(request: Request, limits: Limits) -> dict[str, Any]:
+    """A JSON request body as an object, within ``limits`` (`read_body`: size, time, rate; `json_object`:
+    depth, lone surrogates; parsed off the event loop when large): the one reading of every JSON door."""
+    raw = await read_body(request, limits.max_body_bytes, limits.body_timeout, limits)
+    return await off_loop(len(raw), json_object, raw, limits.max_json_depth)
 
 
 async def client_gone(request: Request) -> None:

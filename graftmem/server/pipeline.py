@@ -52,7 +52,7 @@ from ..store.chain import chain_of
 from .chat import (TokenCache, bound_messages, literal_spans, render_segments, template_kwargs,
                    template_segments, tokenize_segments)
 from .generate import Job, Result, check_fits, run_job
-from .http import HTTPError, Limits, client_gone, json_object, off_loop, read_body
+from .http import HTTPError, Limits, client_gone, read_json
 from .pool import EnginePool
 from .routing import RouterRef
 from .tenants import tenant_of
@@ -266,8 +266,7 @@ class ChatPipeline:
     async def read_json(self, request: Request) -> dict[str, Any]:
         """The request's body as a JSON object, within `Limits` (size, rate, depth; off the event loop
         when large): every JSON door reads its body through here."""
-        raw = await read_body(request, self.limits.max_body_bytes, self.limits.body_timeout, self.limits)
-        return await off_loop(len(raw), json_object, raw, self.limits.max_json_depth)
+        return await read_json(request, self.limits)
 
     def parse_chat(self, body: dict[str, Any], marks: Sequence[int] = ()) -> ChatRequest:
         """``body`` (OpenAI's chat shape: other doors translate into it) read and checked once: its messages

@@ -45,7 +45,7 @@ from ..memory.access import Access, owner_of, reserved_metadata
 from ..memory.exactness import record_verification
 from ..memory.verbs import MemoryVerbs
 from ..store.scopes import ScopeIndex
-from .http import HTTPError, Limits, client_gone, guarded, json_object, off_loop, read_body
+from .http import HTTPError, Limits, client_gone, guarded, read_json
 from .pool import EnginePool
 from .routing import RouterRef
 from .tenants import tenant_of
@@ -122,8 +122,7 @@ class MemoryRoutes:
                 Route("/v1/memory/verify", g(self.verify), methods=["POST"])]
 
     async def _body(self, request: Request) -> dict[str, Any]:
-        raw = await read_body(request, self.limits.max_body_bytes, self.limits.body_timeout, self.limits)
-        return await off_loop(len(raw), json_object, raw, self.limits.max_json_depth)
+        return await read_json(request, self.limits)
 
     async def _on_engine(self, fn: Callable[["Engine"], T], request: Optional[Request] = None,
                          cancel: Optional[threading.Event] = None) -> T:

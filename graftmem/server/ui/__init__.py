@@ -48,7 +48,7 @@ from starlette.routing import BaseRoute, Route
 
 from ...core.blocks import Block
 from ...memory.access import SHARED_BY_KEY, Access, owner_of
-from ..http import HTTPError, json_object, off_loop, read_body
+from ..http import HTTPError, read_json
 from ..tenants import tenant_of
 
 if TYPE_CHECKING:
@@ -165,9 +165,7 @@ class UiRoutes:
     async def verify(self, request: Request) -> Response:
         """Graft vs fresh prefill of one block this key sees, on ``samples`` queries, on a pooled engine, the
         result recorded (`MemoryRoutes.run_verify`: the REST verify's one rule)."""
-        limits = self.rest.limits
-        raw = await read_body(request, limits.max_body_bytes, limits.body_timeout, limits)
-        body = await off_loop(len(raw), json_object, raw, limits.max_json_depth)
+        body = await read_json(request, self.rest.limits)
         report = await self.rest.run_verify(request, body, default=DEFAULT_VERIFY_SAMPLES, most=MAX_VERIFY_SAMPLES,
                                             record=True)
         return Response(report.model_dump_json(), media_type="application/json", headers=_DATA_HEADERS)
