@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -519,6 +520,197 @@ def _write_arch(a: Arch, out: Path) -> None:
         keep += [n for n in shapes if n not in keep and (n == m.group(1) or (
             per_layer.match(n) and per_layer.match(m.group(1)) and per_layer.sub("", n) == tail))]
     raise SystemExit(f"{a.arch}: still missing tensors after 16 tries")
+
+
+# ---------------------------------------------------------------------------------------------- scripted models
+SCRIPT_RECIPE = 1  #: bump when the scripted builder changes: part of every scripted model's cache key
+
+
+@dataclass(frozen=True)
+class Script:
+    """A model that writes one fixed answer in a family's own format, whatever it is asked.
+
+    Why: random weights babble and never stop, so no tiny model can show that an agent framework gets a
+    *well-formed* answer in a family's format (GPT-OSS's harmony channels, a reasoning block) through
+    the server's real answer path. A script does: ``answer`` is what the model writes after the
+    generation prompt (which ends with ``prompt_tail``), then its end-of-generation token."""
+
+    name: str
+    vocab: str         #: ``models/ggml-vocab-<vocab>.gguf``
+    template: str      #: ``models/templates/<template>.jinja``
+    prompt_tail: str   #: the text every generation prompt of ``template`` ends with
+    answer: str
+    note: str = ""
+
+
+SCRIPTS: dict[str, Script] = {s.name: s for s in (
+    Script("gpt-oss-script", "llama-bpe", "openai-gpt-oss-120b", "<|end|><|start|>assistant",
+           "<|channel|>analysis<|message|>User says hi.<|end|><|start|>assistant<|channel|>final<|message|>Hello!",
+           "GPT-OSS's template; writes an analysis channel, then a final one (markers as text)"),
+    Script("qwen3-script", "qwen2", "Qwen-Qwen3-0.6B", "<|im_start|>assistant\n",
+           "<think>\nUser says hi.\n</think>\n\nHello!", "Qwen 3's template; thinks, then answers"),
+)}
+
+_CONTEXT = 6      #: a scripted model's next token depends on its last 6 tokens (5 previous-token heads)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, reversed (a vocab token's characters -> its bytes)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def _spell(text: str, pieces: dict[bytes, int]) -> list[int]:
+    """``text`` as vocab tokens, longest piece first (any spelling that decodes to the text will do: the
+    model writes tokens, the server reads their text)."""
+    data, out, i = text.encode("utf-8"), [], 0
+    longest = max(len(k) for k in pieces)
+    while i < len(data):
+        for n in range(min(longest, len(data) - i), 0, -1):
+            if data[i:i + n] in pieces:
+                out.append(pieces[data[i:i + n]])
+                i += n
+                break
+        else:
+            raise ValueError(f"no vocab token spells {data[i:i + 1]!r}")
+    return out
+
+
+def _tail_tokens(vocab: Path, text: str) -> list[int]:
+    """How llama.cpp tokenizes ``text`` with this vocab (a child process: llama.cpp's own tokenizer)."""
+    code = ("import json, sys, llama_cpp; m = llama_cpp.Llama(model_path=sys.argv[1], vocab_only=True, verbose=False);"
+            "print(json.dumps(m.tokenize(sys.argv[2].encode(), add_bos=False, special=True)))")
+    out = subprocess.run([sys.executable, "-c", code, str(vocab), text], capture_output=True, text=True, check=True)
+    return [int(t) for t in json.loads(out.stdout.strip().splitlines()[-1])]
+
+
+def build_scripted(script: str | Script, *, n_embd: int = 192) -> Path:
+    """The path of the scripted model ``script`` (a name of `SCRIPTS`), built if absent.
+
+    The body is one ``llama`` layer whose weights are set, not trained: the token embedding is a one-hot
+    code per token the script uses (one shared code for every other token) plus a constant; five
+    attention heads with position-only queries and keys (RoPE phases that peak at a lag of 1 to 5)
+    copy the codes of the five previous tokens beside the current one; the FFN is zero; the output
+    matrix scores each next token by how many of the six codes match the contexts it follows in the
+    script. So the next token is a lookup on the last six: the script, then the end token. The table is
+    checked here (every step of the script decided with a margin) before the file is written."""
+    sc = SCRIPTS[script] if isinstance(script, str) else script
+    vocab, tpl = vocab_path(sc.vocab), templates_dir() / f"{sc.template}.jinja"
+    key = hashlib.sha256(f"{SCRIPT_RECIPE}|{_sha(vocab)}|{_sha(tpl)}|{sc.prompt_tail}|{sc.answer}|{n_embd}".encode()).hexdigest()[:16]
+    out = cache_root() / "tiny" / f"{sc.name}-{key}.gguf"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    gguf = _gguf()
+    import numpy as np
+
+    kv = read_kv(vocab)
+    tokens: list[str] = kv["tokenizer.ggml.tokens"][2]  # type: ignore[assignment]
+    types = kv["tokenizer.ggml.token_type"][2]
+    eos = int(kv["tokenizer.ggml.eos_token_id"][2])  # type: ignore[arg-type]
+    dec = _byte_decoder()
+    pieces: dict[bytes, int] = {}
+    for i, t in enumerate(tokens):
+        if int(types[i]) == 1 and all(ch in dec for ch in t):  # normal tokens only
+            pieces.setdefault(bytes(dec[ch] for ch in t), i)
+    tail = _tail_tokens(vocab, sc.prompt_tail)[-_CONTEXT:]
+    seq = tail + _spell(sc.answer, pieces)
+    k = _CONTEXT
+    width = (n_embd - 1) // k        # one block of codes per lag (0 = the current token), the last dim constant
+    used = list(dict.fromkeys(seq + [eos]))
+    if len(used) >= width:
+        raise ValueError(f"script {sc.name!r} uses {len(used)} distinct tokens; n_embd {n_embd} holds {width - 1}")
+    code = {t: i for i, t in enumerate(used)}
+    other, const = width - 1, n_embd - 1
+    # (state -> next): the state at step j is the codes of seq[j], seq[j-1], ..., seq[j-k+1]
+    table: dict[tuple[int, ...], int] = {}
+    for j in range(len(tail) - 1, len(seq)):
+        state = tuple(code[seq[j - lag]] for lag in range(k))
+        nxt = seq[j + 1] if j + 1 < len(seq) else eos
+        if table.setdefault(state, nxt) != nxt:
+            raise ValueError(f"script {sc.name!r}: the same {k} tokens are followed by two different ones; "
+                             "rephrase it or raise the context")
+    n_vocab = len(tokens)
+    emb = np.zeros((n_vocab, n_embd), dtype=np.float32)
+    emb[:, other] = 1.0
+    for t, c in code.items():
+        emb[t, other] = 0.0
+        emb[t, c] = 1.0
+    emb[:, const] = 1.0
+    xn = np.sqrt(n_embd / 2.0)       # the attention norm's scale: every embedding has two ones
+    n_head, hd = k, n_embd // k
+    base, n_pairs, strength = 10000.0, 8, 256.0
+    theta = base ** (-2.0 * np.arange(hd // 2) / hd)
+    amp = np.sqrt(strength)          # score(lag) = amp^2/sqrt(hd) * sum_p cos((lag - want) * theta_p), p < n_pairs
+    wq, wk, wv, wo = (np.zeros((n_embd, n_embd), dtype=np.float32) for _ in range(4))
+    for h in range(k - 1):           # head h copies the code of the token (h + 1) back
+        lag = h + 1
+        for p in range(n_pairs):
+            wq[h * hd + 2 * p, const] = amp / xn
+            wk[h * hd + 2 * p, const] = amp * np.cos(lag * theta[p]) / xn
+            wk[h * hd + 2 * p + 1, const] = amp * np.sin(lag * theta[p]) / xn
+        for c in range(width):
+            wv[h * hd + c, c] = 1.0 / xn
+            wo[lag * width + c, h * hd + c] = 1.0
+    # the output: after the layer a position holds k ones (the codes) and the constant
+    xo = np.sqrt(n_embd / (k + 1.0))
+    alpha = 64.0                     # logit of a next token whose whole context matches
+    out_w = np.zeros((n_vocab, n_embd), dtype=np.float32)
+    for state, nxt in table.items():
+        for lag, c in enumerate(state):
+            out_w[nxt, lag * width + c] = alpha / k / xo
+    # check the table as the model will compute it: each step's next token ahead by a margin
+    rows = sorted(set(table.values()))
+    for state, nxt in table.items():
+        x = np.zeros(n_embd, dtype=np.float32)
+        for lag, c in enumerate(state):
+            x[lag * width + c] = 1.0
+        x[const] = 1.0
+        scores = out_w[rows] @ (x * xo)
+        best = rows[int(np.argmax(scores))]
+        second = np.sort(scores)[-2] if len(rows) > 1 else 0.0
+        if best != nxt or scores.max() - second < alpha / (2 * k):
+            raise ValueError(f"script {sc.name!r}: step {state} is not decided (wants {nxt}, best {best})")
+    tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_name(f"graftmem scripted {sc.name}")
+    w.add_context_length(8192)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(1)
+    w.add_feed_forward_length(16)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head)
+    w.add_rope_dimension_count(hd)
+    w.add_rope_freq_base(base)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(n_vocab)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    copy_tokenizer(w, kv, tpl)
+    w.add_tensor("token_embd.weight", emb.astype(np.float16))
+    w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    w.add_tensor("output.weight", out_w.astype(np.float16))
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+    for name, m in (("attn_q", wq), ("attn_k", wk), ("attn_v", wv), ("attn_output", wo)):
+        w.add_tensor(f"blk.0.{name}.weight", m)
+    w.add_tensor("blk.0.ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+    w.add_tensor("blk.0.ffn_gate.weight", np.zeros((16, n_embd), dtype=np.float32))
+    w.add_tensor("blk.0.ffn_up.weight", np.zeros((16, n_embd), dtype=np.float32))
+    w.add_tensor("blk.0.ffn_down.weight", np.zeros((n_embd, 16), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+    return out
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -326,3 +326,43 @@ def test_openai_agents_sdk_runs_a_function_tool(smol_srv):
     assert seen  # the model called the tool (after two worked examples SmolLM2 does)
     later = chained.raw_responses[1:]
     assert later and all(r.usage.input_tokens_details.cached_tokens > 0 for r in later)
+
+
+@pytest.mark.parametrize("script", ["gpt-oss-script", "qwen3-script"])
+def test_openai_agents_sdk_default_path_on_reasoning_templates(tmp_path, script):
+    """Issue 40's must-show: the Agents SDK's default model (OpenAIResponsesModel, the SDK's default
+    settings: no ``max_output_tokens``, its own temperature) gets a completed response from a model served
+    with GPT-OSS's template (harmony channels: the analysis channel a reasoning item, the final channel
+    the answer) and with Qwen 3's (a think block, then the answer), whole and streamed.
+
+    The models are scripted (`scripts/tiny_models.py` `build_scripted`): one llama layer set so that it
+    writes one answer in its family's format and stops, since random weights never close a harmony
+    message. Before the one answer parser the GPT-OSS answer came back with the channel markers in it
+    (``parse_calls`` left a no-tool answer raw)."""
+    agents = pytest.importorskip("agents")
+    from graftmem.core.engine import Engine
+
+    from .tiny import scripted_path
+
+    agents.set_tracing_disabled(True)
+    with Engine(scripted_path(script), {"n_threads": 1}) as eng, \
+            api_server(Store(tmp_path / "home"), [eng]) as s:
+        client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        agent = agents.Agent(name="greeter", instructions="You greet people.",
+                             model=agents.OpenAIResponsesModel(model=script, openai_client=client))
+
+        async def both() -> tuple[object, object]:
+            whole = await agents.Runner.run(agent, "hi")
+            streamed = agents.Runner.run_streamed(agent, "hi")
+            async for _ in streamed.stream_events():
+                pass
+            return whole, streamed
+
+        result, streamed = asyncio.run(both())
+    for run in (result, streamed):
+        assert run.final_output == "Hello!"
+        (raw,) = run.raw_responses
+        assert raw.usage.output_tokens >= 10
+        reasoning = [i for i in run.new_items if i.type == "reasoning_item"]
+        assert [s.text for i in reasoning for s in (i.raw_item.summary or i.raw_item.content or [])] \
+            == ["User says hi."]

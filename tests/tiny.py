@@ -44,3 +44,8 @@ def tall_path() -> Path:
 def arch_path(name: str) -> Path:
     """The tiny GGUF of a real llama.cpp architecture (`scripts/tiny_models.py` `ARCHS`)."""
     return tiny_models().build_arch(name)
+
+
+def scripted_path(name: str) -> Path:
+    """A model that writes one fixed answer in a family's format (`scripts/tiny_models.py` `SCRIPTS`)."""
+    return tiny_models().build_scripted(name)
