@@ -220,13 +220,16 @@ class Attack:
         self.note("slow_read", f"still open at the end {alive}")
 
     def bombs(self) -> None:
+        # encoded once: a remote attacker's own CPU is not the server's (a 1.5 MB enum took this client
+        # ~15 ms to encode per request, on the cores the server and the honest agents share here)
+        bodies = [(path, json.dumps(body).encode()) for schema in BOMB_SCHEMAS for path, body in bomb_requests(schema)]
+        headers = {"content-type": "application/json"}
         with httpx.Client(base_url=self.url, timeout=120) as c:
             while not self.over():
-                for schema in BOMB_SCHEMAS:
-                    for path, body in bomb_requests(schema):
-                        if self.over():
-                            return
-                        self.note("grammar", c.post(path, json=body).status_code)
+                for path, raw in bodies:
+                    if self.over():
+                        return
+                    self.note("grammar", c.post(path, content=raw, headers=headers).status_code)
 
     def triggers(self) -> None:
         with httpx.Client(base_url=self.url, timeout=120) as c:
@@ -236,10 +239,10 @@ class Attack:
                 self.note("trigger", r.status_code)
 
     def embeddings(self) -> None:
-        inputs = [harness.prose(60, i) for i in range(256)]
+        raw = json.dumps({"model": "m", "input": [harness.prose(60, i) for i in range(256)]}).encode()
         with httpx.Client(base_url=self.url, timeout=300) as c:
             while not self.over():
-                r = c.post("/v1/embeddings", json={"model": "m", "input": inputs})
+                r = c.post("/v1/embeddings", content=raw, headers={"content-type": "application/json"})
                 self.note("embeddings", r.status_code)
 
 
@@ -255,6 +258,7 @@ def main() -> None:
     ap.add_argument("--attacks", default=",".join(Attack.KINDS),
                     help="which attackers run (comma-separated), each in its own phase with --each")
     ap.add_argument("--each", action="store_true", help="one phase per attacker instead of all at once")
+    ap.add_argument("--serve-args", default="", help="more `graftmem serve` flags, e.g. '--refusal-delay 0'")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
 
@@ -268,7 +272,7 @@ def main() -> None:
             source = mem.engine.chat_template()
         tpl = work / "trigger.jinja"
         tpl.write_text(trigger_template(source or ""))
-        agent.SERVE_ARGS[:] = ["--chat-template-file", str(tpl), "--no-warm"]
+        agent.SERVE_ARGS[:] = ["--chat-template-file", str(tpl), "--no-warm", *args.serve_args.split()]
         reps = []
         with agent.started(lambda: agent.graftmem_server(home, work)) as srv:
             warm = honest(srv.url, args.agents, args.turns, args.max_tokens)  # the prompts' prefixes learned

@@ -328,3 +328,52 @@ def test_one_client_address_holds_at_most_its_share_of_the_connections(smol, tmp
                     s.close()
     finally:
         store.close()
+
+
+def test_a_refused_answer_is_held_in_proportion_to_what_refusing_it_cost():
+    """Issue 37: one client looping on requests the server refuses (grammar bombs, each read, parsed and
+    checked before its 400) took a core from the honest clients. `RefusalDelay` holds a refused answer
+    ``factor`` times the time its request took (capped); answers that are not refusals (200, a 404 poll,
+    a 429 with its own Retry-After) go at once. The clock and the sleep are the middleware's own
+    parameters, so the held time is read, not timed."""
+    import asyncio
+
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from graftmem.server.http import RefusalDelay
+
+    now = [100.0]
+    slept: list[float] = []
+
+    def route(status: int, cost: float):
+        async def handler(request):
+            now[0] += cost  # the request's own work, on the middleware's clock
+            return JSONResponse({"status": status}, status_code=status)
+        return handler
+
+    app = Starlette(routes=[Route(f"/{s}/{c}", route(s, c)) for s, c in
+                            ((400, 0.02), (401, 0.001), (413, 0.5), (200, 0.3), (404, 0.3), (429, 0.3), (422, 2.0))])
+
+    async def sleep(seconds: float) -> None:
+        slept.append(round(seconds, 6))
+
+    held = RefusalDelay(app, factor=3.0, cap=2.0, clock=lambda: now[0], sleep=sleep)
+
+    async def run() -> list[int]:
+        transport = httpx.ASGITransport(app=held)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return [(await c.get(p)).status_code for p in ("/400/0.02", "/401/0.001", "/413/0.5", "/200/0.3",
+                                                           "/404/0.3", "/429/0.3", "/422/2.0")]
+
+    assert asyncio.run(run()) == [400, 401, 413, 200, 404, 429, 422]
+    assert slept == [0.06, 0.003, 1.5, 2.0]  # 3x the cost of each refusal, the last one at the cap
+    off = RefusalDelay(app, factor=0.0, cap=2.0, clock=lambda: now[0], sleep=sleep)
+    slept.clear()
+
+    async def once() -> int:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=off), base_url="http://t") as c:
+            return (await c.get("/400/0.02")).status_code
+
+    assert asyncio.run(once()) == 400 and slept == []

@@ -139,6 +139,16 @@ def _seconds(value: str) -> float:
     return n
 
 
+def _factor(value: str) -> float:
+    try:
+        n = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not 0 <= n < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} is not allowed: give 0 or a larger number")
+    return n
+
+
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)

@@ -8,7 +8,7 @@ import difflib
 import re
 from typing import Any, Callable, NoReturn
 
-from .common import _port, _positive, _scope_options, _seconds
+from .common import _factor, _port, _positive, _scope_options, _seconds
 from .demo import cmd_demo
 from .doctor import cmd_doctor
 from .mcp import cmd_mcp
@@ -261,6 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--render-timeout", type=_seconds, default=10.0, metavar="SECONDS",
                     help="seconds a request's prompt may take to render and tokenize (and its schema to become a "
                          "grammar); past it the work is stopped and the request is a 400")
+    sp.add_argument("--refusal-delay", type=_factor, default=3.0, metavar="FACTOR",
+                    help="hold a refused request's answer (400/401/403/413/422/431) FACTOR times as long as it took "
+                         "to refuse, at most 2 s, so that one client looping on refused requests cannot take a core "
+                         "from the others (0: answer at once)")
     sp.add_argument("--max-messages", type=_positive, default=4096, metavar="N",
                     help="messages one chat request may hold (lowered to the model's context)")
     sp.add_argument("--max-schema-repeat", type=_positive, default=500, metavar="N",

@@ -124,6 +124,7 @@ def serve_config(args: argparse.Namespace, *, api_key: Any, push_token: Optional
                     min_body_rate=args.min_body_rate, body_grace=args.body_grace, write_timeout=args.write_timeout,
                     max_embedding_inputs=args.max_embedding_inputs, max_embedding_chars=args.max_embedding_chars,
                     render_timeout=args.render_timeout, max_messages=args.max_messages,
+                    refusal_delay=args.refusal_delay,
                     grammar=dataclasses.replace(Limits().grammar, max_repeat=args.max_schema_repeat,
                                                 max_enum_values=args.max_enum_values))
     return ServeConfig(

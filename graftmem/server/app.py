@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .http import ApiKeyMiddleware, HTTPError, error_response
+from .http import ApiKeyMiddleware, HTTPError, Limits, RefusalDelay, error_response
 from .fleet import WorkerHeader
 from .metrics import HEALTH_PATH, Metrics, MetricsMiddleware
 from .tenants import ApiKeys
@@ -51,11 +51,12 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
 
 def build_app(routes: list[BaseRoute], *, api_key: "str | ApiKeys | None" = None,
               push_token: Optional[str] = None, metrics: Optional[Metrics] = None,
-              metrics_key: Optional[str] = None) -> Starlette:
+              metrics_key: Optional[str] = None, limits: Optional[Limits] = None) -> Starlette:
     """One app over ``routes``; every request needs ``api_key`` (one key, or the tenants' keys) when one
     is given (``/health`` excepted; ``metrics_key`` opens ``/metrics`` and ``/v1/info``). With ``metrics``,
     its ``/health`` and ``/metrics`` are served and every request is counted, refused ones too (its
-    middleware runs outside the key's)."""
+    middleware runs outside the key's). ``limits``: its ``refusal_delay`` holds refused answers
+    (`RefusalDelay`, outermost: a wrong key's answer is held too)."""
     for name in _FIRST_REQUEST_IMPORTS:  # private names of anyio: a version without them changes nothing
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
@@ -66,6 +67,9 @@ def build_app(routes: list[BaseRoute], *, api_key: "str | ApiKeys | None" = None
         metrics.routes = routes
         middleware.insert(0, Middleware(MetricsMiddleware, metrics=metrics))
     middleware.insert(0, Middleware(WorkerHeader))  # which worker answered, for a fleet behind a gateway
+    lim = limits or Limits()
+    if lim.refusal_delay > 0:
+        middleware.insert(0, Middleware(RefusalDelay, factor=lim.refusal_delay, cap=lim.refusal_delay_max))
     return Starlette(routes=routes, middleware=middleware,
                      exception_handlers={HTTPException: _http_exception})
 

@@ -353,7 +353,7 @@ class BlockServer:
             self.routes = routes(self.store, push_token=push_token, fingerprint=fingerprint, policy=policy,
                                  sign_key=sign_key, max_push_bytes=max_push_bytes, check=check, limits=limits)
             self.app = build_app(self.routes.routes() + list(extra or []), api_key=api_key,
-                                 push_token=push_token, metrics=metrics, metrics_key=metrics_key)
+                                 push_token=push_token, metrics=metrics, metrics_key=metrics_key, limits=limits)
             if runner is not None and not (isinstance(runner.app, Gate) and runner.app.loading):
                 raise ConfigError("a runner given to a server must be one bound by bind() and not opened yet")
             self._server = runner if runner is not None else ServerThread(self.app, host=host, port=port,

@@ -45,7 +45,7 @@ PUBLIC_PREFIXES = ("/ui/static/",)
 #: the only paths the operator's metrics key opens (`ApiKeyMiddleware`): counters and store totals
 OPERATOR_PATHS = frozenset({"/metrics", "/v1/info"})
 
-__all__ = ["HTTPError", "Limits", "error_response", "status_of", "as_http", "in_band", "read_json", "sse", "public_message", "read_body", "body_length",
+__all__ = ["HTTPError", "Limits", "RefusalDelay", "error_response", "status_of", "as_http", "in_band", "read_json", "sse", "public_message", "read_body", "body_length",
            "ApiKeyMiddleware", "is_block_path", "is_anthropic_path", "anthropic_error", "PUBLIC_PATHS", "PUBLIC_PREFIXES", "OPERATOR_PATHS", "bearer", "guarded", "json_object", "json_depth", "client_gone",
            "off_loop", "OFF_LOOP_BYTES"]
 
@@ -118,12 +118,57 @@ class Limits:
     #: CPU-seconds; 256 Ki characters are at most about 256 texts of the embedder's full 256 word pieces,
     #: about 10 s of one core (`graftmem.server.embeddings`)
     max_embedding_chars: int = 256 << 10
+    #: a refused request's answer (400, 401, 403, 413, 422, 431) is held this many times as long as the
+    #: request took to refuse, at most ``refusal_delay_max`` seconds (`RefusalDelay`); 0: answered at once.
+    #: One client looping on requests the server refuses (a 1.5 MB schema refused 20 times a second)
+    #: otherwise takes a core of parsing from the honest ones: held, its loop gets 1/(1 + delay) of it
+    refusal_delay: float = 3.0
+    refusal_delay_max: float = 2.0
 
     def body_lag(self, elapsed: float, got: int) -> float:
         """Seconds a body is behind ``min_body_rate``: ``elapsed`` seconds after it began with ``got``
         bytes arrived (negative: ahead). One rule for the 408 (`read_body`: past ``body_grace``) and for
         the connection cap (`graftmem.server.runner`: a body behind at all may be evicted)."""
         return elapsed - got / max(1, self.min_body_rate)
+
+
+#: the statuses `RefusalDelay` holds: what a client's own request got wrong (a bad body, a wrong key, a
+#: body too large); not 404 (a poll for a block that is not there yet), 408, 409, 429 (its own Retry-After)
+REFUSED = frozenset({400, 401, 403, 413, 422, 431})
+
+
+class RefusalDelay:
+    """ASGI middleware: a refused request's answer is held ``factor`` times as long as the request took
+    (at most ``cap`` seconds) before it is sent.
+
+    Why: refusing a request costs the server the reading and checking that found it wrong, and a client
+    that loops on refused requests (the issue-37 grammar bombs: a 1.5 MB enum refused in ~20 ms, a
+    200-byte schema in ~2 ms) took that much of a core from the honest clients for as long as it
+    looped. Held, a client that waits for its answers (every HTTP/1.1 client on one connection) spends
+    at most 1/(1 + factor) of its time costing the server anything. Nothing is held but a timer; an
+    honest client's mistake costs it ``factor`` times a few milliseconds. It does not throttle a
+    client that opens a new connection per request without waiting for the answers (the per-address
+    connection limit bounds that one)."""
+
+    def __init__(self, app: ASGIApp, factor: float, cap: float,
+                 clock: Callable[[], float] = anyio.current_time,
+                 sleep: Callable[[float], Awaitable[None]] = anyio.sleep) -> None:
+        self.app, self.factor, self.cap, self.clock, self.sleep = app, factor, cap, clock, sleep
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.factor <= 0:
+            await self.app(scope, receive, send)
+            return
+        began = self.clock()
+
+        async def held(message: Any) -> None:
+            if message["type"] == "http.response.start" and message["status"] in REFUSED:
+                delay = min(self.cap, self.factor * (self.clock() - began))
+                if delay > 0:
+                    await self.sleep(delay)
+            await send(message)
+
+        await self.app(scope, receive, held)
 
 
 class HTTPError(Exception):
