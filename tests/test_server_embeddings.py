@@ -231,3 +231,26 @@ def test_background_work_takes_its_share_of_an_engine_while_requests_come_in(smo
         pool.close()
 
     asyncio.run(scenario())
+
+
+def test_preload_router_loads_it_before_the_first_request(smol, minilm, tmp_path):
+    """Issue 37: the router's first load (torch and the embedder: seconds of CPU and of the GIL) happened
+    inside the first request that routed or embedded, an embeddings flood's first, and stalled the honest
+    agents beside it. ``preload_router`` loads it while the server starts; without it, on first use."""
+    store = Store(tmp_path / "home")
+    loads: list[str] = []
+
+    def factory() -> Router:
+        loads.append("router")
+        return Router(minilm, store)
+
+    with api_server(store, [smol], router=factory, preload_router=True) as srv:
+        assert loads == ["router"]  # before any request
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        assert len(c.embeddings.create(model="any", input="hi").data) == 1
+        assert loads == ["router"]  # and only once
+    loads.clear()
+    with api_server(store, [smol], router=factory) as srv:
+        assert loads == []  # lazy by default: a server that never routes never pays for it
+        openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0).embeddings.create(model="any", input="hi")
+        assert loads == ["router"]

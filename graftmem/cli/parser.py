@@ -261,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--render-timeout", type=_seconds, default=10.0, metavar="SECONDS",
                     help="seconds a request's prompt may take to render and tokenize (and its schema to become a "
                          "grammar); past it the work is stopped and the request is a 400")
+    sp.add_argument("--preload-router", action="store_true",
+                    help="load the router and its embedder before serving (seconds, ~0.5 GB), not on the first "
+                         "request that routes or embeds, which would stall the others while it loads")
     sp.add_argument("--refusal-delay", type=_factor, default=3.0, metavar="FACTOR",
                     help="hold a refused request's answer (400/401/403/413/422/431) FACTOR times as long as it took "
                          "to refuse, at most 2 s, so that one client looping on refused requests cannot take a core "

@@ -136,7 +136,7 @@ def serve_config(args: argparse.Namespace, *, api_key: Any, push_token: Optional
         max_auto_bytes=args.max_auto_mb * (1 << 20), auto_storage=args.auto_storage, warm=not args.no_warm,
         chat_template=args.chat_template_file, shared_learned=args.shared_learned,
         responses_ttl=args.responses_ttl, limits=None if limits == Limits() else limits, ui=args.ui,
-        mounts=_mounts(args))
+        mounts=_mounts(args), preload_router=args.preload_router)
 
 
 def _mounts(args: argparse.Namespace) -> tuple:

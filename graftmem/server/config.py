@@ -54,6 +54,10 @@ class ServeConfig:
     * ``model_id``: the name ``/v1/models`` reports (default: the model's); ``limits``: bounds per request;
     * ``ui``: serve the web page ``/ui`` (`graftmem.server.ui`: what the memory holds, behind the same keys);
       off unless asked for, and only with ``api`` (the page reads the memory's REST routes).
+    * ``preload_router``: load the router (torch and the embedder: seconds of CPU, ~0.5 GB) before serving
+      instead of on the first request that routes or embeds, so that request (an embeddings flood's
+      first, say) does not stall the others while it loads; off by default (a server that never routes
+      never pays for it).
     * ``mounts``: ``(path, ASGI app)`` pairs answered at those paths behind the same keys, for doors built
       above the server (``serve --mcp`` mounts `graftmem.integrations.mcp.McpDoor` at ``/mcp``).
     """
@@ -82,6 +86,7 @@ class ServeConfig:
     limits: Optional[Limits] = None
     ui: bool = False
     mounts: tuple[tuple[str, Any], ...] = ()
+    preload_router: bool = False
 
     def __post_init__(self) -> None:
         check.text("host", self.host)
@@ -95,7 +100,7 @@ class ServeConfig:
         check_metrics_key(self.api_key, self.metrics_key)
         check.text("push_token", self.push_token, optional=True)
         check.instance("sign_key", self.sign_key, SigningKey)
-        for name in ("rederive", "allow_unverified", "learn", "warm", "shared_learned"):
+        for name in ("rederive", "allow_unverified", "learn", "warm", "shared_learned", "preload_router"):
             check.flag(name, getattr(self, name))
         check.integer("engines", self.engines, lo=1, hi=256)
         check.integer("max_queue", self.max_queue, lo=0)

@@ -115,6 +115,8 @@ def api_server(store: "BlockStore", engines: Sequence["Engine"], config: Optiona
     cache = PrefixCache(store, engines[0].fingerprint, min_tokens=cfg.min_prefix_tokens, sightings=cfg.sightings,
                         learn=learn, max_auto_bytes=cfg.max_auto_bytes, auto_storage=cfg.auto_storage, tenants=tenants)
     ref = RouterRef(router)
+    if cfg.preload_router and ref.available:
+        ref.get()  # before serving: its first routed or embedding request must not stall the others
     pipe = ChatPipeline(pool, store, cache, model_id=cfg.model_id, limits=limits, router=ref,
                         allow_unverified=allow_unverified, chat_template=cfg.chat_template)
     desks = [pipe.desks[id(e)] for e in engines]
