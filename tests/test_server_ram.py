@@ -79,17 +79,19 @@ def test_two_engines_each_conversation_finds_its_engine(tmp_path):
 
 
 def test_conversations_sharing_a_system_prompt_keep_their_own_engines(smol, tmp_path):
-    """Two conversations with ONE system prompt, alternating on two engines: each turn after the first
+    """Two conversations with ONE system prompt, alternating on three engines: each turn after the first
     finds its whole conversation in RAM, on the engine that holds it. Before `engine_fit`, the second
     conversation's first turn took the engine holding the first one (it held the shared system prompt:
-    most of the prompt) while the other engine sat empty, and from then on each turn overwrote the other
-    conversation's history: every "ram" hit was the system prompt alone (measured behind SMG, issue 42)."""
+    most of the prompt) while the other engines sat empty, and from then on each turn overwrote the other
+    conversation's history: every "ram" hit was the system prompt alone (measured behind SMG, issue 42).
+    The third engine stays empty: a conversation's next turn must prefer its own engine to an empty one
+    (the previous prompt's generation header, which the next turn replaces, is no loss)."""
     system = "You are a shop's support agent. " + long_text(60, seed=11)
     a, b = _turns(system, 3), _turns(system, 3, who="Another customer. ")
-    with smol.sibling() as e2:
+    with smol.sibling() as e2, smol.sibling() as e3:
         store = Store(tmp_path / "home")
         try:
-            with api_server(store, [smol, e2], learn=False) as srv:
+            with api_server(store, [smol, e2, e3], learn=False) as srv:
                 c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
                 cold = {k: _ask(c, "smollm2", m, cache=False)[0] for k, m in {"a3": a[2], "b3": b[2]}.items()}
                 prev: dict[str, dict] = {}

@@ -206,7 +206,8 @@ def engine_fit(engine: "Engine", keys: Sequence[bytes], allow_unverified: bool =
     """How well a free engine suits a prompt with ``keys`` (the pool takes the highest, and among equals
     the least recently released: `graftmem.server.pool.EnginePool.acquire`): first whether the request
     loses nothing there (the engine is empty, or its kept cells are entirely a prefix of this prompt:
-    the same conversation, extended), then the kept tokens it reuses minus those it throws away.
+    the same conversation, extended, which replaces only the previous prompt's generation header), then
+    the kept tokens it reuses minus those it throws away.
 
     Why not simply the engine holding most of the prompt (llama-server's slot choice by similarity):
     conversations that share a system prompt would take each other's engines, since the shared prompt
@@ -220,9 +221,10 @@ def engine_fit(engine: "Engine", keys: Sequence[bytes], allow_unverified: bool =
         return True, 0
     n = kept_segments(engine, keys, allow_unverified) if use_cache else 0
     reused = kept.ends[n - 1] if n else 0
-    whole = len(kept.keys)
-    if n and whole <= len(keys) and kept.keys[-1] == keys[whole - 1]:
-        return True, reused  # this conversation's own cells: its last segment is prefilled again, to the same cells
+    if n and n >= len(kept.keys) - 1:
+        # this conversation's own cells: all of the previous prompt but its last segment, which is the
+        # generation header (or its last token: `graftmem.server.chat`), where the next turn has the answer
+        return True, reused
     return False, reused - (kept.ends[-1] - reused)
 
 
