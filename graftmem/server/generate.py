@@ -212,8 +212,8 @@ def engine_fit(engine: "Engine", keys: Sequence[bytes], allow_unverified: bool =
     Why not simply the engine holding most of the prompt (llama-server's slot choice by similarity):
     conversations that share a system prompt would take each other's engines, since the shared prompt
     is most of an early turn, and each would overwrite the other's history while another engine sat
-    empty; then no conversation finds its turns in RAM (measured behind SMG: half the turns 2-5, and
-    those "ram" hits were only the shared system prompt). A new conversation pays the shared prompt
+    empty; then no conversation finds its turns in RAM (measured behind SMG, docs/fleet.md: half of the
+    turns 2-5 before a kill were "ram", and those hits held the shared system prompt only). A new conversation pays the shared prompt
     once, and not even that once it is learned (a graft from the hot tier or the store); a
     conversation that finds its engine taken pays its whole history at every turn after."""
     kept = engine.kept if isinstance(engine.kept, Kept) else None
