@@ -249,8 +249,24 @@ def table(rows: list[dict[str, Any]], reference: Optional[dict[tuple[int, int], 
     kill = next((i for i, r in enumerate(rows) if r.get("event") == "kill"), None)
     # turns 2..kill_after: a session on its own worker (before the kill)
     before = [r for r in (rows[:kill] if kill is not None else rows) if "agent" in r and r["turn"] >= 2]
+    # turns 2+ on the worker that served the agent's previous turn ("on their worker": a turn moved by the
+    # gateway or by the kill cannot find its cells in RAM, whatever the worker does)
+    last: dict[int, dict[str, Any]] = {}
+    stayed, whole = [], 0
+    for r in turns:
+        prev = last.get(r["agent"], {})
+        if r["turn"] >= 2 and r.get("worker") is not None and r.get("worker") == prev.get("worker"):
+            stayed.append(r)
+        # a RAM hit that restored the agent's previous prompt (all but its last few tokens: the generation
+        # header), not only the system prompt the agents share
+        if r.get("source") == "ram" and r.get("cached_tokens", 0) >= (prev.get("prompt_tokens") or 1 << 30) - 8:
+            whole += 1
+        last[r["agent"]] = r
     out = {"turns": len(turns), "failed": len(failed), "sources_turns_2_plus": dict(sources),
            "ram_share_turns_2_plus_before_kill": round(sum(r.get("source") == "ram" for r in before) / max(1, len(before)), 3),
+           "turns_2_plus_on_previous_worker": len(stayed),
+           "ram_share_turns_2_plus_on_previous_worker": round(sum(r.get("source") == "ram" for r in stayed) / max(1, len(stayed)), 3),
+           "ram_with_previous_prompt_turns_2_plus": whole,
            "cold_after_first_sighting": sum(1 for r in later if r.get("source") == "cold"),
            "workers_used": len({r.get("worker") for r in turns if r.get("worker")}),
            "ttft_ms": summary([r["ttft_ms"] for r in turns if "ttft_ms" in r] or [float("nan")], digits=1),

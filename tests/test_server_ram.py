@@ -18,12 +18,13 @@ from .conftest import long_text
 from .tiny import tiny_path
 
 
-def _turns(system: str, n: int) -> list[list[dict]]:
-    """The prompts of an n-turn conversation (fixed assistant answers, so the prompts are known ahead)."""
+def _turns(system: str, n: int, who: str = "") -> list[list[dict]]:
+    """The prompts of an n-turn conversation (fixed assistant answers, so the prompts are known ahead);
+    ``who`` starts each question (another conversation on the same system prompt)."""
     msgs = [{"role": "system", "content": system}]
     out = []
     for i in range(n):
-        msgs = msgs + [{"role": "user", "content": f"Question {i}: what is {i} plus {i}?"}]
+        msgs = msgs + [{"role": "user", "content": f"{who}Question {i}: what is {i} plus {i}?"}]
         out.append(msgs)
         msgs = msgs + [{"role": "assistant", "content": f"It is {2 * i}."}]
     return out
@@ -75,6 +76,44 @@ def test_two_engines_each_conversation_finds_its_engine(tmp_path):
         finally:
             store.close()
         assert all(e.kept is None and e.n_past == 0 for e in (e1, e2))  # a closed server leaves its engines empty
+
+
+def test_conversations_sharing_a_system_prompt_keep_their_own_engines(smol, tmp_path):
+    """Two conversations with ONE system prompt, alternating on three engines: each turn after the first
+    finds its whole conversation in RAM, on the engine that holds it. Before `engine_fit`, the second
+    conversation's first turn took the engine holding the first one (it held the shared system prompt:
+    most of the prompt) while the other engines sat empty, and from then on each turn overwrote the other
+    conversation's history: every "ram" hit was the system prompt alone (measured behind SMG, issue 42).
+    The third engine stays empty: a conversation's next turn must prefer its own engine to an empty one
+    (the previous prompt's generation header, which the next turn replaces, is no loss)."""
+    system = "You are a shop's support agent. " + long_text(60, seed=11)
+    a, b = _turns(system, 3), _turns(system, 3, who="Another customer. ")
+    with smol.sibling() as e2, smol.sibling() as e3:
+        store = Store(tmp_path / "home")
+        try:
+            with api_server(store, [smol, e2, e3], learn=False) as srv:
+                c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+                cold = {k: _ask(c, "smollm2", m, cache=False)[0] for k, m in {"a3": a[2], "b3": b[2]}.items()}
+                prev: dict[str, dict] = {}
+                got: dict[str, object] = {}
+                for t in range(3):
+                    for name, conv in (("a", a), ("b", b)):
+                        # one turn after the other released its engine (a non-streamed answer is sent just before)
+                        assert srv.pipeline.wait_idle()
+                        r, rec = _ask(c, "smollm2", conv[t])
+                        if t == 0:  # nothing stored (learn=False); B's first turn takes the empty engine,
+                            assert rec["source"] is None, (name, rec)  # not A's (which holds the shared prompt)
+                        else:
+                            # the whole previous prompt is restored, not only the system prompt both share
+                            # (all but the previous turn's generation header, trimmed with its answer)
+                            assert rec["source"] == "ram", rec
+                            assert rec["tokens_restored"] >= prev[name]["tokens_restored"] + \
+                                prev[name]["tokens_prefilled"] - 8, (name, t, rec, prev[name])
+                        prev[name], got[name] = rec, r
+                assert _bytes(got["a"]) == _bytes(cold["a3"]) and _bytes(got["b"]) == _bytes(cold["b3"])
+        finally:
+            store.close()
+    assert smol.kept is None and smol.n_past == 0
 
 
 def test_gemma_reuse_past_the_sliding_window_is_exact(gemma, tmp_path):

@@ -63,7 +63,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("graftmem")
 
-__all__ = ["EndState", "Job", "Kept", "Result", "run_job", "kept_segments", "warm_engines", "MAX_CAPTURE_BYTES"]
+__all__ = ["EndState", "Job", "Kept", "Result", "run_job", "engine_fit", "kept_segments", "warm_engines", "MAX_CAPTURE_BYTES"]
 
 #: States one request keeps in memory to learn its prefix; a longer new prefix is learned in part (a
 #: contiguous chain from the grafted block) and the rest by the requests that follow.
@@ -119,9 +119,9 @@ class Job:
         """The prompt's cumulative segment keys (`prefix_keys`), computed once per request."""
         return prefix_keys(self.segments, self.tenant)
 
-    def prefer(self, engine: "Engine") -> int:
-        """The pool's engine choice: how many of this prompt's segments the engine's cells hold."""
-        return kept_segments(engine, self.keys, self.allow_unverified) if self.use_cache else 0
+    def prefer(self, engine: "Engine") -> tuple[bool, int]:
+        """The pool's engine choice for this request (`engine_fit`)."""
+        return engine_fit(engine, self.keys, self.allow_unverified, self.use_cache)
 
 
 @dataclass
@@ -199,6 +199,33 @@ def kept_segments(engine: "Engine", keys: Sequence[bytes], allow_unverified: boo
     if n and not engine.memory.trims and kept.ends[n - 1] != engine.n_past:
         return 0  # recurrent layers: only cells that END there are that prefix's state (no trim)
     return n
+
+
+def engine_fit(engine: "Engine", keys: Sequence[bytes], allow_unverified: bool = False,
+               use_cache: bool = True) -> tuple[bool, int]:
+    """How well a free engine suits a prompt with ``keys`` (the pool takes the highest, and among equals
+    the least recently released: `graftmem.server.pool.EnginePool.acquire`): first whether the request
+    loses nothing there (the engine is empty, or its kept cells are entirely a prefix of this prompt:
+    the same conversation, extended, which replaces only the previous prompt's generation header), then
+    the kept tokens it reuses minus those it throws away.
+
+    Why not simply the engine holding most of the prompt (llama-server's slot choice by similarity):
+    conversations that share a system prompt would take each other's engines, since the shared prompt
+    is most of an early turn, and each would overwrite the other's history while another engine sat
+    empty; then no conversation finds its turns in RAM (measured behind SMG, docs/fleet.md: half of the
+    turns 2-5 before a kill were "ram", and those hits held the shared system prompt only). A new conversation pays the shared prompt
+    once, and not even that once it is learned (a graft from the hot tier or the store); a
+    conversation that finds its engine taken pays its whole history at every turn after."""
+    kept = engine.kept if isinstance(engine.kept, Kept) else None
+    if kept is None or not kept.keys:
+        return True, 0
+    n = kept_segments(engine, keys, allow_unverified) if use_cache else 0
+    reused = kept.ends[n - 1] if n else 0
+    if n and n >= len(kept.keys) - 1:
+        # this conversation's own cells: all of the previous prompt but its last segment, which is the
+        # generation header (or its last token: `graftmem.server.chat`), where the next turn has the answer
+        return True, reused
+    return False, reused - (kept.ends[-1] - reused)
 
 
 #: The graft's phases a receipt carries (`graftmem.core.blocks.Receipt`): ``fetch_ms`` says the block

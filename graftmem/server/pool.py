@@ -173,10 +173,11 @@ class EnginePool:
     def waiting(self) -> int:
         return sum(1 for w in (*self._waiters, *self._background) if not w.done())
 
-    async def acquire(self, prefer: Optional[Callable[["Engine"], int]] = None, *, background: bool = False,
-                      admitted: bool = False) -> "Engine":
-        """An engine for one request; with ``prefer``, the free engine it scores highest (the one whose
-        kept cells hold most of the request's prompt: llama-server's slot choice by prompt similarity).
+    async def acquire(self, prefer: Optional[Callable[["Engine"], tuple[bool, int]]] = None, *,
+                      background: bool = False, admitted: bool = False) -> "Engine":
+        """An engine for one request; with ``prefer``, the free engine it scores highest
+        (`graftmem.server.generate.engine_fit`), the least recently released among equals (the free
+        engines are kept in the order they were released).
 
         ``background``: work that yields to requests (embeddings): it gets a released engine only when no
         request waits, so a flood of it delays a chat turn by one of its slices at most, never by a queue
