@@ -42,6 +42,21 @@ BOMBS = [
     ("many-lengths", {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 500}
                                                        for i in range(100)}}, "maxLength"),
     ("float-bound", {"type": "string", "maxLength": 1e9}, "maxLength"),
+    # found by the held-out red team (bench/redteam.py): each passed the checker before
+    # nullable units repeated and nested: 125 items, 28 s per decode step (one uncancellable C call)
+    ("nullable-nest", {"type": "string", "pattern": "^(((a?){5}){5}){5}$"}, "pattern"),
+    # a quantifier on a quantifier was counted 0: 8,000 ways per character
+    ("stacked-quantifiers", {"type": "string", "pattern": "^a?{20}{20}{20}$"}, "pattern"),
+    ("stacked-counts", {"type": "string", "pattern": "^(ab){0,500}{0,500}$"}, "pattern"),
+    # quantifiers the converter reads (int() takes spaces and _) but the checker's regex did not:
+    # 1.26 GB while converting a 30-byte pattern
+    ("spaced-quantifier", {"type": "string", "pattern": "^a{ 10000000 }$"}, "pattern"),
+    ("underscore-quantifier", {"type": "string", "pattern": "^a{1_000_000}$"}, "pattern"),
+    # a $ref into a key that is no schema keyword: the converter follows it, the walk did not
+    ("ref-to-unwalked-length", {"type": "object", "properties": {"x": {"$ref": "#/x-hidden"}},
+                                "x-hidden": {"type": "string", "minLength": 10_000_000}}, "minLength"),
+    ("ref-to-unwalked-enum", {"type": "object", "properties": {"x": {"$ref": "#/x/y"}},
+                              "x": {"y": {"enum": [f"v{i}" for i in range(60_000)]}}}, "enum"),
 ]
 
 
@@ -71,6 +86,15 @@ def test_real_schemas_still_become_grammars():
     # an enum at the limit, and 250 long values, still pass
     check_schema({"enum": [f"v{i}" for i in range(DEFAULT_GRAMMAR_LIMITS.max_enum_values)]})
     check_schema({"enum": ["x" * 50 for _ in range(250)]})
+    # patterns with nested and optional repetitions that are not ambiguous stay accepted
+    for pattern in ("^((25[0-5]|2[0-4][0-9]|[01]?[0-9][0-9]?)\\.){3}(25[0-5]|2[0-4][0-9]|[01]?[0-9][0-9]?)$",
+                    "^([a-z0-9]+\\.)*[a-z0-9]+@[a-z]+\\.[a-z]{2,6}$", "^(\\+[0-9]{1,3})?[0-9]{4,10}$",
+                    "^((a|aa){5}){5}$", "^((a+){5}){5}$", "^a{0,5}?b$", "^[a-z]{ 2 , 8 }$"):
+        check_schema({"type": "string", "pattern": pattern})
+    # a $ref named twice (and a recursive one) is walked once: its enum counts once
+    check_schema({"$defs": {"e": {"enum": list(range(600))}, "n": {"type": "array", "items": {"$ref": "#/$defs/n"}}},
+                  "type": "object", "properties": {"a": {"$ref": "#/$defs/e"}, "b": {"$ref": "#/$defs/e"},
+                                                    "c": {"$ref": "#/$defs/n"}}})
 
 
 def test_a_deeply_nested_grammar_is_refused_before_llama_cpp_parses_it():

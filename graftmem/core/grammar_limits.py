@@ -62,6 +62,22 @@ class GrammarLimits:
 
 DEFAULT_GRAMMAR_LIMITS = GrammarLimits()
 
+def _ref_target(root: Any, ref: str) -> Any:
+    """The subschema a ``$ref`` names, found as llama-cpp-python's converter finds it (the path after the
+    last ``#``, split at ``/``, each part a key; no JSON-pointer unescaping): the converter follows a
+    ``$ref`` to any place in the document, ``{"$ref": "#/x-anything"}`` included, so a walk over the
+    schema keywords only missed a ``maxLength`` of 10^7 (1 GB while converting) or an enum of 100,000
+    values put under a key that is no keyword. None where it names nothing (the converter refuses it)."""
+    if not ref.startswith("#/") and "#/" not in ref:
+        return None
+    target = root
+    for sel in ref.split("#")[-1].split("/")[1:]:
+        if not isinstance(target, Mapping) or sel not in target:
+            return None
+        target = target[sel]
+    return target
+
+
 _REPEAT_KEYS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
@@ -81,13 +97,18 @@ def check_schema(schema: Any, where: str = "schema", limits: GrammarLimits = DEF
     nodes = props = enum_values = name_chars = 0
     total = 0
     stack: list[tuple[Any, str]] = [(schema, where)]
+    seen: set[int] = set()  # every subschema once, also where several $refs name it (the converter makes one rule)
     while stack:
         node, path = stack.pop()
         if isinstance(node, list):  # an items array (draft 4) or a stray list: its schemas
             stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node))
             continue
-        if not isinstance(node, Mapping):
+        if not isinstance(node, Mapping) or id(node) in seen:
             continue
+        seen.add(id(node))
+        ref = node.get("$ref")
+        if isinstance(ref, str):  # what the converter converts in its place, wherever in the document it is
+            stack.append((_ref_target(schema, ref), f"{path}.$ref"))
         nodes += 1
         if nodes > limits.max_nodes:
             raise _refuse(where, f"the schema has more than {limits.max_nodes} subschemas (this server's limit)")
@@ -149,56 +170,108 @@ def check_schema(schema: Any, where: str = "schema", limits: GrammarLimits = DEF
                 stack.append((node[key], f"{path}.{key}"))
 
 
-_QUANT = re.compile(r"\{(\d*)(?:(,)(\d*))?\}")
+def _quantifier(pattern: str, i: int, where: str) -> tuple[int, Optional[int], int]:
+    """The quantifier ``{...}`` at ``pattern[i]`` read as llama-cpp-python's converter reads it (up to the
+    next ``}``, split at ``,``, each side stripped and given to ``int``, which takes spaces, ``+``, ``_``
+    and any Unicode digit): ``(min, max or None for unbounded, the index after it)``. What the converter
+    would refuse is refused here (a regular expression's reading, ``\{(\d*),(\d*)\}``, let ``{ 0, 100000 }``
+    and ``{1_000_000}`` through uncounted)."""
+    end = pattern.find("}", i)
+    if end < 0:
+        raise _refuse(where, f"an unclosed quantifier {pattern[i:i + 20]!r}")
+    nums = [x.strip() for x in pattern[i + 1:end].split(",")]
+    hi: Optional[int]
+    try:
+        if len(nums) == 1:
+            lo = hi = int(nums[0])
+        elif len(nums) == 2:
+            lo, hi = (int(nums[0]) if nums[0] else 0), (int(nums[1]) if nums[1] else None)
+        else:
+            raise ValueError
+    except ValueError:
+        raise _refuse(where, f"the quantifier {pattern[i:end + 1]!r:.40} is not {{m}}, {{m,}} or {{m,n}}") from None
+    if lo < 0 or (hi is not None and hi < 0):
+        raise _refuse(where, f"the quantifier {pattern[i:end + 1]!r:.40} is negative")
+    return lo, hi, end + 1
 
 
 def _pattern_cost(pattern: str, where: str, limits: GrammarLimits) -> int:
     """What a regex pattern's repetitions cost once unrolled: each ``{m,n}`` counts max(m, n) times the
-    size of what it repeats (a group's own repetitions included). Refuses a count over
-    ``limits.max_repeat`` and a pattern longer than ``limits.max_pattern_chars``."""
+    size of what it repeats (a group's or an earlier quantifier's repetitions included: ``a{0,500}{0,500}``
+    is 250,000). Refuses a count over ``limits.max_repeat``, a pattern longer than
+    ``limits.max_pattern_chars``, and any repetition of something that can match nothing (``(a?){5}``,
+    ``a?{20}{20}``, ``(a{0,9})*``): llama.cpp's grammar sampler follows every way of splitting the text
+    among such units, once per candidate token and character, so nesting them costs exponentially per
+    decode step (``^(((a?){5}){5}){5}$``, 125 items: 28 s per token on SmolLM2's vocabulary, uncancellable
+    in one C call), while the same language is written without the ambiguity (``a{0,n}``).
+
+    Reads the pattern as the converter does (`_quantifier`; ``\\`` escapes one character; ``[...]`` is
+    one atom; ``(`` opens a group)."""
     if len(pattern) > limits.max_pattern_chars:
         raise _refuse(where, f"a pattern of {len(pattern)} characters is over the {limits.max_pattern_chars}-"
                              "character limit")
-    # sizes[-1]: the size so far of the innermost open group; last: the size of the last atom
-    sizes: list[int] = [0]
-    last = 0
-    i, n = 0, len(pattern)
+    body = pattern[1:] if pattern.startswith("^") else pattern
+    body = body[:-1] if body.endswith("$") else body
+    # one frame per open group: [size so far, the current alternative can match nothing so far,
+    # an earlier alternative can, the pending atom (size, can match nothing) or None]
+    frames: list[list[Any]] = [[0, True, False, None]]
+
+    def commit(f: list[Any]) -> None:
+        if f[3] is not None:
+            f[0] += f[3][0]
+            f[1] = f[1] and f[3][1]
+            f[3] = None
+
+    i, n = 0, len(body)
     while i < n:
-        c = pattern[i]
-        if c == "\\":
-            last, i = 1, i + 2
-        elif c == "[":
-            j = i + 1
-            if j < n and pattern[j] == "^":
-                j += 1
-            if j < n and pattern[j] == "]":
-                j += 1
-            while j < n and pattern[j] != "]":
-                j += 2 if pattern[j] == "\\" else 1
-            last, i = 1, j + 1
-        elif c == "(":
-            sizes.append(0)
-            last, i = 0, i + 1
-            continue
-        elif c == ")":
-            inner = sizes.pop() if len(sizes) > 1 else 0
-            last, i = max(inner, 1), i + 1
-        elif c == "{" and (m := _QUANT.match(pattern, i)):
-            lo, comma, hi = m.group(1), m.group(2), m.group(3)
-            count = max(int(lo or 0), int(hi or 0)) if comma else int(lo or 0)
-            if count > limits.max_repeat:
-                raise _refuse(where, f"the repetition {m.group(0)} is over this server's limit of "
-                                     f"{limits.max_repeat}")
-            sizes[-1] += last * max(count - 1, 0)  # the atom was counted once already
-            if sizes[-1] > limits.max_repeat_total:
+        c, f = body[i], frames[-1]
+        if c in "?*+{":
+            atom = f[3] if f[3] is not None else (1, False)
+            if c == "{":
+                lo, hi, i = _quantifier(body, i, where)
+                count = max(lo, hi if hi is not None else lo)
+                if count > limits.max_repeat:
+                    raise _refuse(where, f"the repetition {{{lo},{'' if hi is None else hi}}} is over this "
+                                         f"server's limit of {limits.max_repeat}")
+                repeats, empty = hi is None or hi > 1, lo == 0
+            else:
+                i, count = i + 1, 1
+                repeats, empty = c != "?", c != "+"
+            if repeats and atom[1]:
+                raise _refuse(where, f"the pattern repeats something that can match nothing ({body[max(0, i - 16):i]!r}): "
+                                     "over this server's limit of none, since its grammar is ambiguous and "
+                                     "exponentially slow to sample; write x{0,n} instead of (x?){n}")
+            size = atom[0] * max(count, 1)
+            if size > limits.max_repeat_total:
                 raise _refuse(where, f"the pattern's repetitions unroll to more than {limits.max_repeat_total} items "
                                      "(this server's limit)")
-            last, i = 0, m.end()
+            f[3] = (size, atom[1] or empty)
             continue
+        commit(f)
+        if c == "(":
+            frames.append([0, True, False, None])
+            i += 1
+        elif c == ")":
+            if len(frames) > 1:
+                frames.pop()
+                frames[-1][3] = (max(f[0], 1), f[1] or f[2])
+            i += 1
+        elif c == "|":
+            f[2], f[1] = f[2] or f[1], True
+            i += 1
+        elif c == "[":
+            j = i + 1
+            while j < n and body[j] != "]":
+                j += 2 if body[j] == "\\" else 1
+            f[3], i = (1, False), j + 1
         else:
-            last, i = 1, i + 1
-        sizes[-1] += last
-    return sum(sizes)
+            f[3], i = (1, False), i + (2 if c == "\\" else 1)
+        if frames[-1][0] > limits.max_repeat_total:
+            raise _refuse(where, f"the pattern's repetitions unroll to more than {limits.max_repeat_total} items "
+                                 "(this server's limit)")
+    for f in frames:
+        commit(f)
+    return sum(f[0] for f in frames)
 
 
 _GBNF_SKIP = re.compile(rb'"(?:[^"\\\n]|\\.)*"|\[(?:[^\]\\\n]|\\.)*\]|#[^\n]*')
