@@ -123,7 +123,8 @@ def server_process(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name,schema,keyword", [b for b in BOMBS if b[0] in
-                                                 ("maxLength", "maxItems", "pattern", "enum", "nested-pattern")],
+                                                 ("maxLength", "maxItems", "pattern", "enum", "nested-pattern",
+                                                  "stacked-quantifiers")],
                          ids=lambda v: v if isinstance(v, str) else "")
 def test_every_door_answers_a_grammar_bomb_with_a_4xx_and_the_server_lives(server_process, name, schema, keyword):
     proc, url = server_process
