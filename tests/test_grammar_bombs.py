@@ -57,6 +57,10 @@ BOMBS = [
                                 "x-hidden": {"type": "string", "minLength": 10_000_000}}, "minLength"),
     ("ref-to-unwalked-enum", {"type": "object", "properties": {"x": {"$ref": "#/x/y"}},
                               "x": {"y": {"enum": [f"v{i}" for i in range(60_000)]}}}, "enum"),
+    # optional properties cost the converter quadratic time with the GIL held: 900 took 3.2 s, /health
+    # answered past 1 s while it ran (red team); 5,000 a RecursionError
+    ("optional-properties", {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(900)}},
+     "properties"),
 ]
 
 
@@ -95,6 +99,10 @@ def test_real_schemas_still_become_grammars():
     check_schema({"$defs": {"e": {"enum": list(range(600))}, "n": {"type": "array", "items": {"$ref": "#/$defs/n"}}},
                   "type": "object", "properties": {"a": {"$ref": "#/$defs/e"}, "b": {"$ref": "#/$defs/e"},
                                                     "c": {"$ref": "#/$defs/n"}}})
+    # many properties pass when they are required (linear for the converter), and optional ones up to the limit
+    wide = {f"p{i}": {"type": "integer"} for i in range(900)}
+    check_schema({"type": "object", "properties": wide, "required": list(wide)})
+    check_schema({"type": "object", "properties": dict(list(wide.items())[:DEFAULT_GRAMMAR_LIMITS.max_optional_properties])})
 
 
 def test_a_deeply_nested_grammar_is_refused_before_llama_cpp_parses_it():
