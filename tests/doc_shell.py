@@ -267,6 +267,7 @@ def _allowed(page_line: str, status: int) -> bool:
 
 def run_page(page: str, blocks: list[Block], tmp: Path, runner: Any, *, timeout: float = 600) -> PageRun:
     """Run ``blocks`` (a page's runnable shell blocks, in order) in one bash in a scratch directory."""
+    from graftmem.core.models import model_cache_dir
     from tests.seaweed import free_port
 
     work, home = tmp / "work", tmp / "home"
@@ -279,7 +280,10 @@ def run_page(page: str, blocks: list[Block], tmp: Path, runner: Any, *, timeout:
     env = {**keep, "PATH": f"{bridge.bin}:{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
            "PYTHONPATH": str(ROOT), "GRAFTMEM_HOME": str(home), "HOME": str(tmp / "userhome"),
            "XDG_CACHE_HOME": str(tmp / "cache"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "GRAFTMEM_DOCS_BRIDGE": bridge.path, "NO_COLOR": "1"}
+           "GRAFTMEM_DOCS_BRIDGE": bridge.path, "NO_COLOR": "1",
+           # derived model files (Gemma's assembled GGUF, file hashes, probe verdicts), what a user has after
+           # the first run: not the store, and rebuilding them per page would cost each page seconds
+           "GRAFTMEM_MODEL_CACHE": str(model_cache_dir())}
     bash = shutil.which("bash") or "/bin/bash"
     proc = subprocess.Popen([bash, "-c", script], cwd=work, env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -299,8 +303,11 @@ def run_page(page: str, blocks: list[Block], tmp: Path, runner: Any, *, timeout:
     run = PageRun(blocks, proc.returncode, stderr=err, script=script, commands=bridge.timings)
     current = None
     for line in out.splitlines():
-        if line.startswith("__docs_block "):
-            tag = line.split()[1]
+        marker = re.search(r"__docs_block (\w+)$", line)
+        if marker is not None:  # after output with no final newline (curl's JSON) the marker ends its line
+            if marker.start() and current is not None:
+                run.stdout[current] = run.stdout.get(current, "") + line[:marker.start()] + "\n"
+            tag = marker.group(1)
             current = None if tag == "end" else int(tag)
             run.stdout.setdefault(current if current is not None else -1, "")
         elif current is not None:
@@ -314,6 +321,6 @@ def run_page(page: str, blocks: list[Block], tmp: Path, runner: Any, *, timeout:
                 run.failures.append(f"{blocks[i].where if i >= 0 else page} exit {status}: {page_line.strip()}")
         elif line.startswith("__docs_fail"):
             run.failures.append(line)
-    if "__docs_block end" not in out:
+    if not re.search(r"__docs_block end$", out, re.M):
         run.failures.append(f"the run stopped before the end (bash exit {proc.returncode})")
     return run
