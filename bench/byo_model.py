@@ -17,6 +17,7 @@ Prints a table and writes bench/results/byo_model.json.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from typing import Any
@@ -83,7 +84,9 @@ def main() -> None:
     ap.add_argument("--n-ctx", type=int, default=4096)
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
+    load_before = os.getloadavg()  # a shared machine: the load says how far the absolute rates are a floor
     rows = [one_model(m, {"n_ctx": args.n_ctx}, args.tokens, args.rounds) for m in args.models]
+    load_after = os.getloadavg()
     print(f"{'model':14} {'tokens':>6} {'prefill/s':>9} {'text ms':>8} {'graft ms':>8} {'ratio':>6} "
           f"{'decode/s':>8} {'B/token':>8} {'SHA-eq':>6} verify")
     for r in rows:
@@ -92,7 +95,9 @@ def main() -> None:
               f"{r['text_first_token_ms']['median_ms']:>8} {r['graft_first_token_ms']['median_ms']:>8} "
               f"{r['graft_vs_text']:>5}x {dec:>8} {r['state_bytes_per_token']:>8} {r['sha_equal_rounds']:>6} "
               f"{r['verify']['sha_equal']}/10 max KL {r['verify']['max_kl']}")
-    write_results(args.out, {"rows": rows}, args=args)
+    print(f"load average (1, 5, 15 min) before {load_before}, after {load_after}")
+    write_results(args.out, {"rows": rows, "machine": {"loadavg_before": load_before, "loadavg_after": load_after}},
+                  args=args)
 
 
 if __name__ == "__main__":
