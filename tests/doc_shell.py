@@ -36,6 +36,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -164,7 +165,9 @@ class CliBridge:
         shim = self.bin / "graftmem"
         shim.write_text(_SHIM.format(python=sys.executable))
         shim.chmod(0o755)
-        self.path = str(workdir / "cli.sock")
+        # a short path of its own: a unix socket's path is limited to 107 bytes, a pytest tmp_path is long
+        self._sockdir = tempfile.mkdtemp(prefix="gm-docs-")
+        self.path = os.path.join(self._sockdir, "cli.sock")
         self.sock = socket.socket(socket.AF_UNIX)
         self.sock.bind(self.path)
         self.sock.listen(8)
@@ -203,8 +206,13 @@ class CliBridge:
         return {"rc": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
 
     def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the thread's accept() (close alone does not, on Linux)
+        except OSError:
+            pass
         self.sock.close()
         self._thread.join(timeout=10)
+        shutil.rmtree(self._sockdir, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------- one page's run
