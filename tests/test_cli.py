@@ -271,3 +271,17 @@ def test_scope_flags_list_and_forget_by_scope(tmp_path, capsys):
     assert [b["id"] for b in json.loads(cli("--json", "ls")[1])] == [ids["both"]]
     code, out, err = cli("delete")
     assert code == 2 and "give a block id, or a scope" in err
+
+
+def test_learn_quiet_prints_only_the_id(tmp_path, capsys, monkeypatch):
+    """``ID=$(graftmem learn f.txt -q)``: the pages' shell blocks keep the new block's id this way (the ids
+    differ from machine to machine: a block id hashes the engine fingerprint), learned or already stored."""
+    monkeypatch.setenv("GRAFTMEM_HOME", str(tmp_path / "h"))
+    run = _in_process(capsys)
+    manual = tmp_path / "refunds.txt"
+    manual.write_text("Refunds: ask for the order number first.")
+    for _ in range(2):  # the second time it is already stored: the same one line
+        code, out, err = run("learn", str(manual), "-q")
+        assert code == 0, err
+        (bid,) = out.splitlines()
+        assert run("show", bid)[1].startswith(f"id           {bid}\n")

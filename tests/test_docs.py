@@ -1,4 +1,6 @@
-"""The docs site builds with --strict, the CLI reference is not stale, and the quickstart runs."""
+"""The docs site builds with --strict, the CLI reference is not stale, and every page runs as written:
+its Python blocks (in the warm snippet runner) and its shell blocks (tests/doc_shell.py), each shown
+output compared with a fresh run; a block that cannot run here says why on the page."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Optional
 
 import pytest
 
+from . import doc_shell
 from .snippet_runner import SnippetRunner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,50 +80,31 @@ def test_quickstart_example_runs(tmp_path, runner):
     assert "byte-exact: True (10/10 SHA-equal, max KL 0.0)" in proc.stdout, proc.stdout[-2000:]
 
 
-def python_blocks(page: str) -> list[str]:
-    """The ```python blocks of a page, except those right after a ``<!-- docs-test: skip (why) -->`` line."""
-    import re
+def _runnable_python(page: str) -> list[doc_shell.Block]:
+    """The ```python blocks of a page, except those marked ``<!-- not run: why -->`` on the line above
+    (or ``<!-- run by tests/...: how -->``: the one marker grammar of tests/doc_shell.py)."""
+    return [b for b in doc_shell.fences(page) if b.lang == "python" and b.runs_here]
 
-    text = (ROOT / page).read_text()
-    return [m.group(2) for m in re.finditer(r"(<!-- docs-test: skip[^>]*-->\n)?```python\n(.*?)```", text, flags=re.S)
-            if not m.group(1)]
+
+def python_blocks(page: str) -> list[str]:
+    return [b.code for b in _runnable_python(page)]
 
 
 def shown_output(page: str, index: int) -> Optional[str]:
     """What the page shows as the output of its ``index``-th runnable python block: the ```text (or bare
     ```) block that follows it when the prose between them starts a paragraph with "Output", else None."""
-    import re
-
-    text = (ROOT / page).read_text()
-    runnable = [m for m in re.finditer(r"(<!-- docs-test: skip[^>]*-->\n)?```python\n(.*?)```", text, flags=re.S)
-                if not m.group(1)]
-    after = text[runnable[index].end():]
-    nxt = re.search(r"^```(text)?\n(.*?)^```", after, flags=re.S | re.M)
-    if nxt is None or "```" in after[:nxt.start()]:
-        return None
-    between = after[:nxt.start()]
-    if not re.search(r"\n\s*\nOutput", "\n\n" + between.strip()):
-        return None
-    return nxt.group(2)
+    return doc_shell.shown_after((ROOT / page).read_text(), _runnable_python(page)[index].end)
 
 
 def assert_output_shown(page: str, index: int, stdout: str) -> None:
     """The output a page shows after a block is what the block printed: every shown line, in order, is a
     printed line, where "…" stands for a part the page says varies (a timing, a hash). Pages whose
     output is not stable say which part varies and mark it so; nothing else is compared loosely."""
-    import re
-
     shown = shown_output(page, index)
     if shown is None:
         return
-    printed = stdout.splitlines()
-    at = 0
-    for want in shown.splitlines():
-        pattern = re.compile(".*?".join(re.escape(part) for part in want.split("…")) + "$")
-        while at < len(printed) and not pattern.match(printed[at]):
-            at += 1
-        assert at < len(printed), f"{page}: the shown output line {want!r} is not printed (in order):\n{stdout}"
-        at += 1
+    want = doc_shell.missing_lines(shown, stdout)
+    assert want is None, f"{page}: the shown output line {want!r} is not printed (in order):\n{stdout}"
 
 
 def _run_block(code: str, tmp_path, runner: SnippetRunner) -> subprocess.CompletedProcess:
@@ -321,3 +305,77 @@ def test_shell_examples_mean_what_they_say():
     torch = {line.split("#")[0].strip() for page in ("README.md", "docs/quickstart.md")
              for line in (ROOT / page).read_text().splitlines() if line.startswith("pip install torch")}
     assert len(torch) == 1, torch
+
+
+# ----------------------------------------------------------------------------------------- shell blocks
+#: the pages with shell blocks that run here (every other shell block is marked on its page)
+SHELL_PAGES = [p for p in PAGES if any(b.runs_here for b in doc_shell.shell_blocks(p))]
+
+
+def test_every_shell_block_is_run_or_says_why():
+    """Every ```bash/sh/shell/console block of every page runs below unless the line above it says, with
+    a reason, that it does not run here (or names the test that runs it); a block of commands in a fence
+    with no language would escape both, and fails."""
+    found = [p for page in PAGES for p in doc_shell.problems(page)]
+    assert not found, "\n".join(found)
+    blocks = [b for page in PAGES for b in doc_shell.shell_blocks(page)]
+    assert len(blocks) >= 30
+    run = {b.page for b in blocks if b.runs_here}
+    assert run >= {"README.md", "docs/quickstart.md", "docs/models.md", "docs/agents.md", "docs/bundles.md"}, run
+
+
+def test_the_shell_check_sees_what_it_must():
+    """The checks above can fail: an unmarked block is run, a marker without a reason, a "run by" that
+    names no test (or a test that never reads the page), and commands in an unlabelled fence are each
+    reported; the shown output of a shell block is found and a stale line fails the comparison."""
+    page = ("x\n\n```bash\ngraftmem ls\n```\n\nOutput:\n\n```text\n(no blocks)\n```\n\n"
+            "<!-- not run: why -->\n```bash\npip install x\n```\n"
+            "<!-- run by tests/test_nothing.py: never -->\n```sh\nweed server\n```\n"
+            "<!-- run by tests/test_cli.py: somewhere -->\n```bash\ngraftmem demo\n```\n"
+            "```\ngraftmem ls\n```\n")
+    blocks = doc_shell.shell_blocks("docs/x.md", page)
+    assert [b.runs_here for b in blocks] == [True, False, False, False]
+    assert doc_shell.shown_after(page, blocks[0].end) == "(no blocks)\n"
+    assert doc_shell.missing_lines("(no blocks)\n", "(no blocks)\n") is None
+    assert doc_shell.missing_lines("(no blocks)\n", "id  kind\n") == "(no blocks)"
+    found = doc_shell.problems("docs/x.md", page)
+    assert len(found) == 4, found
+    assert "needs a reason" in found[0] and "no such test" in found[1] and "does not name docs/x.md" in found[2]
+    assert "no language" in found[3]
+
+
+def test_a_failing_command_fails_unless_its_line_says_so():
+    """A command's status is checked where the page does not say it fails: bash's ERR trap reports the
+    line, and only a comment ``exit N`` with that N lets it pass."""
+    assert doc_shell._allowed("graftmem delete $SYSTEM   # refused (exit 2): two blocks are chained", 2)
+    assert not doc_shell._allowed("graftmem delete $SYSTEM   # refused (exit 2)", 1)
+    assert not doc_shell._allowed("graftmem ls", 1)
+    script, where = doc_shell.script_for([doc_shell.Block("p.md", 1, "bash", "a\ngraftmem serve --port 8765  # x\nb\n", 0, 0)], 9999)
+    lines = script.splitlines()
+    assert lines[max(where) - 1] == "b"
+    serve = [n for n, (_, raw) in where.items() if "serve" in raw]
+    assert any("&" in lines[n - 1] and "--port 9999" in lines[n - 1] for n in serve), script
+    assert any("docs_wait_health 9999" in lines[n - 1] for n in serve), script
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", SHELL_PAGES)
+def test_shell_blocks_run_as_written(page, tmp_path, runner):
+    """The page's shell blocks, in order, in one bash in a scratch home (tests/doc_shell.py says how):
+    no command fails where the page does not say so, and every output the page shows is printed."""
+    import shutil
+
+    blocks = [b for b in doc_shell.shell_blocks(page) if b.runs_here]
+    if any("curl " in b.code for b in blocks) and shutil.which("curl") is None:
+        if os.environ.get("CI"):  # a tool the page uses: skipped on a dev machine without it, never under CI
+            pytest.fail("curl is missing (scripts/dev.sh's DEBIAN_NEEDS)")
+        pytest.skip("curl is missing")
+    run = doc_shell.run_page(page, blocks, tmp_path, runner)
+    printed = "\n".join(f"--- {b.where}\n{run.stdout.get(i, '')}" for i, b in enumerate(blocks))
+    assert not run.failures, f"{run.failures}\n{printed}\n--- stderr\n{run.stderr[-4000:]}"
+    text = (ROOT / page).read_text()
+    for i, b in enumerate(blocks):
+        shown = doc_shell.shown_after(text, b.end)
+        if shown is not None:
+            want = doc_shell.missing_lines(shown, run.stdout.get(i, ""))
+            assert want is None, f"{b.where}: the shown line {want!r} is not printed (in order):\n{printed}"

