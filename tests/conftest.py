@@ -35,7 +35,7 @@ _pin_xdist_worker()
 #: a long file started last would leave the other worker idle at the end. Files not named keep their order,
 #: after these; the list is a schedule hint, not a correctness matter.
 SLOWEST_FIRST: list[str] = [
-    "test_exactness.py", "test_docs.py", "test_needle.py", "test_cli.py", "test_packaging.py",
+    "test_exactness.py", "test_docs.py", "test_docs_shell.py", "test_needle.py", "test_cli.py", "test_packaging.py",
     "test_server_openai.py", "test_chain.py", "test_server_frameworks.py", "test_server_responses.py",
     "test_recall.py", "test_forced_calls.py", "test_fleet.py", "test_fleet_cluster.py", "test_kernels.py",
     "test_server_forced_tools.py", "test_speed_paths.py", "test_server_ram.py", "test_flywheel.py",

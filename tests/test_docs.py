@@ -356,26 +356,3 @@ def test_a_failing_command_fails_unless_its_line_says_so():
     serve = [n for n, (_, raw) in where.items() if "serve" in raw]
     assert any("&" in lines[n - 1] and "--port 9999" in lines[n - 1] for n in serve), script
     assert any("docs_wait_health 9999" in lines[n - 1] for n in serve), script
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("page", SHELL_PAGES)
-def test_shell_blocks_run_as_written(page, tmp_path, runner):
-    """The page's shell blocks, in order, in one bash in a scratch home (tests/doc_shell.py says how):
-    no command fails where the page does not say so, and every output the page shows is printed."""
-    import shutil
-
-    blocks = [b for b in doc_shell.shell_blocks(page) if b.runs_here]
-    if any("curl " in b.code for b in blocks) and shutil.which("curl") is None:
-        if os.environ.get("CI"):  # a tool the page uses: skipped on a dev machine without it, never under CI
-            pytest.fail("curl is missing (scripts/dev.sh's DEBIAN_NEEDS)")
-        pytest.skip("curl is missing")
-    run = doc_shell.run_page(page, blocks, tmp_path, runner)
-    printed = "\n".join(f"--- {b.where}\n{run.stdout.get(i, '')}" for i, b in enumerate(blocks))
-    assert not run.failures, f"{run.failures}\n{printed}\n--- stderr\n{run.stderr[-4000:]}"
-    text = (ROOT / page).read_text()
-    for i, b in enumerate(blocks):
-        shown = doc_shell.shown_after(text, b.end)
-        if shown is not None:
-            want = doc_shell.missing_lines(shown, run.stdout.get(i, ""))
-            assert want is None, f"{b.where}: the shown line {want!r} is not printed (in order):\n{printed}"
