@@ -324,13 +324,13 @@ def test_date_pinned_per_conversation(smol, monkeypatch):
     matches); a new conversation gets today's."""
     import datetime as dt
 
-    import graftmem.server.chat as chat
+    import graftmem.core.segments as segments
 
     tpl = load_template(template_path("meta-llama-Llama-3.2-3B-Instruct"), smol)
     first, _, _ = template_segments(smol, tpl, CONVO)
-    day = chat.today().strftime("%d %b %Y")
+    day = segments.today().strftime("%d %b %Y")
     assert day in first[0]
-    monkeypatch.setattr(chat, "today", lambda: dt.datetime(2099, 1, 1))
+    monkeypatch.setattr(segments, "today", lambda: dt.datetime(2099, 1, 1))
     again, _, _ = template_segments(smol, tpl, CONVO + [{"role": "assistant", "content": "4"},
                                                         {"role": "user", "content": "Thanks"}])
     assert day in again[0] and "2099" not in again[0]
