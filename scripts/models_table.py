@@ -99,7 +99,7 @@ def row(path: Path) -> dict[str, str]:
         nxt = render(CONVO[:k + 1]) if k < len(CONVO) else full
         if not nxt.startswith(part):
             bad.append(str(k - 1))
-        # the server's cut (graftmem.server.chat.template_segments): the last marker at or before the
+        # the server's cut (graftmem.core.segments.cut_template): the last marker at or before the
         # point where this prefix stops agreeing with the whole prompt, after the message's own text
         c = min(_agree(part, full), len(full) - 1)
         while c > end and full[c] not in "<[":

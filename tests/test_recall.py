@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from graftmem import ConfigError, Memory
-from graftmem.core.prompt import CHATML, GEMMA, detect_format, split_ids
+from graftmem.core.prompt import CHATML, GEMMA, split_ids
+from graftmem.core.segments import detect_format
 from graftmem.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]

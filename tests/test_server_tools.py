@@ -18,7 +18,7 @@ import pytest
 from graftmem.server import api_server
 from graftmem.server.chat import render_segments
 from graftmem.server.tools import AnswerParser, answer_spec, parse_tools, split_answer
-from graftmem.core.prompt import detect_format
+from graftmem.core.segments import detect_format
 from graftmem.core import Engine
 from graftmem.store.local import Store
 

@@ -11,10 +11,11 @@ import pytest
 
 from graftmem import Memory
 from graftmem.core.engine import Engine
-from graftmem.core.prompt import CHATML, GEMMA, detect_format, format_of, template_format
+from graftmem.core.prompt import CHATML, GEMMA, format_of
+from graftmem.core.segments import detect_format, template_format, tokenize_segments
 from graftmem.core.template import ChatTemplate, TemplateError, load_template, model_template
 from graftmem.server import RECEIPT_HEADER, OpenAIRoutes, api_server
-from graftmem.server.chat import template_segments, tokenize_segments
+from graftmem.server.chat import template_segments
 from graftmem.server.tools import parse_tools, tools_prompt
 from graftmem.store.local import Store
 
@@ -235,7 +236,7 @@ def test_more_families_render_requests_and_graft_chat_blocks(family, tmp_path):
     """Qwen 2.5 / 3 / 3.5 and Command R+: requests are the template's prompt id for id; a chat block
     grafts exactly. Qwen3.5's template refuses a system message alone ("No user query found"): its
     chat blocks fall back to the hand-written ChatML cut, its requests still use its template."""
-    from graftmem.core.prompt import request_template
+    from graftmem.core.segments import request_template
     from graftmem.memory import continuation_for
 
     with Engine(tiny_path(family)) as e:
@@ -323,13 +324,13 @@ def test_date_pinned_per_conversation(smol, monkeypatch):
     matches); a new conversation gets today's."""
     import datetime as dt
 
-    import graftmem.server.chat as chat
+    import graftmem.core.segments as segments
 
     tpl = load_template(template_path("meta-llama-Llama-3.2-3B-Instruct"), smol)
     first, _, _ = template_segments(smol, tpl, CONVO)
-    day = chat.today().strftime("%d %b %Y")
+    day = segments.today().strftime("%d %b %Y")
     assert day in first[0]
-    monkeypatch.setattr(chat, "today", lambda: dt.datetime(2099, 1, 1))
+    monkeypatch.setattr(segments, "today", lambda: dt.datetime(2099, 1, 1))
     again, _, _ = template_segments(smol, tpl, CONVO + [{"role": "assistant", "content": "4"},
                                                         {"role": "user", "content": "Thanks"}])
     assert day in again[0] and "2099" not in again[0]
@@ -440,7 +441,7 @@ def test_r1_distill_gets_its_own_template(tmp_path):
     word "tools") was served in graftmem's ChatML by a heuristic (LEGACY_RULE): the prompt differed from
     token 0. The hand-written format stands in only where it renders what the template renders
     (`renders_as_template`); here it does not, so requests and chat blocks use the model's template."""
-    from graftmem.core.prompt import renders_as_template, request_template
+    from graftmem.core.segments import renders_as_template, request_template
 
     from .tiny import tiny_models
 

@@ -9,7 +9,8 @@ import httpx
 
 from graftmem.core.prompt import tokenize_literal
 from graftmem.server import api_server
-from graftmem.server.chat import literal_spans, render_segments
+from graftmem.core.segments import literal_spans
+from graftmem.server.chat import render_segments
 from graftmem.store.local import Store
 
 from .conftest import long_text
@@ -23,7 +24,7 @@ def _post(url: str, body: dict) -> httpx.Response:
 
 
 def test_a_user_cannot_forge_a_chatml_turn(smol, tmp_path):
-    from graftmem.core.prompt import detect_format
+    from graftmem.core.segments import detect_format
 
     fmt = detect_format(smol)
     convo = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": FORGED}]

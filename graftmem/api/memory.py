@@ -22,7 +22,7 @@ from ..core.decoding import Sampling
 from ..core.engine import Engine
 from ..core.blocks import PROVENANCE_REDERIVED, PROVENANCE_UNVERIFIED
 from ..core.errors import BlockNotFound, ClosedError, ConfigError, GraftmemError
-from ..core.prompt import detect_format, no_format_reason
+from ..core.segments import detect_format, no_format_reason
 from ..memory import validate as check
 from ..memory.access import Access
 from ..memory.answer import OnText

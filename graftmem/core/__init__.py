@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from .progress import prefill_work, progress_bar
     from .statefmt import join as join_states
     from .statefmt import needs_placing, place_cells_into
-    from .prompt import CHATML, FORMATS, GEMMA, ChatFormat, detect_format, request_template, split_ids
+    from .prompt import CHATML, FORMATS, GEMMA, ChatFormat, split_ids
+    from .segments import detect_format, request_template
     from .template import ChatTemplate, TemplateError, load_template, model_template
 
 _LAZY: dict[str, tuple[str, str]] = {
@@ -81,9 +82,9 @@ _LAZY: dict[str, tuple[str, str]] = {
     "FORMATS": (".prompt", "FORMATS"),
     "GEMMA": (".prompt", "GEMMA"),
     "ChatFormat": (".prompt", "ChatFormat"),
-    "detect_format": (".prompt", "detect_format"),
+    "detect_format": (".segments", "detect_format"),
     "split_ids": (".prompt", "split_ids"),
-    "request_template": (".prompt", "request_template"),
+    "request_template": (".segments", "request_template"),
     "ChatTemplate": (".template", "ChatTemplate"),
     "TemplateError": (".template", "TemplateError"),
     "load_template": (".template", "load_template"),

@@ -22,30 +22,25 @@ loop treats it. Escape such text before recall if your tasks come from untrusted
 checked too; a recall whose seam does merge is reported with ``receipt.exact = False``.
 
 Which format: the model's own chat template (`graftmem.core.template`), cut into the same four parts
-by `template_format()` at a special-token seam; the two hand-written formats below stand in for a
-template only where they render exactly what it renders (`renders_as_template`: SmolLM2) and serve
-GGUFs without a template (Gemma 3 270M). docs/models.md lists every case where graftmem substitutes
+at the seam the server's rule cuts a conversation at (`graftmem.core.segments.template_format`); the two
+hand-written formats below stand in for a template only where they render exactly what it renders
+(`graftmem.core.segments.renders_as_template`: SmolLM2) and serve GGUFs without a template (Gemma 3 270M). docs/models.md lists every case where graftmem substitutes
 anything, and why.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from .errors import ConfigError
-from .template import ChatTemplate, TemplateError, load_template, model_template, today
+from .template import ChatTemplate
 
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["ChatFormat", "CHATML", "GEMMA", "FORMATS", "detect_format", "format_of", "request_template",
-           "split_ids", "template_format", "clean_seam", "seam_before", "starts_special", "renders_as_template",
-           "no_format_reason",
-           "has_special_text", "tokenize_literal"]
-
-log = logging.getLogger("graftmem")
+__all__ = ["ChatFormat", "CHATML", "GEMMA", "FORMATS", "format_of", "split_ids", "clean_seam", "seam_before",
+           "starts_special", "has_special_text", "tokenize_literal"]
 
 
 @dataclass(frozen=True)
@@ -74,12 +69,16 @@ class ChatFormat:
         """What a block learned through a derived format stores to rebuild it (`format_of`)."""
         return [self.block_head, self.block_tail, self.task_head, self.task_tail]
 
-    def turn(self, role: str, content: str) -> str:
-        """One complete turn of ``role`` (an OpenAI role: system, user, assistant, tool)."""
+    def head(self, role: str) -> str:
+        """The header of a turn of ``role`` (an OpenAI role: system, user, assistant, tool)."""
         mapped = dict(self.roles).get(role)
         if mapped is None:
             raise ConfigError(f"role {role!r} is not one of {', '.join(r for r, _ in self.roles)}")
-        return f"{self.turn_open.format(role=mapped)}{content}{self.turn_close}"
+        return self.turn_open.format(role=mapped)
+
+    def turn(self, role: str, content: str) -> str:
+        """One complete turn of ``role`` (an OpenAI role: system, user, assistant, tool)."""
+        return f"{self.head(role)}{content}{self.turn_close}"
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, generation_prompt: bool = False) -> str:
         """Chat messages (``[{"role": ..., "content": ...}]``) as this template's text; with
@@ -98,7 +97,7 @@ class ChatFormat:
         for m in messages:
             parts.append(self.turn(m["role"], m["content"]))
         if generation_prompt:
-            parts.append(self.turn_open.format(role=dict(self.roles)["assistant"]))
+            parts.append(self.head("assistant"))
         return "".join(parts)
 
     def prefix(self, manual: str) -> str:
@@ -138,105 +137,6 @@ GEMMA = ChatFormat(
 
 FORMATS: dict[str, ChatFormat] = {f.name: f for f in (CHATML, GEMMA)}
 
-
-#: The conversation a hand-written format must render exactly as the model's template does to stand in
-#: for it (`renders_as_template`): a system turn (a chat block's manual), a user turn, an answer, a user turn.
-_PROBE = ({"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Hi"},
-          {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"})
-
-
-def renders_as_template(fmt: ChatFormat, tpl: ChatTemplate) -> bool:
-    """Whether the hand-written ``fmt`` renders byte for byte what the model's template ``tpl`` renders
-    (a conversation with a system turn, each prefix of it, with the generation prompt) and ``tpl``
-    renders no tools: then ``fmt`` stands in for it (SmolLM2: every block and prompt learned before
-    stays byte-identical). A check, not a guess from the vocabulary: a template that renders anything
-    else (DeepSeek R1-Distill-Qwen's, on a vocabulary that has ChatML's markers) is used as it is."""
-    if tpl.uses_tools:
-        return False
-    try:
-        return all(tpl.render(list(_PROBE[:k]), add_generation_prompt=True) ==
-                   fmt.render(list(_PROBE[:k]), generation_prompt=True) for k in (2, 4))
-    except (TemplateError, ConfigError):
-        return False
-
-
-def _hand_written(engine: "Engine") -> Optional[ChatFormat]:
-    """The hand-written format whose marker is one special token of this vocabulary (None: neither)."""
-    for fmt in FORMATS.values():
-        if len(engine.tokenize(fmt.probe, add_special=False)) == 1:
-            return fmt
-    return None
-
-
-def detect_format(engine: "Engine", template: "ChatTemplate | str | None" = None) -> Optional[ChatFormat]:
-    """The chat format of this engine's requests and chat blocks.
-
-    ``template`` (a `ChatTemplate` or a file path, as llama-server's ``--chat-template-file``) wins.
-    Otherwise the GGUF's own ``tokenizer.chat_template``, cut into a block part and a task part by
-    `template_format`, unless a hand-written format renders exactly what it renders
-    (`renders_as_template`: SmolLM2) or it cannot hold a manual as a turn of its own (then the
-    hand-written format, logged). A GGUF without a template falls back to the hand-written format whose
-    marker is a single special token in the vocabulary (Gemma 3 270M); None when nothing fits.
-    """
-    if template is not None:
-        given = template if isinstance(template, ChatTemplate) else load_template(template, engine)
-        return template_format(engine, given)
-    cache = getattr(engine, "_graftmem_formats", None)
-    if cache is None:
-        cache = {}
-        try:
-            engine._graftmem_formats = cache  # type: ignore[attr-defined]
-        except AttributeError:
-            pass
-    if "auto" in cache:
-        return cache["auto"]
-    legacy = _hand_written(engine)
-    tpl = model_template(engine)
-    chosen: Optional[ChatFormat] = legacy
-    if tpl is not None and not (legacy is not None and renders_as_template(legacy, tpl)):
-        try:
-            chosen = template_format(engine, tpl)
-        except TemplateError as exc:
-            log.warning("model %s: its chat template cannot hold a manual as a turn of its own (%s); %s",
-                        engine.fingerprint.model_name, exc,
-                        f"using the hand-written {legacy.name!r} format" if legacy else "chat is unavailable")
-            chosen = legacy
-            cache["why"] = f"its chat template cannot hold a manual as a turn of its own ({exc})"
-    if tpl is None and legacy is None:
-        cache["why"] = (f"the GGUF has no chat template and none of the hand-written formats "
-                        f"({', '.join(sorted(FORMATS))}) fits its vocabulary")
-    cache["auto"] = chosen
-    return chosen
-
-
-def no_format_reason(engine: "Engine") -> str:
-    """Why `detect_format` found no chat format for ``engine`` (what a refusal says: the real reason,
-    not a guess)."""
-    detect_format(engine)
-    cache = getattr(engine, "_graftmem_formats", None) or {}
-    return str(cache.get("why", "no chat format fits this model"))
-
-
-def request_template(engine: "Engine", template: "ChatTemplate | str | None" = None) -> Optional[ChatTemplate]:
-    """The template a chat *request* is rendered with: ``template`` (an object or a file) if given,
-    else the GGUF's own, except where a hand-written format renders exactly what it renders
-    (`renders_as_template`; None: render with `detect_format`'s format; what still differs is logged). Unlike a chat block's format, a request needs no block/task cut, so a
-    template that cannot render a system turn alone (Qwen3.5 raises "No user query found") still
-    renders every request."""
-    if template is not None:
-        return template if isinstance(template, ChatTemplate) else load_template(template, engine)
-    tpl = model_template(engine)
-    if tpl is None:
-        return None
-    legacy = _hand_written(engine)
-    if legacy is not None and renders_as_template(legacy, tpl):
-        log.info("model %s: graftmem's hand-written %r format renders what its chat template renders for a "
-                 "conversation with a system turn; requests use it (what differs: a request without a system "
-                 "message gets no default system turn the template may add, and tools are graftmem's Hermes "
-                 "text in the system message, which the template does not render)",
-                 engine.fingerprint.model_name, legacy.name)
-        return None
-    return tpl
 
 
 def format_of(metadata: Mapping[str, Any]) -> Optional[ChatFormat]:
@@ -308,7 +208,7 @@ def seam_before(engine: "Engine", text: str, hi: int, lo: int = 1, *, add_specia
                 whole: Optional[Sequence[int]] = None, check: bool = True) -> Optional[int]:
     """The last clean seam (`clean_seam`) in ``text[lo..hi]``, None if there is none. ``check=False``
     only asks that the rest start with a special token (the caller then checks the ids of all its
-    cuts at once, as `graftmem.server.chat.template_segments`' caller does)."""
+    cuts at once, as `graftmem.core.segments.tokenize_cut` does)."""
     for c in range(min(hi, len(text)), max(lo, 1) - 1, -1):
         if c == len(text):
             return c
@@ -318,38 +218,6 @@ def seam_before(engine: "Engine", text: str, hi: int, lo: int = 1, *, add_specia
                 else starts_special(engine, text, c)):
             return c
     return None
-
-
-_MANUAL, _TASK = "GRAFTMEMMANUALQZ", "GRAFTMEMTASKQZ"
-
-
-def template_format(engine: "Engine", tpl: ChatTemplate) -> ChatFormat:
-    """A `ChatFormat` cut out of a model's own template: render ``[system: M, user: T]`` with the
-    generation prompt, and ``[system: M]`` alone; the block ends where the two stop agreeing (the
-    system turn's end where the template extends cleanly; before Phi-3.5's EOS, which it writes only
-    when nothing follows), moved back to a special-token seam. Raises `TemplateError` when the manual
-    cannot be a turn of its own (Gemma 2's template refuses a system role; Mistral-Nemo's puts it in
-    the last user turn)."""
-    msgs = [{"role": "system", "content": _MANUAL}, {"role": "user", "content": _TASK}]
-    day = today()
-    full = tpl.render(msgs, add_generation_prompt=True, now=day)
-    alone = tpl.render(msgs[:1], now=day)
-    i_m, i_t = full.find(_MANUAL), full.find(_TASK)
-    if i_m < 0 or i_t < 0 or i_t < i_m or alone.find(_MANUAL) != i_m:
-        raise TemplateError(f"template {tpl.name!r} does not render a system message as a turn before the user's")
-    agree = next((i for i, (a, b) in enumerate(zip(alone, full)) if a != b), min(len(alone), len(full)))
-    end = i_m + len(_MANUAL)
-    cut = seam_before(engine, full, min(agree, i_t), end)
-    if cut is None:
-        raise TemplateError(f"template {tpl.name!r}: no special-token seam between the system turn and the user's")
-    fmt = ChatFormat(name=f"template:{tpl.digest[:12]}", block_head=full[:i_m], block_tail=full[end:cut],
-                     task_head=full[cut:i_t], task_tail=full[i_t + len(_TASK):], probe="", template=tpl)
-    # the derived parts must give what the template renders, with other texts than the placeholders
-    check = tpl.render([{"role": "system", "content": "You help."}, {"role": "user", "content": "Hi there"}],
-                       add_generation_prompt=True, now=day)
-    if fmt.prefix("You help.") + fmt.continuation("Hi there") != check:
-        raise TemplateError(f"template {tpl.name!r} renders a text differently from its placeholders")
-    return fmt
 
 
 def split_ids(engine: "Engine", prefix_tokens: Sequence[int], prefix_text: str,

@@ -49,7 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..core.blocks import SOLUTION_KIND, Block, Fingerprint, Recall, Receipt, SearchHit
 from ..core.decoding import Sampling, decode
 from ..core.errors import BlockNotFound, ConfigError
-from ..core.prompt import detect_format, no_format_reason
+from ..core.segments import detect_format, no_format_reason
 from .checks import Candidate, Verdict, Verifier, call_with_timeout, normalize_answer, run_program
 from .router import normalize_task
 

@@ -16,7 +16,7 @@ from ..core.blocks import PROVENANCE_LOCAL, Block
 from ..core.errors import ConfigError, UnverifiedBlock
 from ..core.format import state_digest
 from ..core.progress import progress_bar
-from ..core.prompt import detect_format, no_format_reason
+from ..core.segments import chat_block, detect_format, no_format_reason
 from ..core.identity import NO_SALTS, SALTS_KEY, TENANT_KEY, Salts, block_id_for, check_block_id, incompatibility
 from ..store.chain import admit_written, capture_child
 
@@ -53,7 +53,7 @@ def prepare_labels(engine: "Engine", text: str, name: Optional[str], metadata: O
         if fmt.template is not None:  # derived from the model's template: recall rebuilds it from these
             meta["chat_parts"] = fmt.parts
             meta["chat_template_sha256"] = fmt.template.digest
-        text = fmt.prefix(text)
+        text = chat_block(engine, fmt, text)  # the server's first segment of a chat opening with it
     return text, name, meta
 
 

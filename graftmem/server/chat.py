@@ -1,34 +1,26 @@
-"""OpenAI ``messages`` rendered with the model's chat template, as *segments* of token ids.
+"""OpenAI ``messages`` as a chat request holds them, made ready for the segment rule of
+`graftmem.core.segments`.
 
-A segment is what a turn adds (``<|im_start|>role\\n...<|im_end|>\\n`` in ChatML per message: the system prompt, then
-each assistant message with the tool results and user message after it, `turn_cut`); the header of the
-assistant's turn ends the last turn but for its last token (a one-token segment) where the template renders
-a past assistant turn with it verbatim (`_header_cuts`), else it is a segment of its own. A cut falls before
-a special token (the seam argument of `graftmem.core.prompt`) or, after a header, where the ids of the text
-on both sides were compared with those of the text whole, so tokenizing the segments one by one gives the
-ids of tokenizing the whole prompt.
-
-Why segments and not one token list: the server prefills a prompt one segment per ``prefill`` call,
-cache or no cache. The K/V bytes of a token depend on how the prompt was cut into prefill calls (a
-token's row position inside a micro-batch changes the kernels' rounding; ``graftmem.store.chain``
-has the measurement), so byte-exactness holds between two computations that cut the prompt at the
-same places. A conversation prefix is learned as a chain of one block per segment, whose state is
-exactly the state of prefilling those segments call by call; a request that grafts it and prefills
-its remaining segments computes the same bytes as a request served cold.
+What lives here is the request's side: bounds checked before anything renders (`bound_messages`),
+``chat_template_kwargs`` checked (`template_kwargs`), each message's role and content checked with 400s
+that name it (`message_text`, `template_messages`), tools put where the template wants them, the ids of
+segments agents keep re-sending (`TokenCache`), a raw completion prompt cut into chunks (`chunk_prompt`),
+and a stored conversation's continuation (`continuation_segments`). Where a conversation is cut into
+segments, and why there, is `graftmem.core.segments` (`turn_cut`, `cut_template`, `cut_turns`): the SDK's
+chat blocks are cut by the same rule.
 """
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import json
 import re
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Callable, Collection, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Optional, Sequence
 
-from ..core.prompt import ChatFormat, has_special_text, seam_before, tokenize_literal
-from ..core.template import ChatTemplate, TemplateError, reserved_kwargs, today
+from ..core.prompt import ChatFormat, tokenize_literal
+from ..core.segments import NothingRendered, Spans, conversation_day, cut_template, cut_turns, literal_spans
+from ..core.template import ChatTemplate, TemplateError, reserved_kwargs
 from .http import HTTPError
 from .tools import ToolSpec, call_parts, render_calls, render_tool_result, tools_prompt
 
@@ -36,8 +28,8 @@ if TYPE_CHECKING:
     from ..core.engine import Engine
     from ..core.renderpool import RenderPool
 
-__all__ = ["turn_cut", "answer_text", "continuation_segments", "literal_spans", "message_text", "render_segments", "template_messages", "template_segments", "tokenize_segments",
-           "chunk_prompt", "CHUNK_TOKENS", "TokenCache", "bound_messages", "template_kwargs", "MAX_TEMPLATE_KWARGS",
+__all__ = ["answer_text", "continuation_segments", "message_text", "render_segments", "template_messages",
+           "template_segments", "chunk_prompt", "CHUNK_TOKENS", "TokenCache", "bound_messages", "template_kwargs", "MAX_TEMPLATE_KWARGS",
            "MAX_TEMPLATE_KWARGS_BYTES"]
 
 #: A raw prompt (``/v1/completions``) is cut into segments of about this many tokens.
@@ -111,28 +103,6 @@ def template_kwargs(raw: Any, param: str = "chat_template_kwargs") -> dict[str, 
     return dict(raw)
 
 
-def turn_cut(roles: Sequence[Any], k: int, marks: Collection[int] = ()) -> bool:
-    """Whether a chat prompt is cut into a new segment after its first ``k`` messages (``roles``: each
-    message's role). Cuts fall where a later request can resume: after the leading system / developer
-    messages (the prompt every conversation of an agent shares), before each assistant message (where
-    the previous request's prompt ended: the cells it left are this request's start), after the last
-    message (before the generation header), and after each prefix the client marked (``marks``:
-    Anthropic's ``cache_control``). A user or tool message followed by another user or tool message,
-    and an assistant message with the results that follow it, are one segment: one prefill call instead
-    of one per message. Why that matters: a few tokens in a call of their own cost almost what a call
-    of many does on a CPU (bench/call_split.py, in docs/benchmarks.md: after 2,500 cached SmolLM2
-    tokens, one thread, 124 new ones in one call took 2.3 s, in four calls 5.3 s), and every cut is a
-    call in every request, cold or not, since the cuts are what make a graft's bytes equal to a cold
-    prefill's. `_header_cuts` then moves the cuts around the assistant's header."""
-    n = len(roles)
-    if k >= n or k in marks:
-        return True
-    system = ("system", "developer")
-    if roles[k] == "assistant":
-        return True
-    return roles[k] not in system and all(r in system for r in roles[:k])
-
-
 def message_text(msg: Any, i: int) -> tuple[str, str]:
     """The role and the text of message ``i`` (content as a string or a list of text parts)."""
     if not isinstance(msg, dict):
@@ -157,78 +127,28 @@ def render_segments(fmt: ChatFormat, messages: Any, tools: Optional[ToolSpec] = 
                     untrusted: Optional[list[Spans]] = None, ends: Optional[list[int]] = None,
                     marks: Collection[int] = (), engine: Optional["Engine"] = None,
                     joined: Optional[list[bool]] = None) -> list[str]:
-    """The prompt's segments: the messages cut where `turn_cut` says (``marks`` too), then the
-    assistant's header. With ``engine``, the header but its last token goes with what precedes it where
-    the text after the cut tokenizes apart (as `template_segments` does, `_header_cuts`); ``joined``
-    receives whether the generation header joined the last turn. ``tools`` are appended to
-    the first message when it is a system one, else put in a system message of their own before it
-    (`graftmem.server.tools`).
+    """The request's messages, checked (`message_text`: 400s naming the message), cut into segments by a
+    hand-written format (`graftmem.core.segments.cut_turns`). ``tools`` are appended to the first message
+    when it is a system one, else put in a system message of their own before it (`graftmem.server.tools`).
 
-    ``untrusted``, when given, receives per segment the character span of the message's text if it
-    is a user or tool message (what `literal_spans` narrows to those that spell a special token): the
-    hand-written formats keep untrusted text as text too, as the model templates do (`template_segments`).
-    ``ends``, when given, receives per message the length in characters of the prompt up to its end
-    (`template_segments` has the same)."""
+    ``untrusted``, ``ends`` and ``joined``, when given, receive `Segmented.spans`, `Segmented.ends` and
+    `Segmented.joined` (`graftmem.core.segments.Segmented`)."""
     if not isinstance(messages, list) or not messages:
         raise HTTPError(400, "messages must be a non-empty list", param="messages")
     rendered = [message_text(msg, i) for i, msg in enumerate(messages)]
-    roles = [msg.get("role") if isinstance(msg, dict) else None for msg in messages]
     if tools is not None:
         if rendered[0][0] in ("system", "developer"):
             rendered[0] = (rendered[0][0], f"{rendered[0][1]}\n\n{tools_prompt(tools)}")
         else:
             rendered.insert(0, ("system", tools_prompt(tools)))
-            roles.insert(0, "system")
-    parts: list[str] = []
-    spans: list[Spans] = []
-    for (role, text), sent_as in zip(rendered, roles):
-        if fmt.name == "gemma":  # no system role: its own template folds it into a user turn
-            role = {"system": "user", "developer": "user", "assistant": "model", "tool": "user"}[role] \
-                if role != "user" else role
-        elif role == "developer":
-            role = "system"
-        head = fmt.task_head.replace("user", role, 1)
-        parts.append(f"{head}{text}{fmt.block_tail}")
-        spans.append([(len(head), len(head) + len(text))] if sent_as in ("user", "tool") and text else [])
-    shift = len(parts) - len(messages)  # a system message of tools put before the first one
-    if ends is not None:
-        ends.extend(sum(map(len, parts[:k + shift])) for k in range(1, len(messages) + 1))
-    shifted = {k + shift for k in marks}
-    header = fmt.task_tail[len(fmt.block_tail):]  # the assistant's header
-    full = "".join(parts) + header
-    offs = [0, *itertools.accumulate(map(len, parts))]
-    after = [k for k in range(1, len(parts) + 1) if turn_cut(roles, k, shifted)]
-    cuts = [offs[k] for k in after]
-    moved_end = False
-    if engine is not None:  # the header on the side of what precedes it, where that tokenizes apart
-
-        def header_end(k: int, c: int) -> Optional[int]:
-            return c + len(header) if header and roles[k] == "assistant" and parts[k].startswith(header) else None
-
-        cuts, moved_end = _header_cuts(engine, full, cuts, after, len(parts), shifted, header_end,
-                                       lambda: f"{full}{_PROBE}{fmt.block_tail}")
-    bounds = [0, *cuts, len(full)]
-    segs = [full[a:b] for a, b in zip(bounds, bounds[1:])]
+    seg = cut_turns(fmt, rendered, marks, shift=len(rendered) - len(messages), engine=engine)
     if joined is not None:
-        joined.append(moved_end)
-    if untrusted is not None:  # each message's spans, moved to its segment
-        absolute = [(a + offs[i], b + offs[i]) for i, sp in enumerate(spans) for a, b in sp]
-        untrusted.extend([(a - lo, b - lo) for a, b in absolute if lo <= a and b <= hi]
-                         for lo, hi in zip(bounds, bounds[1:]))
-    return segs
-
-
-def literal_spans(engine: "Engine", texts: Sequence[str], untrusted: Sequence[Spans]) -> tuple[list[Spans], list[str]]:
-    """Of the untrusted spans (`render_segments`), those that spell a special token (``"<|im_end|>"``
-    typed by a user), to be tokenized as text; and a note per such message for the receipt."""
-    literal: list[Spans] = []
-    notes: list[str] = []
-    for i, (text, spans) in enumerate(zip(texts, untrusted)):
-        keep = [(a, b) for a, b in spans if has_special_text(engine, text[a:b])]
-        literal.append(keep)
-        if keep:
-            notes.append(f"segment {i} spells a special token: tokenized as text, its segment not learned")
-    return literal, notes
+        joined.append(seg.joined)
+    if untrusted is not None:
+        untrusted.extend(seg.spans)
+    if ends is not None:
+        ends.extend(seg.ends)
+    return seg.texts
 
 
 def _text_content(msg: dict[str, Any], i: int) -> str:
@@ -277,100 +197,14 @@ def template_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
-class _Renders:
-    """Renders of conversation prefixes, least recently used dropped past ``max_chars``.
-
-    Cutting a request renders each of its growing prefixes: O(n^2) template work for n messages, and a
-    template such as Gemma 4's takes tens of milliseconds per render. An agent re-sends the same
-    conversation plus one turn, so all but the newest prefixes were rendered by its previous request;
-    a render is a function of the template, the messages, the tools, the kwargs and the pinned day,
-    which make the key."""
-
-    def __init__(self, max_chars: int = 32 << 20) -> None:
-        self.max_chars, self._chars = max_chars, 0
-        self._texts: "OrderedDict[str, str]" = OrderedDict()
-        self._lock = threading.Lock()
-
-    def render(self, tpl: ChatTemplate, msgs: list[dict[str, Any]], tools: Any, kw: dict[str, Any],
-               gen: bool, pool: Optional["RenderPool"] = None) -> str:
-        """The render, from the cache or made now: in ``pool``'s processes when given (the server's:
-        `graftmem.core.renderpool`), else in this thread."""
-        key = hashlib.sha256(json.dumps([tpl.digest, tpl.bos_token, tpl.eos_token, tpl.strip_bos, msgs, tools,
-                                         kw, gen], sort_keys=True, default=str).encode()).hexdigest()
-        with self._lock:
-            text = self._texts.get(key)
-            if text is not None:
-                self._texts.move_to_end(key)
-                return text
-        if pool is not None:
-            text = pool.render(tpl, msgs, add_generation_prompt=gen, tools=tools, **kw)
-        else:
-            text = tpl.render(msgs, add_generation_prompt=gen, tools=tools, **kw)
-        with self._lock:
-            if key not in self._texts and len(text) <= self.max_chars:
-                self._texts[key] = text
-                self._chars += len(text)
-            while self._chars > self.max_chars:
-                _, old = self._texts.popitem(last=False)
-                self._chars -= len(old)
-        return text
-
-
-_RENDERS = _Renders()
-
-
-class _Days:
-    """The day a conversation was first rendered, per template and first message: a template that prints
-    today's date (GPT-OSS, Llama 3.2) then renders a conversation's prefix the same way tomorrow, so its
-    stored prefix keeps matching (the date the model sees stays the conversation's first day). Kept in
-    memory, bounded; after a restart a conversation is pinned anew, which costs a cold prefill, never
-    exactness."""
-
-    def __init__(self, max_entries: int = 65536) -> None:
-        self.max_entries = max_entries
-        self._days: "OrderedDict[str, Any]" = OrderedDict()
-        self._lock = threading.Lock()
-
-    def day(self, tpl: ChatTemplate, msgs: list[dict[str, Any]]) -> Any:
-        if "strftime_now" not in tpl.source:
-            return today()
-        key = hashlib.sha256(json.dumps([tpl.digest, msgs[:1]], sort_keys=True, default=str).encode()).hexdigest()
-        with self._lock:
-            d = self._days.get(key)
-            if d is None:
-                d = self._days[key] = today()
-                while len(self._days) > self.max_entries:
-                    self._days.popitem(last=False)
-            else:
-                self._days.move_to_end(key)
-            return d
-
-
-_DAYS = _Days()
-
-
-Spans = list[tuple[int, int]]
-
-
 def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools: Optional[ToolSpec] = None,
                       kwargs: Optional[dict[str, Any]] = None, ends: Optional[list[int]] = None,
                       marks: Collection[int] = (), joined: Optional[list[bool]] = None,
                       pool: Optional["RenderPool"] = None) -> tuple[list[str], list[str], list[Spans]]:
-    """A request rendered by the model's own template, cut after the messages where `turn_cut` says
-    (and after each prefix in ``marks``) where the template allows it, and why it did not where it
-    does not.
-
-    The whole prompt is ``render(messages, add_generation_prompt=True)``, always: the cut never changes
-    what is prefilled. A cut after message k is placed where ``render(messages[:k])`` stops agreeing
-    with the whole prompt (its end, for the 57 of 70 templates that extend cleanly), moved back to the
-    last special-token seam that tokenizes apart (`graftmem.core.prompt.clean_seam`). A template that
-    re-renders a message once another follows (Phi-3.5's EOS, Qwen3's empty think block, reasoning
-    dropped at a new user turn) thus gives a shorter stable prefix, and the note says which message.
-
-    Untrusted text stays text: the third result holds, per segment, the character spans of user and
-    tool messages that spell a special token (``"<|eot_id|>"`` typed by a user); `tokenize_segments`
-    tokenizes them without special-token parsing (`graftmem.core.prompt.tokenize_literal`), while the
-    template's own markers stay special. No cut falls inside such a span.
+    """A request's messages, checked (`template_messages`: 400s naming the message), rendered by the
+    model's own template and cut into segments by `graftmem.core.segments.cut_template` (where, and why
+    there, is said there); the texts, the notes on cuts not made (and on substitutions), and per segment
+    the spans of untrusted text to tokenize as text. A template that refuses the messages is a 400.
 
     ``ends``, when given, receives per message of ``messages`` how many characters of the prompt its
     render up to that message accounts for (where ``render(messages[:k])`` stops agreeing with the
@@ -380,7 +214,7 @@ def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools:
     template runs (the server's render processes, `graftmem.core.renderpool`; None: this thread).
     """
     msgs = template_messages(messages)
-    kw = {**dict(kwargs or {}), "now": _DAYS.day(tpl, msgs)}
+    now = conversation_day(tpl, msgs)
     tool_list = None
     if tools is not None:
         if tpl.uses_tools:
@@ -391,151 +225,21 @@ def template_segments(engine: "Engine", tpl: ChatTemplate, messages: Any, tools:
             else:
                 msgs.insert(0, {"role": "system", "content": tools_prompt(tools)})
     try:
-        full = _RENDERS.render(tpl, msgs, tool_list, kw, True, pool)
+        seg = cut_template(engine, tpl, msgs, tool_list, kwargs, marks, shift=len(msgs) - len(messages), now=now,
+                           pool=pool)
+    except NothingRendered:
+        raise HTTPError(400, "the model's chat template rendered these messages as nothing", param="messages") from None
     except TemplateError as exc:
         raise HTTPError(400, f"the model's chat template refused these messages: {exc}", param="messages",
                         code="template_error") from exc
-    if not full:
-        raise HTTPError(400, "the model's chat template rendered these messages as nothing", param="messages")
-    cuts: list[int] = []
-    after: list[int] = []  # per cut: the messages before it
-    notes: list[str] = []
+    notes = seg.notes
     if tools is not None and not tpl.uses_tools:  # a substitution is said where it happens (docs/models.md)
-        notes.append("tools: the model's template renders no tools; graftmem's Hermes tool text is in the system message")
-    agreed = [0]  # per prefix of msgs: the characters of the whole prompt its render accounts for
-    roles = [m.get("role") for m in msgs]
-    shifted = {k + len(msgs) - len(messages) for k in marks}  # a system message of tools put first
-    for k in range(1, len(msgs) + 1):
-        try:
-            part = _RENDERS.render(tpl, msgs[:k], tool_list, kw, False, pool)
-        except TemplateError as exc:
-            notes.append(f"messages[:{k}] do not render on their own ({exc}): no cut after message {k - 1}")
-            agreed.append(agreed[-1])
-            continue
-        agree = len(part) if full.startswith(part) else \
-            next(i for i, (a, b) in enumerate(zip(part, full)) if a != b)
-        agreed.append(agree)
-        if agree < len(part):
-            notes.append(f"message {k - 1} renders differently once more follows: cut moved back")
-        lo = cuts[-1] + 1 if cuts else 1
-        if agree < lo or not turn_cut(roles, k, shifted):
-            continue
-        c = seam_before(engine, full, agree, lo, check=False)  # the caller checks all cuts' ids at once
-        if c is not None and c < len(full):
-            cuts.append(c)
-            after.append(k)
-    def header_end(k: int, c: int) -> Optional[int]:
-        if msgs[k].get("role") != "assistant":
-            return None
-        head = _RENDERS.render(tpl, msgs[:k], tool_list, kw, True, pool)
-        return len(head) if full.startswith(head) else None
-
-    def probe() -> str:
-        try:
-            return _RENDERS.render(tpl, [*msgs, {"role": "assistant", "content": _PROBE}], tool_list, kw, False, pool)
-        except TemplateError:
-            return ""
-
-    cuts, moved_end = _header_cuts(engine, full, cuts, after, len(msgs), shifted, header_end, probe)
-    if joined is not None:
-        joined.append(moved_end)
-    spans: Spans = []
-    at = 0
-    for i, m in enumerate(msgs):
-        content = m.get("content")
-        if not isinstance(content, str) or not content.strip():
-            continue
-        j = full.find(content, at)
-        if j < 0:  # the template trims content (Llama 3.x): look for the trimmed text
-            content = content.strip()
-            j = full.find(content, at)
-        if m["role"] not in ("user", "tool") or not has_special_text(engine, content):
-            at = j + len(content) if j >= 0 else at
-            continue
-        if j < 0:
-            notes.append(f"message {i} spells a special token but is not verbatim in the render: parsed as is")
-            continue
-        spans.append((j, j + len(content)))
-        at = j + len(content)
-        notes.append(f"message {i} spells a special token: tokenized as text, its segment not learned")
-    cuts = [c for c in cuts if not any(a < c < b for a, b in spans)]
+        notes.insert(0, "tools: the model's template renders no tools; graftmem's Hermes tool text is in the system message")
     if ends is not None:
-        shift = len(msgs) - len(messages)  # a system message of tools put before the first one
-        ends.extend(agreed[k + shift] for k in range(1, len(messages) + 1))
-    bounds = [0, *cuts, len(full)]
-    literal = [[(max(a, lo) - lo, min(b, hi) - lo) for a, b in spans if a < hi and b > lo]
-               for lo, hi in zip(bounds, bounds[1:])]
-    return [full[a:b] for a, b in zip(bounds, bounds[1:])], notes, literal
-
-
-#: The content of the assistant turn a template is asked to render after a prompt (`_header_cuts`).
-_PROBE = "OK, here it is."
-
-
-def _header_cuts(engine: "Engine", full: str, cuts: list[int], after: list[int], n: int, marks: Collection[int],
-                 header_end: Callable[[int, int], Optional[int]], probe: Callable[[], str]) -> tuple[list[int], bool]:
-    """``cuts`` (after ``after[i]`` of the ``n`` messages) with the assistant's header on the side of what
-    precedes it, but for its last token, where the prompt allows it; and whether the cut before the
-    generation header moved (the header joined the last turn). A cut before an assistant message moves
-    to just before the last token of its header (``header_end(k, cut)``: where that header ends in
-    ``full``, None where the assistant message does not start with the generation prompt verbatim); the
-    cut before the generation header moves the same way if an assistant turn after the prompt
-    (``probe()``: the prompt rendered with one more, short, assistant message) starts with it, so that
-    the next request of the conversation can cut there too. Both render paths (`template_segments`,
-    `render_segments`) cut through this one function.
-
-    Why: a turn is then one prefill call of its new messages and header plus a one-token call, where it
-    was one call per message and one for the header; a later request resumes at the same place (what
-    ``render(messages[:k], add_generation_prompt=True)`` gave the earlier request is, verbatim, where its
-    assistant message starts); and a prompt replayed after a restart grafts everything but that one
-    token (the learned chain ends there), as llama-server's slot re-evaluates one token. The last token
-    stays apart because decoding starts from its call's logits, which are not part of llama.cpp's state:
-    the last segment of a prompt is never grafted. Where a past assistant turn does not start with the
-    generation prompt (a template that opens a think block there), where the header's last token is
-    not a plain suffix of its text, or where the text after a cut would tokenize otherwise on its own (a
-    SentencePiece vocabulary adds a space before a call's first word: the ids are compared), the cut
-    stays before the header and the header is its own segment, as before. Marked cuts stay where they are."""
-    out: list[int] = []
-    for j, (c, k) in enumerate(zip(cuts, after)):
-        nxt = cuts[j + 1] if j + 1 < len(cuts) else len(full)
-        h: Optional[int] = None
-        if k in marks:
-            pass
-        elif k < n:
-            end = header_end(k, c)
-            h = _before_last_token(engine, full[:end], c) if end is not None else None
-            if h is not None and not (c < h < nxt and _apart(engine, full, c, h, nxt)):
-                h = None
-        else:  # the generation header
-            h = _before_last_token(engine, full, c)
-            after_prompt = probe() if h is not None else ""
-            if h is not None and not (after_prompt.startswith(full) and len(after_prompt) > len(full)
-                                      and _apart(engine, full, c, h, len(full))
-                                      and _apart(engine, after_prompt, c, h, len(after_prompt))):
-                h = None
-        out.append(c if h is None else h)
-    return out, bool(after) and after[-1] == n and out[-1] != cuts[-1]
-
-
-def _before_last_token(engine: "Engine", text: str, a: int) -> Optional[int]:
-    """Where the last token of ``text[a:]`` (a header) starts in ``text``: None if it is the only one, a
-    control token (no text) or not a plain suffix of the text."""
-    ids = engine.tokenize(text[a:], add_special=False)
-    if len(ids) < 2:
-        return None
-    try:
-        piece = engine.piece(ids[-1]).decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-    if not piece or not text.endswith(piece) or len(text) - len(piece) <= a:
-        return None
-    return len(text) - len(piece)
-
-
-def _apart(engine: "Engine", text: str, a: int, cut: int, b: int) -> bool:
-    """Whether ``text[a:b]`` tokenizes as ``text[a:cut]`` and ``text[cut:b]`` do apart (no BOS)."""
-    return engine.tokenize(text[a:b], add_special=False) == \
-        engine.tokenize(text[a:cut], add_special=False) + engine.tokenize(text[cut:b], add_special=False)
+        ends.extend(seg.ends)
+    if joined is not None:
+        joined.append(seg.joined)
+    return seg.texts, notes, seg.spans
 
 
 def answer_text(engine: "Engine", tokens: Sequence[int]) -> str:
@@ -580,19 +284,6 @@ class TokenCache:
                     (old, _), _ = self._ids.popitem(last=False)
                     self._chars -= len(old)
         return ids
-
-
-def tokenize_segments(engine: "Engine", segs: Sequence[str], cache: Optional[TokenCache] = None,
-                      literal: Optional[Sequence[Spans]] = None) -> list[list[int]]:
-    """Token ids per segment: the first with the model's BOS, the others without; a segment with
-    ``literal`` spans has them tokenized as text (`template_segments`), never from the cache."""
-    if literal is not None and any(literal):
-        return [tokenize_literal(engine, s, literal[i], add_special=i == 0) if literal[i] else
-                (cache.tokenize(engine, s, i == 0) if cache is not None else engine.tokenize(s, add_special=i == 0))
-                for i, s in enumerate(segs)]
-    if cache is None:
-        return [engine.tokenize(s, add_special=i == 0) for i, s in enumerate(segs)]
-    return [cache.tokenize(engine, s, i == 0) for i, s in enumerate(segs)]
 
 
 def chunk_prompt(engine: "Engine", prompt: str, size: int = CHUNK_TOKENS, slack: int = 32) -> tuple[list[list[int]], list[str]]:

@@ -53,9 +53,11 @@ from ..core.grammar_limits import DEFAULT_GRAMMAR_LIMITS, GrammarLimits
 from ..memory.access import cache_tenant
 from ..memory.verbs import MemoryVerbs, first_untrusted, weakest_provenance
 from ..store.chain import chain_of
-from .prefix import AUTO_KIND, prefix_keys, segment_ends
+from .prefix import AUTO_KIND, key_states, prefix_keys, segment_ends
 
 if TYPE_CHECKING:
+    import hashlib
+
     from ..core.engine import Engine
     from ..core.blocks import Block
     from .chat import TokenCache
@@ -115,9 +117,24 @@ class Job:
     on_end: Optional[Callable[["Result", Optional["EndState"]], None]] = None
 
     @functools.cached_property
+    def _key_states(self) -> "list[hashlib._Hash]":
+        return key_states(self.segments, self.tenant)
+
+    @functools.cached_property
     def keys(self) -> list[bytes]:
-        """The prompt's cumulative segment keys (`prefix_keys`), computed once per request."""
-        return prefix_keys(self.segments, self.tenant)
+        """The prompt's cumulative segment keys (`prefix_keys`), computed once per request: the prefix
+        cache's lookup, what it learns and writes, and the cells an engine keeps all take these."""
+        return [h.digest() for h in self._key_states[1:]]
+
+    @functools.cached_property
+    def shared_keys(self) -> list[bytes]:
+        """The prompt's keys in the shared space (the operator's blocks), for a tenant's request: once too."""
+        return self.keys if self.tenant is None else prefix_keys(self.segments)
+
+    def keys_then(self, n: int, tokens: Sequence[int]) -> list[bytes]:
+        """The keys of the prompt's first ``n`` segments and then ``tokens`` (a stored response's answer
+        segment), continuing the request's hash state instead of hashing the prompt again."""
+        return [*self.keys[:n], *prefix_keys([tokens], after=self._key_states[n])]
 
     def prefer(self, engine: "Engine") -> tuple[bool, int]:
         """The pool's engine choice for this request (`engine_fit`)."""
@@ -408,7 +425,8 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
         caching = False  # a continued prompt is not learned as a prefix: its response chain is what stays
         keep = can_keep(engine)
     else:
-        match = cache.lookup(segs, keys, allow_unverified=consent, tenant=job.tenant) if caching and cache is not None else None
+        match = cache.lookup(segs, keys, allow_unverified=consent, tenant=job.tenant, shared=job.shared_keys) \
+            if caching and cache is not None else None
     answer = AnswerText(_piece(engine, job.specials), job.stops)  # final text only: no half character, no partial stop
     entries: list[dict[str, Any]] = []
     pending: list[dict[str, Any]] = []  # logprob entries not streamed yet
@@ -432,7 +450,8 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
     with engine.session(resume=keep, keep=keep), (cache.computing() if cache is not None else nullcontext()):
         t0 = time.perf_counter()
         # the prefix to learn is decided before the prefill, so its states are captured on the way
-        learn_k = cache.learn_target(segs, job.learn_tail, keys, job.tenant, job.marks) if caching and cache is not None else 0
+        learn_k = cache.learn_target(segs, job.learn_tail, keys, job.tenant, job.marks, shared=job.shared_keys) \
+            if caching and cache is not None else 0
         m = match.n_segments if match is not None else 0
         in_ram = kept_segments(engine, keys, consent) if keep else 0
         cut_later = learn_k > 0 and cuts_states(engine)
@@ -514,8 +533,9 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
                 and engine.n_past + 1 < engine.n_ctx:
             end = _capture_end(engine, segs, job.texts, match, n_prompt, list(out.tokens))
         if end is not None and keep:
-            parts = [*segs[:end.parent.n_segments if end.parent is not None else 0], end.tokens]
-            engine.kept = Kept(tuple(prefix_keys(parts, job.tenant)), tuple(segment_ends(parts)), None, None)
+            n = end.parent.n_segments if end.parent is not None else 0
+            parts = [*segs[:n], end.tokens]
+            engine.kept = Kept(tuple(job.keys_then(n, end.tokens)), tuple(segment_ends(parts)), None, None)
         elif keep:
             engine.kept = Kept(tuple(keys), tuple(ends), None, untrusted, first=first)
     text = answer.text
@@ -543,7 +563,7 @@ def run_job(desk: MemoryVerbs, cache: Optional["PrefixCache"], job: Job) -> Resu
         job.emit("done", result)
     if stored:
         assert cache is not None
-        cache.store_later(engine, segs, job.texts, learn_from, states, match, job.tenant, calls)
+        cache.store_later(engine, segs, job.texts, learn_from, states, match, job.tenant, calls, keys=keys)
     return result
 
 

@@ -41,7 +41,7 @@ from ..core.budget import Overrun, within
 from ..core.decoding import Sampling
 from ..core.errors import ConfigError, GraftmemError
 from ..core.grammar_limits import check_schema
-from ..core.prompt import detect_format, request_template
+from ..core.segments import detect_format, literal_spans, request_template, tokenize_cut
 from ..core.renderpool import RenderPool
 from ..core.toolcalls import call_grammar
 from ..memory import validate as check
@@ -49,8 +49,7 @@ from ..memory.access import Access
 from ..memory.router import DEFAULT_MIN_SCORE, LEX_WEIGHT
 from ..memory.verbs import MemoryVerbs
 from ..store.chain import chain_of
-from .chat import (TokenCache, bound_messages, literal_spans, render_segments, template_kwargs,
-                   template_segments, tokenize_segments)
+from .chat import TokenCache, bound_messages, render_segments, template_kwargs, template_segments
 from .generate import Job, Result, check_fits, run_job
 from .http import HTTPError, Limits, client_gone, read_json
 from .pool import EnginePool
@@ -338,12 +337,9 @@ class ChatPipeline:
                 notes = found or None
             for i, t in enumerate(texts):  # a lone surrogate never reaches the tokenizer (it was a 500)
                 check.text(f"messages[{i}]", t, empty=True)
-            segments = tokenize_segments(self.engine0, texts, self.tokens, literal)
-            if notes is not None and len(segments) > 1 and not any(literal or []) and \
-                    [t for s in segments for t in s] != self.tokens.tokenize(self.engine0, "".join(texts), True):
-                # the cuts tokenize apart one by one; if together they do not, the prompt is one segment
-                segments, texts = [self.tokens.tokenize(self.engine0, "".join(texts), True)], ["".join(texts)]
-                notes.append("the segments do not tokenize apart as the whole prompt: served as one segment")
+            texts, segments, whole = tokenize_cut(self.engine0, texts, literal, self.tokens, check_apart=notes is not None)
+            if whole is not None and notes is not None:
+                notes.append(whole)
             return texts, segments, notes, literal
 
         # rendered and tokenized in a worker thread, within the render budget: the event loop keeps serving

@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from ..core.engine import Engine
     from ..store.protocol import BlockStore
 
-__all__ = ["AUTO_KIND", "PrefixCache", "Match", "prefix_keys", "segment_ends"]
+__all__ = ["AUTO_KIND", "PrefixCache", "Match", "key_states", "prefix_keys", "segment_ends"]
 
 log = logging.getLogger("graftmem")
 
@@ -81,21 +81,36 @@ MAX_PENDING_STORES = 2
 WRITER_MAX_WAIT = 5.0
 
 
-def prefix_keys(segments: Sequence[Sequence[int]], tenant: Optional[str] = None) -> list[bytes]:
+def prefix_keys(segments: Sequence[Sequence[int]], tenant: Optional[str] = None, *,
+                after: "Optional[hashlib._Hash]" = None) -> list[bytes]:
     """``keys[k]`` is the key of the first ``k + 1`` segments (each hashed with its length). ``tenant``
     salts every key: one tenant's prefixes are found only under its own keys (`graftmem.server.tenants`);
     None is the shared space (the operator's blocks, every block of a server without tenants). A chain
     is indexed under the keys of the one tenant it names (`graftmem.memory.access.cache_tenant`: blocks
     that tenant owns, learned or automatic, or shared), so a block another tenant shared never answers
-    a prompt: sharing guesses of a tenant's system prompt would tell which one it sent."""
-    h = hashlib.sha256(b"graftmem-prefix-v1")
-    if tenant is not None:
-        h.update(b"\0tenant\0" + tenant.encode("utf-8") + b"\0")
-    out = []
+    a prompt: sharing guesses of a tenant's system prompt would tell which one it sent.
+
+    ``after``: the hash state after earlier segments (`key_states`), which ``segments`` continue; a
+    request computes its prompt's states once (`graftmem.server.generate.Job.keys`) and continues them
+    for what it appends (a stored response's answer) instead of hashing its prompt again."""
+    return [h.digest() for h in key_states(segments, tenant, after=after)[1:]]
+
+
+def key_states(segments: Sequence[Sequence[int]], tenant: Optional[str] = None, *,
+               after: "Optional[hashlib._Hash]" = None) -> "list[hashlib._Hash]":
+    """The hash states of `prefix_keys`: ``states[k]`` after the first ``k`` segments (``states[0]``:
+    before any, the tenant's salt or ``after`` only). The one place a prompt's token ids are hashed."""
+    if after is not None:
+        h = after.copy()
+    else:
+        h = hashlib.sha256(b"graftmem-prefix-v1")
+        if tenant is not None:
+            h.update(b"\0tenant\0" + tenant.encode("utf-8") + b"\0")
+    out = [h.copy()]
     for seg in segments:
         h.update(len(seg).to_bytes(4, "little"))
         h.update(struct.pack(f"<{len(seg)}i", *seg))  # each id as 4 little-endian signed bytes
-        out.append(h.copy().digest())
+        out.append(h.copy())
     return out
 
 
@@ -190,7 +205,8 @@ class PrefixCache:
         return len(self._index)
 
     def lookup(self, segments: Sequence[Sequence[int]], keys: Optional[Sequence[bytes]] = None, *,
-               allow_unverified: bool = False, tenant: Optional[str] = None) -> Optional[Match]:
+               allow_unverified: bool = False, tenant: Optional[str] = None,
+               shared: Optional[Sequence[bytes]] = None) -> Optional[Match]:
         """The longest indexed prefix of ``segments`` that leaves at least one segment to prefill.
         ``keys``: the prompt's `prefix_keys()`, if the caller has them already (they are cumulative, so
         the first ``k`` keys of the whole prompt are the keys of its first ``k`` segments).
@@ -201,10 +217,12 @@ class PrefixCache:
         its text's, and a forged system prompt would answer every client.
 
         ``tenant``: the requester (``keys``, if given, are its salted keys); its own prefixes (automatic,
-        learned, or shared by it) and the operator's are found, never one another tenant owns or shared."""
+        learned, or shared by it) and the operator's (``shared``: the unsalted keys, if the caller has
+        them) are found, never one another tenant owns or shared."""
         self.refresh()
         keys = (prefix_keys(segments, tenant) if keys is None else keys)[:len(segments) - 1]
-        shared = prefix_keys(segments[:len(keys)]) if tenant is not None else keys
+        shared = keys if tenant is None else \
+            (prefix_keys(segments[:len(keys)]) if shared is None else shared[:len(keys)])
         with self._lock:
             for k in range(len(keys), 0, -1):
                 bid = self._index.get(keys[k - 1]) or self._index.get(shared[k - 1])
@@ -248,7 +266,7 @@ class PrefixCache:
     # ------------------------------------------------------------------ learning
     def learn_target(self, segments: Sequence[Sequence[int]], tail: int = 2,
                      keys: Optional[Sequence[bytes]] = None, tenant: Optional[str] = None,
-                     marks: Sequence[int] = ()) -> int:
+                     marks: Sequence[int] = (), shared: Optional[Sequence[bytes]] = None) -> int:
         """How many segments of this prompt to learn (0: none), decided before the prompt is prefilled.
 
         Every prefix of the prompt up to the start of its last message is counted as seen once; the
@@ -259,7 +277,7 @@ class PrefixCache:
 
         ``tail``: how many final segments are never learned (2 for a chat whose generation header is a
         segment of its own: the last turn and the header; 1 for a chat whose header joined the last turn,
-        `graftmem.server.chat._header_cuts`: the header's last token; 1 for a raw completion prompt: its
+        `graftmem.core.segments._header_cuts`: the header's last token; 1 for a raw completion prompt: its
         last chunk).
 
         ``marks``: prefixes (counts of segments, the last one excluded) the client asked to be stored
@@ -278,7 +296,7 @@ class PrefixCache:
         if top == 0:
             return 0
         keys = (prefix_keys(segments, tenant) if keys is None else keys)[:top]
-        shared = prefix_keys(segments[:top]) if tenant is not None else keys
+        shared = keys if tenant is None else (prefix_keys(segments[:top]) if shared is None else shared[:top])
         lengths = [0, *segment_ends(segments[:top])]
         best = 0
         fleet = getattr(self.store, "sightings", None)  # a fleet store counts sightings in its bucket
@@ -309,7 +327,8 @@ class PrefixCache:
                        first: int, states: Sequence[bytes], start: Optional[Match],
                        tenant: Optional[str] = None, *, metadata: Optional[dict[str, Any]] = None,
                        response: Optional[str] = None, evict: bool = True,
-                       calls: Sequence[Optional[dict[str, int]]] = ()) -> Optional[Block]:
+                       calls: Sequence[Optional[dict[str, int]]] = (),
+                       keys: Optional[Sequence[bytes]] = None) -> Optional[Block]:
         """Store segments ``first .. first + len(states) - 1`` of a served request as a chain, from the
         states the request captured after prefilling each of them (no second prefill: learning costs
         a copy and a write, after the answer). ``start`` is the grafted block they continue, if any.
@@ -325,11 +344,14 @@ class PrefixCache:
         its own, `graftmem.server.responses`, even when another response generated the same tokens).
         ``calls[j]``: what state ``j``'s cells record of their one-token calls (`Engine.one_token_calls`,
         taken when the state was captured), if any. Every salt goes through `block_id_for` and is recorded
-        in the block (`graftmem.core.identity`), so the block leaves this store as it is."""
+        in the block (`graftmem.core.identity`), so the block leaves this store as it is. ``keys``: the
+        `prefix_keys()` of ``segments`` (at least of its first ``first + len(states)``), if the caller has
+        them (a request's `Job.keys`)."""
         parent = start.block if start is not None and first > 0 else None
         pfull: Optional[bytes] = full_state(self.store, parent, fingerprint=self.fingerprint) \
             if parent is not None and self.auto_storage == "delta" else None
-        keys = prefix_keys(segments[:first + len(states)], tenant)
+        n = first + len(states)
+        keys = prefix_keys(segments[:n], tenant) if keys is None or len(keys) < n else list(keys[:n])
         ids: list[str] = []
         try:
             for i in range(first, first + len(states)):
@@ -386,14 +408,17 @@ class PrefixCache:
 
     def store_later(self, engine: "Engine", segments: Sequence[Sequence[int]], texts: Sequence[str],
                     first: int, states: Sequence[bytes], start: Optional[Match],
-                    tenant: Optional[str] = None, calls: Sequence[Optional[dict[str, int]]] = ()) -> None:
+                    tenant: Optional[str] = None, calls: Sequence[Optional[dict[str, int]]] = (),
+                    keys: Optional[Sequence[bytes]] = None) -> None:
         """`store_captured()` on the cache's writer thread, so that the request's engine is free for the
         next request while the blocks are cut, hashed and written (measured: ~0.4 s per turn for a
         3,000-token SmolLM2 prefix, which the next turn of the same agent used to wait for). Until
         then its prefixes count as learned for `learn_target()` (no second copy is taken) but are not
         found by `lookup()`: the next request reuses the same cells from RAM. `flush()` waits for
-        what is queued (graceful shutdown, `ChatPipeline.wait_idle`)."""
-        keys = prefix_keys(segments[:first + len(states)], tenant)[first:]
+        what is queued (graceful shutdown, `ChatPipeline.wait_idle`). ``keys``: as `store_captured()`'s."""
+        n = first + len(states)
+        every = prefix_keys(segments[:n], tenant) if keys is None or len(keys) < n else list(keys[:n])
+        keys = every[first:]
         with self._lock:
             for k in keys:
                 self._pending[k] = self._pending.get(k, 0) + 1
@@ -406,7 +431,7 @@ class PrefixCache:
                 self._pressing += 1
                 self._quiet.notify_all()
         try:
-            self._writes.put((engine, segments, texts, first, states, start, tenant, keys, calls))
+            self._writes.put((engine, segments, texts, first, states, start, tenant, keys, calls, every))
         finally:
             if full:
                 with self._lock:
@@ -456,12 +481,13 @@ class PrefixCache:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, os.getpriority(os.PRIO_PROCESS, 0) + 5))
         while True:
             item = self._writes.get()
-            engine, segments, texts, first, states, start, tenant, keys, calls = item
+            engine, segments, texts, first, states, start, tenant, keys, calls, every = item
             try:
                 self._wait_for_quiet()
                 deadline = time.monotonic() + self.writer_max_wait
                 with paced(functools.partial(self._quiet_until, deadline)):  # and between chunks of each file
-                    self.store_captured(engine, segments, texts, first, states, start, tenant, calls=calls)
+                    self.store_captured(engine, segments, texts, first, states, start, tenant, calls=calls,
+                                        keys=every)
             except Exception:  # a failed store loses a cache entry, never the server (logged with its traceback)
                 log.exception("prefix cache: storing a learned prefix failed")
             finally:

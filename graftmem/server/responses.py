@@ -371,7 +371,8 @@ class ResponseStore:
         block = self.cache.store_captured(None, parts, [*job.texts[:n], end.text], n,  # type: ignore[arg-type]
                                           [end.state], end.parent, job.tenant,
                                           metadata={"response": record, CALLS_KEY: end.calls},
-                                          response=record["id"], calls=[end.one_token])
+                                          response=record["id"], calls=[end.one_token],
+                                          keys=job.keys_then(n, end.tokens))
         with self._lock:
             self._version = None
         return block
