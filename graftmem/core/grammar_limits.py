@@ -183,7 +183,7 @@ def check_schema(schema: Any, where: str = "schema", limits: GrammarLimits = DEF
 
 
 def _quantifier(pattern: str, i: int, where: str) -> tuple[int, Optional[int], int]:
-    """The quantifier ``{...}`` at ``pattern[i]`` read as llama-cpp-python's converter reads it (up to the
+    r"""The quantifier ``{...}`` at ``pattern[i]`` read as llama-cpp-python's converter reads it (up to the
     next ``}``, split at ``,``, each side stripped and given to ``int``, which takes spaces, ``+``, ``_``
     and any Unicode digit): ``(min, max or None for unbounded, the index after it)``. What the converter
     would refuse is refused here (a regular expression's reading, ``\{(\d*),(\d*)\}``, let ``{ 0, 100000 }``
