@@ -197,7 +197,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                       if texts["graftmem"] and texts["llama"] else None)
         write_results(args.out, {
             "model": f"{name} ({note})" if note else name, "engine": {**cfg.model_dump(), "threads": threads},
-            "max_tokens": args.max_tokens, "system_words": args.words, "reps": args.reps, "reps_done": done_reps,
+            "max_tokens": args.max_tokens, "system_words": args.words, "reps": args.reps, "in_rep": done_reps,
             "ways": ways, "machine": {"cpu_count": os.cpu_count(), "usable_cores": usable_cores(),
                                       "loadavg_before": load0, "loadavg_after": os.getloadavg()},
             "wall_s": round(time.time() - t_start, 1), "llama_server_build": cpp_peer.build_record(),
@@ -207,7 +207,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "answers": {who: v[0] if v else None for who, v in texts.items()},
             "summary": table, "raw": res}, args=args, threads=threads)
         for way in ways:
-            print(f"== {way} connection, {done_reps} rep(s); TTFT per turn, median [min-max] ms")
+            print(f"== {way} connection (rep {done_reps}); TTFT per turn, median [min-max] ms")
             for key, rows in table[way]["per_turn_ms"].items():
                 print(f"{key:<18}" + "  ".join(f"{r['median']:>7.0f} [{r['min']:.0f}-{r['max']:.0f}]" for r in rows))
             for label, r in table[way]["ratios"].items():
@@ -236,7 +236,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                       f"{os.getloadavg()[0]:.2f}; " + "; ".join(
                           f"{ph} " + " / ".join(f"{t['ttft_ms']:.0f}" for t in s["turns"]) for ph, s in r.items()),
                       file=sys.stderr, flush=True)
-        report(rep + 1)  # after every rep: a run stopped early keeps what it measured
+                report(rep + 1)  # after every server's sessions: a run stopped early keeps what it measured
     return 0
 
 
