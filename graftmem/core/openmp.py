@@ -15,8 +15,9 @@ A passive wait changes when a thread sleeps, never what it computes (the work of
 by its index, the same at every barrier), so the bytes and the fingerprint do not change. It is set
 only where the process has not chosen (``OMP_WAIT_POLICY`` and ``GOMP_SPINCOUNT`` unset) and only if
 this module runs before libgomp loads (`graftmem.core.backend` imports it before ``llama_cpp``); set
-``OMP_WAIT_POLICY=active`` to get libgomp's spinning back (an idle machine whose cores are all free
-wakes a sleeping thread a few microseconds later than a spinning one).
+``OMP_WAIT_POLICY=active`` (or ``GOMP_SPINCOUNT=300000``, libgomp's default) to get the spinning back on a
+machine whose cores are this process's alone: there a sleeping thread wakes later than a spinning one,
+measured idle at ~5 ms (~20 %) more per one-token call and ~10 % more per short prefill.
 """
 
 from __future__ import annotations
