@@ -24,6 +24,8 @@ from types import ModuleType
 from typing import Any, Optional, Sequence
 
 import blake3
+
+from . import openmp  # noqa: F401 - before llama_cpp: libgomp reads its wait policy when it loads
 import llama_cpp
 from llama_cpp import llama_cpp as C
 
