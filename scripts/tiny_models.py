@@ -212,6 +212,25 @@ def copy_tokenizer(w, kv: dict[str, tuple[int, int, object]], template: Path) ->
     w.add_chat_template(template.read_text(encoding="utf-8"))
 
 
+def _cached(name: str, *inputs: object) -> Path:
+    """Where the tiny GGUF ``name`` built from ``inputs`` is kept: a name keyed by every input, so a
+    changed vocab, template or recipe gives a new file and a rerun finds the old one instantly."""
+    key = hashlib.sha256("|".join(map(str, inputs)).encode()).hexdigest()[:16]
+    return cache_root() / "tiny" / f"{name}-{key}.gguf"
+
+
+def _finish(w, tmp: Path, out: Path) -> Path:
+    """Write the GGUF writer ``w``'s file at ``tmp``, fsync it and move it to ``out`` atomically."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+    return out
+
+
 def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -226,8 +245,7 @@ def build(family: str | Family, *, template: Optional[Path] = None, n_embd: int 
     fam = FAMILIES[family] if isinstance(family, str) else family
     vocab = vocab_path(fam.vocab)
     tpl = template or templates_dir() / f"{fam.template}.jinja"
-    key = hashlib.sha256(f"{RECIPE}|{_sha(vocab)}|{_sha(tpl)}|{n_embd}|{n_layer}|{seed}".encode()).hexdigest()[:16]
-    out = cache_root() / "tiny" / f"{fam.name}-{key}.gguf"
+    out = _cached(fam.name, RECIPE, _sha(vocab), _sha(tpl), n_embd, n_layer, seed)
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -269,14 +287,7 @@ def build(family: str | Family, *, template: Optional[Path] = None, n_embd: int 
         w.add_tensor(p + "ffn_gate.weight", rand(n_ff, n_embd, scale=0.2))
         w.add_tensor(p + "ffn_up.weight", rand(n_ff, n_embd, scale=0.2))
         w.add_tensor(p + "ffn_down.weight", rand(n_embd, n_ff, scale=0.2))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
-    return out
+    return _finish(w, tmp, out)
 
 
 # ---------------------------------------------------------------------------------------------- architectures
@@ -603,8 +614,7 @@ def build_scripted(script: str | Script, *, n_embd: int = 192) -> Path:
     checked here (every step of the script decided with a margin) before the file is written."""
     sc = SCRIPTS[script] if isinstance(script, str) else script
     vocab, tpl = vocab_path(sc.vocab), templates_dir() / f"{sc.template}.jinja"
-    key = hashlib.sha256(f"{SCRIPT_RECIPE}|{_sha(vocab)}|{_sha(tpl)}|{sc.prompt_tail}|{sc.answer}|{n_embd}".encode()).hexdigest()[:16]
-    out = cache_root() / "tiny" / f"{sc.name}-{key}.gguf"
+    out = _cached(sc.name, SCRIPT_RECIPE, _sha(vocab), _sha(tpl), sc.prompt_tail, sc.answer, n_embd)
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -703,14 +713,7 @@ def build_scripted(script: str | Script, *, n_embd: int = 192) -> Path:
     w.add_tensor("blk.0.ffn_gate.weight", np.zeros((16, n_embd), dtype=np.float32))
     w.add_tensor("blk.0.ffn_up.weight", np.zeros((16, n_embd), dtype=np.float32))
     w.add_tensor("blk.0.ffn_down.weight", np.zeros((n_embd, 16), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
-    return out
+    return _finish(w, tmp, out)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
