@@ -96,6 +96,16 @@ def prefix_keys(segments: Sequence[Sequence[int]], tenant: Optional[str] = None,
     return [h.digest() for h in key_states(segments, tenant, after=after)[1:]]
 
 
+def _shared_keys(segments: Sequence[Sequence[int]], keys: Sequence[bytes], tenant: Optional[str],
+                 shared: Optional[Sequence[bytes]]) -> Sequence[bytes]:
+    """The unsalted keys (the operator's blocks) of the first ``len(keys)`` segments, beside a tenant's
+    salted ``keys``: ``shared`` if the caller has them (a request's `Job.shared_keys`), hashed otherwise;
+    without a tenant the keys are the shared ones."""
+    if tenant is None:
+        return keys
+    return prefix_keys(segments[:len(keys)]) if shared is None else shared[:len(keys)]
+
+
 def key_states(segments: Sequence[Sequence[int]], tenant: Optional[str] = None, *,
                after: "Optional[hashlib._Hash]" = None) -> "list[hashlib._Hash]":
     """The hash states of `prefix_keys`: ``states[k]`` after the first ``k`` segments (``states[0]``:
@@ -221,8 +231,7 @@ class PrefixCache:
         them) are found, never one another tenant owns or shared."""
         self.refresh()
         keys = (prefix_keys(segments, tenant) if keys is None else keys)[:len(segments) - 1]
-        shared = keys if tenant is None else \
-            (prefix_keys(segments[:len(keys)]) if shared is None else shared[:len(keys)])
+        shared = _shared_keys(segments, keys, tenant, shared)
         with self._lock:
             for k in range(len(keys), 0, -1):
                 bid = self._index.get(keys[k - 1]) or self._index.get(shared[k - 1])
@@ -296,7 +305,7 @@ class PrefixCache:
         if top == 0:
             return 0
         keys = (prefix_keys(segments, tenant) if keys is None else keys)[:top]
-        shared = keys if tenant is None else (prefix_keys(segments[:top]) if shared is None else shared[:top])
+        shared = _shared_keys(segments, keys, tenant, shared)
         lengths = [0, *segment_ends(segments[:top])]
         best = 0
         fleet = getattr(self.store, "sightings", None)  # a fleet store counts sightings in its bucket
