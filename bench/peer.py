@@ -33,6 +33,8 @@ from pathlib import Path
 import httpx
 import platformdirs
 
+from graftmem.core.openmp import environ_without_ours  # llama-server runs with libgomp's default wait
+
 VERSION = "0.3.36"  # the pinned llama-cpp-python (scripts/constraints.txt): same llama.cpp as the engine
 
 
@@ -146,7 +148,7 @@ class LlamaServer:
         self.cmd = cmd
         self.log = slot_dir / "server.log"
         self._logf = open(self.log, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._logf, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self._logf, stderr=subprocess.STDOUT, env=environ_without_ours())
         atexit.register(self.close)  # never leave a server behind, also when the bench is stopped
         self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=600.0)
         wait_ready(self.proc, lambda: self.client.get("/health").status_code == 200, "llama-server", self.log,

@@ -65,6 +65,7 @@ from bench import peer as cpp_peer  # builds / finds llama-server
 from bench import harness
 from bench.harness import RESULTS, ROOT, write_results
 from graftmem.core import EngineConfig, resolve_model, usable_cores
+from graftmem.core.openmp import environ_without_ours
 
 HERE = Path(__file__).resolve().parent
 
@@ -214,7 +215,9 @@ def llama_server(exe: Path, model: Path, cfg: EngineConfig, threads: int, work: 
            "-b", str(cfg.n_batch), "-ub", str(cfg.n_ubatch), "-fa", "on" if cfg.flash_attn else "off",
            "-t", str(threads), "-tb", str(threads), "-np", str(parallel), "-cb", "-ctk", cfg.type_k,
            "-ctv", cfg.type_v, "--no-warmup", *cpp_peer.weight_buffer_args(cfg.extra_bufts == "on")]
-    return Proc("llama-server", cmd, port, "/health", work / f"llama-server-{time.time_ns()}.log")
+    # with libgomp's default wait, as its users run it, not the one graftmem set in this process
+    return Proc("llama-server", cmd, port, "/health", work / f"llama-server-{time.time_ns()}.log",
+                env=environ_without_ours())
 
 
 def lcp_server(model: Path, cfg: EngineConfig, threads: int, cache_cwd: Path, work: Path) -> Proc:

@@ -11,23 +11,44 @@ medians of 5, two alternations each, ``/tmp`` script of bench/turns.py's investi
 an 81-token call 7.7-13.3 s spinning vs 2.3-5.3 s with ``OMP_WAIT_POLICY=passive``, a one-token call
 2.4-3.0 s vs 65-84 ms, eight one-token decode calls 17.7-18.8 s vs 0.49-0.74 s.
 
-A passive wait changes when a thread sleeps, never what it computes (the work of each thread is split
-by its index, the same at every barrier), so the bytes and the fingerprint do not change. It is set
-only where the process has not chosen (``OMP_WAIT_POLICY`` and ``GOMP_SPINCOUNT`` unset) and only if
-this module runs before libgomp loads (`graftmem.core.backend` imports it before ``llama_cpp``); set
-``OMP_WAIT_POLICY=active`` (or ``GOMP_SPINCOUNT=300000``, libgomp's default) to get the spinning back on a
-machine whose cores are this process's alone: there a sleeping thread wakes later than a spinning one,
-measured idle at ~5 ms (~20 %) more per one-token call and ~10 % more per short prefill.
+A passive wait (``OMP_WAIT_POLICY=passive``, which graftmem set until the fourth stop) cured that but
+made every barrier a futex sleep and wake-up: measured idle on a 2-core AMD EPYC (``python -m bench.omp_wait``,
+SmolLM2, 3,000 cached tokens, bench/results/omp_wait.json) a one-token call took 25.6 ms passive vs 11.7 ms
+spinning, eight decode calls 206 vs 87 ms, a 40-token tail 277 vs 259 ms. A *short* spin keeps both: a
+thread spins ``GOMP_SPINCOUNT`` = 1,000 times (tens of microseconds, about the gap between two graph nodes)
+and then sleeps. Idle it is as fast as libgomp's default (one-token 11.7 ms, decode 87.5 ms); with 2 busy
+processes on the 2 cores (omp_wait.json) a 40-token tail 557 ms like passive's 557 (libgomp's default:
+874); with 6 (omp_wait_busy6.json) 1,321 ms vs passive's 1,480, decode 755 vs 762 ms, the one-token call
+108 vs 70 ms.
+
+The wait changes when a thread sleeps, never what it computes (the work of each thread is split by its
+index, the same at every barrier), so the bytes and the fingerprint do not change. It is set only where
+the process has not chosen (``OMP_WAIT_POLICY`` and ``GOMP_SPINCOUNT`` unset) and only if this module runs
+before libgomp loads (`graftmem.core.backend` imports it before ``llama_cpp``): ``OMP_WAIT_POLICY=passive``
+for the most loaded hosts, ``OMP_WAIT_POLICY=active`` on cores that are this process's alone.
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["WAIT_POLICY"]
+__all__ = ["SPIN_COUNT", "SET_HERE", "environ_without_ours"]
 
-#: the wait policy graftmem gives libgomp when the process did not choose one
-WAIT_POLICY = "passive"
+#: the spins before a thread waiting at a barrier sleeps, when the process did not choose a wait policy
+SPIN_COUNT = "1000"
 
-if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-    os.environ["OMP_WAIT_POLICY"] = WAIT_POLICY
+#: whether this module set ``GOMP_SPINCOUNT`` (the process had chosen nothing)
+SET_HERE = "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ
+
+if SET_HERE:
+    os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
+
+
+def environ_without_ours() -> dict[str, str]:
+    """This process's environment without the wait graftmem chose for itself: what another program it
+    starts (a benchmark's llama-server) would have seen had graftmem not been imported, so that program
+    runs with its own default and not ours."""
+    env = dict(os.environ)
+    if SET_HERE and env.get("GOMP_SPINCOUNT") == SPIN_COUNT:
+        del env["GOMP_SPINCOUNT"]
+    return env
