@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 import platformdirs
 
-from graftmem.core.openmp import environ_without_ours  # llama-server runs with libgomp's default wait
+from graftmem.core import environ_without_ours  # llama-server runs with libgomp's default wait
 
 VERSION = "0.3.36"  # the pinned llama-cpp-python (scripts/constraints.txt): same llama.cpp as the engine
 

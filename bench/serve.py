@@ -65,7 +65,7 @@ from bench import peer as cpp_peer  # builds / finds llama-server
 from bench import harness
 from bench.harness import RESULTS, ROOT, write_results
 from graftmem.core import EngineConfig, resolve_model, usable_cores
-from graftmem.core.openmp import environ_without_ours
+from graftmem.core import environ_without_ours
 
 HERE = Path(__file__).resolve().parent
 

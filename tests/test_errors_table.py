@@ -151,11 +151,26 @@ def provoke_cli_typo(ctx) -> tuple[str, str]:
     return err["type"], err["message"]
 
 
+def provoke_empty_store(ctx) -> tuple[str, str]:
+    r = ctx.mem.recall("Open a ticket for customer 7312.", max_tokens=1)
+    assert not r.matched
+    return "Recall.reason", r.reason
+
+
+def provoke_no_file(ctx) -> tuple[str, str]:
+    from graftmem.cli import main
+
+    assert main(["--json", "--home", str(ctx.tmp / "cli-home"), "learn", str(ctx.tmp / "no-such-notes.txt")]) == 2
+    err = json.loads(ctx.capsys.readouterr().out)["error"]
+    return err["type"], err["message"]
+
+
 PROVOKERS: dict[str, Callable] = {
     "not-found": provoke_not_found, "other-settings": provoke_other_n_ctx, "too-long": provoke_too_long,
     "scope": provoke_scope, "unverified": provoke_unverified, "read-only": provoke_read_only,
     "corrupted": provoke_corrupted, "unknown-model": provoke_unknown_model, "config-typo": provoke_config_typo,
     "no-api-key": provoke_no_api_key, "wrong-api-key": provoke_wrong_api_key, "cli-typo": provoke_cli_typo,
+    "empty-store": provoke_empty_store, "no-file": provoke_no_file,
 }
 
 

@@ -101,7 +101,13 @@ def _read_text(path: str) -> str:
     from .. import ConfigError
 
     where = "stdin" if path == "-" else path
-    data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    try:
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"no file {path!r} (in {Path.cwd()}): give the path of a text file, or - to read "
+                          "the text from stdin (echo 'text' | graftmem learn -)") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path!r} is a directory: give one text file (or - for stdin)") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

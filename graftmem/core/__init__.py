@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .identity import Salts, block_id_for, check_block_id, content_id, incompatibility, salts_of
     from .decoding import Decoded, Sampling, decode
     from .backend import system_report
+    from .openmp import environ_without_ours
     from .engine import Engine, logits_sha256, threads_per_engine, usable_cores
     from .grammar import Grammar, json_grammar
     from .kernels import KernelVerdict, probe_kernels
@@ -65,6 +66,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "usable_cores": (".engine", "usable_cores"),
     "threads_per_engine": (".engine", "threads_per_engine"),
     "system_report": (".backend", "system_report"),
+    "environ_without_ours": (".openmp", "environ_without_ours"),
     "probe_kernels": (".kernels", "probe_kernels"),
     "Grammar": (".grammar", "Grammar"),
     "json_grammar": (".grammar", "json_grammar"),
@@ -106,7 +108,7 @@ __all__ = [
     "FORMATS", "FORMAT_VERSION", "Fingerprint", "GEMMA", "Grammar", "HistoryEvent", "KernelVerdict", "MODELS", "Recall",
     "Receipt", "Salts", "SampleResult", "Sampling", "Scope", "SearchHit", "StoreStats", "TemplateError",
     "VerificationRecord", "VerifyReport", "__version__", "block_id_for", "check_block_id", "content_id", "decode",
-    "detect_format", "incompatibility", "join_states", "json_grammar", "load_template", "logits_sha256",
+    "detect_format", "environ_without_ours", "incompatibility", "join_states", "json_grammar", "load_template", "logits_sha256",
     "model_template", "needs_placing", "place_cells_into", "prefill_work", "probe_kernels", "progress_bar", "request_template",
     "resolve_model", "salts_of", "split_ids", "state_digest", "system_report", "threads_per_engine", "usable_cores"]
 __all__ += _errors_all  # noqa: PLE0605 - the error tree: graftmem.core.errors.__all__, the one list of its names
