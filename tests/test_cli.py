@@ -223,8 +223,9 @@ def test_json_errors_are_one_object_with_stable_keys(tmp_path, capsys):
     cases = [(["--json", "lern"], "UsageError", "did you mean 'learn'"),
              (["--home", home, "show", "abcd1234", "--json"], "BlockNotFound", "no block"),
              (["--home", home, "--json", "--config", "{oops", "search", "x"], "ConfigError", "is not JSON"),
-             (["--home", home, "--json", "learn", str(tmp_path / "missing.txt")], "FileNotFoundError",
-              "No such file")]
+             (["--home", home, "--json", "learn", str(tmp_path / "missing.txt")], "ConfigError",
+              "no file"),
+             (["--home", home, "--json", "--config", '{"n_ctxx": 512}', "ls"], "ConfigError", "unknown field 'n_ctxx'")]
     for argv, kind, words in cases:
         assert main(argv) == 2, argv
         out, err = capsys.readouterr()

@@ -111,7 +111,14 @@ def provoke_unknown_model(ctx) -> tuple[str, str]:
 
 
 def provoke_config_typo(ctx) -> tuple[str, str]:
-    return _raised(lambda: Memory(engine=None, home=ctx.tmp / "typo", config={"n_ctxx": 512}))
+    """Both doors: ``config=`` in Python, and ``--config`` on a command that opens no engine (``ls``)."""
+    from graftmem.cli import main
+
+    kind, message = _raised(lambda: Memory(engine=None, home=ctx.tmp / "typo", config={"n_ctxx": 512}))
+    assert main(["--json", "--home", str(ctx.tmp / "typo"), "--config", '{"n_ctxx": 512}', "ls"]) == 2
+    err = json.loads(ctx.capsys.readouterr().out)["error"]
+    assert (err["type"], err["message"]) == (kind, message), err
+    return kind, message
 
 
 def _asgi_401(headers: dict[str, str]) -> tuple[str, str]:

@@ -37,6 +37,9 @@ def _config(args: argparse.Namespace) -> Optional[dict]:
                           'give an object such as \'{"n_ctx": 4096}\'') from None
     if not isinstance(config, dict):
         raise ConfigError(f"--config must be a JSON object such as '{{\"n_ctx\": 4096}}', got {args.config!r}")
+    from ..core import EngineConfig
+
+    EngineConfig.coerce(config)  # checked here, for every command: one that opens no engine (ls) refuses a typo too
     return config
 
 

@@ -76,6 +76,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except UsageError as exc:
         return _fail(exc, as_json)
     try:
+        if getattr(args, "config", None):  # a typo in --config is refused by every command, engine or not
+            from .common import _config
+
+            _config(args)
         return int(args.func(args))
     except GraftmemError as exc:
         return _fail(exc, as_json)
