@@ -85,6 +85,17 @@ def provoke_unverified(ctx) -> tuple[str, str]:
         return _raised(lambda: other.ask(b.id, " They", max_tokens=1))
 
 
+def provoke_not_routed(ctx) -> tuple[str, str]:
+    b = ctx.mem.learn("Shipping: parcels leave the warehouse on Mondays.", name="shipping",
+                      when_to_use="when do parcels ship")
+    ctx.mem.export(ctx.tmp / "r.gmbundle", [b.id])
+    with Memory(engine=ctx.mem.engine, home=ctx.tmp / "routed", embedder=ctx.mem.embedder) as other:
+        other.import_bundle(ctx.tmp / "r.gmbundle", rederive=False)
+        r = other.recall("When do parcels ship?", max_tokens=1)
+    assert not r.matched
+    return "Recall.reason", r.reason
+
+
 def provoke_read_only(ctx) -> tuple[str, str]:
     from tests.test_trust_store import tmpfs
 
@@ -177,7 +188,7 @@ PROVOKERS: dict[str, Callable] = {
     "scope": provoke_scope, "unverified": provoke_unverified, "read-only": provoke_read_only,
     "corrupted": provoke_corrupted, "unknown-model": provoke_unknown_model, "config-typo": provoke_config_typo,
     "no-api-key": provoke_no_api_key, "wrong-api-key": provoke_wrong_api_key, "cli-typo": provoke_cli_typo,
-    "empty-store": provoke_empty_store, "no-file": provoke_no_file,
+    "empty-store": provoke_empty_store, "not-routed": provoke_not_routed, "no-file": provoke_no_file,
 }
 
 

@@ -132,7 +132,7 @@ def test_cli_bad_inputs_are_one_error_line_and_exit_2(tmp_path, capsys, monkeypa
         (["--home", home, "serve", "--port", "99999"], None, "not a TCP port"),
         (["--home", home, "--config", cfg, "verify", "abcd", "--samples", "0"], None, "give 1 or more"),
         (["--home", home, "--config", cfg, "ask", "abcd", "q", "--max-tokens", "0"], None, "give 1 or more"),
-        (["--home", home, "--config", cfg, "learn", str(tmp_path / "missing.txt")], None, "No such file"),
+        (["--home", home, "--config", cfg, "learn", str(tmp_path / "missing.txt")], None, "no file"),
     ]
     for argv, stdin, match in cases:
         rc, err = _cli(argv, capsys, stdin, monkeypatch)

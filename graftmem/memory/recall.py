@@ -20,7 +20,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Callable, Literal, Optional, Sequence
 
-from ..core.blocks import Block, Fingerprint, Recall, Receipt, SearchHit
+from ..core.blocks import PROVENANCE_UNVERIFIED, Block, Fingerprint, Recall, Receipt, SearchHit
 from ..core.decoding import GREEDY, Sampling
 from ..core.errors import BlockNotFound, ConfigError
 from ..core.identity import same_settings
@@ -119,6 +119,15 @@ def _no_match(engine: "Engine", store: "BlockStore", top: Optional[tuple[str, fl
         reason = (f"no block matched this task: none of this engine's {mine} block(s) is in the scope (or "
                   "filters) given, which narrows recall to the blocks learned with that user_id / agent_id / "
                   "session_id; learn into that scope, or recall without it; nothing was grafted")
+    elif top is None and (held := [b for b in store.list() if b.fingerprint.digest() == fpd]):
+        # the engine's blocks are there but none is routed: recall routes only to blocks whose state is vouched for
+        unverified = sum((b.provenance or PROVENANCE_UNVERIFIED) == PROVENANCE_UNVERIFIED for b in held)
+        reason = (f"no block matched this task: this engine's {len(held)} block(s) are not routed"
+                  + (f" ({unverified} unverified: imported or pulled without re-derivation or a trusted "
+                     "signature; `graftmem verify ID --rederive` each, or learn their texts here)" if unverified
+                     else " (their kinds or labels are not routed: prefixes a server cached, stored responses, "
+                     "a document's pages, or labels from an untrusted source)")
+                  + "; nothing was grafted")
     elif top is None:
         reason = ("no block matched this task: the store has no block learned by this engine "
                   f"({engine.fingerprint.model_name}); nothing was grafted")

@@ -385,7 +385,7 @@ class ApiKeyMiddleware:
         err = HTTPError(401, "the API key sent is not one this server accepts: check the key (the one `graftmem "
                         "serve --api-key` or its --api-key-file names; $GRAFTMEM_API_KEY for the CLI)" if sent else
                         "this server needs an API key: send Authorization: Bearer <key> (or X-Api-Key: <key>; "
-                        "$GRAFTMEM_API_KEY or --api-key for the CLI)",
+                        "$GRAFTMEM_API_KEY for the CLI and RemoteMemory)",
                         name="AccessDenied", code="invalid_api_key",
                         headers={"WWW-Authenticate": "Bearer"})
         await error_response(scope["path"], err, close=True)(scope, receive, send)
