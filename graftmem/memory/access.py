@@ -221,7 +221,7 @@ class Access:
             if kids_seen:
                 raise ConfigError(f"block {block.short_id} has {len(kids_seen)} chained child block(s) "
                                   f"({', '.join(b.short_id for b in kids_seen)}) whose states are rebuilt from "
-                                  "its bytes; delete them first or pass cascade=true to delete them too")
+                                  "its bytes; delete them first, or delete them too (CLI: --cascade; Python: cascade=True; REST: ?cascade=true)")
             try:
                 if cascade:
                     gone = self.store.delete(block.id, cascade=True)

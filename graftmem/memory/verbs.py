@@ -80,7 +80,7 @@ def refusal(block: Block, untrusted: Block) -> UnverifiedBlock:
         f"block {block.short_id} ({block.name!r}): {what} is {untrusted.provenance or 'unverified'}: "
         "nothing here proved that its state is its text's (it arrived without re-derivation or "
         "a trusted signature). Re-derive it (Memory.rederive / `graftmem verify --rederive`), "
-        "learn its text here, or pass allow_unverified=True")
+        "learn its text here, or opt in (CLI: --allow-unverified; Python: allow_unverified=True)")
 
 
 class MemoryVerbs:
