@@ -84,6 +84,13 @@ def test_verify_exits_nonzero_on_corruption(tmp_path, capsys, monkeypatch):
     path.write_bytes(bytes(data))
     code, out, err = run("verify", bid, "--samples", "2")
     assert code == 2 and "state digest mismatch" in err
+    # the plain line says what to do, as --json's "fix" does (one line still)
+    assert "; fix: delete the block (`graftmem delete ID`)" in err and len(err.strip().splitlines()) == 1, err
+    # doctor looks at headers by default (the damage is in the state bytes) and finds it with --check-bytes
+    code, out, err = run("doctor")
+    assert code == 0 and "\nhealth       ok\n" in out + "\n", out
+    code, out, err = run("doctor", "--check-bytes")
+    assert code == 1 and f"health       1 unreadable: {bid[:12]}: " in out and "state digest mismatch" in out, out
 
 
 def test_doctor_reports_fingerprint_and_exactness(tmp_path):

@@ -41,6 +41,10 @@ def test_conversation_chain_is_exact_after_a_restart(smol, tmp_path, storage):
                 _ask(c, _messages(n))
         children = [b for b in store.list(kind="auto") if b.parent is not None]  # closing waited for them
         assert children and {b.storage for b in children} == {storage}
+        # named from the conversation's words, not the template's markers (`graftmem ls` shows the names)
+        names = {b.name for b in store.list(kind="auto")}
+        assert "auto: system " + " ".join(SYSTEM.split())[:33] in names, names
+        assert not [n for n in names if "<|" in n or "|>" in n], names
         with api_server(store, [smol], auto_storage=storage) as srv2:
             c2 = openai.OpenAI(base_url=srv2.url + "/v1", api_key="unused", max_retries=0)
             warm, warm_bytes = _ask(c2, _messages(len(TURNS)))

@@ -55,14 +55,20 @@ def _fix(exc: BaseException) -> Optional[str]:
     return None
 
 
+#: Errors whose message names the damage but not the step (it is raised deep in the store, which does not
+#: know which door the caller came through): the plain line ends with the fix, as ``--json``'s ``fix`` has it.
+FIX_ON_THE_LINE = ("BlockCorrupted",)
+
+
 def _fail(exc: BaseException, as_json: bool, code: int = 2) -> int:
     message = str(exc)
+    fix = _fix(exc)
     if as_json:
-        err: dict[str, Any] = {"type": type(exc).__name__, "message": message, "fix": _fix(exc),
-                               "exit_code": code}
+        err: dict[str, Any] = {"type": type(exc).__name__, "message": message, "fix": fix, "exit_code": code}
         print(json.dumps({"error": err}))
     else:
-        print(f"error: {message}", file=sys.stderr)
+        said = any(c.__name__ in FIX_ON_THE_LINE for c in type(exc).__mro__) and fix
+        print(f"error: {message}" + (f"; fix: {fix}" if said else ""), file=sys.stderr)
     return code
 
 

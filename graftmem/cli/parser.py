@@ -303,7 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--sign", metavar="KEY", help="sign the pushed bundle with this private key")
     sp = add("keygen", cmd_keygen, "make an ed25519 key pair for signing bundles (PATH and PATH.pub)")
     sp.add_argument("path")
-    add("doctor", cmd_doctor, "model, fingerprint, exactness probe, store location and health")
+    sp = add("doctor", cmd_doctor, "model, fingerprint, exactness probe, store location and health")
+    sp.add_argument("--check-bytes", action="store_true",
+                    help="also read every block's state and check its BLAKE3 digest (as long as reading the "
+                    "whole store; without it: headers, manifests and trailers)")
     sp = add("demo", cmd_demo, "learn, recall and verify on the default model (the README's first command)")
     sp.add_argument("--samples", type=_positive, default=20)
     for sp in sub.choices.values():  # options without a help text still show their default

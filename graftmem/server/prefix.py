@@ -145,6 +145,16 @@ class Match:
     untrusted: Optional[Block] = None
 
 
+
+def auto_name(engine: "Engine", tokens: Sequence[int]) -> str:
+    """A readable name for an automatic block: ``auto:`` and the start of its text as the user wrote it.
+
+    Why: the segment's text is the rendered template (``<|im_start|>system ...``); named from it, `graftmem
+    ls` showed the template's markers instead of the conversation. The tokens are spelled without their
+    control tokens (`Engine.detokenize` skips them), whitespace folded, cut at 40 characters."""
+    words = " ".join(engine.detokenize(tokens).split())
+    return f"auto: {words[:40]}" if words else "auto"
+
 class PrefixCache:
     """The prefix index over one store, for one engine fingerprint, plus the auto-learn policy."""
 
@@ -385,7 +395,7 @@ class PrefixCache:
                         data = full if delta is None else delta
                         fields.update(storage="full" if delta is None else "delta", state_size=len(data),
                                       state_digest=digest if delta is None else state_digest(data))
-                    block = Block(id=bid, name=f"auto: {' '.join(texts[i].split())[:40]}", kind=AUTO_KIND,
+                    block = Block(id=bid, name=auto_name(engine, tokens), kind=AUTO_KIND,
                                   text=texts[i], tokens=tokens, n_tokens=len(tokens), fingerprint=self.fingerprint,
                                   metadata=salts.stamp({"segment": i, **(metadata or {}),
                                                         **({"one_token_calls": own} if own else {})}),
