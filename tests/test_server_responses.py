@@ -151,6 +151,9 @@ def test_previous_response_id_across_a_restart_equals_continuing_in_ram(srv, key
     # graft: the same bytes (stored whole, so each block's state digest is the digest of the full state)
     assert leaves[0].storage == leaves[1].storage == "full"
     assert leaves[0].state_digest == leaves[1].state_digest
+    # a response's blocks are named from its words, not the template's markers (what `graftmem ls` shows)
+    names = [b.name for b in store.list(kind="auto")]
+    assert names and all(n.startswith("auto") and "<|" not in n and "|>" not in n for n in names), names
     assert c.responses.retrieve(restarted.id).output_text == restarted.output_text  # stored by B, read by A
 
 

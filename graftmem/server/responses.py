@@ -64,6 +64,7 @@ from .tools import MAX_TOOLS, AnswerParser, ToolSpec
 
 if TYPE_CHECKING:
     from ..core.blocks import Block
+    from ..core.engine import Engine
     from .generate import EndState, Job, Result
     from .prefix import PrefixCache
 
@@ -362,13 +363,14 @@ class ResponseStore:
             prev = found[1].get("previous_response_id")
         return [m for t in reversed(turns) for m in t]
 
-    def put(self, job: "Job", end: "EndState", record: dict[str, Any]) -> Optional["Block"]:
-        """Write the response's last block (its parent: the chain its prompt was served from)."""
+    def put(self, job: "Job", end: "EndState", record: dict[str, Any], engine: "Engine") -> Optional["Block"]:
+        """Write the response's last block (its parent: the chain its prompt was served from); ``engine``:
+        one of the served model's (its vocabulary spells the block's name)."""
         if self.cache is None:
             return None
         n = end.parent.n_segments if end.parent is not None else 0
         parts = [*job.segments[:n], end.tokens]
-        block = self.cache.store_captured(None, parts, [*job.texts[:n], end.text], n,  # type: ignore[arg-type]
+        block = self.cache.store_captured(engine, parts, [*job.texts[:n], end.text], n,
                                           [end.state], end.parent, job.tenant,
                                           metadata={"response": record, CALLS_KEY: end.calls},
                                           response=record["id"], calls=[end.one_token],
@@ -547,7 +549,7 @@ class ResponsesRoutes:
                 return
             out_msgs = self._output_messages(final["output"])
             record = {**record_base, "object": final, "messages": turn + out_msgs}
-            if self.stored.put(job, end, record) is None:
+            if self.stored.put(job, end, record, self.pipe.pool.engines[0]) is None:
                 final["store"] = False
             if self.stored.ttl is not None:
                 self.stored.maybe_sweep()
