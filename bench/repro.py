@@ -197,9 +197,13 @@ def _flywheel_row(fly: dict) -> Row:
 def _routing_row(routing: dict) -> Row:
     acc = routing.get("accuracy", {})
     gvt = routing.get("graft_vs_text", {})
+    # the phrasings the router was tuned on, and the ones it never saw (the honest figure: docs/routing.md)
+    held = routing.get("quality", {}).get("hybrid (default)", {}).get("heldout", {})
+    unseen = (f" (tuned on these); {held['top1']}/{held['n']} = {100 * held['top1'] / held['n']:.1f}% top-1 on "
+              "held-out phrasings" if held.get("n") else "")
     return Row("4.12", f"in-library routing ({acc.get('manuals')} manuals, {acc.get('phrasings')} phrasings)",
                "15/15 (Wilson 95% CI 79.6-100%)",
-               f"top-1 {100 * acc.get('top1', 0):.1f}%, top-3 {100 * acc.get('top3', 0):.1f}%; graft vs text "
+               f"top-1 {100 * acc.get('top1', 0):.1f}%, top-3 {100 * acc.get('top3', 0):.1f}%{unseen}; graft vs text "
                f"answers identical: {gvt.get('all_identical')}, "
                + ", ".join(f"recall {run['speedup']:.1f}x faster at max_tokens={run['max_tokens']}"
                            for run in gvt.get("runs", [])),

@@ -282,10 +282,19 @@ def test_docs_agents_snippets_run(smol, home, capsys):
     assert len(snippets) >= 2
     store = Store(home)
     try:
+        printed: dict[str, str] = {}
         with api_server(store, [smol]) as srv:
             for code in snippets:
                 exec(compile(code.replace("http://127.0.0.1:8765", srv.url), "docs/agents.md", "exec"), {})
-        lines = capsys.readouterr().out.splitlines()
+                printed[code] = capsys.readouterr().out
+        # the outputs the page shows are what its snippets printed (tests/test_docs.py's rule)
+        from tests.test_docs import assert_output_shown, python_blocks
+
+        runnable = python_blocks("docs/agents.md")
+        assert set(runnable) <= set(printed), "a runnable block the regex did not find"
+        for i, code in enumerate(runnable):
+            assert_output_shown("docs/agents.md", i, printed[code])
+        lines = "".join(printed.values()).splitlines()
         assert lines[1] == "cached tokens: 0"
         assert lines[0] and lines[0] == lines[2]  # streamed == not streamed
         assert lines[3]
