@@ -170,7 +170,7 @@ def test_readme_quickstart_runs(tmp_path, runner):
     lines = proc.stdout.splitlines()
     assert lines[0] == " REFUND APPROVED. Ticket code: RF-20417.", proc.stdout[-2000:]  # reads as an answer
     assert "True 50 0.0" in lines, proc.stdout[-2000:]
-    assert lines[-1].startswith("dates "), proc.stdout[-2000:]
+    assert lines[-1].startswith("dates ") and lines[-1].endswith(" ' 2023-06-12'"), proc.stdout[-2000:]  # routed, right
 
 
 _LEAKY = '''
