@@ -362,6 +362,8 @@ def test_bundle_from_another_model_is_refused(foreign_bundle, mem):
     with pytest.raises(IncompatibleBlock, match="model_sha256") as ei:
         mem.import_bundle(path)
     assert "model_sha256" in ei.value.fields
+    # the way out at both doors, the CLI's first (a CLI session read the Python spelling first)
+    assert "(CLI: --incompatible keep-apart / skip; Python: incompatible='keep-apart' / 'skip')" in str(ei.value)
     assert state_of(mem) == before
 
 

@@ -28,6 +28,8 @@ def test_bar_counts_work_across_segments(capsys):
     assert bar.tokens == bar.tokens_total == 1124
     assert bar.bar.n == pytest.approx(bar.bar.total, abs=1e-2)
     assert bar.bar.total == pytest.approx(2 * prefill_work(0, 512) + prefill_work(4096, 100), abs=1e-2)
+    line = str(bar.bar)  # what the terminal shows: tokens and rate inside tqdm's brackets, no stray comma
+    assert "| , " not in line and ", 1,124/1,124 tok, " in line and line.endswith(" tok/s]"), line
     bar.close()
 
 
@@ -46,3 +48,6 @@ def test_learn_and_documents_give_the_bar_their_positions(tiny_mem, monkeypatch)
     seen.clear()
     rep = tiny_mem.learn_document(long_text(1500, seed=6), window=512, overlap=32, progress=True)
     assert len(seen) == 1 and len(seen[0]) == rep.pages and all(s == 0 for s, _ in seen[0])
+    seen.clear()  # a rerun skips every page: no bar (it showed the skipped tokens done at 500,000 tok/s)
+    again = tiny_mem.learn_document(long_text(1500, seed=6), window=512, overlap=32, progress=True)
+    assert again.pages_skipped == rep.pages and seen == []

@@ -52,7 +52,8 @@ class PrefillBar:
         self._seg, self._in_seg, self._work = 0, 0, 0.0
         self._last = (time.perf_counter(), 0)
         self.bar = tqdm(total=round(total, 3), desc=desc, leave=leave, dynamic_ncols=True,
-                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {postfix} [{elapsed}<{remaining}]")
+                        # tqdm hands ``{postfix}`` over as ", text": it reads as tqdm's own "[00:02<00:02, 408 it/s]"
+                        bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}{postfix}]")
         self.bar.set_postfix_str(f"0/{self.tokens_total:,} tok", refresh=False)
 
     def update(self, n: int) -> None:

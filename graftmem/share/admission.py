@@ -224,9 +224,9 @@ class Admission:
             e = next(x for x in entries if x.id in plan.foreign)
             err = incompatibility(stub_block(e, fingerprints[e.fingerprint]), self.fingerprint)
             raise IncompatibleBlock(f"{where}: {len(plan.foreign)} of {len(entries)} blocks were made by "
-                                    f"another engine; {err}. Nothing was imported; pass "
-                                    "incompatible='keep-apart' (CLI: --incompatible keep-apart) to keep "
-                                    "them apart, or 'skip'", fields=err.fields if err else {})
+                                    f"another engine; {err}. Nothing was imported; keep them apart or skip them (CLI: "
+                                    "--incompatible keep-apart / skip; Python: incompatible='keep-apart' / "
+                                    "'skip')", fields=err.fields if err else {})
         if self.incompatible == "skip":
             plan.skipped = [e.id for e in entries if e.id in plan.foreign]
         # a block already here counts as present unless it is unverified: then its bytes are fetched
