@@ -320,15 +320,22 @@ def run_page(page: str, blocks: list[Block], tmp: Path, runner: Any, *, timeout:
             run.stdout.setdefault(current if current is not None else -1, "")
         elif current is not None:
             run.stdout[current] = run.stdout.get(current, "") + line + "\n"
+    failed: set[tuple[int, int]] = set()
     for line in err.splitlines():
         m = re.match(r"__docs_fail (\d+) (\d+)$", line)
         if m:
             status, lineno = int(m.group(1)), int(m.group(2))
+            failed.add((lineno, status))
             i, page_line = where.get(lineno, (-1, "?"))
             if not _allowed(page_line, status):
                 run.failures.append(f"{blocks[i].where if i >= 0 else page} exit {status}: {page_line.strip()}")
         elif line.startswith("__docs_fail"):
             run.failures.append(line)
+    # a line that says what it does here ("# exit 1 here") must do it: the page promised a refusal
+    for lineno, (i, page_line) in where.items():
+        promised = re.search(r"#.*\bexit (\d+) here\b", page_line)
+        if promised and (lineno, int(promised.group(1))) not in failed and re.search(r"__docs_block end$", out, re.M):
+            run.failures.append(f"{blocks[i].where} promised exit {promised.group(1)}, did not: {page_line.strip()}")
     if not re.search(r"__docs_block end$", out, re.M):
         run.failures.append(f"the run stopped before the end (bash exit {proc.returncode})")
     return run

@@ -88,7 +88,7 @@ def test_verify_exits_nonzero_on_corruption(tmp_path, capsys, monkeypatch):
     assert "; fix: delete the block (`graftmem delete ID`)" in err and len(err.strip().splitlines()) == 1, err
     # doctor looks at headers by default (the damage is in the state bytes) and finds it with --check-bytes
     code, out, err = run("doctor")
-    assert code == 0 and "\nhealth       ok\n" in out + "\n", out
+    assert code == 0 and "\nhealth       ok (headers, manifests, trailers; --check-bytes" in out, out
     code, out, err = run("doctor", "--check-bytes")
     assert code == 1 and f"health       1 unreadable: {bid[:12]}: " in out and "state digest mismatch" in out, out
 
@@ -217,6 +217,10 @@ def test_version_and_did_you_mean(capsys):
     assert err.startswith("error: ") and "did you mean 'learn'?" in err and len(err.strip().splitlines()) == 1
     assert main(["ls", "--knd", "x"]) == 2
     assert "did you mean '--kind'?" in capsys.readouterr().err
+    # a right option on the wrong command is named as such (it suggested the very option it refused)
+    assert main(["ls", "--api-key", "k"]) == 2
+    err = capsys.readouterr().err
+    assert "--api-key is an option of serve, pull only" in err and "$GRAFTMEM_API_KEY" in err and "did you mean" not in err, err
     assert main(["zzzzzz"]) == 2
     assert "did you mean" not in capsys.readouterr().err  # nothing near: the list of commands instead
 
@@ -293,3 +297,23 @@ def test_learn_quiet_prints_only_the_id(tmp_path, capsys, monkeypatch):
         assert code == 0, err
         (bid,) = out.splitlines()
         assert run("show", bid)[1].startswith(f"id           {bid}\n")
+
+
+def test_ls_does_not_call_an_unverified_import_verified(tmp_path, capsys, monkeypatch):
+    """A verify record travels inside the block; after an import without re-derivation nothing here
+    vouches for the state, so ``ls`` shows "-" beside "unverified" (it showed "yes")."""
+    run = _in_process(capsys)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Refunds: ask for the order number first.")))
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    code, out, err = run("--home", a, "--json", "learn", "-")
+    assert code == 0, err
+    bid = json.loads(out)["id"]
+    assert run("--home", a, "verify", bid, "--samples", "2")[0] == 0
+    assert run("--home", a, "export", str(tmp_path / "x.gmbundle"), bid)[0] == 0
+    assert run("--home", b, "import", str(tmp_path / "x.gmbundle"), "--no-rederive")[0] == 0
+    code, out, _ = run("--home", b, "ls")
+    row = next(line for line in out.splitlines() if line.startswith(bid[:12])).split()
+    assert row[8] == "unverified" and row[7] == "-", row   # settings take two words: n_ctx=... kv=...
+    code, out, _ = run("--home", a, "ls")
+    row = next(line for line in out.splitlines() if line.startswith(bid[:12])).split()
+    assert row[7] == "yes" and row[8] == "local", row      # at the source: verified here

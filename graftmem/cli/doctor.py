@@ -26,7 +26,8 @@ def _health(bad: list[str], checked_bytes: bool) -> str:
     if bad:
         return (f"{len(bad)} unreadable: " + "; ".join(bad)
                 + "; fix: `graftmem delete ID`, then learn, pull or import it again")
-    return "ok" if not checked_bytes else "ok (every block's state bytes checked: BLAKE3)"
+    return ("ok (every block's state bytes checked: BLAKE3)" if checked_bytes else
+            "ok (headers, manifests, trailers; --check-bytes also reads every state)")
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

@@ -29,6 +29,11 @@ class _Parser(argparse.ArgumentParser):
 
     #: every option string of every command, for suggestions (set by `build_parser`)
     known_options: list[str] = []
+    #: the commands each option belongs to: a right option on the wrong command is named as such
+    option_commands: dict[str, list[str]] = {}
+    #: where a command without the option gets its value instead
+    INSTEAD = {"--api-key": "the other commands read $GRAFTMEM_API_KEY",
+               "--token": "the other commands read $GRAFTMEM_PUSH_TOKEN"}
 
     def error(self, message: str) -> NoReturn:
         hint = ""
@@ -40,8 +45,11 @@ class _Parser(argparse.ArgumentParser):
                                             f" (choose from {', '.join(choices)})")
         elif (m := re.search(r"unrecognized arguments: (\S+)", message)):
             wrong = m.group(1).split("=")[0]
-            close = difflib.get_close_matches(wrong, self.known_options, n=1, cutoff=0.6)
-            if close:
+            owners = self.option_commands.get(wrong)
+            if owners:  # not a typo: an option of other commands (it suggested the option itself)
+                hint = f"; {wrong} is an option of {', '.join(owners)} only" + (
+                    f" ({self.INSTEAD[wrong]})" if wrong in self.INSTEAD else "")
+            elif (close := difflib.get_close_matches(wrong, self.known_options, n=1, cutoff=0.6)):
                 hint = f"; did you mean {close[0]!r}?"
         raise UsageError(f"{self.prog}: {message}{hint} (see `{self.prog} --help`)")
 
@@ -315,4 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
                 action.help = "(default: %(default)s)"
     p.known_options = sorted({o for sp in [p, *sub.choices.values()] for a in sp._actions
                                     for o in a.option_strings})
+    owners: dict[str, list[str]] = {}
+    for name, sp in sub.choices.items():
+        for a in sp._actions:
+            for o in a.option_strings:
+                owners.setdefault(o, []).append(name)
+    p.option_commands = {o: cmds for o, cmds in owners.items() if len(cmds) < len(sub.choices)}
     return p

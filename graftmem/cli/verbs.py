@@ -35,6 +35,8 @@ def cmd_learn(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    from ..core.blocks import PROVENANCE_UNVERIFIED
+
     if (url := _server(args)) is not None:
         lines = _client(url).ls(kind=args.kind, **_scope_kw(args))  # the server's summaries, as _summary's
         data: Any = lines
@@ -44,8 +46,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
         lines = [_summary(b) for b in blocks]
         data = [b.model_dump(exclude={"tokens", "text"}) | {"provenance": b.provenance,
                                                             "labels_trusted": b.labels_trusted} for b in blocks]
+    # a verify record proves nothing here for a block whose state nothing here vouches for (it travelled
+    # with an unverified import): "-" beside "unverified", not "yes"
     rows = [[d["id"][:12], d["kind"], d["n_tokens"], f"{d['state_size']:,}", d.get("model") or "-",
-             d.get("settings") or "-", {True: "yes", False: "NO"}.get(d.get("verified"), "-"),
+             d.get("settings") or "-", {True: "yes", False: "NO"}.get(
+                 d.get("verified") if d.get("provenance") != PROVENANCE_UNVERIFIED else None, "-"),
              d.get("provenance") or "-", _label((d["name"] or "")[:40], d)] for d in lines]
     _out(args, data, _table(rows, ["id", "kind", "tokens", "state bytes", "model", "settings", "verified",
                                    "provenance", "name"])
