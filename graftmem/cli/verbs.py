@@ -49,13 +49,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
     # a verify record proves nothing here for a block whose state nothing here vouches for (it travelled
     # with an unverified import): "-" beside "unverified", not "yes"
     rows = [[d["id"][:12], d["kind"], d["n_tokens"], f"{d['state_size']:,}", d.get("model") or "-",
-             d.get("settings") or "-", {True: "yes", False: "NO"}.get(
-                 d.get("verified") if d.get("provenance") != PROVENANCE_UNVERIFIED else None, "-"),
+             d.get("settings") or "-", _verified_cell(d, PROVENANCE_UNVERIFIED),
              d.get("provenance") or "-", _label((d["name"] or "")[:40], d)] for d in lines]
     _out(args, data, _table(rows, ["id", "kind", "tokens", "state bytes", "model", "settings", "verified",
                                    "provenance", "name"])
          if rows else "(no blocks" + (" in this scope)" if _scoped(args) else ")"))
     return 0
+
+
+def _verified_cell(d: dict[str, Any], unverified: str) -> str:
+    """``ls``'s verified column: yes / NO from the block's verify record, "-" without one or where the
+    block's provenance is ``unverified`` (the record travelled with it; nothing here vouches for it)."""
+    if d.get("provenance") == unverified or d.get("verified") is None:
+        return "-"
+    return "yes" if d["verified"] else "NO"
 
 
 def _summary(b: Any) -> dict[str, Any]:
