@@ -65,7 +65,7 @@ def test_errors_are_one_line_with_nonzero_exit(tmp_path):
     r = run(tmp_path / "h", "show", "abcd1234")
     assert r.returncode == 2
     assert r.stderr.strip().startswith("error: no block") and "Traceback" not in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+    assert len(r.stderr.strip().splitlines()) == 1 and "; fix: list the store (`graftmem ls`)" in r.stderr
     r = run(tmp_path / "h", "--model", "no-such-model", "ask", "abcd", "q")
     assert r.returncode == 2 and "unknown model" in r.stderr and "Traceback" not in r.stderr
 

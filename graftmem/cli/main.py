@@ -57,7 +57,7 @@ def _fix(exc: BaseException) -> Optional[str]:
 
 #: Errors whose message names the damage but not the step (it is raised deep in the store, which does not
 #: know which door the caller came through): the plain line ends with the fix, as ``--json``'s ``fix`` has it.
-FIX_ON_THE_LINE = ("BlockCorrupted",)
+FIX_ON_THE_LINE = ("BlockCorrupted", "BlockNotFound")
 
 
 def _fail(exc: BaseException, as_json: bool, code: int = 2) -> int:

@@ -130,7 +130,8 @@ def _no_match(engine: "Engine", store: "BlockStore", top: Optional[tuple[str, fl
                   + "; nothing was grafted")
     elif top is None:
         reason = ("no block matched this task: the store has no block learned by this engine "
-                  f"({engine.fingerprint.model_name}); nothing was grafted")
+                  f"({engine.fingerprint.model_name}); nothing was grafted; learn one first (Memory.learn, "
+                  "CLI: graftmem learn FILE)")
     else:
         reason = (f"no block matched this task: the best candidate {name!r} ({top[0][:12]}) scored "
                   f"{top[1]:.3f}, below min_score {min_score:.2f}; nothing was grafted")
