@@ -35,8 +35,6 @@ def cmd_learn(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from ..core.blocks import PROVENANCE_UNVERIFIED
-
     if (url := _server(args)) is not None:
         lines = _client(url).ls(kind=args.kind, **_scope_kw(args))  # the server's summaries, as _summary's
         data: Any = lines
@@ -46,10 +44,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         lines = [_summary(b) for b in blocks]
         data = [b.model_dump(exclude={"tokens", "text"}) | {"provenance": b.provenance,
                                                             "labels_trusted": b.labels_trusted} for b in blocks]
-    # a verify record proves nothing here for a block whose state nothing here vouches for (it travelled
-    # with an unverified import): "-" beside "unverified", not "yes"
+    # "verified" is `Block.verified_here` (the server's listing too): "-" beside provenance unverified
     rows = [[d["id"][:12], d["kind"], d["n_tokens"], f"{d['state_size']:,}", d.get("model") or "-",
-             d.get("settings") or "-", _verified_cell(d, PROVENANCE_UNVERIFIED),
+             d.get("settings") or "-", {True: "yes", False: "NO"}.get(d.get("verified"), "-"),
              d.get("provenance") or "-", _label((d["name"] or "")[:40], d)] for d in lines]
     _out(args, data, _table(rows, ["id", "kind", "tokens", "state bytes", "model", "settings", "verified",
                                    "provenance", "name"])
@@ -57,19 +54,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def _verified_cell(d: dict[str, Any], unverified: str) -> str:
-    """``ls``'s verified column: yes / NO from the block's verify record, "-" without one or where the
-    block's provenance is ``unverified`` (the record travelled with it; nothing here vouches for it)."""
-    if d.get("provenance") == unverified or d.get("verified") is None:
-        return "-"
-    return "yes" if d["verified"] else "NO"
-
-
 def _summary(b: Any) -> dict[str, Any]:
     """A local block as the server's listing line (`graftmem.api.BlockSummary`'s fields), so ``ls``
     prints local and remote stores alike."""
     return {"id": b.id, "name": b.name, "kind": b.kind, "n_tokens": b.n_tokens, "state_size": b.state_size,
-            "model": b.fingerprint.model_name, "settings": b.fingerprint.settings, "verified": b.verification.ok if b.verification else None,
+            "model": b.fingerprint.model_name, "settings": b.fingerprint.settings, "verified": b.verified_here,
             "provenance": b.provenance, "labels_trusted": b.labels_trusted}
 
 

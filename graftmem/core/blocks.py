@@ -289,6 +289,15 @@ class Block(_Strict):
         return provenance_is_trusted(self.provenance)
 
     @property
+    def verified_here(self) -> Optional[bool]:
+        """What a listing shows as "verified": the verify record's verdict (None without one), and None for
+        a block whose state nothing here vouches for (provenance ``unverified``): the record travels inside
+        the block, so after an import without re-derivation it is the source's claim, not a proof here."""
+        if self.verification is None or not self.trusted:
+            return None
+        return self.verification.ok
+
+    @property
     def short_id(self) -> str:
         return self.id[:12]
 

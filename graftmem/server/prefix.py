@@ -151,9 +151,10 @@ def auto_name(engine: "Engine", tokens: Sequence[int]) -> str:
 
     Why: the segment's text is the rendered template (``<|im_start|>system ...``); named from it, `graftmem
     ls` showed the template's markers instead of the conversation. The tokens are spelled without their
-    control tokens (`Engine.detokenize` skips them), whitespace folded, cut at 40 characters."""
+    control tokens (`Engine.detokenize` skips them), whitespace folded, cut at 40 characters (no
+    space left at the cut: a page shows the name as text, trimmed)."""
     words = " ".join(engine.detokenize(tokens).split())
-    return f"auto: {words[:40]}" if words else "auto"
+    return f"auto: {words[:40].rstrip()}" if words else "auto"
 
 class PrefixCache:
     """The prefix index over one store, for one engine fingerprint, plus the auto-learn policy."""

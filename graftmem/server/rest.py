@@ -67,7 +67,7 @@ def _summary(b: Block) -> dict[str, Any]:
     return {"id": b.id, "name": b.name, "kind": b.kind, "n_tokens": b.n_tokens, "parent": b.parent,
             "created_at": b.created_at.isoformat(), "when_to_use": b.metadata.get("when_to_use"),
             "state_size": b.state_size, "shared": owner_of(b) is None, "model": b.fingerprint.model_name,
-            "settings": b.fingerprint.settings, "verified": b.verification.ok if b.verification else None, "provenance": b.provenance,
+            "settings": b.fingerprint.settings, "verified": b.verified_here, "provenance": b.provenance,
             "labels_trusted": b.labels_trusted}
 
 
