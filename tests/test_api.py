@@ -54,6 +54,8 @@ def test_text_longer_than_context_is_refused(smol, tmp_path):
 def test_missing_model_names_the_install_command(tmp_path):
     with pytest.raises(ModelNotFound, match="unknown model"):
         resolve_model(str(tmp_path / "nope.gguf"))
+    with pytest.raises(ModelNotFound, match="did you mean 'smollm2'"):  # a typo of a known name
+        resolve_model("smolm2")
 
 
 def test_models_resolve_from_installed_packages():

@@ -8,6 +8,7 @@ directory, checked against the SHA-256 its meta package publishes, and written a
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib.util
 import os
@@ -140,4 +141,6 @@ def resolve_model(model: str | os.PathLike[str] | None) -> tuple[str, Path]:
     if path.is_file():
         return path.stem, path.resolve()
     known = ", ".join(sorted(MODELS))
-    raise ModelNotFound(f"unknown model {key!r}: not a known name ({known}) and not an existing GGUF file")
+    close = difflib.get_close_matches(key, list(MODELS), n=1, cutoff=0.6)
+    raise ModelNotFound(f"unknown model {key!r}: not a known name ({known}) and not an existing GGUF file"
+                        + (f"; did you mean {close[0]!r}?" if close else ""))
