@@ -8,7 +8,11 @@ text once, then per round trims back to it and times, with the same token ids ev
 
 * ``tail``: one prefill call of ``--tail`` (40) tokens, the size of bench/turns.py's turn 3 and 5 tails;
 * ``one``: a one-token call (the call every graftmem turn ends its prompt with);
-* ``decode8``: eight one-token calls back to back (a short answer's decode).
+* ``decode8``: eight one-token calls back to back (a short answer's decode);
+* ``one_idle`` / ``decode8_idle``: the same after ``--pause`` (0.5) s of sleep, as a request that arrives
+  after the server idled meets them. Measured on this VM (2-core AMD EPYC, Firecracker): with a short spin
+  (1,000) a one-token call after a pause took 29-48 ms instead of 12-14 (its worker thread sleeps at every
+  barrier, and a sleeping vCPU wakes slowly), with libgomp's default spin 13-15 ms.
 
 Two conditions, in one run, settings alternated within each: ``idle`` (nothing else running; check the
 load average in the JSON) and ``busy``: ``--burners`` (2) processes spinning in pure Python on the same
@@ -33,13 +37,13 @@ CHILD = r"""
 import json, os, sys, time
 from bench.harness import prose
 from graftmem import Memory, EngineConfig
-rounds, tail = int(sys.argv[1]), int(sys.argv[2])
+rounds, tail, pause = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[4])
 mem = Memory("smollm2", home=sys.argv[3], config=EngineConfig(probe=False, n_ctx=4096))
 eng = mem.engine
 toks = eng.tokenize(prose(2600, seed=7))[:3000]
 extra = eng.tokenize(prose(60, seed=8), add_special=False)[:tail]
 eng.reset(); eng.prefill(toks); n = eng.n_past
-out = {"tail": [], "one": [], "decode8": [], "threads": eng.config.n_threads}
+out = {"tail": [], "one": [], "decode8": [], "one_idle": [], "decode8_idle": [], "threads": eng.config.n_threads}
 for _ in range(rounds):
     eng.trim(n); t = time.perf_counter(); eng.prefill(extra); eng.logits(); out["tail"].append((time.perf_counter() - t) * 1e3)
     eng.trim(n); t = time.perf_counter(); eng.prefill(extra[:1]); eng.logits(); out["one"].append((time.perf_counter() - t) * 1e3)
@@ -47,9 +51,16 @@ for _ in range(rounds):
     for tok in extra[:8]:
         eng.prefill([tok]); eng.logits()
     out["decode8"].append((time.perf_counter() - t) * 1e3)
+    eng.trim(n); time.sleep(pause); t = time.perf_counter(); eng.prefill(extra[:1]); eng.logits()
+    out["one_idle"].append((time.perf_counter() - t) * 1e3)
+    eng.trim(n); time.sleep(pause); t = time.perf_counter()
+    for tok in extra[:8]:
+        eng.prefill([tok]); eng.logits()
+    out["decode8_idle"].append((time.perf_counter() - t) * 1e3)
 print("RESULT " + json.dumps(out), flush=True)
 """
 
+KINDS = ("tail", "one", "decode8", "one_idle", "decode8_idle")
 BURNER = "import time\nt = time.time()\nwhile time.time() - t < 600: pass\n"
 
 
@@ -64,8 +75,8 @@ def env_for(setting: str) -> dict[str, str]:
     return env
 
 
-def child(setting: str, rounds: int, tail: int, home: str) -> dict[str, Any]:
-    r = subprocess.run([sys.executable, "-c", CHILD, str(rounds), str(tail), home], env=env_for(setting),
+def child(setting: str, rounds: int, tail: int, home: str, pause: float) -> dict[str, Any]:
+    r = subprocess.run([sys.executable, "-c", CHILD, str(rounds), str(tail), home, str(pause)], env=env_for(setting),
                        capture_output=True, text=True, timeout=600)
     line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
     if r.returncode or not line:
@@ -81,6 +92,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--tail", type=int, default=40)
     ap.add_argument("--burners", type=int, default=2)
+    ap.add_argument("--pause", type=float, default=0.5, help="idle seconds before the *_idle calls")
     ap.add_argument("--out", default=str(RESULTS / "omp_wait.json"))
     args = ap.parse_args()
     import tempfile
@@ -95,7 +107,7 @@ def main() -> int:
                     if cond == "busy" else []
                 try:
                     t0 = time.time()
-                    r = child(s, args.rounds, args.tail, home)
+                    r = child(s, args.rounds, args.tail, home, args.pause)
                 finally:
                     for b in burners:
                         b.kill()
@@ -103,9 +115,9 @@ def main() -> int:
                 loads[cond].append(round(os.getloadavg()[0], 2))
                 raw[cond][s].append(r)
                 print(f"{cond} rep {rep + 1} {s:<14} " + "  ".join(
-                    f"{k} {summary(r[k])['median']:.1f}" for k in ("tail", "one", "decode8"))
+                    f"{k} {summary(r[k])['median']:.1f}" for k in KINDS)
                     + f" ms ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
-    table = {cond: {s: {k: summary([x for r in runs for x in r[k]], digits=1) for k in ("tail", "one", "decode8")}
+    table = {cond: {s: {k: summary([x for r in runs for x in r[k]], digits=1) for k in KINDS}
                     for s, runs in v.items()} for cond, v in raw.items()}
     write_results(args.out, {"model": "smollm2", "cached_tokens": 3000, "tail_tokens": args.tail,
                              "burners": args.burners, "loadavg_per_child": loads, "summary": table, "raw": raw},

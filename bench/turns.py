@@ -34,7 +34,15 @@ keeps every sample, the load average around every session and each server's own 
 (graftmem's receipt: tokens restored and prefilled, prefill ms; llama-server's ``timings``: ``cache_n``,
 ``prompt_n``, ``prompt_ms``), so the time outside the prefill (the request path) is read per turn.
 
-    python -m bench.turns [--reps 2] [--ways fresh,keep] [--words 2300] [--max-tokens 16]
+Every session starts ``--pause`` seconds (2) after the previous one ended, the restart's and the warm
+slot's alike. Why: a restarted server always meets its first request after an idle gap, while
+llama-server's warm session used to start the instant its first one ended; and on this VM (2-core AMD
+EPYC, Firecracker) the gap is not free: with graftmem's short OpenMP spin (``GOMP_SPINCOUNT=1000``) a
+one-token decode at 2,885 cached tokens took 26-51 ms instead of 12-14 ms once the process had idled
+(ad-hoc probes; with libgomp's default spin 13-15 ms), docs/benchmarks.md "After an idle gap". The same
+pause before both makes the restart's turn 1 and the warm slot's turn 1 the same kind of call.
+
+    python -m bench.turns [--reps 2] [--ways fresh,keep] [--words 2300] [--max-tokens 16] [--pause 2]
                           [--out bench/results/turns.json]
 """
 
@@ -112,8 +120,13 @@ def turn(url: str, messages: list[dict[str, str]], max_tokens: int, client: Opti
     return out
 
 
+PAUSE = [2.0]  #: seconds of idle before every session (``--pause``)
+
+
 def session(url: str, reqs: list[list[dict[str, str]]], max_tokens: int, way: str) -> dict[str, Any]:
-    """The 5 turns back to back (an agent sends its next request as soon as it has the answer)."""
+    """The 5 turns back to back (an agent sends its next request as soon as it has the answer), after
+    the same idle pause for every session (the module doc says why)."""
+    time.sleep(PAUSE[0])
     load = os.getloadavg()[0]
     client = httpx.Client(timeout=600) if way == "keep" else None
     try:
@@ -155,10 +168,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--ways", default="fresh,keep", help="fresh (a connection per turn), keep (kept alive), or both")
     ap.add_argument("--words", type=int, default=2300, help="manual words in the system prompt (2300: a 2,857-token system prompt on SmolLM2)")
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--pause", type=float, default=2.0, help="seconds of idle before every session (the same for "
+                    "a restarted graftmem and llama-server's warm slot)")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--only", default="graftmem,llama-server")
     ap.add_argument("--out", default=str(RESULTS / "turns.json"))
     args = ap.parse_args(argv)
+    PAUSE[0] = args.pause
     ways = [w for w in args.ways.split(",") if w]
     if not set(ways) <= {"fresh", "keep"}:
         raise SystemExit(f"--ways: fresh and/or keep, got {args.ways!r}")

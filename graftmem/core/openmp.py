@@ -21,6 +21,13 @@ processes on the 2 cores (omp_wait.json) a 40-token tail 557 ms like passive's 5
 874); with 6 (omp_wait_busy6.json) 1,321 ms vs passive's 1,480, decode 755 vs 762 ms, the one-token call
 108 vs 70 ms.
 
+The price of the short spin, measured at the fifth stop (docs/benchmarks.md, "After an idle gap"): on this
+VM a one-token call that follows an idle gap (a restarted server's first request, 2 s after it is ready)
+took 28-38 ms with 1,000 vs 14-16 ms with 100,000 or libgomp's default (``python -m bench.turns --pause 2``);
+but with 6 spinners on the 2 cores a spin of 100,000 made a 40-token call 3,853 ms vs 1,342 and 8 decode
+calls 6,684 vs 763 ms (``python -m bench.omp_wait --burners 6``). The default stays the one that is safe on
+a shared host; on cores that are the server's own, ``GOMP_SPINCOUNT=100000`` (or ``OMP_WAIT_POLICY=active``)
+buys back the idle gap.
 The wait changes when a thread sleeps, never what it computes (the work of each thread is split by its
 index, the same at every barrier), so the bytes and the fingerprint do not change. It is set only where
 the process has not chosen (``OMP_WAIT_POLICY`` and ``GOMP_SPINCOUNT`` unset) and only if this module runs
