@@ -20,7 +20,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Callable, Literal, Optional, Sequence
 
-from ..core.blocks import PROVENANCE_UNVERIFIED, Block, Fingerprint, Recall, Receipt, SearchHit
+from ..core.blocks import Block, Fingerprint, Recall, Receipt, SearchHit
 from ..core.decoding import GREEDY, Sampling
 from ..core.errors import BlockNotFound, ConfigError
 from ..core.identity import same_settings
@@ -121,7 +121,7 @@ def _no_match(engine: "Engine", store: "BlockStore", top: Optional[tuple[str, fl
                   "session_id; learn into that scope, or recall without it; nothing was grafted")
     elif top is None and (held := [b for b in store.list() if b.fingerprint.digest() == fpd]):
         # the engine's blocks are there but none is routed: recall routes only to blocks whose state is vouched for
-        unverified = sum((b.provenance or PROVENANCE_UNVERIFIED) == PROVENANCE_UNVERIFIED for b in held)
+        unverified = sum(not b.trusted for b in held)  # the one trust rule (`Block.trusted`)
         reason = (f"no block matched this task: this engine's {len(held)} block(s) are not routed"
                   + (f" ({unverified} unverified: imported or pulled without re-derivation or a trusted "
                      "signature; `graftmem verify ID --rederive` each, or learn their texts here)" if unverified

@@ -145,7 +145,6 @@ class Match:
     untrusted: Optional[Block] = None
 
 
-
 def auto_name(engine: "Engine", tokens: Sequence[int]) -> str:
     """A readable name for an automatic block: ``auto:`` and the start of its text as the user wrote it.
 
@@ -155,6 +154,7 @@ def auto_name(engine: "Engine", tokens: Sequence[int]) -> str:
     space left at the cut: a page shows the name as text, trimmed)."""
     words = " ".join(engine.detokenize(tokens).split())
     return f"auto: {words[:40].rstrip()}" if words else "auto"
+
 
 class PrefixCache:
     """The prefix index over one store, for one engine fingerprint, plus the auto-learn policy."""

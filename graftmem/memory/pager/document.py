@@ -92,16 +92,17 @@ def learn_pages(engine: "Engine", store: "BlockStore", index: PageIndex, plan: D
     t0 = time.perf_counter()
     # the bar counts the pages to prefill, each from position 0 (a rerun that skips every page shows none:
     # it showed the skipped tokens "done" at hundreds of thousands of tokens/s)
-    fresh = [p for p in todo if not _reusable(store, block_id_for(fp, p.tokens))]
+    ids = [block_id_for(fp, p.tokens) for p in todo]
+    reuse = [_reusable(store, bid) for bid in ids]  # decided once: the bar and the loop agree
+    fresh = [p for p, r in zip(todo, reuse) if not r]
     bar = progress_bar(sum(p.n_tokens for p in fresh), f"learn {plan.name}", progress and bool(fresh),
                        leave=True, segments=[(0, p.n_tokens) for p in fresh])
     try:
-        for page in todo:
-            bid = block_id_for(fp, page.tokens)
-            stored = store.contains(bid)
-            if _reusable(store, bid):
+        for page, bid, reused in zip(todo, ids, reuse):
+            if reused:
                 skipped += 1
             else:
+                stored = store.contains(bid)
                 prefill_and_store(
                     engine, store, block_id=bid, tokens=page.tokens, text=page.text,
                     name=f"{plan.name} p{page.page}", kind=PAGE_KIND, metadata={
