@@ -5,7 +5,7 @@ n_ubatch 512, flash attention, f16 KV cache, swa_full (Gemma) and 2 threads ever
 
 * cold       fresh context: prefill N block tokens + the query (the paper's measure uses 1 token; the
              18-token question is timed after trimming the same fresh prefill back to N)
-* graft      graftmem's own restore path (`graftmem.memory.answer.graft`, what ``Memory.ask`` and the
+* graft      graftmem's own restore path (`graftmem.memory.graft`, what ``Memory.ask`` and the
              server run): read the block file into the engine buffer, check header, trailer,
              fingerprint and the state digest (the first read of a file version: BLAKE3 while reading;
              later reads of the same version: the xxh3-128 of the bytes BLAKE3 checked, computed while
@@ -54,7 +54,7 @@ from bench import peer as cpp_peer
 from bench.harness import RESULTS, summary, write_results
 from graftmem import EngineConfig, Memory
 from graftmem.core import logits_sha256, needs_placing, place_cells_into
-from graftmem.memory.answer import graft as graft_block
+from graftmem.memory import graft as graft_block
 from graftmem.store import configure_hot_tier
 from tests.conftest import long_text
 

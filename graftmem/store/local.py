@@ -4,8 +4,9 @@ Durability rules (the opposite of each LMCache failure): block files are written
 fsync'ed, renamed into place and the directory fsync'ed; the index is a transactional SQLite database;
 the files are the truth and the index is reconciled with them whenever the store opens, so a process
 killed between the rename and the index insert, or between a delete's unlink and the row removal,
-leaves nothing inconsistent after the next open. Every state read checks the BLAKE3 digest before the
-bytes can reach llama.cpp.
+leaves nothing inconsistent after the next open. Every state read checks its digest before anything is
+computed from the bytes (BLAKE3 on a file version's first read in a process, then the xxh3-128 of the
+verified bytes: `read_block_file`).
 
 Provenance (docs/security.md) is local knowledge and lives in the index, never in a block file: a
 block written by [`Store.put()`][graftmem.Store.put] is ``local``; an admitted foreign block carries what its admission
@@ -47,6 +48,7 @@ from ..core.errors import (BlockCorrupted, BlockNotFound, ConfigError, StoreErro
                            StoreReadOnly)
 from ..core.identity import check_block_id, incompatibility, salts_of
 from . import verified
+from .verified import Later
 from .home import BLOCK_SUFFIX, Home
 from .sqlite import connect, marks, transaction
 from ..core.format import (HEADER, TRAILER_LEN, check_algorithm, parse_header, parse_manifest, state_hasher,
@@ -267,7 +269,7 @@ def _read_head(f: BinaryIO, where: str, expect_id: str) -> tuple[Block, int, int
 def read_block_file(path: Path, buffer: Callable[[int], memoryview], *, expect_id: str,
                     fingerprint: Optional[Fingerprint] = None,
                     timings: Optional[dict[str, float]] = None,
-                    later: Optional["verified.Later"] = None) -> tuple[Block, memoryview]:
+                    later: Optional[Later] = None) -> tuple[Block, memoryview]:
     """Read the state of the block file at ``path`` into ``buffer(n)`` and check it (see
     [`Store.read_state()`][graftmem.Store.read_state]); also for files not in a store yet, such as a staged import.
 
@@ -866,7 +868,7 @@ class Store:
     def read_state(self, block_id: str, buffer: Callable[[int], memoryview], *,
                    fingerprint: Optional[Fingerprint] = None,
                    timings: Optional[dict[str, float]] = None,
-                   later: Optional[verified.Later] = None) -> tuple[Block, memoryview]:
+                   later: Optional[Later] = None) -> tuple[Block, memoryview]:
         """Read a block's state into ``buffer(n)`` and check it; raise before anything is returned
         (with ``later``, the check of a later read of a verified file version may end in
         ``later.wait()`` instead: `read_block_file()`).

@@ -10,7 +10,7 @@ again. What each digest defends against (docs/format.md has the whole threat mod
 * xxh3-128 (not cryptographic, ~20x cheaper) is computed here over bytes that just passed the BLAKE3
   check and remembered in this process only, keyed by the file's identity and version
   (device, inode, size, mtime_ns, ctime_ns) and by the manifest's BLAKE3 digest. Later reads of the
-  same file version check xxh3 while reading. It catches what happens to bytes at rest or in flight
+  same file version check xxh3 while reading, or, on a graft, while llama.cpp copies the bytes (`Later`). It catches what happens to bytes at rest or in flight
   between two reads (a flipped bit on disk or in the page cache, a truncation, a stray write that left
   the timestamps alone); 2^-128 is the chance that a random change keeps it. It does not defend against
   an adversary who crafts a collision, and does not need to: any change made through the file system
