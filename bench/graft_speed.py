@@ -9,8 +9,8 @@ n_ubatch 512, flash attention, f16 KV cache, swa_full (Gemma) and 2 threads ever
              server run): read the block file into the engine buffer, check header, trailer,
              fingerprint and the state digest (the first read of a file version: BLAKE3 while reading;
              later reads of the same version: the xxh3-128 of the bytes BLAKE3 checked, computed while
-             llama.cpp copies them, `verified.Later`), for a sliding-window model past its window put
-             the window cells back at their fresh indices, llama_state_seq_set_data; then the query.
+             reading), for a sliding-window model past its window put the window cells back at their
+             fresh indices, llama_state_seq_set_data; then the query.
              ``graft+1 b3`` is the same after touching the file (new ctime), so BLAKE3 runs again.
              From the page cache: the process's hot tier (RAM) is off here (`configure_hot_tier(0)`).
 * graft hot  the same with the hot tier on (the default, 512 MiB) for a block it already admitted: one

@@ -7,8 +7,6 @@ One test per fast path (docs/benchmarks.md, graft speed):
 * a file version verified once (BLAKE3) is checked with xxh3-128 on later reads: a flip made through
   the file system (new ctime) goes back to BLAKE3, and a flip the file's stat cannot see is caught by
   xxh3-128;
-* a later read's xxh3-128 runs beside ``set_data`` (`verified.Later`): a refusal leaves the engine empty
-  and the hot tier without the refused bytes, and a state placed over its own read waits for its check;
 * Gemma's root blocks past the window are read into scratch and placed straight into the engine buffer
   once the model is known to need placing: exact, and a flipped byte is refused on that path too;
 * the receipt's per-phase breakdown is filled.
@@ -23,10 +21,8 @@ import pytest
 from graftmem import BlockCorrupted, Engine, Memory, Store
 from graftmem.core.engine import logits_sha256
 from graftmem.memory.answer import graft
-from graftmem.core import statefmt as _statefmt
 from graftmem.store import chain as _chain
 from graftmem.store import verified
-from graftmem.store.hot import configure_hot_tier, hot_key
 
 from .conftest import flip_bit as _flip
 from .conftest import long_text
@@ -140,66 +136,6 @@ def test_flip_invisible_to_stat_is_refused_by_xxh3(bitrot_home, bitrot_mem, n_wo
     assert verified.recall(new_key) is None  # forgotten: the next read checks BLAKE3 again
     with pytest.raises(BlockCorrupted, match="state digest mismatch"):
         mem.ask(block.id, "\nQ:", max_tokens=1)
-
-
-def test_a_deferred_check_that_fails_grafts_nothing_and_admits_nothing_hot(bitrot_home, bitrot_mem):
-    """A later read's xxh3-128 runs beside ``set_data`` (`verified.Later`): a flip the stat cannot see
-    is still refused before any token is computed, the engine is left empty, and the hot tier, which
-    admits a state on its second read, does not keep the refused bytes (it admits only after the
-    check)."""
-    mem = bitrot_mem
-    block = mem.get(bitrot_home[1][300])
-    tier = configure_hot_tier(64 << 20)
-    try:
-        mem.ask(block.id, "\nQ:", max_tokens=1)  # first read: BLAKE3; the tier notes the key
-        path = mem.store.path_of(block.id)
-        with open(path, "rb") as f:
-            old_key = verified.file_version(f.fileno(), block.state_digest)
-        known = verified.recall(old_key)
-        _flip(path, path.stat().st_size - 32 - 6 * verified.OVERLAP_CHUNK // 4)
-        with open(path, "rb") as f:
-            new_key = verified.file_version(f.fileno(), block.state_digest)
-        verified.forget(old_key)
-        verified.remember(new_key, known)  # as if the stat had not changed
-        deferred = []
-        with pytest.MonkeyPatch.context() as mp:
-            real_check = verified.Later.check
-            mp.setattr(verified.Later, "check", lambda self, *a: (deferred.append(1), real_check(self, *a)))
-            with pytest.raises(BlockCorrupted, match="changed since it was verified"):
-                mem.ask(block.id, "\nQ:", max_tokens=1)
-        assert deferred == [1]  # the check did run beside set_data, and refused there
-        assert tier.get(hot_key(block)) is None and len(tier) == 0
-        assert mem.engine.kept is None and mem.engine.n_past == 0
-        assert verified.recall(new_key) is None
-    finally:
-        configure_hot_tier(0)
-
-
-def test_a_later_read_placed_the_first_time_waits_for_its_check(gmem, gemma, monkeypatch):
-    """The first root of a model found to need placing is read into the engine buffer, which placing
-    then overwrites: its deferred check must end before, or it would hash the placed bytes (a false
-    refusal) or race them. Checked deterministically: placing asserts that no check is pending."""
-    block = gmem.learn(long_text(560, seed=78), name="gemma-later")
-    q = gemma.tokenize(" the", add_special=False)
-    fresh = _fresh(gemma, block.tokens, q)
-    gmem.ask(block.id, " the", max_tokens=1)  # the first read (BLAKE3): the later one is deferred
-    laters: list[verified.Later] = []
-    real_check, real_place = verified.Later.check, _statefmt.place_cells_into
-
-    def check(self, *a):
-        laters.append(self)
-        return real_check(self, *a)
-
-    def place(*a, **k):
-        assert laters and not any(lt.pending for lt in laters), "placing over bytes whose check is running"
-        return real_place(*a, **k)
-
-    monkeypatch.setattr(verified.Later, "check", check)
-    monkeypatch.setattr(_statefmt, "place_cells_into", place)
-    monkeypatch.setitem(_chain._PLACING, block.fingerprint.model_sha256, False)  # as a first placed root
-    r = gmem.ask(block.id, " the", max_tokens=1)
-    assert r.receipt.first_logits_sha256 == fresh
-    assert _chain._PLACING.get(block.fingerprint.model_sha256) is True
 
 
 def test_gemma_root_placed_from_scratch_is_exact_and_refuses_a_flip(gmem, gemma):

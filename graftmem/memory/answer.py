@@ -17,7 +17,6 @@ from ..core.decoding import GREEDY, AnswerText, Sampling, decode
 from ..core.engine import Engine, logits_sha256
 from ..core.errors import ConfigError
 from ..store.chain import load_state
-from ..store.verified import Later
 from ..core.identity import incompatibility
 
 if TYPE_CHECKING:
@@ -94,22 +93,11 @@ def graft(eng: Engine, store: "BlockStore", block: Block, timings: Optional[dict
     Digests are checked, a chain is merged, window-trimmed cells are put back at their fresh indices
     (`load_state()`). Call inside an [`Engine.session()`][graftmem.Engine.session]. ``timings``, if
     given, gets the phases' milliseconds (``read_ms``, ``check_ms``, ``place_ms``, ``set_data_ms``).
-
-    A later read of a file version verified in this process has its xxh3-128 check run beside
-    llama.cpp's copy of the bytes (`graftmem.store.verified.Later`: one pass over the state fewer on
-    the critical path, restore / floor ~1.0 instead of 1.2-1.3 at 3,000 SmolLM2 tokens); the check
-    ends here, before anything is computed from the cells, and a changed byte raises
-    [`BlockCorrupted`][graftmem.BlockCorrupted] as the read would have (the session's exit on an error
-    empties the cells).
     """
-    with Later() as later:
-        _, view = load_state(store, block.id, eng.buffer, fingerprint=eng.fingerprint, timings=timings,
-                             later=later)
-        ms = eng.restore(view, block.pos_end, block.one_token_from)
-        waited = later.wait()  # raised: the session this runs in empties the cells (`Engine.session`)
+    _, view = load_state(store, block.id, eng.buffer, fingerprint=eng.fingerprint, timings=timings)
+    ms = eng.restore(view, block.pos_end, block.one_token_from)
     if timings is not None:
         timings["set_data_ms"] = timings.get("set_data_ms", 0.0) + ms
-        timings["check_ms"] = timings.get("check_ms", 0.0) + waited
     return block.pos_end
 
 

@@ -30,7 +30,6 @@ from ..core.format import state_digest
 from ..core.identity import incompatibility
 from ..core import statefmt as _statefmt
 from .hot import hot_key, hot_tier
-from .verified import Later
 if TYPE_CHECKING:
     from ..core.engine import Engine
     from .protocol import BlockStore
@@ -131,8 +130,7 @@ def full_state(store: "BlockStore", block: Block, *, fingerprint: Optional[Finge
 
 def load_state(store: "BlockStore", block_id: str, buffer: Callable[[int], memoryview], *,
                fingerprint: Optional[Fingerprint] = None,
-               timings: Optional[dict[str, float]] = None, hot: bool = True,
-               later: Optional[Later] = None) -> tuple[Block, memoryview]:
+               timings: Optional[dict[str, float]] = None, hot: bool = True) -> tuple[Block, memoryview]:
     """Read (and for a delta, rebuild) a block's full state into ``buffer``; check everything first.
 
     For a root block this is [`Store.read_state()`][graftmem.Store.read_state]. For a chained block, each ancestor's stored
@@ -148,11 +146,6 @@ def load_state(store: "BlockStore", block_id: str, buffer: Callable[[int], memor
     A block in this process's hot tier (`graftmem.store.hot`; ``hot=False`` skips it) is returned from
     RAM instead, as a read-only view that is not in ``buffer``: the same bytes, checked when they were
     admitted; the block must still be in ``store`` and its fingerprint still match ``fingerprint``.
-
-    ``later`` (`graftmem.store.verified.Later`): a root block's later read of a verified file version
-    may leave its xxh3-128 check to ``later.wait()``, which the caller runs after handing the bytes to
-    llama.cpp and before computing anything from them (`graftmem.memory.answer.graft`); the hot tier
-    admits the state only once that check passed. Chained blocks are checked here, as without it.
     """
     block = store.get(block_id)
     tier = hot_tier() if hot else None
@@ -166,14 +159,9 @@ def load_state(store: "BlockStore", block_id: str, buffer: Callable[[int], memor
             if block.parent is not None:
                 chain_of(store, block)  # every ancestor still here, positions and depth
             return block, got
-    block, view = _load_state(store, block, buffer, fingerprint, timings, later)
+    block, view = _load_state(store, block, buffer, fingerprint, timings)
     if tier is not None and tier.max_bytes:
-        offer = tier.offer  # only checked bytes enter the tier
-        key = hot_key(block)
-        if later is not None:
-            later.then(lambda: offer(key, view))
-        else:
-            offer(key, view)
+        tier.offer(hot_key(block), view)
     return block, view
 
 
@@ -187,22 +175,19 @@ def admit_written(block: Block, state: memoryview | bytes) -> None:
 
 
 def _load_state(store: "BlockStore", block: Block, buffer: Callable[[int], memoryview],
-                fingerprint: Optional[Fingerprint], timings: Optional[dict[str, float]],
-                later: Optional[Later] = None) -> tuple[Block, memoryview]:
+                fingerprint: Optional[Fingerprint], timings: Optional[dict[str, float]]) -> tuple[Block, memoryview]:
     """`load_state` from the store: read, check, merge, place."""
     if block.parent is None:
         placing = _PLACING.get(block.fingerprint.model_sha256, False)
         if placing:
             # this model's roots needed placing before: read into scratch and place straight into
             # ``buffer`` (no copy of the stored bytes); a root that turns out not to need it is copied
-            block, src = store.read_state(block.id, _scratch, fingerprint=fingerprint, timings=timings,
-                                          later=later)
+            block, src = store.read_state(block.id, _scratch, fingerprint=fingerprint, timings=timings)
         else:
-            block, src = store.read_state(block.id, buffer, fingerprint=fingerprint, timings=timings,
-                                          later=later)
+            block, src = store.read_state(block.id, buffer, fingerprint=fingerprint, timings=timings)
         t0 = time.perf_counter()
         try:
-            if not _needs_placing(src, block.state_digest, checked=later is None or not later.pending):
+            if not _needs_placing(src, block.state_digest):
                 if not placing:
                     return block, src
                 out = buffer(len(src))
@@ -210,10 +195,7 @@ def _load_state(store: "BlockStore", block: Block, buffer: Callable[[int], memor
                 return block, out
             if not placing:
                 # first placed root of this model: the bytes sit in ``buffer``, which the placed
-                # state is written to: move them to scratch (once; later roots read into scratch).
-                # Their check ends first: it reads ``src``, which placing overwrites
-                if later is not None:
-                    later.wait()
+                # state is written to: move them to scratch (once; later roots read into scratch)
                 _PLACING[block.fingerprint.model_sha256] = True
                 scratch = _scratch(len(src))
                 scratch[:] = src
@@ -253,13 +235,12 @@ def _placed(state: memoryview, block: Block, buffer: Callable[[int], memoryview]
     return out
 
 
-def _needs_placing(state: memoryview, digest: Optional[str] = None, *, checked: bool = True) -> bool:
+def _needs_placing(state: memoryview, digest: Optional[str] = None) -> bool:
     """Whether ``state``'s window cells must be placed (`graftmem.core.statefmt.needs_placing`).
 
-    ``digest``: the state's digest, when the caller has one. The answer is a function of the
+    ``digest``: the state's checked digest, when the caller has one. The answer is a function of the
     bytes, so it is remembered by digest: parsing a 30-layer state to find out costs ~0.3 ms, a
-    tenth of a hot restore's overhead over the raw read + set_data, on every graft of the same block.
-    ``checked=False`` (bytes whose check is still running, `verified.Later`): looked up, not remembered."""
+    tenth of a hot restore's overhead over the raw read + set_data, on every graft of the same block."""
     if digest is not None:
         known = _PLACES.get(digest)
         if known is not None:
@@ -268,7 +249,7 @@ def _needs_placing(state: memoryview, digest: Optional[str] = None, *, checked: 
         needs = _statefmt.needs_placing(state)
     except _statefmt.StateLayoutError:  # a layout we do not parse is restored as stored
         needs = False
-    if digest is not None and checked:
+    if digest is not None:
         if len(_PLACES) >= 4096:  # bounded: forget everything (a re-parse costs a fraction of a ms)
             _PLACES.clear()
         _PLACES[digest] = needs

@@ -4,9 +4,9 @@ Durability rules (the opposite of each LMCache failure): block files are written
 fsync'ed, renamed into place and the directory fsync'ed; the index is a transactional SQLite database;
 the files are the truth and the index is reconciled with them whenever the store opens, so a process
 killed between the rename and the index insert, or between a delete's unlink and the row removal,
-leaves nothing inconsistent after the next open. Every state read checks its digest before anything is
-computed from the bytes (BLAKE3 on a file version's first read in a process, then the xxh3-128 of the
-verified bytes: `read_block_file`).
+leaves nothing inconsistent after the next open. Every state read checks its digest before the bytes can
+reach llama.cpp (BLAKE3 on a file version's first read in a process, then the xxh3-128 of the verified
+bytes: `read_block_file`).
 
 Provenance (docs/security.md) is local knowledge and lives in the index, never in a block file: a
 block written by [`Store.put()`][graftmem.Store.put] is ``local``; an admitted foreign block carries what its admission
@@ -47,8 +47,6 @@ from ..core.blocks import (PROVENANCE_LOCAL, PROVENANCE_UNVERIFIED, Block, Finge
 from ..core.errors import (BlockCorrupted, BlockNotFound, ConfigError, StoreError, StoreFull, StoreLocked,
                            StoreReadOnly)
 from ..core.identity import check_block_id, incompatibility, salts_of
-from . import verified
-from .verified import Later
 from .home import BLOCK_SUFFIX, Home
 from .sqlite import connect, marks, transaction
 from ..core.format import (HEADER, TRAILER_LEN, check_algorithm, parse_header, parse_manifest, state_hasher,
@@ -268,8 +266,7 @@ def _read_head(f: BinaryIO, where: str, expect_id: str) -> tuple[Block, int, int
 
 def read_block_file(path: Path, buffer: Callable[[int], memoryview], *, expect_id: str,
                     fingerprint: Optional[Fingerprint] = None,
-                    timings: Optional[dict[str, float]] = None,
-                    later: Optional[Later] = None) -> tuple[Block, memoryview]:
+                    timings: Optional[dict[str, float]] = None) -> tuple[Block, memoryview]:
     """Read the state of the block file at ``path`` into ``buffer(n)`` and check it (see
     [`Store.read_state()`][graftmem.Store.read_state]); also for files not in a store yet, such as a staged import.
 
@@ -278,12 +275,8 @@ def read_block_file(path: Path, buffer: Callable[[int], memoryview], *, expect_i
     ctime) check that xxh3-128 while reading instead (`graftmem.store.verified`, docs/format.md:
     what each digest defends against). Either way a changed byte is refused before it is returned.
     ``timings``, if given, gets ``read_ms`` and ``check_ms`` added (accumulated over chained reads).
-
-    ``later``: on a later read of a verified file version, the xxh3-128 is not computed while reading
-    but handed to ``later`` (`verified.Later`), to run while the caller copies the bytes into llama.cpp;
-    the caller must ``later.wait()`` before computing anything from them. A first read checks BLAKE3
-    before returning, whatever ``later`` says.
     """
+    from . import verified  # local import: keeps this change inside the reader
 
     where = str(path)
     t0 = time.perf_counter()
@@ -303,15 +296,11 @@ def read_block_file(path: Path, buffer: Callable[[int], memoryview], *, expect_i
         # BLAKE3 before, else remembered once BLAKE3 has passed; a first read feeds BLAKE3 as the
         # chunks land (no second pass over the bytes)
         strong = None if known is not None else state_hasher(slen)
-        defer = known is not None and later is not None
-        got, seen = verified.read_hashed(f, view, strong, hash_now=not defer)
+        got, seen = verified.read_hashed(f, view, strong)
         if got < slen:
             raise BlockCorrupted(f"{where}: truncated state ({got} of {slen} bytes)", path=where)
     t2 = time.perf_counter()
-    if defer:
-        assert later is not None and known is not None
-        later.check(view, known, key, where)
-    elif known is not None:
+    if known is not None:
         if seen != known:
             verified.forget(key)
             raise BlockCorrupted(f"{where}: state changed since it was verified: xxh3-128 expected "
@@ -867,11 +856,8 @@ class Store:
 
     def read_state(self, block_id: str, buffer: Callable[[int], memoryview], *,
                    fingerprint: Optional[Fingerprint] = None,
-                   timings: Optional[dict[str, float]] = None,
-                   later: Optional[Later] = None) -> tuple[Block, memoryview]:
-        """Read a block's state into ``buffer(n)`` and check it; raise before anything is returned
-        (with ``later``, the check of a later read of a verified file version may end in
-        ``later.wait()`` instead: `read_block_file()`).
+                   timings: Optional[dict[str, float]] = None) -> tuple[Block, memoryview]:
+        """Read a block's state into ``buffer(n)`` and check it; raise before anything is returned.
 
         Checks, in order: header and size (truncation), trailer over header+manifest, manifest id,
         fingerprint (if given), then the BLAKE3 digest of the state bytes (or, for a file version
@@ -882,8 +868,7 @@ class Store:
         bid = self.resolve(block_id)
         path = self.path_of(bid)
         try:
-            block, view = read_block_file(path, buffer, expect_id=bid, fingerprint=fingerprint, timings=timings,
-                                          later=later)
+            block, view = read_block_file(path, buffer, expect_id=bid, fingerprint=fingerprint, timings=timings)
         except FileNotFoundError as exc:
             raise BlockNotFound(f"block {bid[:12]} is indexed but its file {path} is missing; "
                                 "run `graftmem doctor` to reconcile") from exc

@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 
     from ..core.blocks import Block, Fingerprint, StoreStats
     from .home import Home
-    from .verified import Later
 
 __all__ = ["BlockStore"]
 
@@ -102,12 +101,8 @@ class BlockStore(Protocol):
 
     def read_state(self, block_id: str, buffer: Callable[[int], memoryview], *,
                    fingerprint: Optional[Fingerprint] = None,
-                   timings: Optional[dict[str, float]] = None,
-                   later: Optional[Later] = None) -> tuple[Block, memoryview]:
-        """The block's state in ``buffer(n)``, every check passed before anything is returned; except
-        that a store may leave the per-read check of bytes it verified before to ``later``
-        (`graftmem.store.verified.Later`), whose ``wait()`` the caller runs before computing from them.
-        A store that does not (the fleet store: a damaged cached copy is fetched again) checks now."""
+                   timings: Optional[dict[str, float]] = None) -> tuple[Block, memoryview]:
+        """The block's state in ``buffer(n)``, every check passed before anything is returned."""
         ...
 
     def path_of(self, block_id: str) -> Path:

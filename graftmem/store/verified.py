@@ -10,7 +10,7 @@ again. What each digest defends against (docs/format.md has the whole threat mod
 * xxh3-128 (not cryptographic, ~20x cheaper) is computed here over bytes that just passed the BLAKE3
   check and remembered in this process only, keyed by the file's identity and version
   (device, inode, size, mtime_ns, ctime_ns) and by the manifest's BLAKE3 digest. Later reads of the
-  same file version check xxh3 while reading, or, on a graft, while llama.cpp copies the bytes (`Later`). It catches what happens to bytes at rest or in flight
+  same file version check xxh3 while reading. It catches what happens to bytes at rest or in flight
   between two reads (a flipped bit on disk or in the page cache, a truncation, a stray write that left
   the timestamps alone); 2^-128 is the chance that a random change keeps it. It does not defend against
   an adversary who crafts a collision, and does not need to: any change made through the file system
@@ -29,15 +29,13 @@ import contextlib
 import io
 import os
 import threading
-import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Optional, Protocol
+from typing import Optional, Protocol
 
 import xxhash
 
-__all__ = ["CHUNK", "FileVersion", "Later", "chunked_digest", "file_version", "remember", "recall", "forget",
-           "read_hashed"]
+__all__ = ["CHUNK", "FileVersion", "chunked_digest", "file_version", "remember", "recall", "forget", "read_hashed"]
 
 
 class Hasher(Protocol):
@@ -50,8 +48,8 @@ CHUNK = 1 << 20
 #: Read-and-hash unit of `read_hashed()` (one worker, one core each): big enough that the hand-offs cost
 #: little (17 for a 69 MB state), small enough that a chunk is hashed while it is still in the cache.
 OVERLAP_CHUNK = 4 << 20
-#: Reader threads at least (the pool has two per usable core): concurrent restores (the server's engine
-#: pool) share them, their chunks served in the order queued.
+#: Reader threads at least (the pool has two per usable core), shared by concurrent restores (the server's
+#: engine pool): their chunks are served in the order queued.
 READ_WORKERS = 4
 #: File versions remembered per process (an entry is ~100 bytes).
 MAX_ENTRIES = 4096
@@ -95,8 +93,8 @@ _pool_lock = threading.Lock()
 
 
 def _in_flight() -> int:
-    """Chunks read at once: one per usable core (at least 2, so that reading overlaps the hashing on
-    one core too)."""
+    """Chunks a first read keeps in flight: one per usable core (at least 2, so that reading overlaps the
+    hashing on one core too)."""
     from ..core.engine import usable_cores  # the one rule for "cores this process may use"
 
     return max(2, usable_cores())
@@ -121,16 +119,10 @@ def _pread_full(fd: int, view: memoryview, offset: int) -> int:
     return got
 
 
-def _read_chunk(fd: int, view: memoryview, offset: int, hash_now: bool) -> tuple[int, bytes]:
-    """Read one chunk and (``hash_now``) hash it on the same core while its bytes are still in the cache."""
+def _read_chunk(fd: int, view: memoryview, offset: int) -> tuple[int, bytes]:
+    """Read one chunk and hash it on the same core while its bytes are still in the cache."""
     n = _pread_full(fd, view, offset)
-    return n, xxhash.xxh3_128(view[:n]).digest() if hash_now else b""
-
-
-def _chunks_digest(view: memoryview) -> bytes:
-    """`chunked_digest` of ``view`` cut in `OVERLAP_CHUNK` pieces, on the calling thread (one core)."""
-    return chunked_digest([xxhash.xxh3_128(view[o:o + OVERLAP_CHUNK]).digest()
-                           for o in range(0, len(view), OVERLAP_CHUNK)])
+    return n, xxhash.xxh3_128(view[:n]).digest()
 
 
 def chunked_digest(chunk_digests: list[bytes]) -> bytes:
@@ -139,15 +131,14 @@ def chunked_digest(chunk_digests: list[bytes]) -> bytes:
     return xxhash.xxh3_128(b"".join(chunk_digests)).digest()
 
 
-def read_hashed(f: io.FileIO, view: memoryview, strong: Optional[Hasher] = None, *,
-                hash_now: bool = True) -> tuple[int, bytes]:
+def read_hashed(f: io.FileIO, view: memoryview, strong: Optional[Hasher] = None) -> tuple[int, bytes]:
     """Fill ``view`` from ``f`` (from its current position) and return the bytes read (short on a
     truncated file) and their `chunked_digest`; ``strong`` (a BLAKE3 hasher: the first read of a file
     version) is updated with the bytes in order while the later chunks are still being read.
 
     Why chunks on every core: reading from the page cache is a copy the kernel makes on the reading
     core, and hashing is another pass over the same bytes. Each `OVERLAP_CHUNK` is read and hashed
-    (xxh3-128, which releases the GIL) by a worker, every chunk queued at once, so the check
+    (xxh3-128, which releases the GIL) by a worker (a later read queues every chunk at once), so the check
     runs on every core while the bytes are still in its cache instead of a second pass on one core
     (the previous design read on a worker and hashed on this thread: two cores, one pass each). The
     BLAKE3 of a first read is fed here, in order, as the chunks land, instead of a pass after the read
@@ -155,14 +146,9 @@ def read_hashed(f: io.FileIO, view: memoryview, strong: Optional[Hasher] = None,
     after it landed in ``view``, which only this call writes, so the digests are of the bytes returned;
     every worker has finished with ``view`` when this returns or raises. Without ``os.preadv`` (some
     platforms), the same in one thread.
-
-    ``hash_now=False`` (no ``strong``): the chunks are only read, and the digest returned is empty; the
-    caller checks the bytes later (`Later`), while llama.cpp copies them.
     """
     size = len(view)
     start = f.tell()
-    if strong is not None and not hash_now:
-        raise ValueError("a first read hashes while reading")
     if not hasattr(os, "preadv") or size <= OVERLAP_CHUNK:
         got, parts = 0, []
         while got < size:
@@ -172,27 +158,37 @@ def read_hashed(f: io.FileIO, view: memoryview, strong: Optional[Hasher] = None,
                 n = f.readinto(view[got:min(got + CHUNK, end)])
                 if not n:
                     break
-                if hash_now:
-                    h.update(view[got:got + n])
+                h.update(view[got:got + n])
                 if strong is not None:
                     strong.update(view[got:got + n])
                 got += n
             parts.append(h.digest())
             if got < end:  # end of file: truncated
                 break
-        return got, chunked_digest(parts) if hash_now else b""
+        return got, chunked_digest(parts)
     fd = f.fileno()
     pool = _readers()
     offs = list(range(0, size, OVERLAP_CHUNK))
-    # every chunk queued at once: with a window of one chunk per core, each next chunk waited for this
-    # thread to be scheduled between the busy workers (on 2 cores: read 4.2 ms instead of 3.0, #44)
-    pending: "deque[Future[tuple[int, bytes]]]" = deque(
-        pool.submit(_read_chunk, fd, view[o:min(o + OVERLAP_CHUNK, size)], start + o, hash_now) for o in offs)
+    pending: "deque[Future[tuple[int, bytes]]]" = deque()
+
+    def submit(i: int) -> None:
+        o = offs[i]
+        pending.append(pool.submit(_read_chunk, fd, view[o:min(o + OVERLAP_CHUNK, size)], start + o))
+
+    # a later read (no ``strong``) queues every chunk at once: with a window of one chunk per core, each
+    # next chunk waited for this thread to be scheduled between the two busy readers (on 2 cores, restore /
+    # floor 1.30-1.35 with the window, 1.13-1.16 without, #44). A first read keeps the window: this thread
+    # feeds BLAKE3, which hashes on every core (`state_hasher`), in step with the readers
+    ahead = len(offs) if strong is None else min(len(offs), _in_flight())
+    for i in range(ahead):
+        submit(i)
     got, parts = 0, []
     try:
-        for o in offs:
+        for i, o in enumerate(offs):
             n, d = pending.popleft().result()  # an OSError of the read is raised here
             want = min(OVERLAP_CHUNK, size - o)
+            if n == want and i + ahead < len(offs):
+                submit(i + ahead)
             if strong is not None:
                 strong.update(view[o:o + n])
             parts.append(d)
@@ -204,77 +200,4 @@ def read_hashed(f: io.FileIO, view: memoryview, strong: Optional[Hasher] = None,
             with contextlib.suppress(Exception):
                 fut.result()
     f.seek(start + got)
-    return got, chunked_digest(parts) if hash_now else b""
-
-
-class Later:
-    """The per-read checks a reader leaves for its caller to finish: what lets the xxh3-128 of a
-    verified file version run while llama.cpp copies the bytes, instead of before.
-
-    Why: on a hot graft from the page cache the read, the check and ``llama_state_seq_set_data`` are
-    three passes over the same 20-95 MB, and on a 2-core CPU the check's pass competed with the read
-    for both cores (restore / floor 1.22-1.34, #44). ``set_data`` copies on one core and leaves the
-    other idle: the check runs there instead (measured: restore / floor ~1.0, docs/benchmarks.md).
-
-    What keeps it safe: only the *later* reads of a file version are deferred, whose bytes passed BLAKE3
-    in this process and whose parse (header, trailer, manifest, fingerprint) was checked before any byte
-    of the state was read; the buffer is this process's own and nothing writes it until `wait`
-    returns; the caller that handed the bytes to llama.cpp calls `wait` before anything is computed
-    from them and clears the cells if it raises (`graftmem.memory.answer.graft`). A first read (BLAKE3)
-    is never deferred. Use as a context manager: leaving it waits for every check still running (so no
-    worker reads a buffer that is about to be reused), raising nothing of its own if the block is left
-    by an exception.
-    """
-
-    def __init__(self) -> None:
-        self._checks: list[tuple[Future[bytes], bytes, FileVersion, str]] = []
-        self._then: list[Callable[[], None]] = []
-
-    def check(self, view: memoryview, expected: bytes, key: FileVersion, where: str) -> None:
-        """Start hashing ``view`` (just read, not written again until `wait`) on a reader thread; `wait`
-        compares it with ``expected``, the xxh3-128 remembered for ``key``."""
-        self._checks.append((_readers().submit(_chunks_digest, view), expected, key, where))
-
-    def then(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` once every check passed (at once if none is pending): what may only see checked
-        bytes, such as the hot tier's copy."""
-        if self._checks:
-            self._then.append(fn)
-        else:
-            fn()
-
-    @property
-    def pending(self) -> bool:
-        return bool(self._checks)
-
-    def wait(self) -> float:
-        """Finish every check; the milliseconds this waited. A changed byte is
-        [`BlockCorrupted`][graftmem.BlockCorrupted] (and its file version forgotten: the next read checks
-        BLAKE3 again), as the reader would have raised it."""
-        from ..core.errors import BlockCorrupted  # the store's error type, raised where the check ends
-
-        t0 = time.perf_counter()
-        checks, self._checks = self._checks, []
-        then, self._then = self._then, []
-        failed: Optional[BlockCorrupted] = None
-        for fut, expected, key, where in checks:
-            seen = fut.result()
-            if seen != expected and failed is None:
-                forget(key)
-                failed = BlockCorrupted(f"{where}: state changed since it was verified: xxh3-128 expected "
-                                        f"{expected.hex()}, actual {seen.hex()}", path=where,
-                                        expected=expected.hex(), actual=seen.hex())
-        if failed is not None:
-            raise failed
-        for fn in then:
-            fn()
-        return (time.perf_counter() - t0) * 1e3
-
-    def __enter__(self) -> "Later":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for fut, *_ in self._checks:
-            with contextlib.suppress(Exception):
-                fut.result()
-        self._checks, self._then = [], []
+    return got, chunked_digest(parts)

@@ -21,7 +21,6 @@ from ..home import Home
 from ..local import Store
 from ..protocol import BlockStore
 from ..remote import Bucket, RetryPolicy, parse_url
-from ..verified import Later
 from .cache import ReadCache
 from .gc import DEFAULT_GRACE, collect_garbage
 from .index import BucketIndex
@@ -218,8 +217,7 @@ class FleetStore:
 
     def read_state(self, block_id: str, buffer: Callable[[int], memoryview], *,
                    fingerprint: Optional[Fingerprint] = None,
-                   timings: Optional[dict[str, float]] = None,
-                   later: Optional[Later] = None) -> tuple[Block, memoryview]:
+                   timings: Optional[dict[str, float]] = None) -> tuple[Block, memoryview]:
         """Read a block's state into ``buffer(n)``, checked, from the cache or else from the bucket.
 
         A cache hit is a local read (the same checks as [`Store.read_state()`][graftmem.Store.read_state]);
@@ -228,8 +226,7 @@ class FleetStore:
         then writes it into the cache, behind the graft (`ReadCache.fetch`). ``timings`` also gets
         ``fetch_ms`` on a miss (the download, with the copy and the hash that overlap it). The block
         returned is the marker's manifest; a block file whose state digest differs from its marker's
-        is refused. ``later`` is not used: every check ends here, so that a cached copy found damaged
-        is fetched again before anything is returned."""
+        is refused."""
         bid = self.resolve(block_id)
         return self._reads.read_state(bid, self.get(bid), buffer, fingerprint=fingerprint, timings=timings)
 
