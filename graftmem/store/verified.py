@@ -138,7 +138,8 @@ def read_hashed(f: io.FileIO, view: memoryview, strong: Optional[Hasher] = None)
 
     Why chunks on every core: reading from the page cache is a copy the kernel makes on the reading
     core, and hashing is another pass over the same bytes. Each `OVERLAP_CHUNK` is read and hashed
-    (xxh3-128, which releases the GIL) by a worker (a later read queues every chunk at once), so the check
+    (xxh3-128; the binding holds the GIL while it hashes, and a ctypes call into the same xxh3 that
+    releases it measured no faster) by a worker (a later read queues every chunk at once), so the check
     runs on every core while the bytes are still in its cache instead of a second pass on one core
     (the previous design read on a worker and hashed on this thread: two cores, one pass each). The
     BLAKE3 of a first read is fed here, in order, as the chunks land, instead of a pass after the read
