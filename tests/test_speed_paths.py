@@ -166,8 +166,8 @@ def test_receipt_breaks_the_restore_down(tiny_mem):
 
 
 def test_overlapped_read_hashes_exactly_the_bytes_and_sees_truncation(tmp_path):
-    """`verified.read_hashed` over several chunks (each read and hashed by a worker, one per core in
-    flight): the digest is `verified.chunked_digest` of the xxh3-128 of each chunk of the range read
+    """`verified.read_hashed` over several chunks (each read and hashed by a worker; a later read queues
+    every chunk at once, a first read keeps one per core in flight): the digest is `verified.chunked_digest` of the xxh3-128 of each chunk of the range read
     from the file's current position, a BLAKE3 hasher passed along gets every byte in order (a first
     read's check, with no second pass: equal to `state_digest` of the whole), the file position ends
     after the range, one flipped byte in any chunk changes the digest, and a short file returns a short
@@ -206,6 +206,41 @@ def test_overlapped_read_hashes_exactly_the_bytes_and_sees_truncation(tmp_path):
         f.seek(4)
         got, _ = verified.read_hashed(f, view)
     assert got == 2 * verified.OVERLAP_CHUNK + 5  # what is left of the data after the 4-byte head
+
+
+def test_concurrent_reads_share_the_reader_threads_and_each_gets_its_own_bytes(tmp_path):
+    """The server's engines restore at once: their reads queue every chunk on the same reader threads
+    (more reads than threads here, a first read with BLAKE3 among them). Each gets exactly its file's
+    bytes and digest, and none waits on another forever (bounded by a timeout)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    import xxhash
+
+    from graftmem.core.format import state_digest, state_hasher
+
+    files = []
+    for i in range(3):
+        data = os.urandom(2 * verified.OVERLAP_CHUNK + 999 * (i + 1))
+        p = tmp_path / f"f{i}.bin"
+        p.write_bytes(data)
+        want = verified.chunked_digest([xxhash.xxh3_128(data[o:o + verified.OVERLAP_CHUNK]).digest()
+                                        for o in range(0, len(data), verified.OVERLAP_CHUNK)])
+        files.append((p, data, want))
+
+    def read(i: int, first: bool) -> tuple[bool, bool, bool]:
+        p, data, want = files[i % len(files)]
+        view = memoryview(bytearray(len(data)))
+        strong = state_hasher(len(data)) if first else None
+        with open(p, "rb", buffering=0) as f:
+            got, digest = verified.read_hashed(f, view, strong)
+        blake_ok = strong is None or "blake3:" + strong.hexdigest() == state_digest(data)
+        return got == len(data) and bytes(view) == data, digest == want, blake_ok
+
+    jobs = [(i, i == 4) for i in range(2 * verified.READ_WORKERS + 1)]  # more reads than reader threads
+    with ThreadPoolExecutor(len(jobs)) as ex:
+        results = [f.result(timeout=120) for f in [ex.submit(read, i, first) for i, first in jobs]]
+    assert results == [(True, True, True)] * len(jobs)
 
 
 def test_a_state_digest_of_an_unknown_algorithm_is_refused_by_name(bitrot_home, tmp_path):
