@@ -41,18 +41,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         st = store.stats()
         summary = {"blocks": st.blocks, "tokens": st.tokens, "bytes": st.bytes_on_disk, "kinds": st.kinds}
         bad = []
-        scratch = bytearray()
-
-        def room(n: int) -> memoryview:
-            nonlocal scratch
-            if len(scratch) < n:
-                scratch = bytearray(n)
-            return memoryview(scratch)[:n]
-
         for b in store.list():
             try:
                 if args.check_bytes:  # every state byte read and hashed (BLAKE3): as long as reading the store
-                    store.read_state(b.id, room)
+                    store.read_state(b.id, lambda n: memoryview(bytearray(n)))
                 else:
                     store.check_file(b.id)
             except Exception as exc:  # noqa: BLE001 - report every unreadable block, keep going

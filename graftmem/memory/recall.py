@@ -115,11 +115,12 @@ def _no_match(engine: "Engine", store: "BlockStore", top: Optional[tuple[str, fl
         except BlockNotFound:
             pass
     fpd = engine.fingerprint.digest()
-    if top is None and filtered and (mine := sum(b.fingerprint.digest() == fpd for b in store.list())):
-        reason = (f"no block matched this task: none of this engine's {mine} block(s) is in the scope (or "
+    held = [b for b in store.list() if b.fingerprint.digest() == fpd] if top is None else []  # listed once
+    if held and filtered:
+        reason = (f"no block matched this task: none of this engine's {len(held)} block(s) is in the scope (or "
                   "filters) given, which narrows recall to the blocks learned with that user_id / agent_id / "
                   "session_id; learn into that scope, or recall without it; nothing was grafted")
-    elif top is None and (held := [b for b in store.list() if b.fingerprint.digest() == fpd]):
+    elif held:
         # the engine's blocks are there but none is routed: recall routes only to blocks whose state is vouched for
         unverified = sum(not b.trusted for b in held)  # the one trust rule (`Block.trusted`)
         reason = (f"no block matched this task: this engine's {len(held)} block(s) are not routed"
