@@ -18,7 +18,10 @@ from the sdist-vendored tokenizer (Llama 3's BPE vocab and the Llama 3.1 chat te
   (f16, q8_0) and prompt length (3,072 and 32,768 tokens): a cold prefill to the first token's logits,
   the capture (``llama_state_seq_get_data``, device to host), the restore (``set_data``, host to
   device) and a graft's first token (restore + a one-token prefill), median of ``--reps``; the graft's
-  first-token logits against the cold prefill's (byte-exact at 8B shape too?).
+  first-token logits against the cold prefill's (byte-exact at 8B shape too?). Then the same state kept
+  on the device (`Engine.keep_on_device`: llama.cpp's ``LLAMA_STATE_SEQ_FLAGS_ON_DEVICE``, a copy in the
+  context's buffers) and grafted from there: the copy's time, the restore's, the first token's, and
+  its logits against the cold prefill's.
 * **io**: the read / BLAKE3 / xxh3 rates of `bench.restore_rates` on this host's disk and cores.
 
     python -m bench.gpu [--gpu-layers 999] [--only small,big,io] [--reps 3] [--out FILE]
@@ -48,7 +51,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from bench.harness import RESULTS, summary, write_results
-from graftmem import Engine, EngineConfig, Memory, logits_sha256, system_report
+from graftmem import Engine, EngineConfig, Memory, UnsupportedFeature, logits_sha256, system_report
 
 _TINY = Path(__file__).resolve().parent.parent / "scripts" / "tiny_models.py"
 
@@ -273,8 +276,9 @@ def rates(gpu_layers: int, reps: int, lengths: list[int], n_layer: int = BIG["n_
                                        "backend": eng.fingerprint.backend,
                                        "weight_buffers": eng.fingerprint.weight_buffers}
                 prefill_s, capture_s, restore_ms, graft_s = [], [], [], []
+                keep_s, dev_ms, dev_graft_s = [], [], []
                 state = b""
-                fresh = graft = ""
+                fresh = graft = dev_graft = ""
                 for _ in range(reps):
                     with eng.session():
                         prefill_s.append(_timed(lambda: (eng.prefill(toks[:n]), eng.logits())))
@@ -290,9 +294,31 @@ def rates(gpu_layers: int, reps: int, lengths: list[int], n_layer: int = BIG["n_
                         eng.prefill(toks[n:n + 1])
                         graft = logits_sha256(eng.logits())
                         graft_s.append(time.perf_counter() - t3)
+                    # the hot block kept on the device (#44): a copy in the context's own buffers, made
+                    # from the grafted cells, then put back (device to device) and the same one token;
+                    # refused by name for a quantized cache (llama.cpp copies part of it)
+                    with eng.session():
+                        eng.restore(buf, n)
+                        t4 = time.perf_counter()
+                        try:
+                            copy = eng.keep_on_device()
+                        except UnsupportedFeature as exc:
+                            row["on_device_refused"] = str(exc)
+                            continue
+                        keep_s.append(time.perf_counter() - t4)
+                        eng.reset()
+                        t4 = time.perf_counter()
+                        dev_ms.append(eng.restore_on_device(copy))
+                        eng.prefill(toks[n:n + 1])
+                        dev_graft = logits_sha256(eng.logits())
+                        dev_graft_s.append(time.perf_counter() - t4)
                 row.update(state_bytes=len(state), prefill=summary(prefill_s, unit="s"),
                            capture=summary(capture_s, unit="s"), restore=summary(restore_ms, unit="ms"),
                            graft_first_token=summary(graft_s, unit="s"), graft_equal=fresh == graft)
+                if keep_s:
+                    row.update(keep_on_device=summary(keep_s, unit="s"), restore_on_device=summary(dev_ms, unit="ms"),
+                               graft_on_device_first_token=summary(dev_graft_s, unit="s"),
+                               graft_on_device_equal=fresh == dev_graft)
                 row["prefill_tok_s"] = n / row["prefill"]["median_s"]
                 row["set_data_gb_s"] = len(state) / 1e9 / (row["restore"]["median_ms"] / 1e3)
                 row["get_data_gb_s"] = len(state) / 1e9 / row["capture"]["median_s"]
@@ -312,21 +338,31 @@ def table(data: dict[str, Any]) -> str:
     """The 8B graft-vs-prefill table of docs/benchmarks.md, from a results file of this script.
 
     A graft's first token = where the state comes from + its check + ``set_data`` + a one-token
-    prefill (measured together as ``graft_first_token``): from RAM (the server's in-process prompt cache), from
+    prefill (measured together as ``graft_first_token``): from RAM (the server's in-process prompt cache),
+    from a copy kept on the device (measured: ``graft_on_device_first_token``, where the results have it), from
     the page cache (a later read of a checked file version: xxh3), from a cold disk (a first read: BLAKE3
     over every core); and the pipelined cold read (read, check and copy in chunks: the slowest phase)."""
     io = data["io"][max(data["io"], key=float)]
     rate = {k: io[k]["gb_s"] for k in ("read_warm", "read_cold", "blake3_auto", "xxh3")}
-    lines = ["| KV | tokens | state | prefill (cold) | graft from RAM | from page cache | from a cold disk "
-             "| cold, pipelined | learn: capture |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in data["rates"]["rows"]:
+    rows = data["rates"]["rows"]
+    dev = any("graft_on_device_first_token" in r for r in rows)  # results from before #44's seventh stop lack it
+    lines = ["| KV | tokens | state | prefill (cold) | graft from RAM " + ("| from the device " if dev else "")
+             + "| from page cache | from a cold disk | cold, pipelined | learn: capture |",
+             "|---|---|---|---|---|" + ("---|" if dev else "") + "---|---|---|---|"]
+    for r in rows:
         gb = r["state_bytes"] / 1e9
         ram = r["graft_first_token"]["median_s"]
         pre = r["prefill"]["median_s"]
         warm = gb / rate["read_warm"] + gb / rate["xxh3"] + ram
         cold = gb / rate["read_cold"] + gb / rate["blake3_auto"] + ram
         piped = max(gb / rate["read_cold"], gb / rate["blake3_auto"], r["restore"]["median_ms"] / 1e3)
-        lines.append(f"| {r['kv']} | {r['tokens']:,} | {gb:.2f} GB | {pre:.2f} s | {ram:.3f} s ({pre / ram:.1f}x) "
+        on_dev = ""
+        if dev and "graft_on_device_first_token" not in r:
+            on_dev = "| refused "
+        elif dev:
+            d = r["graft_on_device_first_token"]["median_s"]
+            on_dev = f"| {d:.3f} s ({pre / d:.1f}x{'' if r['graft_on_device_equal'] else ', NOT exact'}) "
+        lines.append(f"| {r['kv']} | {r['tokens']:,} | {gb:.2f} GB | {pre:.2f} s | {ram:.3f} s ({pre / ram:.1f}x) {on_dev}"
                      f"| {warm:.2f} s ({pre / warm:.1f}x) | {cold:.2f} s ({pre / cold:.1f}x) "
                      f"| {piped:.2f} s ({pre / piped:.1f}x) | {r['capture']['median_s']:.2f} s |")
     return "\n".join(lines)

@@ -7,6 +7,8 @@ drags that array along). Grafting needs exactly four primitives, used directly:
 
 * ``llama_decode`` over a batch at explicit positions (prefill and generation),
 * ``llama_state_seq_get_data`` / ``llama_state_seq_set_data`` for sequence 0 (capture / restore),
+  and their ``_ext`` forms with ``LLAMA_STATE_SEQ_FLAGS_ON_DEVICE`` for a copy kept in the context's own
+  buffers (`Engine.keep_on_device`),
 * ``llama_memory_clear`` so every graft starts from an empty cache whose head is cell 0,
 * ``llama_get_logits_ith`` for the float32 logits we hash.
 
@@ -32,6 +34,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, TypeVar
 
 import numpy as np
@@ -42,15 +45,15 @@ from .backend import _backend_of, _cpu_features
 from .backend import _weight_buffers as _weight_buffers  # re-exported: tests read load logs with it
 from .backend import system_report
 from .blocks import FORMAT_VERSION, EngineConfig, Exactness, Fingerprint
-from .errors import ClosedError, ConfigError, EngineError
+from .errors import ClosedError, ConfigError, EngineError, UnsupportedFeature
 from .grammar import Grammar, json_grammar, json_rules
 from .grammar_limits import DEFAULT_GRAMMAR_LIMITS, GrammarLimits
 from .kernels import _CHILD_ENV, _CRASH_ENV, KernelVerdict, _child_stage, _read_verdict, _keep_verdict
 from .kernels import choose_extra_bufts, kernel_verdict, probe_kernels
-from .memkind import MemoryKind
+from .memkind import KINDS, MemoryKind
 from .models import model_cache_dir, resolve_model
 
-__all__ = ["Engine", "Grammar", "json_grammar", "json_rules", "logits_sha256", "system_report", "KernelVerdict", "probe_kernels",
+__all__ = ["DeviceCopy", "Engine", "Grammar", "json_grammar", "json_rules", "logits_sha256", "system_report", "KernelVerdict", "probe_kernels",
            "kernel_verdict", "threads_per_engine", "usable_cores"]
 
 log = logging.getLogger("graftmem")
@@ -99,6 +102,22 @@ def _probe_child_main(model_path: str, config_json: str) -> None:
                                      "weight_buffers": eng.fingerprint.weight_buffers}) + "\n")
 
 
+
+
+#: KV cache types whose tensors llama.cpp's on-device copy handles whole (one element, one value)
+_WHOLE_ELEMENT_TYPES = frozenset({"f32", "f16", "bf16"})
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceCopy:
+    """A state llama.cpp holds in one engine's context buffers (`Engine.keep_on_device`): the
+    description of its cells that llama.cpp reads back on a restore, and what the engine must know again
+    (the tokens it covers, where its one-token calls begin). Compared by identity: only the engine that
+    made it, and only while it is that engine's latest, can restore it."""
+
+    description: bytes
+    n_tokens: int
+    one_token_from: Optional[int]
 
 
 class Engine:
@@ -173,6 +192,8 @@ class Engine:
         self._n_past = 0
         #: the lowest position evaluated by a one-token call in the cells now (None: none), see `one_token_calls`
         self._one_token_from: Optional[int] = None
+        #: the copy of sequence 0's cells llama.cpp keeps in this context's buffers (`keep_on_device`)
+        self._device_copy: Optional[DeviceCopy] = None
         #: What the last holder left in the cache for a later ``session(resume=True)`` (opaque here:
         #: the holder's own description); None whenever the cells changed since (see `session()`).
         self.kept: Optional[object] = None
@@ -286,6 +307,7 @@ class Engine:
             self._free()
 
     def _free(self) -> None:
+        self._device_copy = None
         if self._has_batch:
             C.llama_batch_free(self._batch)
             self._has_batch = False
@@ -593,6 +615,81 @@ class Engine:
                 raise EngineError(f"restored state ends at position {pos_max}, block says {n_tokens} tokens")
             self._n_past = n_tokens
             self._one_token_from = one_token_from if one_token_from is not None and one_token_from < n_tokens else None
+            return ms
+
+    def keep_on_device(self) -> "DeviceCopy":
+        """Copy sequence 0's cells into buffers of this context, on the device that holds the KV cache, and
+        return the handle `restore_on_device` takes; the copy replaces the previous one (llama.cpp keeps
+        one per sequence and context) and lives until the next one or `close`.
+
+        Why: a restore from host memory goes through ``set_data`` from pageable RAM (8 GB/s measured on an
+        H200: ~0.2 s for a 12k-token f16 state of an 8B model), where a copy inside the device's memory
+        runs at its bandwidth. This is llama.cpp's own mechanism (``LLAMA_STATE_SEQ_FLAGS_ON_DEVICE``,
+        what llama-server's slot checkpoints use): the tensors stay in the context's buffers and only
+        their description (cell positions, sequence ids, sizes: ~30 kB) comes back to the host. On a
+        CPU build the "device" is host RAM and the copy is a memcpy (docs/benchmarks.md has both).
+
+        Refused for recurrent and hybrid memory (llama.cpp aborts the process instead of raising on some
+        of their layouts), for a block-quantized KV cache (q8_0, q4_0: llama.cpp copies part of it) and on
+        a closed engine. The copy costs its size again in the device's memory.
+        """
+        with self._lock:
+            self._check()
+            if self.memory.kind not in ("attention", "window"):
+                raise UnsupportedFeature(
+                    f"keeping a state on the device is measured for KV caches only; {self.memory.arch} has "
+                    f"{KINDS[self.memory.kind]}: restore it from bytes (capture / restore)")
+            quantized = sorted({self.config.type_k, self.config.type_v} - _WHOLE_ELEMENT_TYPES)
+            if quantized:
+                # llama.cpp 0.3.36 views each copied range as ``size / type_size`` elements, which for a
+                # block-quantized type is a 32nd of its bytes: the copy comes back wrong (measured: 96 %
+                # of a q8_0 state's bytes, tests/test_on_device.py refuses it)
+                raise UnsupportedFeature(
+                    f"keeping a state on the device copies only part of a {'/'.join(quantized)} KV cache in this "
+                    "llama.cpp build: use type_k / type_v f16, bf16 or f32 for it, or restore from bytes")
+            flag = C.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
+            size = C.llama_state_seq_get_size_ext(self._ctx, 0, flag)
+            desc = bytearray(size)
+            arr = (ctypes.c_uint8 * size).from_buffer(desc)
+            self._device_copy = None  # a failed copy leaves none the old handle could name
+            written = C.llama_state_seq_get_data_ext(self._ctx, arr, size, 0, flag)
+            del arr
+            if written != size or not size:
+                raise EngineError(f"llama.cpp kept {written} of {size} bytes of the on-device copy's description")
+            copy = DeviceCopy(description=bytes(desc), n_tokens=self._n_past, one_token_from=self._one_token_from)
+            self._device_copy = copy
+            return copy
+
+    def restore_on_device(self, copy: "DeviceCopy") -> float:
+        """Clear the cache and put back the cells `keep_on_device` copied (the same bytes as a `restore`
+        of that state: tests/test_on_device.py); return the milliseconds of the clear and the llama call.
+
+        Only the handle this engine's last `keep_on_device` returned is taken: llama.cpp aborts the
+        process when a description does not match the copy it holds, so any other (an older one, another
+        engine's) is refused here with `EngineError` and the cells are left as they were.
+        """
+        with self._lock:
+            self._check()
+            if copy is not self._device_copy:
+                raise EngineError("this engine holds no on-device copy of that state (it was replaced by a later "
+                                  "keep_on_device, made by another engine, or never made): restore it from bytes")
+            t0 = time.perf_counter()
+            self.kept = None
+            C.llama_memory_clear(C.llama_get_memory(self._ctx), False)
+            self._n_past = 0
+            self._one_token_from = None
+            size = len(copy.description)
+            arr = (ctypes.c_uint8 * size).from_buffer_copy(copy.description)
+            ok = C.llama_state_seq_set_data_ext(self._ctx, arr, size, 0, C.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE)
+            ms = (time.perf_counter() - t0) * 1e3
+            if ok == 0:
+                raise EngineError("llama.cpp refused the on-device copy's description")
+            pos_max = C.llama_memory_seq_pos_max(C.llama_get_memory(self._ctx), 0)
+            if pos_max + 1 != copy.n_tokens:
+                C.llama_memory_clear(C.llama_get_memory(self._ctx), True)
+                raise EngineError(f"restored state ends at position {pos_max}, the copy holds {copy.n_tokens} tokens")
+            self._n_past = copy.n_tokens
+            self._one_token_from = copy.one_token_from
             return ms
 
     # ----------------------------------------------------------------- exactness
