@@ -19,7 +19,7 @@ from the sdist-vendored tokenizer (Llama 3's BPE vocab and the Llama 3.1 chat te
   the capture (``llama_state_seq_get_data``, device to host), the restore (``set_data``, host to
   device) and a graft's first token (restore + a one-token prefill), median of ``--reps``; the graft's
   first-token logits against the cold prefill's (byte-exact at 8B shape too?). Then the same state kept
-  on the device (`Engine.keep_on_device`: llama.cpp's ``LLAMA_STATE_SEQ_FLAGS_ON_DEVICE``, a copy in the
+  on the device (`Engine.copy_on_device`: llama.cpp's ``LLAMA_STATE_SEQ_FLAGS_ON_DEVICE``, a copy in the
   context's buffers) and grafted from there: the copy's time, the restore's, the first token's, and
   its logits against the cold prefill's.
 * **io**: the read / BLAKE3 / xxh3 rates of `bench.restore_rates` on this host's disk and cores.
@@ -301,7 +301,7 @@ def rates(gpu_layers: int, reps: int, lengths: list[int], n_layer: int = BIG["n_
                         eng.restore(buf, n)
                         t4 = time.perf_counter()
                         try:
-                            copy = eng.keep_on_device()
+                            copy = eng.copy_on_device()
                         except UnsupportedFeature as exc:
                             row["on_device_refused"] = str(exc)
                             continue
@@ -316,7 +316,7 @@ def rates(gpu_layers: int, reps: int, lengths: list[int], n_layer: int = BIG["n_
                            capture=summary(capture_s, unit="s"), restore=summary(restore_ms, unit="ms"),
                            graft_first_token=summary(graft_s, unit="s"), graft_equal=fresh == graft)
                 if keep_s:
-                    row.update(keep_on_device=summary(keep_s, unit="s"), restore_on_device=summary(dev_ms, unit="ms"),
+                    row.update(copy_on_device=summary(keep_s, unit="s"), restore_on_device=summary(dev_ms, unit="ms"),
                                graft_on_device_first_token=summary(dev_graft_s, unit="s"),
                                graft_on_device_equal=fresh == dev_graft)
                 row["prefill_tok_s"] = n / row["prefill"]["median_s"]

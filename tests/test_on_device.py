@@ -1,4 +1,4 @@
-"""A state kept in the context's own buffers (`Engine.keep_on_device`, llama.cpp's
+"""A state kept in the context's own buffers (`Engine.copy_on_device`, llama.cpp's
 ``LLAMA_STATE_SEQ_FLAGS_ON_DEVICE``) puts back exactly the cells a restore from bytes does, and every
 handle llama.cpp would abort the process on, or would copy wrong (a quantized cache), is refused first.
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from graftmem import ClosedError, EngineError, Memory, UnsupportedFeature
+from graftmem import ClosedError, EngineError, GraftmemError, Memory, UnsupportedFeature
 from graftmem.core.engine import Engine, logits_sha256
 from graftmem.memory.answer import graft
 
@@ -32,7 +32,7 @@ def _on_device(eng: Engine, tokens: list[int], query: list[int]) -> tuple[str, b
     with eng.session():
         eng.prefill(tokens)
         before = bytes(eng.capture())
-        copy = eng.keep_on_device()
+        copy = eng.copy_on_device()
         assert copy.n_tokens == len(tokens) and len(copy.description) < len(before) // 10
         eng.reset()  # zeroes every cell: what comes back comes from the device copy
         eng.restore_on_device(copy)
@@ -60,7 +60,7 @@ def test_gemma_past_its_window_on_device_restore_of_a_graft_is_exact(gemma, tmp_
         with gemma.session():
             graft(gemma, mem.store, block)
             grafted = bytes(gemma.capture())
-            copy = gemma.keep_on_device()
+            copy = gemma.copy_on_device()
             gemma.reset()
             gemma.restore_on_device(copy)
             assert bytes(gemma.capture()) == grafted
@@ -76,17 +76,17 @@ def test_only_the_latest_copy_of_this_engine_is_restored(smol, gemma):
     b = smol.tokenize(long_text(120, seed=2))
     with smol.session():
         smol.prefill(a)
-        old = smol.keep_on_device()
+        old = smol.copy_on_device()
         smol.reset()
         smol.prefill(b)
-        new = smol.keep_on_device()
+        new = smol.copy_on_device()
         state = bytes(smol.capture())
         with pytest.raises(EngineError, match="no on-device copy of that state"):
             smol.restore_on_device(old)
         assert smol.n_past == len(b) and bytes(smol.capture()) == state
         with gemma.session():
             gemma.prefill(gemma.tokenize("a short text"))
-            theirs = gemma.keep_on_device()
+            theirs = gemma.copy_on_device()
         with pytest.raises(EngineError, match="no on-device copy of that state"):
             smol.restore_on_device(theirs)
         assert smol.n_past == len(b)
@@ -112,7 +112,7 @@ def test_recurrent_and_hybrid_memory_is_refused_by_name(arch):
         with eng.session():
             eng.prefill(eng.tokenize("a short text"))
             with pytest.raises(UnsupportedFeature, match="restore it from bytes"):
-                eng.keep_on_device()
+                eng.copy_on_device()
             assert eng.n_past > 0
 
 
@@ -124,14 +124,65 @@ def test_a_quantized_cache_is_refused_by_name(kv):
         with eng.session():
             eng.prefill(eng.tokenize("a short text"))
             with pytest.raises(UnsupportedFeature, match=f"{kv} KV cache"):
-                eng.keep_on_device()
+                eng.copy_on_device()
 
 
 def test_a_closed_engine_refuses_and_forgets_its_copy(tiny_llama):
     eng = tiny_llama.sibling()
     with eng.session():
         eng.prefill(eng.tokenize("a short text"))
-        copy = eng.keep_on_device()
+        copy = eng.copy_on_device()
     eng.close()
     with pytest.raises(ClosedError):
         eng.restore_on_device(copy)
+
+
+@pytest.fixture(scope="module")
+def kept_smol():
+    """SmolLM2 with ``keep_on_device`` (the weights are the session engine's, shared)."""
+    with Engine("smollm2", {"keep_on_device": True}) as e:
+        yield e
+
+
+def test_keep_on_device_grafts_the_same_block_again_from_the_device_copy(kept_smol, smol, tmp_path):
+    """The second ask of a block reads nothing (no read or check phase: the copy the first graft left),
+    a graft of another block replaces the copy, and every answer equals the plain engine's byte for byte."""
+    home = tmp_path / "home"
+    with Memory(engine=kept_smol, home=home) as mem, Memory(engine=smol, home=tmp_path / "plain") as ref:
+        a = mem.learn(long_text(200, seed=21), name="a")
+        b = mem.learn(long_text(120, seed=22), name="b")
+        ra = ref.learn(long_text(200, seed=21), name="a")
+        assert ra.id == a.id
+        want = ref.ask(a.id, "\nStep 2 is:", max_tokens=6)
+        first = mem.ask(a.id, "\nStep 2 is:", max_tokens=6)
+        assert first.receipt.read_ms is not None  # from the store
+        assert kept_smol.device_copy is not None and kept_smol.device_copy.key == (a.id, a.state_digest)
+        again = mem.ask(a.id, "\nStep 2 is:", max_tokens=6)
+        assert again.receipt.read_ms is None and again.receipt.check_ms is None  # from the device copy
+        for r in (first, again):
+            assert (r.text, r.receipt.first_logits_sha256) == (want.text, want.receipt.first_logits_sha256)
+        mem.ask(b.id, "\nStep 2 is:", max_tokens=2)
+        assert kept_smol.device_copy.key == (b.id, b.state_digest)
+        back = mem.ask(a.id, "\nStep 2 is:", max_tokens=6)
+        assert back.receipt.read_ms is not None
+        assert back.receipt.first_logits_sha256 == want.receipt.first_logits_sha256
+
+
+def test_a_deleted_block_is_not_grafted_from_its_device_copy(kept_smol, tmp_path):
+    """The copy is a cache of a stored block, not a second store: a block deleted since is refused."""
+    with Memory(engine=kept_smol, home=tmp_path / "home") as mem:
+        a = mem.learn(long_text(90, seed=23), name="a")
+        mem.ask(a.id, "\nStep 1 is:", max_tokens=2)
+        assert kept_smol.device_copy is not None and kept_smol.device_copy.key == (a.id, a.state_digest)
+        mem.delete(a.id)
+        with pytest.raises(GraftmemError, match=a.id[:12]):
+            mem.ask(a.id, "\nStep 1 is:", max_tokens=2)
+        with kept_smol.session(), pytest.raises(GraftmemError, match=a.id[:12]):
+            graft(kept_smol, mem.store, a)  # a door that looked the block up before the delete (a race)
+
+
+def test_keep_on_device_is_refused_at_load_where_it_cannot_be_exact():
+    with pytest.raises(UnsupportedFeature, match="q8_0 KV cache"):
+        Engine("smollm2", {"keep_on_device": True, "kv": "q8_0"})
+    with pytest.raises(UnsupportedFeature, match="keep_on_device=False"):
+        Engine(arch_path("mamba2"), {"n_ctx": 2048, "n_threads": 1, "keep_on_device": True})

@@ -89,6 +89,11 @@ class EngineConfig(_Strict):
     n_gpu_layers: int = Field(0, ge=0, description=(
         "layers offloaded to a GPU backend (needs a llama-cpp-python built with CUDA/Metal/Vulkan; "
         "999 offloads all); 0 keeps the CPU backend, the one measured exact"))
+    keep_on_device: bool = Field(False, description=(
+        "keep the last grafted block's state in the context's own buffers (the GPU's memory where the "
+        "KV cache is offloaded) and graft it again from there instead of from RAM or disk: the same "
+        "cells (docs/exactness.md), one state's size of extra device memory; f16/bf16/f32 KV caches "
+        "and attention models only; off until its speed is measured on a GPU (docs/benchmarks.md)"))
 
     @classmethod
     def coerce(cls, config: "EngineConfig | Mapping[str, Any] | None") -> "EngineConfig":

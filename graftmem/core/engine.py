@@ -8,7 +8,7 @@ drags that array along). Grafting needs exactly four primitives, used directly:
 * ``llama_decode`` over a batch at explicit positions (prefill and generation),
 * ``llama_state_seq_get_data`` / ``llama_state_seq_set_data`` for sequence 0 (capture / restore),
   and their ``_ext`` forms with ``LLAMA_STATE_SEQ_FLAGS_ON_DEVICE`` for a copy kept in the context's own
-  buffers (`Engine.keep_on_device`),
+  buffers (`Engine.copy_on_device`),
 * ``llama_memory_clear`` so every graft starts from an empty cache whose head is cell 0,
 * ``llama_get_logits_ith`` for the float32 logits we hash.
 
@@ -110,14 +110,16 @@ _WHOLE_ELEMENT_TYPES = frozenset({"f32", "f16", "bf16"})
 
 @dataclass(frozen=True, eq=False)
 class DeviceCopy:
-    """A state llama.cpp holds in one engine's context buffers (`Engine.keep_on_device`): the
+    """A state llama.cpp holds in one engine's context buffers (`Engine.copy_on_device`): the
     description of its cells that llama.cpp reads back on a restore, and what the engine must know again
     (the tokens it covers, where its one-token calls begin). Compared by identity: only the engine that
-    made it, and only while it is that engine's latest, can restore it."""
+    made it, and only while it is that engine's latest, can restore it. ``key``: what the caller says
+    the state is (`graftmem.memory.answer.graft` gives the block's id and state digest)."""
 
     description: bytes
     n_tokens: int
     one_token_from: Optional[int]
+    key: object = None
 
 
 class Engine:
@@ -192,7 +194,7 @@ class Engine:
         self._n_past = 0
         #: the lowest position evaluated by a one-token call in the cells now (None: none), see `one_token_calls`
         self._one_token_from: Optional[int] = None
-        #: the copy of sequence 0's cells llama.cpp keeps in this context's buffers (`keep_on_device`)
+        #: the copy of sequence 0's cells llama.cpp keeps in this context's buffers (`copy_on_device`)
         self._device_copy: Optional[DeviceCopy] = None
         #: What the last holder left in the cache for a later ``session(resume=True)`` (opaque here:
         #: the holder's own description); None whenever the cells changed since (see `session()`).
@@ -206,6 +208,8 @@ class Engine:
             n_threads=threads, format_version=FORMAT_VERSION, weight_buffers=self.weight_buffers,
             n_gpu_layers=offload,
         )
+        if self.config.keep_on_device:
+            self._check_device_copies()  # at load, not at the first graft
         self.exactness = self._static_exactness()
         if self.exactness.exact and self.config.probe:
             self.exactness = self._probe_once()
@@ -617,7 +621,7 @@ class Engine:
             self._one_token_from = one_token_from if one_token_from is not None and one_token_from < n_tokens else None
             return ms
 
-    def keep_on_device(self) -> "DeviceCopy":
+    def copy_on_device(self, key: object = None) -> "DeviceCopy":
         """Copy sequence 0's cells into buffers of this context, on the device that holds the KV cache, and
         return the handle `restore_on_device` takes; the copy replaces the previous one (llama.cpp keeps
         one per sequence and context) and lives until the next one or `close`.
@@ -635,18 +639,7 @@ class Engine:
         """
         with self._lock:
             self._check()
-            if self.memory.kind not in ("attention", "window"):
-                raise UnsupportedFeature(
-                    f"keeping a state on the device is measured for KV caches only; {self.memory.arch} has "
-                    f"{KINDS[self.memory.kind]}: restore it from bytes (capture / restore)")
-            quantized = sorted({self.config.type_k, self.config.type_v} - _WHOLE_ELEMENT_TYPES)
-            if quantized:
-                # llama.cpp 0.3.36 views each copied range as ``size / type_size`` elements, which for a
-                # block-quantized type is a 32nd of its bytes: the copy comes back wrong (measured: 96 %
-                # of a q8_0 state's bytes, tests/test_on_device.py refuses it)
-                raise UnsupportedFeature(
-                    f"keeping a state on the device copies only part of a {'/'.join(quantized)} KV cache in this "
-                    "llama.cpp build: use type_k / type_v f16, bf16 or f32 for it, or restore from bytes")
+            self._check_device_copies()
             flag = C.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
             size = C.llama_state_seq_get_size_ext(self._ctx, 0, flag)
             desc = bytearray(size)
@@ -656,15 +649,36 @@ class Engine:
             del arr
             if written != size or not size:
                 raise EngineError(f"llama.cpp kept {written} of {size} bytes of the on-device copy's description")
-            copy = DeviceCopy(description=bytes(desc), n_tokens=self._n_past, one_token_from=self._one_token_from)
+            copy = DeviceCopy(description=bytes(desc), n_tokens=self._n_past, one_token_from=self._one_token_from,
+                              key=key)
             self._device_copy = copy
             return copy
 
+    @property
+    def device_copy(self) -> Optional["DeviceCopy"]:
+        """The copy `copy_on_device` made last (None: none, or the engine is closed)."""
+        return self._device_copy
+
+    def _check_device_copies(self) -> None:
+        """Refuse, by name, what llama.cpp's on-device copy gets wrong or aborts on (`copy_on_device`)."""
+        if self.memory.kind not in ("attention", "window"):
+            raise UnsupportedFeature(
+                f"keeping a state on the device is measured for KV caches only; {self.memory.arch} has "
+                f"{KINDS[self.memory.kind]}: restore it from bytes (keep_on_device=False)")
+        quantized = sorted({self.config.type_k, self.config.type_v} - _WHOLE_ELEMENT_TYPES)
+        if quantized:
+            # llama.cpp 0.3.36 views each copied range as ``size / type_size`` elements, which for a
+            # block-quantized type is a 32nd of its bytes: the copy comes back wrong (measured: 96 %
+            # of a q8_0 state's bytes, tests/test_on_device.py refuses it)
+            raise UnsupportedFeature(
+                f"keeping a state on the device copies only part of a {'/'.join(quantized)} KV cache in this "
+                "llama.cpp build: use type_k / type_v f16, bf16 or f32 for it, or keep_on_device=False")
+
     def restore_on_device(self, copy: "DeviceCopy") -> float:
-        """Clear the cache and put back the cells `keep_on_device` copied (the same bytes as a `restore`
+        """Clear the cache and put back the cells `copy_on_device` copied (the same bytes as a `restore`
         of that state: tests/test_on_device.py); return the milliseconds of the clear and the llama call.
 
-        Only the handle this engine's last `keep_on_device` returned is taken: llama.cpp aborts the
+        Only the handle this engine's last `copy_on_device` returned is taken: llama.cpp aborts the
         process when a description does not match the copy it holds, so any other (an older one, another
         engine's) is refused here with `EngineError` and the cells are left as they were.
         """
@@ -672,7 +686,7 @@ class Engine:
             self._check()
             if copy is not self._device_copy:
                 raise EngineError("this engine holds no on-device copy of that state (it was replaced by a later "
-                                  "keep_on_device, made by another engine, or never made): restore it from bytes")
+                                  "copy_on_device, made by another engine, or never made): restore it from bytes")
             t0 = time.perf_counter()
             self.kept = None
             C.llama_memory_clear(C.llama_get_memory(self._ctx), False)

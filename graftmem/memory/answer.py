@@ -16,7 +16,8 @@ from ..core.blocks import Block, Recall, Receipt
 from ..core.decoding import GREEDY, AnswerText, Sampling, decode
 from ..core.engine import Engine, logits_sha256
 from ..core.errors import ConfigError
-from ..store.chain import load_state
+from ..store.chain import load_state, recheck
+from ..store.hot import hot_key
 from ..core.identity import incompatibility
 
 if TYPE_CHECKING:
@@ -93,9 +94,28 @@ def graft(eng: Engine, store: "BlockStore", block: Block, timings: Optional[dict
     Digests are checked, a chain is merged, window-trimmed cells are put back at their fresh indices
     (`load_state()`). Call inside an [`Engine.session()`][graftmem.Engine.session]. ``timings``, if
     given, gets the phases' milliseconds (``read_ms``, ``check_ms``, ``place_ms``, ``set_data_ms``).
+
+    With ``keep_on_device`` (`EngineConfig`) the engine keeps the state it grafted last in its own
+    buffers (`Engine.copy_on_device`; on the GPU where the cache is offloaded), and a graft of that
+    same block (id and state digest) again puts those cells back from there, after the checks a state
+    held in memory passes on every graft (`recheck`: still in the store, same fingerprint, its chain
+    complete); ``set_data_ms`` is then that copy's time and nothing is read.
     """
-    _, view = load_state(store, block.id, eng.buffer, fingerprint=eng.fingerprint, timings=timings)
+    if eng.config.keep_on_device:
+        copy = eng.device_copy
+        current = store.get(block.id)
+        if copy is not None and copy.key == hot_key(current):
+            recheck(store, current, eng.fingerprint)
+            ms = eng.restore_on_device(copy)
+            if timings is not None:
+                timings["set_data_ms"] = timings.get("set_data_ms", 0.0) + ms
+            return current.pos_end
+    got, view = load_state(store, block.id, eng.buffer, fingerprint=eng.fingerprint, timings=timings)
     ms = eng.restore(view, block.pos_end, block.one_token_from)
+    if eng.config.keep_on_device:
+        t0 = time.perf_counter()
+        eng.copy_on_device(key=hot_key(got))
+        ms += (time.perf_counter() - t0) * 1e3
     if timings is not None:
         timings["set_data_ms"] = timings.get("set_data_ms", 0.0) + ms
     return block.pos_end

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ..core.engine import Engine
     from .protocol import BlockStore
 
-__all__ = ["chain_of", "calls_of", "CALLS_KEY", "segments", "full_tokens", "full_state", "load_state", "admit_written", "make_delta", "capture_child", "MAX_DEPTH"]
+__all__ = ["chain_of", "calls_of", "CALLS_KEY", "segments", "full_tokens", "full_state", "load_state", "recheck", "admit_written", "make_delta", "capture_child", "MAX_DEPTH"]
 
 log = logging.getLogger("graftmem")
 
@@ -152,17 +152,24 @@ def load_state(store: "BlockStore", block_id: str, buffer: Callable[[int], memor
     if tier is not None and tier.max_bytes:
         got = tier.get(hot_key(block))
         if got is not None:
-            if fingerprint is not None:
-                err = incompatibility(block, fingerprint)
-                if err is not None:
-                    raise err
-            if block.parent is not None:
-                chain_of(store, block)  # every ancestor still here, positions and depth
+            recheck(store, block, fingerprint)
             return block, got
     block, view = _load_state(store, block, buffer, fingerprint, timings)
     if tier is not None and tier.max_bytes:
         tier.offer(hot_key(block), view)
     return block, view
+
+
+def recheck(store: "BlockStore", block: Block, fingerprint: Optional[Fingerprint]) -> None:
+    """What a state already in memory (the hot tier's bytes, an engine's copy on the device) passes again
+    on every graft, where a read from the store would check it: ``block`` (as ``store.get`` just gave it)
+    still matches ``fingerprint`` and every ancestor of a chained block is still in ``store``."""
+    if fingerprint is not None:
+        err = incompatibility(block, fingerprint)
+        if err is not None:
+            raise err
+    if block.parent is not None:
+        chain_of(store, block)  # every ancestor still here, positions and depth
 
 
 def admit_written(block: Block, state: memoryview | bytes) -> None:
