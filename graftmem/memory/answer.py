@@ -99,12 +99,13 @@ def graft(eng: Engine, store: "BlockStore", block: Block, timings: Optional[dict
     buffers (`Engine.copy_on_device`; on the GPU where the cache is offloaded), and a graft of that
     same block (id and state digest) again puts those cells back from there, after the checks a state
     held in memory passes on every graft (`recheck`: still in the store, same fingerprint, its chain
-    complete); ``set_data_ms`` is then that copy's time and nothing is read.
+    complete); ``set_data_ms`` is then that copy's time and nothing is read (after a read, it includes
+    making the copy).
     """
-    if eng.config.keep_on_device:
-        copy = eng.device_copy
+    copy = eng.device_copy if eng.config.keep_on_device else None
+    if copy is not None:
         current = store.get(block.id)
-        if copy is not None and copy.key == hot_key(current):
+        if copy.key == hot_key(current):
             recheck(store, current, eng.fingerprint)
             ms = eng.restore_on_device(copy)
             if timings is not None:
