@@ -186,3 +186,43 @@ def test_keep_on_device_is_refused_at_load_where_it_cannot_be_exact():
         Engine("smollm2", {"keep_on_device": True, "kv": "q8_0"})
     with pytest.raises(UnsupportedFeature, match="keep_on_device=False"):
         Engine(arch_path("mamba2"), {"n_ctx": 2048, "n_threads": 1, "keep_on_device": True})
+
+
+def test_a_served_prefix_comes_back_from_the_device_copy_exactly(kept_smol, smol, tmp_path):
+    """Through the server's chat door: a learned system prompt grafted from the store, another request in
+    between (its cells replace the graft's, the device copy stays), then the first prompt again: grafted
+    from the copy (no read phase in the receipt) and equal, token and log-probability, to the same request
+    served cold."""
+    import openai
+
+    from graftmem.server import api_server
+    from graftmem.store.local import Store
+
+    system = "You are the support agent of a shop. " + long_text(80, seed=31)
+
+    def msgs(q: str, sys_text: str = system) -> list[dict]:
+        return [{"role": "system", "content": sys_text}, {"role": "user", "content": q}]
+
+    def chat(c, m, cache=True):
+        r = c.chat.completions.create(model="smollm2", messages=m, max_tokens=6, temperature=0, logprobs=True,
+                                      top_logprobs=2, extra_body={"graftmem": {"cache": cache}})
+        toks = [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in r.choices[0].logprobs.content]
+        return r.model_extra["graftmem"], [r.choices[0].message.content, toks]
+
+    store = Store(tmp_path / "home")
+    try:
+        with api_server(store, [smol], min_prefix_tokens=64, sightings=1) as srv:  # learns the system prompt
+            chat(openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0), msgs("Hello"))
+        with api_server(store, [kept_smol], warm=False, learn=False) as srv:  # grafts, learns nothing more
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+            first, _ = chat(c, msgs("Where is my parcel?"))
+            assert first["source"] == "store" and first.get("read_ms") is not None
+            chat(c, msgs("Hi", "Be brief."))  # a short prompt, served cold: the cells change, the copy stays
+            again, got = chat(c, msgs("Where is my parcel?"))
+            assert again["source"] == "store" and again["block_id"] == first["block_id"]
+            assert again.get("read_ms") is None and again.get("check_ms") is None  # from the device copy
+            cold, want = chat(c, msgs("Where is my parcel?"), cache=False)
+            assert cold["tokens_restored"] == 0
+            assert got == want
+    finally:
+        store.close()
