@@ -15,6 +15,8 @@ n_ubatch 512, flash attention, f16 KV cache, swa_full (Gemma) and 2 threads ever
              From the page cache: the process's hot tier (RAM) is off here (`configure_hot_tier(0)`).
 * graft hot  the same with the hot tier on (the default, 512 MiB) for a block it already admitted: one
              set_data from the checked state in RAM, then the query (``graft+1 hot``, ``hot/srv``).
+* graft device  the same on an engine with ``keep_on_device``: the block it grafted last comes back from
+             the copy in the context's own buffers (host RAM on a CPU; ``graft+1 device``, ``device/srv``).
 * floor      the raw minimum: readinto a preallocated buffer + llama_state_seq_set_data of the stored
              bytes, no checks. For a sliding-window block past its window (Gemma), that restores fewer
              cells at the wrong indices, a state that is NOT the fresh one; its floor is then
@@ -54,7 +56,7 @@ from pathlib import Path
 
 from bench import peer as cpp_peer
 from bench.harness import RESULTS, summary, write_results
-from graftmem import EngineConfig, Memory
+from graftmem import Engine, EngineConfig, Memory
 from graftmem.core import logits_sha256, needs_placing, place_cells_into
 from graftmem.memory import graft as graft_block
 from graftmem.store import configure_hot_tier
@@ -222,7 +224,19 @@ def bench_model(model: str, lengths: list[int], reps: int, home: Path, server_ex
             finally:
                 configure_hot_tier(0)
 
-        contenders = {"graft_1": graft(q1), "graft_1_hot": graft_hot, "graft_1_b3": graft(q1, touch=True), "restore": restore_only(),
+        # the same graft on an engine with ``keep_on_device`` (a second context on the same weights): the
+        # block it grafted last comes back from the copy in its own buffers (on a CPU, host RAM)
+        dev_eng = Engine(eng.model_path, eng.config.model_copy(update={"keep_on_device": True}))
+
+        def graft_device():
+            graft_block(dev_eng, mem.store, block)  # untimed: the copy holds this block from now on
+            t0 = time.perf_counter()
+            graft_block(dev_eng, mem.store, block)
+            dev_eng.prefill(q1)
+            lg = dev_eng.logits()
+            return ms_since(t0), logits_sha256(lg)
+
+        contenders = {"graft_1": graft(q1), "graft_1_hot": graft_hot, "graft_1_device": graft_device, "graft_1_b3": graft(q1, touch=True), "restore": restore_only(),
                       "restore_b3": restore_only(touch=True), "floor": floor}
         if placing:
             contenders["floor_placed"] = floor_placed
@@ -308,7 +322,9 @@ def bench_model(model: str, lengths: list[int], reps: int, home: Path, server_ex
             "peer_vs_restore": peer_ms and round(peer_ms / rs["median"], 1),
             "file_vs_state": round(path.stat().st_size / block.state_size, 4),
             "graft_1_hot": summary(samples["graft_1_hot"], digits=2, samples=True),
-            "exact_1": outs["graft_1"] == cold_sha and outs["graft_1_b3"] == cold_sha and outs["graft_1_hot"] == cold_sha,
+            "graft_1_device": summary(samples["graft_1_device"], digits=2, samples=True),
+            "exact_1": (outs["graft_1"] == cold_sha and outs["graft_1_b3"] == cold_sha and outs["graft_1_hot"] == cold_sha
+                        and outs["graft_1_device"] == cold_sha),
             "exact_q": gq == cold_q_sha,
             "phases_hot": phases, "phases_first_read": phases_b3,
         }
@@ -326,6 +342,7 @@ def bench_model(model: str, lengths: list[int], reps: int, home: Path, server_ex
                 "server_restore_1_ms": round(summary(tot)["median"], 2), "server_restore_1": summary(tot, digits=2, samples=True),
                 "graft1_vs_server": summary([a / b for a, b in zip(samples["graft_1"], tot)], digits=2, samples=True),
                 "graft1_hot_vs_server": summary([a / b for a, b in zip(samples["graft_1_hot"], tot)], digits=2, samples=True),
+                "graft1_device_vs_server": summary([a / b for a, b in zip(samples["graft_1_device"], tot)], digits=2, samples=True),
                 "server_restored_prompt_n": restored["timings"]["prompt_n"],
                 "server_same_token": restored["tokens"] == fresh["tokens"],
                 "server_same_top10_probs": (restored.get("completion_probabilities")
@@ -334,6 +351,7 @@ def bench_model(model: str, lengths: list[int], reps: int, home: Path, server_ex
             })
             (srv.slot_dir / slot_file).unlink(missing_ok=True)
         rows.append(row)
+        dev_eng.close()
         print(_fmt_row(row), flush=True)
     if srv is not None:
         srv.close()
@@ -348,6 +366,7 @@ COLS = [("model", "model"), ("n_tokens", "N"), ("state_bytes", "state B"), ("col
         ("server_restore_ms", "srv restore ms"), ("server_plus1_ms", "srv +1 ms"),
         ("server_restore_1_ms", "srv restore+1 ms"), ("graft1_vs_server", "graft+1/srv"),
         ("graft_1_hot", "graft+1 hot ms"), ("graft1_hot_vs_server", "hot/srv"),
+        ("graft_1_device", "graft+1 device ms"), ("graft1_device_vs_server", "device/srv"),
         ("cold_q_ms", "cold N+q ms"), ("graft_q_ms", "graft+q ms"), ("speedup_q", "x(+q)"),
         ("restore_ms", "restore ms"), ("floor_exact_ms", "floor ms"), ("restore_vs_floor", "vs floor"),
         ("peer_restore_ms", "pickle ms"), ("peer_vs_restore", "pickle/ours"), ("file_vs_state", "file/state"),
