@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from .decoding import Decoded, Sampling, decode
     from .backend import system_report
     from .openmp import environ_without_ours
-    from .engine import Engine, logits_sha256, threads_per_engine, usable_cores
+    from .engine import DeviceCopy, Engine, logits_sha256, threads_per_engine, usable_cores
     from .grammar import Grammar, json_grammar
     from .kernels import KernelVerdict, probe_kernels
     from .format import state_digest
@@ -62,6 +62,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "Sampling": (".decoding", "Sampling"),
     "decode": (".decoding", "decode"),
     "Engine": (".engine", "Engine"),
+    "DeviceCopy": (".engine", "DeviceCopy"),
     "logits_sha256": (".engine", "logits_sha256"),
     "usable_cores": (".engine", "usable_cores"),
     "threads_per_engine": (".engine", "threads_per_engine"),
@@ -104,7 +105,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "Block", "CHATML", "ChatFormat", "ChatTemplate", "DEFAULT_MODEL", "Decoded", "Engine", "EngineConfig", "Exactness",
+    "Block", "CHATML", "ChatFormat", "ChatTemplate", "DEFAULT_MODEL", "Decoded", "DeviceCopy", "Engine", "EngineConfig", "Exactness",
     "FORMATS", "FORMAT_VERSION", "Fingerprint", "GEMMA", "Grammar", "HistoryEvent", "KernelVerdict", "MODELS", "Recall",
     "Receipt", "Salts", "SampleResult", "Sampling", "Scope", "SearchHit", "StoreStats", "TemplateError",
     "VerificationRecord", "VerifyReport", "__version__", "block_id_for", "check_block_id", "content_id", "decode",
