@@ -92,7 +92,7 @@ class EngineConfig(_Strict):
     keep_on_device: bool = Field(False, description=(
         "keep the last grafted block's state in the context's own buffers (the GPU's memory where the "
         "KV cache is offloaded) and graft it again from there instead of from RAM or disk: the same "
-        "cells (docs/exactness.md), one state's size of extra device memory; f16/bf16/f32 KV caches "
+        "cells (docs/exactness.md), one state's size of extra device memory per engine; f16/bf16/f32 KV caches "
         "and attention models only; off until its speed is measured on a GPU (docs/benchmarks.md)"))
 
     @classmethod
