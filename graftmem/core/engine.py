@@ -7,8 +7,8 @@ drags that array along). Grafting needs exactly four primitives, used directly:
 
 * ``llama_decode`` over a batch at explicit positions (prefill and generation),
 * ``llama_state_seq_get_data`` / ``llama_state_seq_set_data`` for sequence 0 (capture / restore),
-  and their ``_ext`` forms with ``LLAMA_STATE_SEQ_FLAGS_ON_DEVICE`` for a copy kept in the context's own
-  buffers (`Engine.copy_on_device`),
+  called as their ``_ext`` forms (flags 0 is the plain call) so that ``LLAMA_STATE_SEQ_FLAGS_ON_DEVICE``
+  (a copy kept in the context's own buffers, `Engine.copy_on_device`) goes through the same two calls,
 * ``llama_memory_clear`` so every graft starts from an empty cache whose head is cell 0,
 * ``llama_get_logits_ith`` for the float32 logits we hash.
 
@@ -573,14 +573,15 @@ class Engine:
         to learn prefixes from it on another thread; 69 MB for 3,000 SmolLM2 tokens)."""
         return self._state_into(bytearray)
 
-    def _state_into(self, alloc: Callable[[int], _Buf]) -> _Buf:
-        """``llama_state_seq_get_data`` of sequence 0 into ``alloc(size)`` (a writable buffer)."""
+    def _state_into(self, alloc: Callable[[int], _Buf], flags: int = 0) -> _Buf:
+        """``llama_state_seq_get_data_ext`` of sequence 0 into ``alloc(size)`` (a writable buffer); ``flags``
+        0 is ``llama_state_seq_get_data`` (llama.cpp's plain call is this one with 0)."""
         with self._lock:
             self._check()
-            size = C.llama_state_seq_get_size(self._ctx, 0)
+            size = C.llama_state_seq_get_size_ext(self._ctx, 0, flags)
             out = alloc(size)
             arr = (ctypes.c_uint8 * size).from_buffer(out)
-            written = C.llama_state_seq_get_data(self._ctx, arr, size, 0)
+            written = C.llama_state_seq_get_data_ext(self._ctx, arr, size, 0, flags)
             del arr
             if written != size:
                 raise EngineError(f"state capture wrote {written} of {size} bytes")
@@ -598,6 +599,15 @@ class Engine:
         tests/test_speed_paths.py grafts after a longer block left its bytes behind).
         `reset()` still zeroes the data, so a session ends with nothing of its work left behind.
         """
+        # a read-only state (the hot tier's, `graftmem.store.hot`) is passed by address, not copied
+        return self._set_state(state, 0, n_tokens, one_token_from,
+                               refused="llama.cpp refused the state bytes (size or layout mismatch)", holder="block says")
+
+    def _set_state(self, state: memoryview | bytes, flags: int, n_tokens: int, one_token_from: Optional[int], *,
+                   refused: str, holder: str) -> float:
+        """The one restore: clear the cells' metadata, ``llama_state_seq_set_data_ext`` of ``state`` as
+        sequence 0, check where it ends, set what the engine knows of the cells; the milliseconds of the clear
+        and the llama call. ``refused`` / ``holder``: how the errors name what was restored."""
         with self._lock:
             self._check()
             t0 = time.perf_counter()
@@ -605,18 +615,17 @@ class Engine:
             C.llama_memory_clear(C.llama_get_memory(self._ctx), False)
             self._n_past = 0
             self._one_token_from = None
-            size = len(state)
-            # a read-only state (the hot tier's, `graftmem.store.hot`) is passed by address, not copied
             src = np.frombuffer(state, dtype=np.uint8)
-            ok = C.llama_state_seq_set_data(self._ctx, src.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, 0)
+            ok = C.llama_state_seq_set_data_ext(self._ctx, src.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
+                                                len(state), 0, flags)
             ms = (time.perf_counter() - t0) * 1e3
             del src
             if ok == 0:
-                raise EngineError("llama.cpp refused the state bytes (size or layout mismatch)")
+                raise EngineError(refused)
             pos_max = C.llama_memory_seq_pos_max(C.llama_get_memory(self._ctx), 0)
             if pos_max + 1 != n_tokens:
                 C.llama_memory_clear(C.llama_get_memory(self._ctx), True)
-                raise EngineError(f"restored state ends at position {pos_max}, block says {n_tokens} tokens")
+                raise EngineError(f"restored state ends at position {pos_max}, {holder} {n_tokens} tokens")
             self._n_past = n_tokens
             self._one_token_from = one_token_from if one_token_from is not None and one_token_from < n_tokens else None
             return ms
@@ -640,15 +649,10 @@ class Engine:
         with self._lock:
             self._check()
             self._check_device_copies()
-            flag = C.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
-            size = C.llama_state_seq_get_size_ext(self._ctx, 0, flag)
-            desc = bytearray(size)
-            arr = (ctypes.c_uint8 * size).from_buffer(desc)
             self._device_copy = None  # a failed copy leaves none the old handle could name
-            written = C.llama_state_seq_get_data_ext(self._ctx, arr, size, 0, flag)
-            del arr
-            if written != size or not size:
-                raise EngineError(f"llama.cpp kept {written} of {size} bytes of the on-device copy's description")
+            desc = self._state_into(bytearray, C.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE)
+            if not desc:
+                raise EngineError("llama.cpp kept no description of the on-device copy")
             copy = DeviceCopy(description=bytes(desc), n_tokens=self._n_past, one_token_from=self._one_token_from,
                               key=key)
             self._device_copy = copy
@@ -687,24 +691,9 @@ class Engine:
             if copy is not self._device_copy:
                 raise EngineError("this engine holds no on-device copy of that state (it was replaced by a later "
                                   "copy_on_device, made by another engine, or never made): restore it from bytes")
-            t0 = time.perf_counter()
-            self.kept = None
-            C.llama_memory_clear(C.llama_get_memory(self._ctx), False)
-            self._n_past = 0
-            self._one_token_from = None
-            size = len(copy.description)
-            arr = (ctypes.c_uint8 * size).from_buffer_copy(copy.description)
-            ok = C.llama_state_seq_set_data_ext(self._ctx, arr, size, 0, C.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE)
-            ms = (time.perf_counter() - t0) * 1e3
-            if ok == 0:
-                raise EngineError("llama.cpp refused the on-device copy's description")
-            pos_max = C.llama_memory_seq_pos_max(C.llama_get_memory(self._ctx), 0)
-            if pos_max + 1 != copy.n_tokens:
-                C.llama_memory_clear(C.llama_get_memory(self._ctx), True)
-                raise EngineError(f"restored state ends at position {pos_max}, the copy holds {copy.n_tokens} tokens")
-            self._n_past = copy.n_tokens
-            self._one_token_from = copy.one_token_from
-            return ms
+            return self._set_state(copy.description, C.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE, copy.n_tokens,
+                                   copy.one_token_from, refused="llama.cpp refused the on-device copy's description",
+                                   holder="the copy holds")
 
     # ----------------------------------------------------------------- exactness
     def _static_exactness(self) -> Exactness:

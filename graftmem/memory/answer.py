@@ -103,20 +103,17 @@ def graft(eng: Engine, store: "BlockStore", block: Block, timings: Optional[dict
     making the copy).
     """
     copy = eng.device_copy if eng.config.keep_on_device else None
-    if copy is not None:
-        current = store.get(block.id)
-        if copy.key == hot_key(current):
-            recheck(store, current, eng.fingerprint)
-            ms = eng.restore_on_device(copy)
-            if timings is not None:
-                timings["set_data_ms"] = timings.get("set_data_ms", 0.0) + ms
-            return current.pos_end
-    got, view = load_state(store, block.id, eng.buffer, fingerprint=eng.fingerprint, timings=timings)
-    ms = eng.restore(view, block.pos_end, block.one_token_from)
-    if eng.config.keep_on_device:
-        t0 = time.perf_counter()
-        eng.copy_on_device(key=hot_key(got))
-        ms += (time.perf_counter() - t0) * 1e3
+    current = store.get(block.id) if copy is not None else None
+    if copy is not None and current is not None and copy.key == hot_key(current):
+        recheck(store, current, eng.fingerprint)
+        ms = eng.restore_on_device(copy)
+    else:
+        got, view = load_state(store, block.id, eng.buffer, fingerprint=eng.fingerprint, timings=timings)
+        ms = eng.restore(view, block.pos_end, block.one_token_from)
+        if eng.config.keep_on_device:
+            t0 = time.perf_counter()
+            eng.copy_on_device(key=hot_key(got))
+            ms += (time.perf_counter() - t0) * 1e3
     if timings is not None:
         timings["set_data_ms"] = timings.get("set_data_ms", 0.0) + ms
     return block.pos_end
